@@ -1,0 +1,65 @@
+# cogni gateway — every target sets itself up; all steps are idempotent.
+# Fresh Debian 12 as root: `make demo`, `make test`.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Debian packages the product and its tests need. Installed only when missing.
+#   bubblewrap      the sandbox (mount/pid/user namespaces)
+#   libcap-dev      headers for python-prctl
+#   libseccomp-dev  seccomp filters for the sandbox
+#   python3-venv, python3-dev, gcc: the virtualenv and building python-prctl
+#   git, curl, iproute2: real repositories and probes in the integration tests
+APT_PACKAGES := bubblewrap libcap-dev libseccomp-dev python3-venv python3-dev gcc git curl iproute2
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+# litellm must never fetch its price map at import.
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+
+.PHONY: setup system-packages venv demo test lint typecheck check bench clean
+
+setup: system-packages venv
+
+system-packages:
+	@missing=""; for p in $(APT_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "==> installing Debian packages:$$missing"; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	else echo "==> Debian packages present"; fi
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@echo "==> creating virtualenv $(VENV) from pyproject.toml"
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/python demo/run_demo.py
+
+# pytest exits 5 when it collected no test: that fails here like any other failure.
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check gatewayd cogni_tool tests bench demo
+	$(VENV)/bin/ruff format --check gatewayd cogni_tool tests bench demo
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+check: lint typecheck test
+
+bench: setup
+	$(PY) bench/gateway_rtt.py
+	$(PY) bench/cli_cold.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

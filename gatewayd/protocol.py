@@ -1,0 +1,250 @@
+"""The wire protocol between cogni-tool and gatewayd, sans-IO.
+
+This module turns bytes into typed events and typed messages into bytes. It never
+touches a socket, a clock or trio: the server feeds it whatever ``recv`` returned and
+writes whatever it hands back, so every parsing rule is tested without I/O.
+
+A frame is a 4-byte big-endian unsigned length followed by that many bytes of
+UTF-8 JSON (decoded with msgspec into a frozen Struct). Garbage either decodes or
+becomes a :class:`FrameError` event carrying one :class:`ErrorCode`; nothing else
+escapes :meth:`FrameDecoder.next_event`.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import struct
+from typing import Any, Final
+
+import msgspec
+
+PROTOCOL_VERSION: Final = 1
+
+# Large enough for a file page or a model answer, small enough that one connection
+# cannot make the daemon buffer arbitrary amounts of memory before it can say no.
+DEFAULT_MAX_FRAME_BYTES: Final = 1 << 20
+
+HEADER: Final = struct.Struct(">I")
+HEADER_BYTES: Final = HEADER.size
+
+# Identifiers are echoed into audit lines and error messages: keep them short and
+# printable so a hostile caller cannot smuggle control characters or megabytes there.
+MAX_ID_CHARS: Final = 128
+_ID_RE: Final = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
+_TOOL_RE: Final = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*")
+
+
+class ErrorCode(enum.StrEnum):
+    """The closed set of error codes on the wire. Each names whose fault it was."""
+
+    BAD_REQUEST = "bad_request"  # caller: the frame or request is malformed
+    TOO_LARGE = "too_large"  # caller: a frame over the size limit (connection closes)
+    RUN_MISMATCH = "run_mismatch"  # caller: runId is not the run this socket serves
+    AUTHZ_DENIED = "authz_denied"  # grant: the run has no system grant for this
+    UNKNOWN_TOOL = "unknown_tool"  # caller: no tool has this name
+    POLICY_DENIED = "policy_denied"  # policy: allowlist, paths, suffixes, sizes
+    INVALID_ARGS = "invalid_args"  # caller: arguments do not fit the tool's schema
+    REVIEW_DENIED = "review_denied"  # reviewer: the rule review said no, or failed
+    RATE_LIMITED = "rate_limited"  # policy: the run's call rate or budget is spent
+    TIMEOUT = "timeout"  # runner: the call ran past its time limit
+    TOOL_FAILED = "tool_failed"  # runner: the tool ran and failed
+    INTERNAL = "internal"  # gatewayd: our bug; details are in the daemon log only
+
+
+class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One tool call from the sandbox."""
+
+    v: int
+    runId: str
+    toolCallId: str
+    tool: str
+    args: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.v != PROTOCOL_VERSION:
+            raise ValueError(f"unsupported protocol version {self.v}; this gateway speaks v=1")
+        if not _ID_RE.fullmatch(self.toolCallId):
+            raise ValueError(
+                "toolCallId must be 1-128 characters of letters, digits and ._:@/+=-"
+            )
+        if not _ID_RE.fullmatch(self.runId):
+            raise ValueError("runId must be 1-128 characters of letters, digits and ._:@/+=-")
+        if len(self.tool) > MAX_ID_CHARS or not _TOOL_RE.fullmatch(self.tool):
+            raise ValueError(
+                "tool must be a dotted lowercase name such as 'fs.read' (at most 128 chars)"
+            )
+
+
+class Response(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The answer to one request; ``toolCallId`` says which (responses may come out of order)."""
+
+    v: int = PROTOCOL_VERSION
+    toolCallId: str | None
+    ok: bool
+    value: Any = None
+    errorCode: ErrorCode | None = None
+    safeMessage: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ok and self.errorCode is not None:
+            raise ValueError("a successful response carries no error code")
+        if not self.ok and (self.errorCode is None or not self.safeMessage):
+            raise ValueError("an error response needs an error code and a safe message")
+
+
+def ok_response(tool_call_id: str, value: Any) -> Response:
+    """A successful response carrying ``value``."""
+    return Response(toolCallId=tool_call_id, ok=True, value=value)
+
+
+def error_response(tool_call_id: str | None, code: ErrorCode, message: str) -> Response:
+    """An error response; ``message`` must already be safe to show to the sandbox."""
+    return Response(toolCallId=tool_call_id, ok=False, errorCode=code, safeMessage=message)
+
+
+# --- events produced by the decoder -------------------------------------------------
+
+
+class RequestReceived(msgspec.Struct, frozen=True, kw_only=True):
+    """A well-formed request."""
+
+    request: Request
+    frame_bytes: int
+
+
+class FrameError(msgspec.Struct, frozen=True, kw_only=True):
+    """A frame that could not become a request.
+
+    ``fatal`` means the byte stream can no longer be trusted (we do not know where
+    the next frame starts), so the connection must be closed after the error
+    response is sent. ``tool_call_id`` is echoed when it could be recovered.
+    """
+
+    code: ErrorCode
+    message: str
+    tool_call_id: str | None
+    fatal: bool
+    raw: bytes = b""
+
+
+class _NeedData(enum.Enum):
+    NEED_DATA = "need_data"
+
+
+NEED_DATA: Final = _NeedData.NEED_DATA
+
+Event = RequestReceived | FrameError | _NeedData
+
+
+class _IdOnly(msgspec.Struct):
+    toolCallId: str
+
+
+_request_decoder: Final = msgspec.json.Decoder(Request)
+_id_decoder: Final = msgspec.json.Decoder(_IdOnly)
+_encoder: Final = msgspec.json.Encoder()
+
+
+def _recover_id(body: bytes) -> str | None:
+    """Best effort: the toolCallId of a request that failed validation, if it is sane."""
+    try:
+        tcid = _id_decoder.decode(body).toolCallId
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return tcid if _ID_RE.fullmatch(tcid) else None
+
+
+class FrameDecoder:
+    """Incremental decoder for one connection's inbound byte stream.
+
+    Feed bytes with :meth:`receive_data` and pull events with :meth:`next_event`
+    until it returns :data:`NEED_DATA`. After a fatal :class:`FrameError` the
+    decoder is closed: further calls return the same error again.
+    """
+
+    def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        if max_frame_bytes < 64:
+            raise ValueError("max_frame_bytes below 64 cannot hold a request")
+        self.max_frame_bytes = max_frame_bytes
+        self._buf = bytearray()
+        self._closed: FrameError | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Bytes received and not yet consumed (a partial frame)."""
+        return len(self._buf)
+
+    def receive_data(self, data: bytes) -> None:
+        """Append bytes read from the peer."""
+        if self._closed is None:
+            self._buf += data
+
+    def next_event(self) -> Event:
+        """The next complete event, or NEED_DATA."""
+        if self._closed is not None:
+            return self._closed
+        if len(self._buf) < HEADER_BYTES:
+            return NEED_DATA
+        (length,) = HEADER.unpack_from(self._buf)
+        if length > self.max_frame_bytes:
+            self._closed = FrameError(
+                code=ErrorCode.TOO_LARGE,
+                message=(
+                    f"frame of {length} bytes exceeds the limit of {self.max_frame_bytes} "
+                    "bytes; the connection will be closed"
+                ),
+                tool_call_id=None,
+                fatal=True,
+            )
+            self._buf.clear()
+            return self._closed
+        end = HEADER_BYTES + length
+        if len(self._buf) < end:
+            return NEED_DATA
+        body = bytes(self._buf[HEADER_BYTES:end])
+        del self._buf[:end]
+        return decode_body(body)
+
+
+def decode_body(body: bytes) -> RequestReceived | FrameError:
+    """Decode one frame body into a request or a non-fatal error."""
+    try:
+        request = _request_decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        return FrameError(
+            code=ErrorCode.BAD_REQUEST,
+            message=f"malformed request: {exc}",
+            tool_call_id=_recover_id(body),
+            fatal=False,
+            raw=body,
+        )
+    except msgspec.DecodeError as exc:
+        return FrameError(
+            code=ErrorCode.BAD_REQUEST,
+            message=f"frame body is not valid JSON: {exc}",
+            tool_call_id=None,
+            fatal=False,
+            raw=body,
+        )
+    return RequestReceived(request=request, frame_bytes=len(body))
+
+
+def encode_frame(body: bytes) -> bytes:
+    """Prefix ``body`` with its length."""
+    return HEADER.pack(len(body)) + body
+
+
+def encode_response(response: Response) -> bytes:
+    """One framed response."""
+    return encode_frame(_encoder.encode(response))
+
+
+def encode_request(request: Request) -> bytes:
+    """One framed request (for tests, benchmarks and Python callers on the host)."""
+    return encode_frame(_encoder.encode(request))
+
+
+def encode_json(value: Any) -> bytes:
+    """msgspec JSON encoding shared by the server (so sizes are measured the same way)."""
+    return _encoder.encode(value)

@@ -1,0 +1,49 @@
+"""What a host tool is: a name, a typed argument Struct, the paths it touches, a runner.
+
+Dispatch validates the arguments into ``args_type`` (msgspec), asks ``paths(args)``
+which paths the call will touch so the pure policy can decide before anything runs,
+and only then awaits ``run(args, ctx, resolved)``. Runners raise the exceptions in
+:mod:`gatewayd.errors`; anything else is reported as ``internal``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from gatewayd.policy.paths import PathAccess, PathGrant, ResolvedPath
+
+A = TypeVar("A", bound=msgspec.Struct)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolContext:
+    """What a runner may know about the run it serves."""
+
+    run_id: str
+    grants: tuple[PathGrant, ...]
+    max_output_bytes: int
+
+
+def no_paths(_args: Any) -> tuple[PathAccess, ...]:
+    """For tools that touch no file."""
+    return ()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolSpec(Generic[A]):
+    """One host tool."""
+
+    name: str
+    summary: str
+    args_type: type[A]
+    run: Callable[[A, ToolContext, tuple[ResolvedPath, ...]], Awaitable[Any]]
+    paths: Callable[[A], tuple[PathAccess, ...]] = no_paths
+
+    def args_schema(self) -> dict[str, Any]:
+        """The argument schema as JSON Schema (what ``tools.list`` shows)."""
+        schema: dict[str, Any] = msgspec.json.schema(self.args_type)
+        return schema
