@@ -65,9 +65,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         if self.v != PROTOCOL_VERSION:
             raise ValueError(f"unsupported protocol version {self.v}; this gateway speaks v=1")
         if not _ID_RE.fullmatch(self.toolCallId):
-            raise ValueError(
-                "toolCallId must be 1-128 characters of letters, digits and ._:@/+=-"
-            )
+            raise ValueError("toolCallId must be 1-128 characters of letters, digits and ._:@/+=-")
         if not _ID_RE.fullmatch(self.runId):
             raise ValueError("runId must be 1-128 characters of letters, digits and ._:@/+=-")
         if len(self.tool) > MAX_ID_CHARS or not _TOOL_RE.fullmatch(self.tool):
@@ -79,7 +77,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 class Response(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The answer to one request; ``toolCallId`` says which (responses may come out of order)."""
 
-    v: int = PROTOCOL_VERSION
+    v: int  # no default: omit_defaults would leave it out of the frame
     toolCallId: str | None
     ok: bool
     value: Any = None
@@ -95,12 +93,14 @@ class Response(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 def ok_response(tool_call_id: str, value: Any) -> Response:
     """A successful response carrying ``value``."""
-    return Response(toolCallId=tool_call_id, ok=True, value=value)
+    return Response(v=PROTOCOL_VERSION, toolCallId=tool_call_id, ok=True, value=value)
 
 
 def error_response(tool_call_id: str | None, code: ErrorCode, message: str) -> Response:
     """An error response; ``message`` must already be safe to show to the sandbox."""
-    return Response(toolCallId=tool_call_id, ok=False, errorCode=code, safeMessage=message)
+    return Response(
+        v=PROTOCOL_VERSION, toolCallId=tool_call_id, ok=False, errorCode=code, safeMessage=message
+    )
 
 
 # --- events produced by the decoder -------------------------------------------------

@@ -1,0 +1,177 @@
+"""Shared pieces of the benchmarks: start a real `gatewayd serve`, create a run over
+the control socket, and drive framed requests from a separate load process.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+HEADER = struct.Struct(">I")
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str) -> None:
+        super().__init__("gatewayd")
+        self.unix_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.unix_path)
+
+
+def control(path: Path, method: str, target: str, body: Any = None) -> tuple[int, Any]:
+    conn = UnixHTTPConnection(str(path))
+    payload = json.dumps(body).encode() if body is not None else None
+    conn.request(method, target, body=payload, headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    data = json.loads(resp.read() or b"null")
+    conn.close()
+    return resp.status, data
+
+
+def wait_for(path: Path, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.02)
+
+
+@contextmanager
+def gatewayd_run(policy: Path) -> Iterator[tuple[str, str]]:
+    """A real `gatewayd serve` with one run; yields (socket path, run id)."""
+    base = Path(tempfile.mkdtemp(prefix="cogni-bench-"))
+    ws = base / "ws"
+    ws.mkdir()
+    state = base / "state"
+    ctl = state / "control.sock"
+    cmd = [str(BIN / "gatewayd"), "serve", "--state-dir", str(state)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(ctl)
+        while True:  # the socket file appears just before it listens
+            try:
+                if control(ctl, "GET", "/v1/health")[0] == 200:
+                    break
+            except OSError:
+                time.sleep(0.02)
+        status, data = control(
+            ctl,
+            "POST",
+            "/v1/runs",
+            {
+                "workspacePath": str(ws),
+                "policy": str(policy),
+                "actorId": "bench",
+                "tenantId": "bench",
+                "grant": {"allowSandbox": True},
+            },
+        )
+        if status != 201:
+            raise RuntimeError(f"run creation failed: {status} {data}")
+        yield data["run"]["socket"], data["run"]["runId"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+ECHO_SERVER = r"""
+import os, sys, trio, socket, struct
+HEADER = struct.Struct(">I")
+async def handle(stream):
+    try:
+        await echo(stream)
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass
+async def echo(stream):
+    buf = bytearray()
+    async with stream:
+        while True:
+            data = await stream.receive_some(65536)
+            if not data:
+                return
+            buf += data
+            while len(buf) >= 4:
+                (n,) = HEADER.unpack_from(buf)
+                if len(buf) < 4 + n:
+                    break
+                frame = bytes(buf[: 4 + n]); del buf[: 4 + n]
+                await stream.send_all(frame)
+async def main(path):
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.bind(path); sock.listen(128)
+    await trio.serve_listeners(handle, [trio.SocketListener(sock)])
+trio.run(main, sys.argv[1])
+"""
+
+
+@contextmanager
+def echo_server() -> Iterator[str]:
+    """The baseline: a bare trio unix-socket echo server with the same framing."""
+    base = Path(tempfile.mkdtemp(prefix="cogni-echo-"))
+    path = base / "echo.sock"
+    proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(path)])
+    try:
+        wait_for(path)
+        yield str(path)
+    finally:
+        proc.kill()
+        proc.wait()
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
+def frame(run_id: str, n: int) -> bytes:
+    body = json.dumps(
+        {"v": 1, "runId": run_id, "toolCallId": f"b{n}", "tool": "time.now", "args": {}},
+        separators=(",", ":"),
+    ).encode()
+    return HEADER.pack(len(body)) + body
+
+
+LOAD = str(Path(__file__).resolve().parent / "load.py")
+
+
+def latency(path: str, run_id: str, mode: str, n: int) -> list[float]:
+    out = subprocess.run(
+        [sys.executable, LOAD, path, run_id, mode, "latency", str(n)],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    ).stdout
+    return list(json.loads(out))
+
+
+def throughput(path: str, run_id: str, mode: str, conns: int, seconds: float) -> float:
+    out = subprocess.run(
+        [sys.executable, LOAD, path, run_id, mode, "load", str(conns), str(seconds)],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+    ).stdout
+    data = json.loads(out)
+    return float(data["calls"]) / float(data["seconds"])
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(p / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def env_info() -> str:
+    return f"python {sys.version.split()[0]}, {os.cpu_count()} cores"

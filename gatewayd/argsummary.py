@@ -1,0 +1,67 @@
+"""What the audit log keeps of a call's arguments: a digest of all of them and a short,
+redacted summary a reviewer can read.
+
+The digest (sha256 of the canonical JSON) lets a reviewer prove which arguments a
+call had without the log holding file contents or secrets; the summary keeps only
+short scalar values and masks anything whose key looks like a credential.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Final
+
+import msgspec
+
+# Enough to recognise a path or a command in a table; file contents stay out of the log.
+MAX_SUMMARY_STR: Final = 120
+# A handful of keys tells the story; a call with hundreds of keys is itself suspicious.
+MAX_SUMMARY_KEYS: Final = 16
+MAX_SUMMARY_DEPTH: Final = 2
+_SECRET_KEY: Final = re.compile(
+    r"(pass(word|wd)?|secret|token|api[-_]?key|auth|credential|private[-_]?key|cookie)",
+    re.IGNORECASE,
+)
+_canonical: Final = msgspec.json.Encoder(order="sorted")
+
+
+def canonical_json(value: Any) -> bytes:
+    """JSON with sorted keys and no whitespace: equal values give equal bytes."""
+    return _canonical.encode(value)
+
+
+def sha256_digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def args_digest(args: Any) -> str:
+    """The digest recorded as ``argsDigest``."""
+    return sha256_digest(canonical_json(args))
+
+
+def summarize(value: Any, depth: int = 0) -> Any:
+    """A short, redacted copy of ``value`` for the audit log."""
+    if isinstance(value, str):
+        if len(value) <= MAX_SUMMARY_STR:
+            return value
+        return f"{value[:MAX_SUMMARY_STR]}…[{len(value)} chars]"
+    if isinstance(value, bool | int | float) or value is None:
+        return value
+    if depth >= MAX_SUMMARY_DEPTH:
+        return f"[{type(value).__name__}]"
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for i, (key, item) in enumerate(value.items()):
+            if i == MAX_SUMMARY_KEYS:
+                out["…"] = f"{len(value) - MAX_SUMMARY_KEYS} more keys"
+                break
+            k = str(key)[:MAX_SUMMARY_STR]
+            out[k] = "[redacted]" if _SECRET_KEY.search(k) else summarize(item, depth + 1)
+        return out
+    if isinstance(value, list):
+        head = [summarize(v, depth + 1) for v in value[:MAX_SUMMARY_KEYS]]
+        if len(value) > MAX_SUMMARY_KEYS:
+            head.append(f"…{len(value) - MAX_SUMMARY_KEYS} more items")
+        return head
+    return f"[{type(value).__name__}]"

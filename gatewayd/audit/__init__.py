@@ -1,0 +1,51 @@
+"""The append-only, hash-chained audit log (see docs/audit.md).
+
+Public names are re-exported here; the modules behind them are:
+``line`` (hash primitives), ``entry`` (schema and limits), ``chain`` (the recipe),
+``head`` (the head file), ``tail`` (finding the end of an existing log), ``writer``
+(the trio writer with group commit), ``verify`` and ``show`` (the CLI's readers).
+"""
+
+from gatewayd.audit.chain import GENESIS, ChainPosition
+from gatewayd.audit.entry import (
+    MAX_ARGS_SUMMARY_BYTES,
+    MAX_DETAIL_BYTES,
+    MAX_LINE_BYTES,
+    MAX_SAFE_MESSAGE_CHARS,
+    AuditEvent,
+    Decision,
+    EntryFields,
+    EntryKind,
+    Peer,
+)
+from gatewayd.audit.head import HeadRecord, head_path, read_head
+from gatewayd.audit.show import format_table, read_entries
+from gatewayd.audit.verify import Problem, ProblemKind, VerifyReport, verify_file
+from gatewayd.audit.writer import AuditLog, AuditOpenError, AuditWriteError, open_audit_log
+
+__all__ = [
+    "GENESIS",
+    "MAX_ARGS_SUMMARY_BYTES",
+    "MAX_DETAIL_BYTES",
+    "MAX_LINE_BYTES",
+    "MAX_SAFE_MESSAGE_CHARS",
+    "AuditEvent",
+    "AuditLog",
+    "AuditOpenError",
+    "AuditWriteError",
+    "ChainPosition",
+    "Decision",
+    "EntryFields",
+    "EntryKind",
+    "HeadRecord",
+    "Peer",
+    "Problem",
+    "ProblemKind",
+    "VerifyReport",
+    "format_table",
+    "head_path",
+    "open_audit_log",
+    "read_entries",
+    "read_head",
+    "verify_file",
+]

@@ -1,0 +1,110 @@
+"""The chain recipe: how entries are sealed one after another, and how a line is read.
+
+:class:`Chain` is the sans-IO writer side: it holds the last sequence number and hash,
+and turns ``(kind, fields)`` into the next sealed line. :func:`read_line` is the reader
+side: it splits a line, recomputes the hash over the exact bytes, compares in constant
+time and decodes the entry. :func:`follows` is the link check between two entries.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from gatewayd.audit.entry import AuditEntry, EntryFormatError, build_body, decode_body, format_time
+from gatewayd.audit.line import GENESIS_HASH, LineFormatError, body_hash, hashes_equal, seal
+from gatewayd.audit.line import unseal as _unseal
+
+
+@dataclass(frozen=True, slots=True)
+class ChainPosition:
+    """The last entry of a chain: its seq and hash (seq 0 and GENESIS_HASH when empty)."""
+
+    seq: int
+    hash: str
+
+
+GENESIS: Final = ChainPosition(0, GENESIS_HASH)
+
+
+@dataclass(frozen=True, slots=True)
+class SealedEntry:
+    """An entry read from a line whose hash matched its bytes."""
+
+    entry: AuditEntry
+    hash: str
+
+    @property
+    def position(self) -> ChainPosition:
+        return ChainPosition(self.entry.seq, self.hash)
+
+
+class LineDefect(enum.StrEnum):
+    BROKEN = "broken"  # not a sealed entry at all (torn, edited JSON, wrong shape)
+    TAMPERED = "tampered"  # well formed, but the bytes no longer match the hash
+
+
+class LineError(ValueError):
+    """A line that cannot be trusted; ``defect`` says how, ``str()`` says why."""
+
+    def __init__(self, defect: LineDefect, reason: str) -> None:
+        super().__init__(reason)
+        self.defect = defect
+
+
+def read_line(line: bytes) -> SealedEntry:
+    """Check one line (without its newline) and return its entry and hash.
+
+    Raises :class:`LineError`: BROKEN when the line is not a sealed entry gatewayd
+    could have written, TAMPERED when its bytes do not match its hash.
+    """
+    try:
+        body, claimed = _unseal(line)
+    except LineFormatError as exc:
+        raise LineError(LineDefect.BROKEN, str(exc)) from None
+    if not hashes_equal(body_hash(body), claimed):
+        raise LineError(LineDefect.TAMPERED, "its content does not match its hash")
+    try:
+        entry = decode_body(body)
+    except EntryFormatError as exc:
+        raise LineError(LineDefect.BROKEN, str(exc)) from None
+    return SealedEntry(entry, claimed)
+
+
+def follows(after: ChainPosition, sealed: SealedEntry) -> bool:
+    """Whether ``sealed`` is the entry right after ``after`` (next seq, prev matches)."""
+    return sealed.entry.seq == after.seq + 1 and hashes_equal(sealed.entry.prev, after.hash)
+
+
+class Chain:
+    """Seals entries in order, each one naming the hash of the one before.
+
+    Sans-IO: it returns the line to write and never writes it. ``clock`` returns
+    nanoseconds since the epoch (``time.time_ns`` unless a test fixes it).
+    """
+
+    def __init__(
+        self, after: ChainPosition = GENESIS, clock: Callable[[], int] = time.time_ns
+    ) -> None:
+        self._seq = after.seq
+        self._hash = after.hash
+        self._clock = clock
+
+    @property
+    def position(self) -> ChainPosition:
+        return ChainPosition(self._seq, self._hash)
+
+    def append(self, kind: str, fields: Mapping[str, Any]) -> tuple[int, str, bytes]:
+        """Seal the next entry; returns ``(seq, hash, line)``.
+
+        Raises ValueError for a bad field (see ``build_body``); the chain is then unchanged.
+        """
+        seq = self._seq + 1
+        body = build_body(seq, format_time(self._clock()), kind, fields, self._hash)
+        line, digest = seal(body)
+        self._seq = seq
+        self._hash = digest
+        return seq, digest, line

@@ -1,0 +1,219 @@
+"""What one audit entry holds: the schema, its limits, and the body codec.
+
+The entry is a frozen msgspec Struct whose field order *is* the on-disk key order
+(``seq``, ``time``, ``kind``, the optional fields, ``prev``); fields that are None are
+left out. :func:`build_body` validates the caller's fields (msgspec does it in C, so
+the hot path stays cheap) and returns the bytes the hash is taken over;
+:func:`decode_body` reads them back and insists they are exactly what gatewayd would
+have written, so a line edited by hand, even with a fresh hash, stands out.
+
+No I/O and no clock: the time is passed in.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import re
+import time
+from collections.abc import Mapping
+from functools import lru_cache
+from typing import Annotated, Any, Final, TypedDict
+
+import msgspec
+
+from gatewayd.audit.line import HASH_SUFFIX_BYTES, is_hash_hex
+from gatewayd.protocol import MAX_ID_CHARS, ErrorCode
+
+# One line must fit the tail reader's window and the verifier's line buffer, and one
+# call must not be able to bloat the log. With every field at its cap a line stays
+# under half of this, so the limit is a backstop, not something a caller can hit.
+MAX_LINE_BYTES: Final = 64 * 1024
+# A reviewer reads the message in a table; the full story is in the daemon log.
+MAX_SAFE_MESSAGE_CHARS: Final = 500
+# The caller already redacts and shortens the argument summary; this is the backstop.
+MAX_ARGS_SUMMARY_BYTES: Final = 8 * 1024
+# Event details (run specs, recovery facts) are small; anything larger is a bug.
+MAX_DETAIL_BYTES: Final = 16 * 1024
+# Event names are identifiers a reviewer filters on, not free text.
+MAX_EVENT_CHARS: Final = 64
+# A duration past ~31 years is a clock bug; NaN and infinity would not read back.
+MAX_DURATION_MS: Final = 1e12
+# A body this small cannot hold an oversize object, so the caps need no measuring.
+_FAST_PATH_BYTES: Final = min(MAX_ARGS_SUMMARY_BYTES, MAX_DETAIL_BYTES)
+
+_TIME_RE: Final = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
+
+Identifier = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$")]
+# Written by the chain itself; its hex form is checked when reading (decode_body).
+HashHex = Annotated[str, msgspec.Meta(min_length=64, max_length=64)]
+EventName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+Duration = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_DURATION_MS)]
+ByteCount = Annotated[int, msgspec.Meta(ge=0)]
+Seq = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class EntryKind(enum.StrEnum):
+    """What an entry records."""
+
+    CALL = "call"  # a call was decided (write-ahead: durable before it runs)
+    RESULT = "result"  # a call finished, or was refused
+    EVENT = "event"  # something happened to the daemon, a run or the log itself
+
+
+class Decision(enum.StrEnum):
+    ALLOW = "allow"
+    DENY = "deny"
+
+
+class AuditEvent(enum.StrEnum):
+    """Event names gatewayd writes. Any other snake_case name is accepted too."""
+
+    AUDIT_OPEN = "audit_open"
+    AUDIT_CLOSE = "audit_close"
+    TORN_TAIL_RECOVERED = "torn_tail_recovered"
+    RUN_CREATED = "run_created"
+    RUN_REFUSED = "run_refused"
+    RUN_ENDED = "run_ended"
+
+
+class Peer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The credentials of the process on the other end of a run's socket."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+class AuditEntry(
+    msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    """One entry, minus its hash. Field order is the key order on disk."""
+
+    seq: Seq
+    time: str
+    kind: EntryKind
+    runId: Identifier | None = None
+    toolCallId: Identifier | None = None
+    tool: Identifier | None = None
+    argsDigest: Digest | None = None
+    argsSummary: dict[str, Any] | None = None
+    decision: Decision | None = None
+    errorCode: ErrorCode | None = None
+    safeMessage: str | None = None
+    durationMs: Duration | None = None
+    outputDigest: Digest | None = None
+    outputBytes: ByteCount | None = None
+    peer: Peer | None = None
+    event: EventName | None = None
+    detail: dict[str, Any] | None = None
+    prev: HashHex
+
+
+class EntryFields(TypedDict, total=False):
+    """The optional fields a caller may pass to ``record``/``append`` (None = absent)."""
+
+    runId: str | None
+    toolCallId: str | None
+    tool: str | None
+    argsDigest: str | None
+    argsSummary: Mapping[str, Any] | None
+    decision: str | None
+    errorCode: str | None
+    safeMessage: str | None
+    durationMs: float | None
+    outputDigest: str | None
+    outputBytes: int | None
+    peer: Peer | Mapping[str, int] | None
+    event: str | None
+    detail: Mapping[str, Any] | None
+
+
+class EntryFormatError(ValueError):
+    """Bytes that hash correctly but are not an entry gatewayd would have written."""
+
+
+_encoder: Final = msgspec.json.Encoder()
+_decoder: Final = msgspec.json.Decoder(AuditEntry)
+
+
+@lru_cache(maxsize=4)
+def _second_prefix(seconds: int) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+
+
+def format_time(ns: int) -> str:
+    """RFC 3339 UTC with microseconds, e.g. ``2026-11-22T13:40:01.123456Z``."""
+    seconds, micros = divmod(ns // 1000, 1_000_000)
+    return f"{_second_prefix(seconds)}.{micros:06d}Z"
+
+
+def _omitted(name: str, encoded: bytes, cap: int) -> dict[str, Any]:
+    """The marker that stands in for an oversize object: its size and digest survive."""
+    return {
+        "omitted": f"{name} of {len(encoded)} bytes is over the {cap}-byte cap",
+        "bytes": len(encoded),
+        "sha256": hashlib.sha256(encoded).hexdigest(),
+    }
+
+
+def _capped(entry: AuditEntry) -> AuditEntry:
+    changes: dict[str, Any] = {}
+    for name, value, cap in (
+        ("argsSummary", entry.argsSummary, MAX_ARGS_SUMMARY_BYTES),
+        ("detail", entry.detail, MAX_DETAIL_BYTES),
+    ):
+        if value is not None:
+            encoded = _encoder.encode(value)
+            if len(encoded) > cap:
+                changes[name] = _omitted(name, encoded, cap)
+    return msgspec.structs.replace(entry, **changes) if changes else entry
+
+
+def build_body(seq: int, when: str, kind: str, fields: Mapping[str, Any], prev: str) -> bytes:
+    """Validate one entry and return its compact JSON body (every key up to ``prev``).
+
+    An oversize ``safeMessage`` is shortened; an oversize ``argsSummary`` or ``detail``
+    is replaced by a marker holding its size and sha256, never dropped.
+
+    Error handling: ValueError naming the field and what it may hold (unknown field,
+    wrong type, id too long, bad digest, unknown error code, event without name...).
+    """
+    message = fields.get("safeMessage")
+    if type(message) is str and len(message) > MAX_SAFE_MESSAGE_CHARS:
+        fields = {**fields, "safeMessage": message[: MAX_SAFE_MESSAGE_CHARS - 1] + "…"}
+    try:
+        entry = msgspec.convert(
+            {"seq": seq, "time": when, "kind": kind, "prev": prev, **fields}, AuditEntry
+        )
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid audit entry: {exc}") from None
+    if (entry.kind is EntryKind.EVENT) != (entry.event is not None):
+        raise ValueError("invalid audit entry: kind 'event' needs an event name, others none")
+    body = _encoder.encode(entry)
+    if len(body) > _FAST_PATH_BYTES:
+        body = _encoder.encode(_capped(entry))
+    # Every field is capped above, so only a bug in this module could trip this.
+    if len(body) + HASH_SUFFIX_BYTES > MAX_LINE_BYTES:
+        raise ValueError(f"audit entry of {len(body)} bytes is over MAX_LINE_BYTES")
+    return body
+
+
+def decode_body(body: bytes) -> AuditEntry:
+    """Read a body back; raises EntryFormatError unless gatewayd could have written it."""
+    try:
+        entry = _decoder.decode(body)
+    except msgspec.ValidationError as exc:
+        raise EntryFormatError(f"it does not fit the entry schema ({exc})") from None
+    except msgspec.DecodeError as exc:
+        raise EntryFormatError(f"it is not valid JSON ({exc})") from None
+    if _encoder.encode(entry) != body:
+        raise EntryFormatError("its JSON is not in the form gatewayd writes")
+    if not is_hash_hex(entry.prev):
+        raise EntryFormatError("its prev is not 64 lowercase hex characters")
+    if not _TIME_RE.fullmatch(entry.time):
+        raise EntryFormatError("its time is not RFC 3339 UTC with microseconds")
+    if (entry.kind is EntryKind.EVENT) != (entry.event is not None):
+        raise EntryFormatError("an event entry must name its event, and only event entries")
+    return entry

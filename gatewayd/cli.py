@@ -1,0 +1,284 @@
+"""`gatewayd` command line: serve, run, policy check, audit verify/show.
+
+Heavy imports (trio, the daemon) happen inside the commands that need them, so
+`gatewayd audit verify` and `gatewayd policy check` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from gatewayd.daemon import DaemonConfig
+    from gatewayd.runs import Run, RunRequest
+
+# Exit codes of gatewayd itself (a one-shot run exits with its command's status).
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1  # verify found a problem, policy invalid, run refused
+EXIT_USAGE: Final = 2
+# A child killed by signal N exits 128 + N, like a shell reports it.
+SIGNAL_EXIT_BASE: Final = 128
+# Variables a run's command may inherit from gatewayd's environment; everything else
+# is dropped (invariant SECRETS_HOST_ONLY), and the two COGNI_ variables are added.
+ENV_ALLOWLIST: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TZ")
+
+
+def _add_daemon_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(os.environ.get("GATEWAYD_STATE_DIR", "/var/lib/gatewayd")),
+        help="private state directory (runs, sockets, audit); default $GATEWAYD_STATE_DIR "
+        "or /var/lib/gatewayd",
+    )
+    p.add_argument(
+        "--audit", type=Path, default=None, help="audit log (default STATE_DIR/audit/audit.jsonl)"
+    )
+    p.add_argument(
+        "--policy-dir",
+        type=Path,
+        action="append",
+        default=[],
+        help="directory searched for policies named without a path (repeatable)",
+    )
+    p.add_argument("--max-frame-bytes", type=int, default=None, help="largest request frame")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gatewayd", description="The cogni gateway host daemon.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the long-lived daemon with its control socket")
+    _add_daemon_options(serve)
+    serve.add_argument(
+        "--control-socket", type=Path, default=None, help="default STATE_DIR/control.sock"
+    )
+
+    run = sub.add_parser(
+        "run",
+        help="one shot: create a run, start CMD with COGNI_GATEWAY_SOCK set, report, exit",
+    )
+    _add_daemon_options(run)
+    run.add_argument("--policy", help="policy file, or the name of a shipped policy")
+    run.add_argument("--workspace", type=Path, help="the run's workspace directory")
+    run.add_argument("--actor", default=os.environ.get("USER", "operator"))
+    run.add_argument("--tenant", default="local")
+    run.add_argument(
+        "--tool",
+        action="append",
+        dest="tools",
+        default=None,
+        help="restrict the run to these tool ids (repeatable); default: the policy's list",
+    )
+    run.add_argument(
+        "--spec",
+        type=Path,
+        default=None,
+        help="a JSON RunRequest file instead of --policy/--workspace (grant included)",
+    )
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+
+    policy = sub.add_parser("policy", help="policy files").add_subparsers(
+        dest="policy_command", required=True
+    )
+    check = policy.add_parser("check", help="validate a policy file and summarize it")
+    check.add_argument("file", type=Path)
+
+    audit = sub.add_parser("audit", help="read the audit log").add_subparsers(
+        dest="audit_command", required=True
+    )
+    verify = audit.add_parser("verify", help="check the hash chain; prints OK or the first break")
+    verify.add_argument("file", type=Path)
+    show = audit.add_parser("show", help="print the audit log as a table")
+    show.add_argument("file", type=Path)
+    show.add_argument("--run", default=None, help="only this run id")
+    show.add_argument("--denied", action="store_true", help="only denied or failed calls")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "policy":
+        return _policy_check(args.file)
+    if args.command == "audit":
+        return _audit(args)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "run":
+        return _run(args)
+    return EXIT_USAGE  # pragma: no cover (argparse enforces the choices)
+
+
+def _policy_check(path: Path) -> int:
+    from gatewayd.policy import PolicyError, load_policy, summarize
+
+    try:
+        policy = load_policy(path)
+    except PolicyError as exc:
+        print(f"invalid policy: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    print(summarize(policy, str(path)))
+    return EXIT_OK
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from gatewayd.audit import format_table, read_entries, verify_file
+
+    if not args.file.is_file():
+        print(f"gatewayd: no audit log at {args.file}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.audit_command == "verify":
+        report = verify_file(args.file)
+        print(report.render())
+        return EXIT_OK if report.ok else EXIT_FAILED
+    try:
+        print(format_table(read_entries(args.file), run_id=args.run, denied_only=args.denied))
+    except BrokenPipeError:  # `gatewayd audit show … | head`: the reader has enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_OK
+
+
+def _config(args: argparse.Namespace) -> DaemonConfig:
+    from gatewayd.daemon import SHIPPED_POLICY_DIR, DaemonConfig
+    from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES
+
+    policy_dirs = tuple(args.policy_dir) or (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
+    return DaemonConfig(
+        state_dir=args.state_dir.absolute(),
+        audit_path=args.audit.absolute() if args.audit else None,
+        policy_dirs=policy_dirs,
+        max_frame_bytes=args.max_frame_bytes or DEFAULT_MAX_FRAME_BYTES,
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from gatewayd.control import ControlServer
+    from gatewayd.daemon import open_daemon
+    from gatewayd.logs import configure_logging
+
+    configure_logging(logging.INFO)
+    config = _config(args)
+    control_path = args.control_socket or config.state_dir / "control.sock"
+
+    async def serve() -> None:
+        async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+            await nursery.start(ControlServer(daemon).serve, control_path)
+            print(f"gatewayd: serving; control socket {control_path}", file=sys.stderr)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    break
+            nursery.cancel_scope.cancel()
+
+    trio.run(serve)
+    return EXIT_OK
+
+
+def _run_request(args: argparse.Namespace) -> RunRequest:
+    import pydantic
+
+    from gatewayd.runs import Grant, RunRequest, format_validation_error
+
+    if args.spec is not None:
+        try:
+            return RunRequest.model_validate(json.loads(args.spec.read_text()))
+        except (OSError, ValueError) as exc:
+            detail = (
+                format_validation_error(exc)
+                if isinstance(exc, pydantic.ValidationError)
+                else str(exc)
+            )
+            raise SystemExit(f"gatewayd: bad --spec {args.spec}: {detail}") from None
+    if not args.policy or not args.workspace:
+        raise SystemExit("gatewayd run: --policy and --workspace are required (or --spec FILE)")
+    # The operator starting a run from the host's command line is the system grant.
+    return RunRequest(
+        workspacePath=str(args.workspace.resolve()),
+        policy=args.policy,
+        actorId=args.actor,
+        tenantId=args.tenant,
+        grant=Grant(allowSandbox=True),
+        toolIds=tuple(args.tools) if args.tools else None,
+    )
+
+
+def child_environment(run: Run) -> dict[str, str]:
+    """The environment of a run's command: an allowlist plus the two COGNI_ variables.
+
+    The directory of this interpreter goes first on PATH so ``cogni-tool`` is found.
+    """
+    env = {k: v for k, v in os.environ.items() if k in ENV_ALLOWLIST}
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env["COGNI_GATEWAY_SOCK"] = str(run.socket_path)
+    env["COGNI_RUN_ID"] = run.run_id
+    return env
+
+
+def _run(args: argparse.Namespace) -> int:
+    import trio
+
+    from gatewayd.daemon import open_daemon
+    from gatewayd.errors import AuthzDenied
+    from gatewayd.logs import configure_logging
+    from gatewayd.policy import PolicyError
+
+    configure_logging(logging.WARNING)
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("gatewayd run: give the command after --, e.g. -- python3 agent.py", file=sys.stderr)
+        return EXIT_USAGE
+    request = _run_request(args)
+    config = _config(args)
+    status = EXIT_FAILED
+
+    async def one_shot() -> None:
+        nonlocal status
+        async with open_daemon(config) as daemon:
+            try:
+                run = await daemon.start_run(request)
+            except AuthzDenied as exc:
+                print(f"gatewayd: authz_denied: {exc}", file=sys.stderr)
+                return
+            except (PolicyError, ValueError) as exc:
+                print(f"gatewayd: run refused: {exc}", file=sys.stderr)
+                return
+            print(
+                f"gatewayd: run {run.run_id} started (policy {run.spec.policy.name})",
+                file=sys.stderr,
+            )
+            proc = await trio.run_process(
+                cmd,
+                cwd=str(run.spec.workspace),
+                env=child_environment(run),
+                check=False,
+                start_new_session=True,
+            )
+            rc = proc.returncode
+            status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
+            summary = await daemon.end_run(run.run_id, reason="command_exited") or {}
+            by_code = ", ".join(f"{k}: {v}" for k, v in sorted(summary["deniedByCode"].items()))
+            print(
+                f"gatewayd: run {run.run_id} ended: exit {rc}; {summary['calls']} calls, "
+                f"{summary['allowed']} allowed, {summary['denied']} denied"
+                + (f" ({by_code})" if by_code else ""),
+                file=sys.stderr,
+            )
+            print(f"gatewayd: audit log {config.resolved_audit_path}", file=sys.stderr)
+
+    trio.run(one_shot)
+    return status
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

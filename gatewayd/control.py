@@ -1,0 +1,197 @@
+"""The control socket: JSON over HTTP/1.1 on a root-only unix socket.
+
+    curl --unix-socket /var/lib/gatewayd/control.sock http://gatewayd/v1/runs
+
+Routes: ``GET /v1/health``, ``GET /v1/runs``, ``POST /v1/runs`` (a RunRequest),
+``GET /v1/runs/{id}``, ``DELETE /v1/runs/{id}``. HTTP parsing is h11's (sans-IO);
+this module only routes. No run socket can reach it: it lives in the state
+directory, which no sandbox sees, and it refuses peers other than root or the
+daemon's own user.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Final
+
+import h11
+import pydantic
+import structlog
+import trio
+
+from gatewayd.daemon import Daemon
+from gatewayd.errors import AuthzDenied
+from gatewayd.policy import PolicyError
+from gatewayd.protocol import ErrorCode
+from gatewayd.runs import RunRequest, format_validation_error
+from gatewayd.server import open_unix_listener, peer_credentials
+
+log = structlog.get_logger("gatewayd.control")
+
+# A run request is a few hundred bytes; anything near this is not one.
+MAX_BODY_BYTES: Final = 1 << 20
+# An operator's curl finishes in milliseconds; a stuck client is dropped.
+REQUEST_TIMEOUT_S: Final = 30.0
+RECV_CHUNK: Final = 64 * 1024
+_RUN_PATH: Final = re.compile(r"/v1/runs/([0-9a-f]{32})")
+
+
+class HttpError(Exception):
+    def __init__(self, status: int, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def _error_body(code: ErrorCode, message: str) -> dict[str, Any]:
+    return {"ok": False, "errorCode": str(code), "message": message}
+
+
+class ControlServer:
+    """Serves the control API for one daemon."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    async def serve(
+        self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen on ``path`` (removed first if a stale socket is there) until cancelled."""
+        if path.is_socket():
+            path.unlink()
+        listener = await open_unix_listener(path, mode=0o600)
+        try:
+            async with listener, trio.open_nursery() as nursery:
+                task_status.started()
+                while True:
+                    stream = await listener.accept()
+                    nursery.start_soon(self._connection, stream)
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
+        try:
+            peer = peer_credentials(stream.socket)
+            if peer.uid not in (0, os.geteuid()):
+                await self._send(
+                    stream,
+                    conn,
+                    403,
+                    _error_body(ErrorCode.AUTHZ_DENIED, "the control socket is for root only"),
+                )
+                return
+            while True:
+                with trio.fail_after(REQUEST_TIMEOUT_S):
+                    request, body = await self._read_request(stream, conn)
+                if request is None:
+                    return
+                status, payload = await self._route(request, body)
+                await self._send(stream, conn, status, payload)
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
+            pass
+        except h11.RemoteProtocolError as exc:
+            log.info("control_bad_http", error=str(exc))
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                with contextlib.suppress(trio.BrokenResourceError, h11.LocalProtocolError):
+                    await self._send(
+                        stream,
+                        conn,
+                        400,
+                        _error_body(ErrorCode.BAD_REQUEST, f"malformed HTTP: {exc}"),
+                    )
+        except Exception:
+            log.exception("control_connection_failed")
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _read_request(
+        self, stream: trio.SocketStream, conn: h11.Connection
+    ) -> tuple[h11.Request | None, bytes]:
+        request: h11.Request | None = None
+        body = bytearray()
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(RECV_CHUNK)
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > MAX_BODY_BYTES:
+                    raise h11.RemoteProtocolError("request body too large", 413)
+            elif isinstance(event, h11.EndOfMessage):
+                return request, bytes(body)
+            elif isinstance(event, h11.ConnectionClosed):
+                return None, b""
+
+    async def _route(self, request: h11.Request, body: bytes) -> tuple[int, Any]:
+        method = request.method.decode()
+        target = request.target.decode().split("?", 1)[0].rstrip("/")
+        try:
+            if target == "/v1/health" and method == "GET":
+                return 200, {"ok": True, "runs": len(self.daemon.registry.all())}
+            if target == "/v1/runs" and method == "GET":
+                return 200, {"ok": True, "runs": [r.summary() for r in self.daemon.registry.all()]}
+            if target == "/v1/runs" and method == "POST":
+                return await self._create(body)
+            match = _RUN_PATH.fullmatch(target)
+            if match and method == "GET":
+                run = self.daemon.registry.get(match.group(1))
+                if run is None:
+                    raise HttpError(404, ErrorCode.BAD_REQUEST, "no such run")
+                return 200, {"ok": True, "run": run.summary()}
+            if match and method == "DELETE":
+                summary = await self.daemon.end_run(match.group(1), reason="ended_by_operator")
+                if summary is None:
+                    raise HttpError(404, ErrorCode.BAD_REQUEST, "no such run")
+                return 200, {"ok": True, "run": summary}
+            raise HttpError(
+                404,
+                ErrorCode.BAD_REQUEST,
+                f"no route {method} {target}; routes: GET /v1/health, GET|POST /v1/runs, "
+                "GET|DELETE /v1/runs/{runId}",
+            )
+        except HttpError as exc:
+            return exc.status, _error_body(exc.code, exc.message)
+
+    async def _create(self, body: bytes) -> tuple[int, Any]:
+        try:
+            raw = json.loads(body or b"null")
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise HttpError(400, ErrorCode.BAD_REQUEST, f"body is not JSON: {exc}") from None
+        try:
+            request = RunRequest.model_validate(raw)
+        except pydantic.ValidationError as exc:
+            raise HttpError(
+                400, ErrorCode.BAD_REQUEST, f"bad run request: {format_validation_error(exc)}"
+            ) from None
+        try:
+            run = await self.daemon.start_run(request)
+        except AuthzDenied as exc:
+            raise HttpError(403, ErrorCode.AUTHZ_DENIED, str(exc)) from None
+        except (PolicyError, ValueError) as exc:
+            raise HttpError(400, ErrorCode.BAD_REQUEST, str(exc)) from None
+        return 201, {"ok": True, "run": run.summary()}
+
+    async def _send(
+        self, stream: trio.SocketStream, conn: h11.Connection, status: int, payload: Any
+    ) -> None:
+        data = json.dumps(payload).encode() + b"\n"
+        headers = [
+            ("content-type", "application/json"),
+            ("content-length", str(len(data))),
+        ]
+        out = conn.send(h11.Response(status_code=status, headers=headers))
+        out += conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
+        await stream.send_all(out)

@@ -1,0 +1,329 @@
+"""Steps 3-12 of a tool call, in one place (DESIGN.md, "Data flow of one tool call").
+
+identify -> authorize -> rate -> validate -> policy -> audit (write-ahead, durable)
+-> run (with the call's time limit) -> cap output -> audit result -> respond.
+
+Every call, allowed or not, leaves a ``call`` entry and a ``result`` entry in the
+audit log. Errors are values: each refusal maps to one ErrorCode with a message
+that says what is allowed; exceptions never reach the socket.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgspec
+import structlog
+import trio
+
+from gatewayd.argsummary import args_digest, sha256_digest, summarize
+from gatewayd.audit import AuditLog, AuditWriteError
+from gatewayd.errors import GatewayError
+from gatewayd.policy import Allow, allowed_tools, decide, tool_allowed
+from gatewayd.protocol import (
+    ErrorCode,
+    FrameError,
+    Request,
+    Response,
+    encode_json,
+    error_response,
+    ok_response,
+)
+from gatewayd.runs import Run
+from gatewayd.tools.registry import ToolContext, ToolSpec
+
+log = structlog.get_logger("gatewayd.dispatch")
+
+# The one tool every run has: it reveals only what the run may already do.
+TOOLS_LIST: Final = "tools.list"
+# A call's write-ahead entry is durable before it runs; its result entry is made
+# durable after the response, usually by the next call's write-ahead flush. If no
+# flush comes within this delay, the call's own task makes one: one fsync per call
+# on the response path instead of two, and at most this long a window after the
+# response in which a crash could lose a result entry (never a call entry).
+RESULT_SYNC_DELAY_S: Final = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A response and the audit entry that must become durable soon after it is sent."""
+
+    response: Response
+    settle_seq: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Who is on the other end of a connection (SO_PEERCRED at accept)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {"pid": self.pid, "uid": self.uid, "gid": self.gid}
+
+
+class _Refusal(Exception):
+    """Internal: a step refused the call. Carries exactly one code and a safe message."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class Dispatcher:
+    """Runs tool calls for any run: the single chokepoint (invariant SINGLE_CHOKEPOINT)."""
+
+    def __init__(
+        self,
+        audit: AuditLog,
+        tools: dict[str, ToolSpec[Any]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.audit = audit
+        self.tools = tools
+        self.clock = clock
+
+    # -- frames that never became requests -------------------------------------
+
+    def refuse_frame(self, run: Run, err: FrameError, peer: Peer) -> Reply:
+        """Audit and answer a malformed or oversize frame."""
+        detail: dict[str, Any] = {"frameBytes": len(err.raw)}
+        if err.raw:
+            detail["frameDigest"] = sha256_digest(err.raw)
+        seq = self.audit.record(
+            "call",
+            runId=run.run_id,
+            toolCallId=err.tool_call_id,
+            decision="deny",
+            errorCode=str(err.code),
+            safeMessage=err.message,
+            peer=peer.as_dict(),
+            detail=detail,
+        )
+        seq = self.audit.record(
+            "result",
+            runId=run.run_id,
+            toolCallId=err.tool_call_id,
+            errorCode=str(err.code),
+            durationMs=0.0,
+        )
+        run.count(str(err.code))
+        return Reply(error_response(err.tool_call_id, err.code, err.message), seq)
+
+    # -- requests --------------------------------------------------------------
+
+    async def handle(self, run: Run, req: Request, peer: Peer) -> Reply:
+        """Take one request through every step and return its response.
+
+        Fails closed: when the audit log cannot be written, no call runs and every
+        answer is ``internal`` until the operator fixes the log.
+        """
+        try:
+            return await self._handle(run, req, peer)
+        except AuditWriteError:
+            return self._audit_down(run, req.toolCallId, req.tool)
+
+    def _audit_down(self, run: Run, tool_call_id: str | None, tool: str | None) -> Reply:
+        log.error("audit_unavailable", run_id=run.run_id, tool=tool)
+        run.count(str(ErrorCode.INTERNAL))
+        message = "the audit log cannot be written, so no call can run; tell the operator"
+        return Reply(error_response(tool_call_id, ErrorCode.INTERNAL, message), None)
+
+    async def settle(self, reply: Reply) -> None:
+        """After the response is sent: make the call's last entry durable."""
+        if reply.settle_seq is None:
+            return
+        await trio.sleep(RESULT_SYNC_DELAY_S)
+        try:
+            await self.audit.durable(reply.settle_seq)
+        except AuditWriteError:
+            log.error("audit_result_not_durable", seq=reply.settle_seq)
+
+    async def _handle(self, run: Run, req: Request, peer: Peer) -> Reply:
+        started = self.clock()
+        common: dict[str, Any] = {
+            "runId": run.run_id,
+            "toolCallId": req.toolCallId,
+            "tool": req.tool,
+        }
+        try:
+            spec, args = self._admit(run, req)
+        except _Refusal as refusal:
+            return await self._deny(run, req, peer, common, refusal, started)
+
+        call_seq = self.audit.record(
+            "call",
+            **common,
+            argsDigest=args_digest(req.args),
+            argsSummary=summarize(req.args),
+            decision="allow",
+            peer=peer.as_dict(),
+        )
+        # Write-ahead: the entry is durable before the call has any effect.
+        await self.audit.durable(call_seq)
+
+        code: ErrorCode | None = None
+        message = ""
+        payload = b""
+        value: Any = None
+        try:
+            value = await self._run(run, spec, args)
+            payload = encode_json(value)
+            limit = run.spec.policy.limits.max_output_bytes
+            if len(payload) > limit:
+                raise _Refusal(
+                    ErrorCode.TOOL_FAILED,
+                    f"output of {len(payload)} bytes is over this run's limit of {limit} "
+                    "bytes (limits.max_output_bytes); ask for less, e.g. fs.read with a "
+                    "smaller limit or an offset",
+                )
+        except _Refusal as refusal:
+            code, message = refusal.code, refusal.message
+
+        result_seq = self.audit.record(
+            "result",
+            **common,
+            errorCode=None if code is None else str(code),
+            safeMessage=message or None,
+            durationMs=round((self.clock() - started) * 1000, 3),
+            outputDigest=sha256_digest(payload) if code is None else None,
+            outputBytes=len(payload) if code is None else None,
+        )
+        run.count(None if code is None else str(code))
+        if code is not None:
+            return Reply(error_response(req.toolCallId, code, message), result_seq)
+        return Reply(ok_response(req.toolCallId, value), result_seq)
+
+    def _admit(self, run: Run, req: Request) -> tuple[ToolSpec[Any] | None, Any]:
+        """Steps 3-6: identify, authorize, rate, validate, policy. Raises _Refusal."""
+        if req.runId != run.run_id:
+            raise _Refusal(
+                ErrorCode.RUN_MISMATCH,
+                "runId does not match the run this socket serves; send the value of COGNI_RUN_ID",
+            )
+        if not run.spec.request.grant.allowSandbox:
+            raise _Refusal(ErrorCode.AUTHZ_DENIED, "this run has no sandbox grant")
+        now = self.clock()
+        if not run.bucket.try_take(now):
+            limits = run.spec.policy.limits
+            raise _Refusal(
+                ErrorCode.RATE_LIMITED,
+                f"this run may make {limits.calls_per_second:g} calls per second "
+                f"(burst {limits.burst}); retry after {run.bucket.retry_after(now):.3f} s",
+            )
+        if req.tool == TOOLS_LIST:
+            if req.args:
+                raise _Refusal(ErrorCode.INVALID_ARGS, "tools.list takes no arguments: send {}")
+            return None, None
+        spec = self.tools.get(req.tool)
+        if spec is None:
+            raise _Refusal(
+                ErrorCode.UNKNOWN_TOOL,
+                f"there is no tool named {req.tool!r}. {self._allowed_sentence(run)}",
+            )
+        if not tool_allowed(req.tool, run.spec.rules):
+            raise _Refusal(
+                ErrorCode.POLICY_DENIED,
+                f"tool {req.tool!r} is not allowed for this run. {self._allowed_sentence(run)}",
+            )
+        try:
+            args = msgspec.convert(req.args, spec.args_type)
+        except msgspec.ValidationError as exc:
+            raise _Refusal(
+                ErrorCode.INVALID_ARGS,
+                f"invalid arguments for {req.tool}: {exc}. The schema is in tools.list.",
+            ) from None
+        except GatewayError as exc:  # a Struct's __post_init__ may refuse with a reason
+            raise _Refusal(exc.code, exc.safe_message) from None
+        decision = decide(req.tool, spec.paths(args), run.spec.rules)
+        if not isinstance(decision, Allow):
+            raise _Refusal(decision.code, decision.message)
+        return spec, (args, decision.resolved)
+
+    def _allowed_sentence(self, run: Run) -> str:
+        names = allowed_tools(self.tools, run.spec.rules)
+        if not names:
+            return "This run's policy allows no tools (deny by default)."
+        return "Tools this run may call: " + ", ".join((TOOLS_LIST, *names)) + "."
+
+    def list_tools(self, run: Run) -> list[dict[str, Any]]:
+        """The value of tools.list: the run's allowed tools with JSON Schemas."""
+        out: list[dict[str, Any]] = [
+            {
+                "name": TOOLS_LIST,
+                "summary": "List the tools this run may call, with their argument schemas.",
+                "argsSchema": {"type": "object", "properties": {}, "additionalProperties": False},
+            }
+        ]
+        for name in allowed_tools(self.tools, run.spec.rules):
+            spec = self.tools[name]
+            out.append({"name": name, "summary": spec.summary, "argsSchema": spec.args_schema()})
+        return out
+
+    async def _run(self, run: Run, spec: ToolSpec[Any] | None, admitted: Any) -> Any:
+        """Step 9: the runner, inside the run's concurrency bound and the call's time limit."""
+        if spec is None:
+            return self.list_tools(run)
+        args, resolved = admitted
+        limits = run.spec.policy.limits
+        ctx = ToolContext(
+            run_id=run.run_id,
+            grants=run.spec.grants,
+            max_output_bytes=limits.max_output_bytes,
+        )
+        # The time limit covers waiting for a slot too: a saturated run fails fast.
+        with trio.move_on_after(limits.call_timeout_s):
+            async with run.limiter:
+                try:
+                    return await spec.run(args, ctx, resolved)
+                except GatewayError as exc:
+                    raise _Refusal(exc.code, exc.safe_message) from None
+                except trio.Cancelled:
+                    raise
+                except Exception:
+                    log.exception("tool_crashed", run_id=run.run_id, tool=spec.name)
+                    raise _Refusal(
+                        ErrorCode.INTERNAL,
+                        f"{spec.name} failed inside gatewayd; the operator's log has details",
+                    ) from None
+        # Only a timeout leaves the block without returning or raising.
+        raise _Refusal(
+            ErrorCode.TIMEOUT,
+            f"{spec.name} ran past this run's limit of {limits.call_timeout_s:g} s per call "
+            "(limits.call_timeout_s) and was stopped",
+        )
+
+    async def _deny(
+        self,
+        run: Run,
+        req: Request,
+        peer: Peer,
+        common: dict[str, Any],
+        refusal: _Refusal,
+        started: float,
+    ) -> Reply:
+        self.audit.record(
+            "call",
+            **common,
+            argsDigest=args_digest(req.args),
+            argsSummary=summarize(req.args),
+            decision="deny",
+            errorCode=str(refusal.code),
+            safeMessage=refusal.message,
+            peer=peer.as_dict(),
+        )
+        seq = self.audit.record(
+            "result",
+            **common,
+            errorCode=str(refusal.code),
+            durationMs=round((self.clock() - started) * 1000, 3),
+        )
+        run.count(str(refusal.code))
+        return Reply(error_response(req.toolCallId, refusal.code, refusal.message), seq)

@@ -1,0 +1,76 @@
+"""Policies: YAML files validated into frozen models, and pure decisions over them.
+
+- :mod:`.model` — the policy file's models, :func:`load_policy`, :func:`bind_paths`
+- :mod:`.decide` — may this run call this tool on these paths? (no I/O)
+- :mod:`.rate` — the per-run token bucket (clock passed in)
+- :mod:`.summary` — the human summary behind ``gatewayd policy check``
+- :mod:`.paths` — the grant and path types shared with the tools
+"""
+
+from gatewayd.policy.decide import (
+    Allow,
+    Decision,
+    Deny,
+    RunRules,
+    allowed_tools,
+    check_path,
+    check_read_size,
+    decide,
+    resolve_path,
+    tool_allowed,
+    tool_matches,
+    unmatched_patterns,
+)
+from gatewayd.policy.model import (
+    FilesystemSection,
+    Limits,
+    PathRule,
+    Policy,
+    PolicyError,
+    ToolsSection,
+    bind_paths,
+    load_policy,
+    load_policy_text,
+)
+from gatewayd.policy.paths import (
+    WORKSPACE_VISIBLE_ROOT,
+    Access,
+    PathAccess,
+    PathGrant,
+    PathMode,
+    ResolvedPath,
+)
+from gatewayd.policy.rate import TokenBucket
+from gatewayd.policy.summary import summarize
+
+__all__ = [
+    "WORKSPACE_VISIBLE_ROOT",
+    "Access",
+    "Allow",
+    "Decision",
+    "Deny",
+    "FilesystemSection",
+    "Limits",
+    "PathAccess",
+    "PathGrant",
+    "PathMode",
+    "PathRule",
+    "Policy",
+    "PolicyError",
+    "ResolvedPath",
+    "RunRules",
+    "TokenBucket",
+    "ToolsSection",
+    "allowed_tools",
+    "bind_paths",
+    "check_path",
+    "check_read_size",
+    "decide",
+    "load_policy",
+    "load_policy_text",
+    "resolve_path",
+    "summarize",
+    "tool_allowed",
+    "tool_matches",
+    "unmatched_patterns",
+]

@@ -1,0 +1,510 @@
+"""Policy files: pydantic models, the YAML loader, and binding path rules to a workspace.
+
+A policy is a YAML file validated into frozen models with ``extra="forbid"`` at every
+level, so a misspelt key is an error rather than a silently ignored rule. Errors are
+collected into one :class:`PolicyError` that names the file and every bad field by its
+dotted path (``filesystem.paths.workspace.mode``), with what was found.
+
+Each section is one model and one field of :class:`Policy`; a later section (review,
+network, ...) is added the same way. Only :func:`load_policy` (reads the file) and
+:func:`bind_paths` (resolves host directories) touch the filesystem; everything else here
+is pure.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import typing
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Final, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
+
+from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode
+from gatewayd.protocol import MAX_ID_CHARS
+
+POLICY_VERSION: Final = 1
+
+# A policy is a few hundred lines at most; refusing anything bigger stops a wrong
+# path (a log, a binary) from being parsed and echoed back in error messages.
+MAX_POLICY_BYTES: Final = 1 << 20
+
+# --- limit defaults and bounds (the reason beside each) ------------------------------
+
+# Long enough for a model call through the gateway (often 10-30 s), short enough that
+# a stuck tool gives its concurrency slot back within a minute.
+DEFAULT_CALL_TIMEOUT_S: Final = 30.0
+# An hour: anything longer is a job, not a tool call, and should be split.
+MAX_CALL_TIMEOUT_S: Final = 3600.0
+# One response value; matches the protocol's default frame size, so a default run
+# never produces a value the frame limit would refuse anyway.
+DEFAULT_MAX_OUTPUT_BYTES: Final = 1 << 20
+# Below 1 KiB even an error-free directory listing is cut; above 16 MiB one call
+# makes the daemon hold too much memory for one run.
+MIN_MAX_OUTPUT_BYTES: Final = 1024
+MAX_MAX_OUTPUT_BYTES: Final = 16 << 20
+# An agent loop rarely makes more than a few calls a second; 50 leaves room for
+# scripted bursts while stopping a runaway loop from flooding the audit log.
+DEFAULT_CALLS_PER_SECOND: Final = 50.0
+# Enough parallel calls for a fan-out (read 16 files at once) without letting one run
+# hold most of the daemon's tasks and file descriptors.
+DEFAULT_MAX_CONCURRENT_CALLS: Final = 16
+# Each concurrent call may hold a task and a few descriptors; past this one run could
+# exhaust the daemon's descriptor limit.
+MAX_MAX_CONCURRENT_CALLS: Final = 1024
+
+
+def default_burst(calls_per_second: float) -> int:
+    """The token bucket size when the policy gives none: two seconds' worth of calls."""
+    return max(1, math.ceil(2 * calls_per_second))
+
+
+# Where the sandbox's own machinery lives: a mount at, above or below one of these
+# would hide or replace it (/workspace is the run's workspace; relative roots go there).
+RESERVED_VISIBLE_ROOTS: Final = tuple(
+    PurePosixPath(p) for p in ("/workspace", "/proc", "/dev", "/sys", "/run/cogni", "/tmp")
+)
+
+_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_PATH_NAME_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+# An exact tool name ("fs.read") or a family wildcard ("fs.*"); see decide.tool_matches.
+_TOOL_PATTERN_RE: Final = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*(\.\*)?")
+_SUFFIX_RE: Final = re.compile(r"(\.[A-Za-z0-9_+~-]+)+")
+
+
+class PolicyError(Exception):
+    """A policy file that cannot be read, parsed, validated or bound.
+
+    ``str(exc)`` is one line per problem, each starting with ``source`` (the file).
+    """
+
+    def __init__(self, source: str, problems: Iterable[str]) -> None:
+        self.source = source
+        self.problems = tuple(problems) or ("invalid policy",)
+        super().__init__("\n".join(f"{source}: {p}" for p in self.problems))
+
+
+# --- field types ----------------------------------------------------------------------
+
+
+def _check_name(value: str) -> str:
+    if not _NAME_RE.fullmatch(value):
+        raise ValueError(
+            f"name {value!r} must be 1-64 letters, digits and ._- starting with a letter or digit"
+        )
+    return value
+
+
+def _check_path_name(value: str) -> str:
+    if not _PATH_NAME_RE.fullmatch(value):
+        raise ValueError(
+            f"path rule name {value!r} must be 1-64 letters, digits, _ and -, "
+            "starting with a letter"
+        )
+    return value
+
+
+def _check_tool_pattern(value: str) -> str:
+    if len(value) > MAX_ID_CHARS or not _TOOL_PATTERN_RE.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is neither an exact tool name such as 'fs.read' nor a family "
+            "wildcard such as 'fs.*' (lowercase, dotted)"
+        )
+    return value
+
+
+def _check_suffix(value: str) -> str:
+    if not _SUFFIX_RE.fullmatch(value):
+        raise ValueError(
+            f"suffix {value!r} must be '.' followed by letters, digits or _+~- "
+            "(e.g. '.md', '.tar.gz')"
+        )
+    return value
+
+
+def _plain_parts(value: str, what: str) -> list[str]:
+    """The components of a path written in a policy, which must not climb with '..'."""
+    parts = [p for p in value.split("/") if p not in ("", ".")]
+    if not value or "\x00" in value or ".." in parts:
+        raise ValueError(f"{what} {value!r} must be a non-empty path without '..' or NUL")
+    return parts
+
+
+StrictStr = Annotated[str, Field(strict=True)]
+PolicyName = Annotated[StrictStr, AfterValidator(_check_name)]
+PathRuleName = Annotated[StrictStr, AfterValidator(_check_path_name)]
+ToolPattern = Annotated[StrictStr, AfterValidator(_check_tool_pattern)]
+Suffix = Annotated[StrictStr, AfterValidator(_check_suffix)]
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+
+
+# --- models ---------------------------------------------------------------------------
+
+
+class Section(BaseModel):
+    """Base of every policy model: frozen, unknown keys refused, empty keys default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # In YAML "allow:" with nothing after it is null; for an optional field that
+        # reads as "not set", so it takes its default (never a looser one).
+        if value is None and info.field_name is not None:
+            field = cls.model_fields[info.field_name]
+            if not field.is_required():
+                return field.get_default(call_default_factory=True)
+        return value
+
+
+class ToolsSection(Section):
+    """Which tools the run may call. Empty: none (DENY_BY_DEFAULT)."""
+
+    allow: tuple[ToolPattern, ...] = ()
+
+
+class PathRule(Section):
+    """One directory the run may reach, and how."""
+
+    root: StrictStr
+    mode: Literal["ro", "rw"]
+    suffixes: tuple[Suffix, ...] = ()
+    max_file_bytes: PositiveInt | None = None
+    mount: StrictStr | None = None
+
+    @field_validator("root")
+    @classmethod
+    def _normalize_root(cls, value: str) -> str:
+        parts = _plain_parts(value, "root")
+        if value.startswith("/"):
+            return "/" + "/".join(parts)
+        return "/".join(parts) or "."
+
+    @field_validator("mount")
+    @classmethod
+    def _normalize_mount(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = _plain_parts(value, "mount")
+        if not value.startswith("/"):
+            raise ValueError(f"mount {value!r} must be an absolute path")
+        return "/" + "/".join(parts)
+
+    @model_validator(mode="after")
+    def _check_visible_root(self) -> PathRule:
+        if self.mount is not None and not self.is_absolute:
+            raise ValueError(
+                f"mount is only for absolute roots; the relative root {self.root!r} "
+                f"always appears at {self.visible_root}"
+            )
+        if self.is_absolute:
+            visible = self.visible_root
+            for reserved in RESERVED_VISIBLE_ROOTS:
+                if visible.is_relative_to(reserved) or reserved.is_relative_to(visible):
+                    where = (
+                        f"mount {str(visible)!r}"
+                        if self.mount is not None
+                        else f"root {str(visible)!r} (seen at the same path: no mount given)"
+                    )
+                    raise ValueError(
+                        f"{where} would overlap {reserved}; reserved "
+                        "in the sandbox: " + ", ".join(str(r) for r in RESERVED_VISIBLE_ROOTS)
+                    )
+        return self
+
+    @property
+    def is_absolute(self) -> bool:
+        """An absolute root is a host directory; a relative one is inside the workspace."""
+        return self.root.startswith("/")
+
+    @property
+    def visible_root(self) -> PurePosixPath:
+        """Where the sandbox (and the agent's paths) see this directory."""
+        if not self.is_absolute:
+            return WORKSPACE_VISIBLE_ROOT / self.root  # pathlib drops a lone "."
+        return PurePosixPath(self.mount if self.mount is not None else self.root)
+
+
+class FilesystemSection(Section):
+    """Named path rules. Empty: no file is reachable."""
+
+    paths: dict[PathRuleName, PathRule] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _one_rule_per_visible_root(self) -> FilesystemSection:
+        seen: dict[PurePosixPath, str] = {}
+        for name, rule in self.paths.items():
+            other = seen.setdefault(rule.visible_root, name)
+            if other != name:
+                raise ValueError(
+                    f"paths {other!r} and {name!r} both appear at {rule.visible_root}; "
+                    "give one of them a different root or mount"
+                )
+        return self
+
+
+class Limits(Section):
+    """Per-call and per-run limits; every one has a default."""
+
+    call_timeout_s: Annotated[
+        float, Field(strict=True, gt=0, le=MAX_CALL_TIMEOUT_S, allow_inf_nan=False)
+    ] = DEFAULT_CALL_TIMEOUT_S
+    max_output_bytes: Annotated[
+        int, Field(strict=True, ge=MIN_MAX_OUTPUT_BYTES, le=MAX_MAX_OUTPUT_BYTES)
+    ] = DEFAULT_MAX_OUTPUT_BYTES
+    calls_per_second: Annotated[float, Field(strict=True, gt=0, allow_inf_nan=False)] = (
+        DEFAULT_CALLS_PER_SECOND
+    )
+    burst: PositiveInt = default_burst(DEFAULT_CALLS_PER_SECOND)
+    max_concurrent_calls: Annotated[int, Field(strict=True, ge=1, le=MAX_MAX_CONCURRENT_CALLS)] = (
+        DEFAULT_MAX_CONCURRENT_CALLS
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _burst_follows_rate(cls, data: Any) -> Any:
+        # The default burst depends on the rate the policy chose, not the default rate.
+        if isinstance(data, dict) and data.get("burst") is None:
+            rate = data.get("calls_per_second")
+            if (
+                isinstance(rate, int | float)
+                and not isinstance(rate, bool)
+                and math.isfinite(rate)
+                and rate > 0
+            ):
+                data = {**data, "burst": default_burst(rate)}
+        return data
+
+
+class Policy(Section):
+    """A whole policy file. Only ``version`` and ``name`` are required."""
+
+    version: Annotated[int, Field(strict=True)]
+    name: PolicyName
+    description: StrictStr = ""
+    tools: ToolsSection = Field(default_factory=ToolsSection)
+    filesystem: FilesystemSection = Field(default_factory=FilesystemSection)
+    limits: Limits = Field(default_factory=Limits)
+
+    @field_validator("version")
+    @classmethod
+    def _supported_version(cls, value: int) -> int:
+        if value != POLICY_VERSION:
+            raise ValueError(
+                f"unsupported policy version {value}; this gateway reads version {POLICY_VERSION}"
+            )
+        return value
+
+
+# --- loading --------------------------------------------------------------------------
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently,
+    so a second ``mode:`` line would quietly override the first)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+            except TypeError:  # unhashable: the base class reports it properly
+                break
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"found key {key!r} twice",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_policy(path: Path) -> Policy:
+    """Read and validate the policy file at ``path``.
+
+    Error handling: every failure (unreadable, too large, not UTF-8, bad YAML, invalid
+    fields) is a :class:`PolicyError` whose source is ``str(path)``.
+    """
+    source = str(path)
+    try:
+        with path.open("rb") as f:
+            data = f.read(MAX_POLICY_BYTES + 1)
+    except OSError as exc:
+        raise PolicyError(source, [f"cannot read the policy file: {exc.strerror}"]) from None
+    if len(data) > MAX_POLICY_BYTES:
+        raise PolicyError(
+            source, [f"policy file is larger than {MAX_POLICY_BYTES} bytes; is it a policy?"]
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PolicyError(
+            source, [f"policy file is not UTF-8 text (bad byte at offset {exc.start})"]
+        ) from None
+    return load_policy_text(text, source)
+
+
+def load_policy_text(text: str, source: str) -> Policy:
+    """Parse and validate policy YAML; ``source`` names it in errors (usually the path)."""
+    try:
+        # A SafeLoader subclass: only plain data types are ever constructed.
+        data = yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506
+    except yaml.YAMLError as exc:
+        raise PolicyError(source, [_yaml_problem(exc)]) from None
+    if data is None:
+        raise PolicyError(
+            source, ["the file is empty; a policy needs at least 'version: 1' and 'name: ...'"]
+        )
+    if not isinstance(data, dict):
+        raise PolicyError(
+            source,
+            [
+                f"the top level must be a mapping of keys (version, name, tools, ...), "
+                f"not a {_yaml_kind(data)}"
+            ],
+        )
+    try:
+        return Policy.model_validate(data)
+    except ValidationError as exc:
+        raise PolicyError(source, [_field_problem(e) for e in exc.errors()]) from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        what = exc.problem or exc.context or "invalid YAML"
+        if mark is not None:
+            return f"line {mark.line + 1}, column {mark.column + 1}: YAML syntax: {what}"
+        return f"YAML syntax: {what}"
+    return f"YAML syntax: {exc}"
+
+
+def _yaml_kind(value: object) -> str:
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, str):
+        return "string"
+    return type(value).__name__
+
+
+# Repr of a bad value is shown, but a whole mapping pasted into an error helps nobody.
+_MAX_SHOWN_INPUT_CHARS: Final = 80
+
+
+def _field_problem(error: ErrorDetails) -> str:
+    # A bad mapping key is reported at the key itself ('paths.Bad!', not 'paths.Bad!.[key]').
+    loc = tuple(p for p in error["loc"] if p != "[key]")
+    where = ".".join(str(p) for p in loc) or "(top level)"
+    kind = error["type"]
+    if kind == "missing":
+        return f"{where}: required field is missing"
+    if kind == "extra_forbidden":
+        return f"{where}: unknown field{_allowed_fields_hint(loc)}"
+    if kind == "value_error":  # our own checks: their messages already name the value
+        return f"{where}: {error['msg'].removeprefix('Value error, ')}"
+    shown = repr(error["input"])
+    if len(shown) > _MAX_SHOWN_INPUT_CHARS:
+        shown = shown[: _MAX_SHOWN_INPUT_CHARS - 3] + "..."
+    return f"{where}: {error['msg']} (got {shown})"
+
+
+def _allowed_fields_hint(loc: tuple[int | str, ...]) -> str:
+    """'; allowed fields: ...' (and a close match) for an unknown key at ``loc``."""
+    model = _model_at(loc[:-1])
+    if model is None:
+        return ""
+    names = list(model.model_fields)
+    hint = "; allowed fields: " + ", ".join(names)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    return hint + (f" (did you mean {close[0]!r}?)" if close else "")
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model class that validates the mapping found at ``loc`` inside a Policy."""
+    current: Any = Policy
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(part))
+            if field is None:
+                return None
+            current = field.annotation
+        elif typing.get_origin(current) is dict:
+            current = typing.get_args(current)[1]
+        else:
+            return None
+    if isinstance(current, type) and issubclass(current, BaseModel):
+        return current
+    return None
+
+
+# --- binding --------------------------------------------------------------------------
+
+
+def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
+    """Turn the policy's path rules into grants for a run whose workspace is ``workspace``.
+
+    Relative roots become ``workspace/root`` on the host and ``/workspace/root`` inside;
+    absolute roots stay as they are on the host and appear at ``mount`` (default: the same
+    path). Host roots are resolved (symlinks followed) now, once, so a later swap of a
+    symlink cannot move a grant.
+
+    Error handling: a missing workspace or root, a root that is not a directory, or a
+    relative root that resolves outside the workspace is a :class:`PolicyError`.
+    """
+    source = f"policy {policy.name!r}"
+    rules = policy.filesystem.paths
+    if not rules:
+        return ()
+    try:
+        base = workspace.resolve(strict=True)
+    except OSError as exc:
+        raise PolicyError(source, [f"workspace {workspace}: {exc.strerror}"]) from None
+    if not base.is_dir():
+        raise PolicyError(source, [f"workspace {workspace} is not a directory"])
+    grants = []
+    for name, rule in rules.items():
+        where = f"filesystem.paths.{name}.root"
+        wanted = Path(rule.root) if rule.is_absolute else base / rule.root
+        try:
+            host_root = wanted.resolve(strict=True)
+        except OSError as exc:
+            raise PolicyError(source, [f"{where}: {wanted}: {exc.strerror}"]) from None
+        if not host_root.is_dir():
+            raise PolicyError(source, [f"{where}: {wanted} is not a directory"])
+        if not rule.is_absolute and not host_root.is_relative_to(base):
+            raise PolicyError(
+                source,
+                [
+                    f"{where}: {wanted} resolves to {host_root}, outside the workspace "
+                    f"{base}; a relative root must stay inside the workspace"
+                ],
+            )
+        grants.append(
+            PathGrant(
+                name=name,
+                host_root=host_root,
+                visible_root=rule.visible_root,
+                mode=PathMode(rule.mode),
+                suffixes=rule.suffixes,
+                max_file_bytes=rule.max_file_bytes,
+            )
+        )
+    return tuple(grants)

@@ -1,0 +1,289 @@
+"""Runs: the spec a caller asks for, the run gatewayd makes of it, and the run registry.
+
+A caller (the control socket, `gatewayd run`) submits a :class:`RunRequest`. gatewayd
+refuses it unless its grant says ``allowSandbox: true``, makes the run id itself
+(128 random bits; invariant HOST_GENERATED_RUN_ID), binds the policy's paths to the
+workspace, and gives the run a private directory holding its socket.
+
+The legal states of a run live in one table (:data:`TRANSITIONS`); anything else
+raises and moves the run to FAILED.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import secrets
+import shutil
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import pydantic
+import trio
+
+from gatewayd.errors import AuthzDenied
+from gatewayd.policy import Policy, RunRules, TokenBucket, bind_paths
+from gatewayd.policy.paths import PathGrant
+
+# 16 random bytes = 128 bits: unguessable, so a run id alone names exactly one run.
+RUN_ID_BYTES: Final = 16
+SOCKET_NAME: Final = "gateway.sock"
+# A unix socket path must fit in sun_path (108 bytes including the NUL).
+MAX_SOCKET_PATH: Final = 107
+
+
+class RunState(enum.StrEnum):
+    CREATED = "created"  # directory made, socket not yet listening
+    SERVING = "serving"  # socket listening, calls accepted
+    ENDING = "ending"  # no new connections; in-flight calls finishing
+    ENDED = "ended"  # socket and directory removed
+    FAILED = "failed"  # something went wrong; treated as ended, nothing served
+
+
+TRANSITIONS: Final[dict[RunState, frozenset[RunState]]] = {
+    RunState.CREATED: frozenset({RunState.SERVING, RunState.ENDING, RunState.FAILED}),
+    RunState.SERVING: frozenset({RunState.ENDING, RunState.FAILED}),
+    RunState.ENDING: frozenset({RunState.ENDED, RunState.FAILED}),
+    RunState.ENDED: frozenset(),
+    RunState.FAILED: frozenset({RunState.ENDED}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A run was asked to move to a state its table does not allow (a gatewayd bug)."""
+
+
+class _Strict(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+
+class Grant(_Strict):
+    """The system grant behind a run (reference note 004's ExecutionGrant)."""
+
+    allowSandbox: bool = False
+
+
+class RunLimits(_Strict):
+    maxRuntimeSec: int = pydantic.Field(default=3600, gt=0, le=7 * 24 * 3600)
+    maxMemoryMb: int = pydantic.Field(default=2048, gt=0, le=1 << 20)
+
+
+class RunRequest(_Strict):
+    """What a caller may ask for. It has no runId field: gatewayd makes the id."""
+
+    workspacePath: str
+    policy: str
+    actorId: str = pydantic.Field(min_length=1, max_length=200)
+    tenantId: str = pydantic.Field(min_length=1, max_length=200)
+    grant: Grant = Grant()
+    toolIds: tuple[str, ...] | None = None
+    limits: RunLimits = RunLimits()
+    taskInput: str = ""
+    graphId: str = "sandbox:task"
+    billingAccountId: str | None = None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _no_run_id(cls, data: object) -> object:
+        if isinstance(data, dict) and "runId" in data:
+            raise ValueError("runId is assigned by gatewayd and cannot be supplied by the caller")
+        return data
+
+
+def format_validation_error(exc: pydantic.ValidationError) -> str:
+    """One line per problem, naming the field by its dotted path."""
+    lines = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(request)"
+        lines.append(f"{where}: {err['msg']}")
+    return "; ".join(lines)
+
+
+def new_run_id() -> str:
+    """A fresh run id: 32 lowercase hex characters from the OS CSPRNG."""
+    return secrets.token_hex(RUN_ID_BYTES)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunSpec:
+    """A run as gatewayd made it: the request plus what gatewayd decided."""
+
+    runId: str
+    request: RunRequest
+    workspace: Path
+    policy: Policy
+    policy_source: str
+    grants: tuple[PathGrant, ...]
+    rules: RunRules
+
+
+@dataclass(eq=False, kw_only=True)
+class Run:
+    """A live run: its spec, its directory and socket, and what it has done so far."""
+
+    spec: RunSpec
+    directory: Path
+    socket_path: Path
+    state: RunState = RunState.CREATED
+    bucket: TokenBucket
+    limiter: trio.CapacityLimiter
+    calls: int = 0
+    allowed: int = 0
+    denied: int = 0
+    denied_by_code: dict[str, int] = field(default_factory=dict)
+    cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    finished: trio.Event = field(default_factory=trio.Event)
+    end_reason: str = "ended"
+
+    @property
+    def run_id(self) -> str:
+        return self.spec.runId
+
+    def move_to(self, new: RunState) -> None:
+        """Change state by the table; an illegal move fails the run and raises."""
+        if new not in TRANSITIONS[self.state]:
+            old = self.state
+            if RunState.FAILED in TRANSITIONS[old]:
+                self.state = RunState.FAILED
+            raise IllegalTransition(f"run {self.run_id}: {old} -> {new} is not allowed")
+        self.state = new
+
+    def count(self, error_code: str | None) -> None:
+        """Tally one finished call."""
+        self.calls += 1
+        if error_code is None:
+            self.allowed += 1
+        else:
+            self.denied += 1
+            self.denied_by_code[error_code] = self.denied_by_code.get(error_code, 0) + 1
+
+    def summary(self) -> dict[str, object]:
+        """What the control socket and `gatewayd run` show about a run."""
+        return {
+            "runId": self.run_id,
+            "state": str(self.state),
+            "actorId": self.spec.request.actorId,
+            "tenantId": self.spec.request.tenantId,
+            "policy": self.spec.policy.name,
+            "workspace": str(self.spec.workspace),
+            "socket": str(self.socket_path),
+            "calls": self.calls,
+            "allowed": self.allowed,
+            "denied": self.denied,
+            "deniedByCode": dict(self.denied_by_code),
+        }
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` as a 0700 directory owned by us, refusing anything else there."""
+    path.mkdir(mode=0o700, parents=False, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise RuntimeError(f"{path} exists and is not a directory owned by uid {os.geteuid()}")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
+class RunRegistry:
+    """The runs this daemon serves, under ``state_dir/runs/<runId>/``."""
+
+    def __init__(self, state_dir: Path, *, policy_loader: PolicyLoader) -> None:
+        self.state_dir = state_dir
+        self.runs_dir = state_dir / "runs"
+        self._load_policy = policy_loader
+        self._runs: dict[str, Run] = {}
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        make_private_dir(state_dir)
+        make_private_dir(self.runs_dir)
+
+    def get(self, run_id: str) -> Run | None:
+        return self._runs.get(run_id)
+
+    def all(self) -> list[Run]:
+        return list(self._runs.values())
+
+    def create(self, request: RunRequest) -> Run:
+        """Make a run from ``request``; raises AuthzDenied without the sandbox grant.
+
+        Error handling: AuthzDenied when the grant lacks allowSandbox; PolicyError when
+        the policy cannot be loaded or bound; ValueError for a bad workspace.
+        """
+        if not request.grant.allowSandbox:
+            raise AuthzDenied(
+                "run refused: its grant lacks allowSandbox: true. Sandbox runs need a "
+                "system grant; they cannot be started from a user-facing request."
+            )
+        workspace = Path(request.workspacePath)
+        if not workspace.is_absolute():
+            raise ValueError(f"workspacePath must be absolute, got {request.workspacePath!r}")
+        if not workspace.is_dir():
+            raise ValueError(f"workspacePath {request.workspacePath!r} is not a directory")
+        workspace = workspace.resolve(strict=True)
+        policy, source = self._load_policy(request.policy)
+        grants = bind_paths(policy, workspace)
+        rules = RunRules(
+            tool_patterns=tuple(policy.tools.allow),
+            run_tool_ids=request.toolIds,
+            grants=grants,
+        )
+        run_id = new_run_id()
+        directory = self.runs_dir / run_id
+        socket_path = directory / SOCKET_NAME
+        if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+            raise ValueError(
+                f"state directory {self.state_dir} is too long for a unix socket path; "
+                "choose a shorter --state-dir"
+            )
+        directory.mkdir(mode=0o700)  # a fresh id: an existing directory is an error
+        limits = policy.limits
+        run = Run(
+            spec=RunSpec(
+                runId=run_id,
+                request=request,
+                workspace=workspace,
+                policy=policy,
+                policy_source=source,
+                grants=grants,
+                rules=rules,
+            ),
+            directory=directory,
+            socket_path=socket_path,
+            bucket=TokenBucket(rate=limits.calls_per_second, burst=limits.burst),
+            limiter=trio.CapacityLimiter(limits.max_concurrent_calls),
+        )
+        self._runs[run_id] = run
+        return run
+
+    def remove(self, run: Run) -> None:
+        """Forget ``run`` and delete its directory (socket included)."""
+        self._runs.pop(run.run_id, None)
+        shutil.rmtree(run.directory, ignore_errors=True)
+
+
+class PolicyLoader:
+    """Turns the request's ``policy`` string into a loaded policy.
+
+    A bare name (``demo``) is looked up as ``<name>.yaml`` in the configured policy
+    directories; a path is loaded as is. Returns (policy, source path).
+    """
+
+    def __init__(self, search_dirs: tuple[Path, ...]) -> None:
+        self.search_dirs = search_dirs
+
+    def __call__(self, ref: str) -> tuple[Policy, str]:
+        from gatewayd.policy import PolicyError, load_policy
+
+        if "/" in ref or ref.endswith((".yaml", ".yml")):
+            path = Path(ref)
+        else:
+            candidates = [d / f"{ref}.yaml" for d in self.search_dirs]
+            found = [c for c in candidates if c.is_file()]
+            if not found:
+                where = ", ".join(str(d) for d in self.search_dirs) or "(none configured)"
+                raise PolicyError(ref, [f"no policy named {ref!r} in {where}"])
+            path = found[0]
+        if not path.is_file():
+            raise PolicyError(str(path), ["policy file not found"])
+        return load_policy(path), str(path)

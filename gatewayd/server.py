@@ -1,0 +1,192 @@
+"""trio listeners for run sockets: a thin adapter that moves bytes to and from the
+sans-IO protocol and hands requests to the dispatcher.
+
+Resource handling: every connection is owned by its run's nursery and every call by
+its connection's nursery; a handler catches its own errors and closes its stream in
+``finally``, so one bad client or one bad run never takes the daemon down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+from pathlib import Path
+from typing import Final
+
+import structlog
+import trio
+
+from gatewayd.dispatch import Dispatcher, Peer
+from gatewayd.protocol import (
+    NEED_DATA,
+    FrameDecoder,
+    FrameError,
+    RequestReceived,
+    Response,
+    encode_response,
+)
+from gatewayd.runs import Run, RunState
+
+log = structlog.get_logger("gatewayd.server")
+
+# A connection with no frame in progress may stay open this long: agents keep one
+# connection for a whole run but may think for minutes between calls.
+IDLE_TIMEOUT_S: Final = 300.0
+# Once a frame's first byte arrives, the rest must follow within this: a client
+# that dribbles bytes (slowloris) loses its connection, not the daemon's memory.
+FRAME_TIMEOUT_S: Final = 10.0
+# A client that does not read its responses is dropped after this.
+SEND_TIMEOUT_S: Final = 30.0
+# Requests one connection may have in flight before we stop reading from it.
+MAX_INFLIGHT_PER_CONNECTION: Final = 32
+RECV_CHUNK: Final = 64 * 1024
+LISTEN_BACKLOG: Final = 128
+
+_PEERCRED: Final = struct.Struct("3i")
+
+
+def peer_credentials(sock: trio.socket.SocketType) -> Peer:
+    """The pid, uid and gid of the process that connected (SO_PEERCRED)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return Peer(pid=pid, uid=uid, gid=gid)
+
+
+async def open_unix_listener(path: Path, *, mode: int = 0o600) -> trio.SocketListener:
+    """Listen on a fresh unix socket at ``path`` (which must not exist).
+
+    The socket is bound under a temporary name, given its mode, set listening, and
+    only then renamed into place: a client that sees ``path`` can connect at once,
+    and never finds it with the wrong permissions.
+    """
+    staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await sock.bind(os.fspath(staging))
+        os.chmod(staging, mode)
+        sock.listen(LISTEN_BACKLOG)
+        os.rename(staging, path)
+    except BaseException:
+        sock.close()
+        staging.unlink(missing_ok=True)
+        raise
+    return trio.SocketListener(sock)
+
+
+class Connection:
+    """One client connection to a run's socket."""
+
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        run: Run,
+        dispatcher: Dispatcher,
+        *,
+        max_frame_bytes: int,
+    ) -> None:
+        self.stream = stream
+        self.run = run
+        self.dispatcher = dispatcher
+        self.decoder = FrameDecoder(max_frame_bytes)
+        self.peer = peer_credentials(stream.socket)
+        self._send_lock = trio.Lock()
+        self._inflight = trio.Semaphore(MAX_INFLIGHT_PER_CONNECTION)
+
+    async def serve(self) -> None:
+        """Read frames until EOF, a fatal frame error or a timeout; answer each."""
+        try:
+            async with trio.open_nursery() as calls:
+                await self._read_loop(calls)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away; its calls were audited as they ran
+        except Exception:
+            log.exception("connection_failed", run_id=self.run.run_id, peer_pid=self.peer.pid)
+        finally:
+            await trio.aclose_forcefully(self.stream)
+
+    async def _read_loop(self, calls: trio.Nursery) -> None:
+        partial_since: float | None = None
+        while True:
+            event = self.decoder.next_event()
+            if event is NEED_DATA:
+                if self.decoder.buffered and partial_since is None:
+                    partial_since = trio.current_time()
+                deadline = (
+                    trio.current_time() + IDLE_TIMEOUT_S
+                    if partial_since is None
+                    else partial_since + FRAME_TIMEOUT_S
+                )
+                with trio.move_on_at(deadline):
+                    data = await self.stream.receive_some(RECV_CHUNK)
+                    if not data:
+                        return  # EOF: the nursery still waits for calls in flight
+                    self.decoder.receive_data(data)
+                    continue
+                log.info(
+                    "connection_timeout",
+                    run_id=self.run.run_id,
+                    partial_frame=partial_since is not None,
+                )
+                return
+            partial_since = None
+            if isinstance(event, FrameError):
+                reply = self.dispatcher.refuse_frame(self.run, event, self.peer)
+                await self._send(reply.response)
+                calls.start_soon(self.dispatcher.settle, reply)
+                if event.fatal:
+                    return
+                continue
+            await self._inflight.acquire()
+            calls.start_soon(self._call, event)
+
+    async def _call(self, event: RequestReceived) -> None:
+        try:
+            reply = await self.dispatcher.handle(self.run, event.request, self.peer)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._send(reply.response)
+        finally:
+            self._inflight.release()
+        await self.dispatcher.settle(reply)
+
+    async def _send(self, response: Response) -> None:
+        data = encode_response(response)
+        async with self._send_lock:
+            with trio.move_on_after(SEND_TIMEOUT_S) as scope:
+                await self.stream.send_all(data)
+        if scope.cancelled_caught:
+            log.info("client_not_reading", run_id=self.run.run_id, peer_pid=self.peer.pid)
+            await trio.aclose_forcefully(self.stream)
+
+
+async def serve_run(
+    run: Run,
+    dispatcher: Dispatcher,
+    *,
+    max_frame_bytes: int,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen on the run's socket until ``run.cancel_scope`` is cancelled.
+
+    Resource handling: the listener and every connection are closed on exit; the
+    socket file is removed with the run's directory by the registry.
+    """
+    listener = await open_unix_listener(run.socket_path)
+    with run.cancel_scope:
+        async with listener, trio.open_nursery() as connections:
+            run.move_to(RunState.SERVING)
+            task_status.started()
+            while True:
+                try:
+                    stream = await listener.accept()
+                except OSError as exc:  # e.g. EMFILE: keep serving the others
+                    log.warning("accept_failed", run_id=run.run_id, error=str(exc))
+                    await trio.sleep(0.05)
+                    continue
+                try:
+                    conn = Connection(stream, run, dispatcher, max_frame_bytes=max_frame_bytes)
+                except OSError:
+                    await trio.aclose_forcefully(stream)
+                    continue
+                connections.start_soon(conn.serve)

@@ -1,0 +1,15 @@
+"""Host tool runners, one module per family; :func:`builtin_tools` is the set gatewayd ships."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gatewayd.tools.clock import TIME_NOW
+from gatewayd.tools.fs import FS_EDIT, FS_LIST, FS_READ, FS_STAT, FS_WRITE
+from gatewayd.tools.registry import ToolSpec
+
+
+def builtin_tools() -> dict[str, ToolSpec[Any]]:
+    """The built-in host tools by name: time.now and the fs.* file tools."""
+    specs: tuple[ToolSpec[Any], ...] = (TIME_NOW, FS_READ, FS_WRITE, FS_EDIT, FS_LIST, FS_STAT)
+    return {spec.name: spec for spec in specs}

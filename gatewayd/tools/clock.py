@@ -1,0 +1,44 @@
+"""``time.now``: the host's wall-clock time, because a sandbox's clock is not to be trusted."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from gatewayd.policy.paths import ResolvedPath
+from gatewayd.tools.registry import ToolContext, ToolSpec
+
+
+class NowArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """time.now takes no arguments."""
+
+
+def iso_utc(epoch_ns: int) -> str:
+    """``2026-01-02T03:04:05.678Z``: ISO 8601 in UTC, milliseconds, rounded down."""
+    seconds, millis = divmod(epoch_ns // 1_000_000, 1000)
+    # Integer seconds: a float timestamp could round .9995 s up into the next second.
+    moment = datetime.fromtimestamp(seconds, tz=UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{millis:03d}Z"
+
+
+def now_value(epoch_ns: int) -> dict[str, Any]:
+    """The result for a moment given in nanoseconds since the epoch (millisecond precision)."""
+    return {"iso": iso_utc(epoch_ns), "epochMs": epoch_ns // 1_000_000, "timezone": "UTC"}
+
+
+async def run_now(
+    _args: NowArgs, _ctx: ToolContext, _resolved: tuple[ResolvedPath, ...]
+) -> dict[str, Any]:
+    """``{"iso": "2026-01-02T03:04:05.678Z", "epochMs": ..., "timezone": "UTC"}``."""
+    return now_value(time.time_ns())
+
+
+TIME_NOW: ToolSpec[NowArgs] = ToolSpec(
+    name="time.now",
+    summary="The current time on the host, in UTC (ISO 8601 and milliseconds since the epoch).",
+    args_type=NowArgs,
+    run=run_now,
+)

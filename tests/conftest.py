@@ -1,0 +1,164 @@
+"""Shared fixtures: an in-process gatewayd on real unix sockets, and policy files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import tempfile
+import textwrap
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.runs import Grant, Run, RunRequest
+from gatewayd.tools import builtin_tools
+from gatewayd.tools.registry import ToolSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+HEADER = struct.Struct(">I")
+
+OPEN_POLICY = """
+version: 1
+name: test-open
+tools:
+  allow: [time.now, "fs.*"]
+filesystem:
+  paths:
+    workspace: {root: ., mode: rw, suffixes: [.txt, .md, .json], max_file_bytes: 100000}
+    docs: {root: docs, mode: ro}
+limits:
+  call_timeout_s: 5
+  calls_per_second: 100000
+  burst: 100000
+  max_concurrent_calls: 64
+"""
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A short temporary directory: unix socket paths must fit in 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="cg-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def workspace(short_tmp: Path) -> Path:
+    ws = short_tmp / "ws"
+    (ws / "docs").mkdir(parents=True)
+    (ws / "notes.md").write_text("line one\nline two\n")
+    (ws / "docs" / "guide.md").write_text("# guide\n")
+    return ws
+
+
+def write_policy(directory: Path, text: str, name: str = "policy.yaml") -> Path:
+    path = directory / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+class Gateway:
+    """An in-process daemon plus helpers to create runs and talk to them."""
+
+    def __init__(self, daemon: Daemon, base: Path) -> None:
+        self.daemon = daemon
+        self.base = base
+        self.audit_path = daemon.config.resolved_audit_path
+
+    async def create_run(
+        self,
+        workspace: Path,
+        policy: str = OPEN_POLICY,
+        *,
+        allow_sandbox: bool = True,
+        tool_ids: tuple[str, ...] | None = None,
+    ) -> Run:
+        path = write_policy(self.base, policy, name=f"p{len(os.listdir(self.base))}.yaml")
+        request = RunRequest(
+            workspacePath=str(workspace),
+            policy=str(path),
+            actorId="tester",
+            tenantId="t1",
+            grant=Grant(allowSandbox=allow_sandbox),
+            toolIds=tool_ids,
+        )
+        return await self.daemon.start_run(request)
+
+    async def audit_entries(self) -> list[dict[str, Any]]:
+        """Every entry so far, after making all recorded entries durable (result entries
+        are synced just after their response)."""
+        await self.daemon.audit.durable(self.daemon.audit.last_seq)
+        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
+
+
+@pytest.fixture
+async def gateway(short_tmp: Path) -> AsyncIterator[Gateway]:
+    async with make_gateway(short_tmp) as gw:
+        yield gw
+
+
+def make_gateway(base: Path, tools: dict[str, ToolSpec[Any]] | None = None) -> Any:
+    """An async context manager giving a Gateway rooted at ``base``."""
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def cm() -> AsyncIterator[Gateway]:
+        policies = base / "policies"
+        policies.mkdir(exist_ok=True)
+        config = DaemonConfig(state_dir=base / "state", policy_dirs=(policies,))
+        async with open_daemon(config, tools=tools or builtin_tools()) as daemon:
+            yield Gateway(daemon, policies)
+
+    return cm()
+
+
+# --- raw framing for tests that must send exactly the bytes they want ---------------
+
+
+def frame(obj: Any) -> bytes:
+    body = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+    return HEADER.pack(len(body)) + body
+
+
+async def read_frame(stream: trio.abc.ReceiveStream, buf: bytearray) -> dict[str, Any] | None:
+    """The next frame decoded, or None at EOF."""
+    while True:
+        if len(buf) >= 4:
+            (n,) = HEADER.unpack_from(buf)
+            if len(buf) >= 4 + n:
+                body = bytes(buf[4 : 4 + n])
+                del buf[: 4 + n]
+                result: dict[str, Any] = json.loads(body)
+                return result
+        data = await stream.receive_some(65536)
+        if not data:
+            return None
+        buf += data
+
+
+async def raw_exchange(sock: Path, payload: bytes, *, expect: int = 1) -> list[dict[str, Any]]:
+    """Send ``payload`` on a fresh connection and read up to ``expect`` frames."""
+    stream = await trio.open_unix_socket(str(sock))
+    out: list[dict[str, Any]] = []
+    async with stream:
+        await stream.send_all(payload)
+        buf = bytearray()
+        with trio.fail_after(10):
+            while len(out) < expect:
+                msg = await read_frame(stream, buf)
+                if msg is None:
+                    break
+                out.append(msg)
+    return out
+
+
+def request(run: Run, tool: str, args: dict[str, Any] | None = None, tcid: str = "c1") -> dict:
+    return {"v": 1, "runId": run.run_id, "toolCallId": tcid, "tool": tool, "args": args or {}}

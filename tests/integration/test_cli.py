@@ -1,0 +1,289 @@
+"""The command lines as an operator and an agent use them: `gatewayd run`, `gatewayd
+serve` with curl on the control socket, `cogni-tool` exit codes, `policy check`,
+`audit verify/show`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import OPEN_POLICY, ROOT, write_policy
+from tests.livedaemon import start_daemon
+
+BIN = Path(sys.executable).parent
+GATEWAYD = str(BIN / "gatewayd")
+ENV = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cg-cli-", dir="/tmp"))
+    (path / "ws" / "docs").mkdir(parents=True)
+    (path / "ws" / "notes.md").write_text("hello\n")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def gw_run(
+    base: Path,
+    *cmd: str,
+    policy: str = OPEN_POLICY,
+    extra_env: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:
+    pol = write_policy(base, policy)
+    return subprocess.run(
+        [
+            GATEWAYD,
+            "run",
+            "--state-dir",
+            str(base / "state"),
+            "--workspace",
+            str(base / "ws"),
+            "--policy",
+            str(pol),
+            *extra,
+            "--",
+            *cmd,
+        ],
+        capture_output=True,
+        text=True,
+        env={**ENV, **(extra_env or {})},
+        timeout=120,
+    )
+
+
+def test_gatewayd_run_serves_the_command_and_reports_the_audit_path(base: Path) -> None:
+    proc = gw_run(base, "cogni-tool", "exec", "time.now", "{}")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["timezone"] == "UTC"
+    assert "1 calls, 1 allowed, 0 denied" in proc.stderr
+    assert f"audit log {base / 'state' / 'audit' / 'audit.jsonl'}" in proc.stderr
+    verify = subprocess.run(
+        [GATEWAYD, "audit", "verify", str(base / "state/audit/audit.jsonl")],
+        capture_output=True,
+        text=True,
+    )
+    assert verify.returncode == 0 and verify.stdout.startswith("OK")
+
+
+def test_gatewayd_run_exits_with_the_commands_status(base: Path) -> None:
+    assert gw_run(base, "sh", "-c", "exit 7").returncode == 7
+    assert gw_run(base, "sh", "-c", "kill -TERM $$").returncode == 128 + 15
+
+
+def test_the_command_gets_only_allowlisted_environment(base: Path) -> None:
+    proc = gw_run(base, "env", extra_env={"PROVIDER_API_KEY": "sk-host-secret"})
+    assert proc.returncode == 0
+    env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert "sk-host-secret" not in proc.stdout
+    assert set(env) <= {
+        "PATH",
+        "HOME",
+        "LANG",
+        "LC_ALL",
+        "TERM",
+        "TZ",
+        "COGNI_GATEWAY_SOCK",
+        "COGNI_RUN_ID",
+    }
+    assert len(env["COGNI_RUN_ID"]) == 32
+
+
+@pytest.mark.parametrize(
+    ("script", "code"),
+    [
+        ('cogni-tool exec fs.read \'{"path": "/etc/passwd"}\'', 15),
+        ("cogni-tool exec no.such '{}'", 14),
+        ("cogni-tool exec fs.read '{\"path\": 3}'", 16),
+        ('cogni-tool exec fs.read \'{"path": "missing.md"}\'', 20),
+        ("COGNI_RUN_ID=0123 cogni-tool exec time.now '{}'", 12),
+        ("cogni-tool exec time.now 'not json'", 2),
+        ("COGNI_GATEWAY_SOCK= cogni-tool exec time.now '{}'", 3),
+    ],
+)
+def test_cogni_tool_exit_codes_in_a_real_run(base: Path, script: str, code: int) -> None:
+    proc = gw_run(base, "sh", "-c", f"{script}; echo EXIT=$?")
+    assert f"EXIT={code}" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_a_spec_without_the_sandbox_grant_is_refused(base: Path) -> None:
+    spec = base / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "workspacePath": str(base / "ws"),
+                "policy": str(write_policy(base, OPEN_POLICY)),
+                "actorId": "u",
+                "tenantId": "t",
+                "grant": {"allowSandbox": False},
+            }
+        )
+    )
+    proc = subprocess.run(
+        [GATEWAYD, "run", "--state-dir", str(base / "state"), "--spec", str(spec), "--", "true"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+    )
+    assert proc.returncode == 1
+    assert "authz_denied" in proc.stderr and "allowSandbox" in proc.stderr
+    show = subprocess.run(
+        [GATEWAYD, "audit", "show", str(base / "state/audit/audit.jsonl")],
+        capture_output=True,
+        text=True,
+    )
+    assert "run_refused" in show.stdout
+
+
+def test_policy_check_summarizes_or_names_the_bad_field(base: Path) -> None:
+    ok = subprocess.run(
+        [GATEWAYD, "policy", "check", str(ROOT / "policies/examples/demo.yaml")],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0 and "fs.read" in ok.stdout
+    bad = write_policy(
+        base,
+        "version: 1\nname: x\nfilesystem:\n  paths:\n    w: {root: ., mode: rwx}\n",
+        name="bad.yaml",
+    )
+    proc = subprocess.run([GATEWAYD, "policy", "check", str(bad)], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "bad.yaml" in proc.stderr and "filesystem.paths.w.mode" in proc.stderr
+
+
+def test_audit_verify_fails_on_a_tampered_log_and_show_filters(base: Path) -> None:
+    proc = gw_run(
+        base,
+        "sh",
+        "-c",
+        "cogni-tool exec time.now '{}'; cogni-tool exec fs.read '{\"path\": \"/etc\"}'; true",
+    )
+    assert proc.returncode == 0
+    audit = base / "state/audit/audit.jsonl"
+    denied = subprocess.run(
+        [GATEWAYD, "audit", "show", "--denied", str(audit)], capture_output=True, text=True
+    )
+    assert "policy_denied" in denied.stdout and "time.now" not in denied.stdout
+    data = audit.read_bytes().replace(b'"decision":"deny"', b'"decision":"allow"', 1)
+    audit.write_bytes(data)
+    verify = subprocess.run(
+        [GATEWAYD, "audit", "verify", str(audit)], capture_output=True, text=True
+    )
+    assert verify.returncode == 1 and "OK" not in verify.stdout.split("\n")[0]
+
+
+def test_serve_control_socket_works_with_curl(base: Path) -> None:
+    daemon = start_daemon(base / "state")
+    try:
+        sock = str(daemon.control_socket)
+
+        def curl(*args: str) -> tuple[int, dict]:
+            out = subprocess.run(
+                ["curl", "-s", "-w", "\n%{http_code}", "--unix-socket", sock, *args],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
+            body, status = out.rsplit("\n", 1)
+            return int(status), json.loads(body)
+
+        status, created = curl(
+            "-X",
+            "POST",
+            "-H",
+            "content-type: application/json",
+            "-d",
+            json.dumps(
+                {
+                    "workspacePath": str(base / "ws"),
+                    "policy": "demo",
+                    "actorId": "op",
+                    "tenantId": "t",
+                    "grant": {"allowSandbox": True},
+                }
+            ),
+            "http://gatewayd/v1/runs",
+        )
+        assert status == 201, created
+        run_id = created["run"]["runId"]
+        assert Path(created["run"]["socket"]).is_socket()
+        status, listing = curl("http://gatewayd/v1/runs")
+        assert status == 200 and [r["runId"] for r in listing["runs"]] == [run_id]
+        status, refused = curl(
+            "-X",
+            "POST",
+            "-d",
+            json.dumps(
+                {
+                    "workspacePath": str(base / "ws"),
+                    "policy": "demo",
+                    "actorId": "op",
+                    "tenantId": "t",
+                }
+            ),
+            "http://gatewayd/v1/runs",
+        )
+        assert status == 403 and refused["errorCode"] == "authz_denied"
+        status, bad = curl("-X", "POST", "-d", "{", "http://gatewayd/v1/runs")
+        assert status == 400 and bad["errorCode"] == "bad_request"
+        status, bad = curl(
+            "-X", "POST", "-d", json.dumps({"runId": "x"}), "http://gatewayd/v1/runs"
+        )
+        assert status == 400 and "assigned by gatewayd" in bad["message"]
+        status, ended = curl("-X", "DELETE", f"http://gatewayd/v1/runs/{run_id}")
+        assert status == 200 and ended["run"]["state"] == "ended"
+        status, _ = curl(f"http://gatewayd/v1/runs/{run_id}")
+        assert status == 404
+        assert daemon.stop() == 0
+        verify = subprocess.run(
+            [GATEWAYD, "audit", "verify", str(daemon.audit_path)], capture_output=True, text=True
+        )
+        assert verify.returncode == 0, verify.stdout
+        assert not daemon.control_socket.exists()
+    finally:
+        daemon.stop()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("runuser"),
+    reason="needs root and runuser to act as another user",
+)
+def test_control_socket_refuses_other_users(base: Path) -> None:
+    daemon = start_daemon(base / "state")
+    try:
+        sock = str(daemon.control_socket)
+        cmd = [
+            "runuser",
+            "-u",
+            "nobody",
+            "--",
+            "curl",
+            "-s",
+            "--unix-socket",
+            sock,
+            "http://gatewayd/v1/runs",
+        ]
+        # Layer 1: the 0700 state directory keeps other users from the socket at all.
+        first = subprocess.run(cmd, capture_output=True, text=True)
+        assert first.returncode != 0 and "runs" not in first.stdout
+        # Layer 2: even if permissions were loosened, the peer check says no.
+        os.chmod(base, 0o755)
+        os.chmod(daemon.state, 0o755)
+        os.chmod(sock, 0o777)
+        second = subprocess.run(cmd, capture_output=True, text=True)
+        assert second.stdout, (second.returncode, second.stderr)
+        assert json.loads(second.stdout)["errorCode"] == "authz_denied"
+    finally:
+        daemon.stop()

@@ -1,0 +1,123 @@
+"""The run socket under load and abuse: pipelining with out-of-order answers, slow,
+silent and non-reading clients that must not hold anyone else up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+
+from gatewayd import server
+from gatewayd.tools import builtin_tools
+from gatewayd.tools.registry import ToolContext, ToolSpec
+from tests.conftest import frame, make_gateway, raw_exchange, read_frame, request
+
+
+class _Nap(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    seconds: float = 0.3
+
+
+async def _nap(args: _Nap, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+    await trio.sleep(args.seconds)
+    return {"slept": args.seconds}
+
+
+TOOLS: dict[str, ToolSpec[Any]] = {
+    **builtin_tools(),
+    "test.nap": ToolSpec(name="test.nap", summary="sleeps", args_type=_Nap, run=_nap),
+}
+POLICY = """
+version: 1
+name: server-tests
+tools: {allow: [time.now, test.nap]}
+limits: {call_timeout_s: 5, calls_per_second: 10000, burst: 10000, max_concurrent_calls: 2}
+"""
+
+
+async def test_pipelined_requests_are_answered_out_of_order_with_their_ids(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        payload = frame(request(run, "test.nap", {"seconds": 0.3}, tcid="slow")) + frame(
+            request(run, "time.now", tcid="fast")
+        )
+        first, second = await raw_exchange(run.socket_path, payload, expect=2)
+        assert first["toolCallId"] == "fast" and first["ok"]
+        assert second["toolCallId"] == "slow" and second["value"] == {"slept": 0.3}
+
+
+async def test_a_stalled_partial_frame_neither_blocks_others_nor_lives_forever(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.5)
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        stalled = await trio.open_unix_socket(str(run.socket_path))
+        await stalled.send_all(frame(request(run, "time.now"))[:7])
+        silent = await trio.open_unix_socket(str(run.socket_path))
+        with trio.fail_after(2):
+            [resp] = await raw_exchange(run.socket_path, frame(request(run, "time.now")))
+        assert resp["ok"]
+        with trio.fail_after(3):  # the stalled connection is closed by the server
+            assert await stalled.receive_some(100) == b""
+        await stalled.aclose()
+        await silent.aclose()
+
+
+async def test_a_client_that_never_reads_does_not_hold_up_others(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "SEND_TIMEOUT_S", 0.5)
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        hog = await trio.open_unix_socket(str(run.socket_path))
+        # Enough tools.list calls that the answers overflow the socket buffers.
+        burst = b"".join(frame(request(run, "tools.list", tcid=f"h{i}")) for i in range(400))
+        with trio.move_on_after(2):
+            await hog.send_all(burst)
+        with trio.fail_after(5):
+            [resp] = await raw_exchange(run.socket_path, frame(request(run, "time.now")))
+        assert resp["ok"]
+        await hog.aclose()
+
+
+async def test_per_run_concurrency_is_bounded(short_tmp: Path, workspace: Path) -> None:
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)  # max_concurrent_calls: 2
+        payload = b"".join(
+            frame(request(run, "test.nap", {"seconds": 0.3}, tcid=f"n{i}")) for i in range(4)
+        )
+        start = trio.current_time()
+        responses = await raw_exchange(run.socket_path, payload, expect=4)
+        elapsed = trio.current_time() - start
+        assert sorted(r["toolCallId"] for r in responses) == ["n0", "n1", "n2", "n3"]
+        assert all(r["ok"] for r in responses)
+        # 4 naps of 0.3 s, two at a time, cannot finish in less than two rounds.
+        assert elapsed >= 0.55
+
+
+async def test_many_connections_from_one_client_each_get_their_answers(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        results: list[dict[str, Any]] = []
+
+        async def one(i: int) -> None:
+            stream = await trio.open_unix_socket(str(run.socket_path))
+            async with stream:
+                for j in range(5):
+                    await stream.send_all(frame(request(run, "time.now", tcid=f"c{i}-{j}")))
+                    msg = await read_frame(stream, bytearray())
+                    assert msg is not None
+                    results.append(msg)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(30):
+                nursery.start_soon(one, i)
+        assert len(results) == 150 and all(r["ok"] for r in results)
+        assert len({r["toolCallId"] for r in results}) == 150

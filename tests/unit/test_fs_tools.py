@@ -1,0 +1,779 @@
+"""The fs.* tools on real directories, called through their ToolSpecs under trio."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import re
+import stat
+from collections.abc import Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import msgspec
+import pytest
+import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
+from gatewayd.policy.paths import PathAccess, PathGrant, PathMode, ResolvedPath
+from gatewayd.tools import builtin_tools, fs
+from gatewayd.tools.beneath import Resolver, forced_resolver, openat2_available
+from gatewayd.tools.fs import Glob, LineWindow, sniff_image
+from gatewayd.tools.registry import ToolContext
+
+SECRET = "OUTSIDE-SECRET"
+VISIBLE_ROOT = PurePosixPath("/workspace")
+DEFAULT_OUTPUT = 1 << 20
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
+TOOLS = builtin_tools()
+
+
+@pytest.fixture(params=[Resolver.OPENAT2, Resolver.WALK], ids=["openat2", "walk"])
+def resolver(request: pytest.FixtureRequest) -> Iterator[Resolver]:
+    wanted: Resolver = request.param
+    if wanted is Resolver.OPENAT2 and not openat2_available():
+        pytest.skip("this kernel does not allow openat2")
+    with forced_resolver(wanted):
+        yield wanted
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    path = tmp_path / "root"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def outside(tmp_path: Path) -> Path:
+    path = tmp_path / "outside"
+    path.mkdir()
+    (path / "secret.txt").write_text(SECRET)
+    return path
+
+
+def make_grant(
+    host_root: Path, *, suffixes: tuple[str, ...] = (), max_file_bytes: int | None = None
+) -> PathGrant:
+    return PathGrant(
+        name="workspace",
+        host_root=host_root,
+        visible_root=VISIBLE_ROOT,
+        mode=PathMode.RW,
+        suffixes=suffixes,
+        max_file_bytes=max_file_bytes,
+    )
+
+
+def resolve(grant: PathGrant, access: PathAccess) -> ResolvedPath:
+    """What the policy hands the runner: the agent path mapped lexically onto the grant."""
+    path = PurePosixPath(access.path)
+    parts = path.parts[1:] if path.is_absolute() else (*VISIBLE_ROOT.parts[1:], *path.parts)
+    below = tuple(p for p in parts[len(VISIBLE_ROOT.parts) - 1 :] if p not in ("", "."))
+    return ResolvedPath(
+        grant=grant,
+        parts=below,
+        visible=str(VISIBLE_ROOT.joinpath(*below)),
+        access=access.access,
+    )
+
+
+async def call(
+    tool: str,
+    args: dict[str, Any],
+    grant: PathGrant,
+    *,
+    max_output_bytes: int = DEFAULT_OUTPUT,
+) -> dict[str, Any]:
+    """Validate, ask paths(), resolve and run, as dispatch does."""
+    spec = TOOLS[tool]
+    typed = msgspec.convert(args, spec.args_type)
+    resolved = tuple(resolve(grant, access) for access in spec.paths(typed))
+    ctx = ToolContext(run_id="run-1", grants=(grant,), max_output_bytes=max_output_bytes)
+    with trio.fail_after(10):
+        result: dict[str, Any] = await spec.run(typed, ctx, resolved)
+    # Every result must be JSON on the wire.
+    msgspec.json.encode(result)
+    return result
+
+
+def assert_safe(exc: GatewayError, tmp_path: Path) -> None:
+    message = str(exc)
+    assert str(tmp_path) not in message, "a host path leaked into a message"
+    assert SECRET not in message
+
+
+def tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+# --- the registry -------------------------------------------------------------------
+
+
+def test_builtin_tools_are_exactly_the_six() -> None:
+    assert set(TOOLS) == {"time.now", "fs.read", "fs.write", "fs.edit", "fs.list", "fs.stat"}
+    assert all(name == spec.name for name, spec in TOOLS.items())
+
+
+@pytest.mark.parametrize("name", sorted(TOOLS))
+def test_every_schema_describes_its_fields_and_forbids_unknown_ones(name: str) -> None:
+    spec = TOOLS[name]
+    schema = spec.args_schema()
+    body = schema["$defs"][schema["$ref"].rsplit("/", 1)[-1]]
+    assert body["additionalProperties"] is False
+    assert body.get("description")
+    for prop in body.get("properties", {}).values():
+        assert prop.get("description"), f"{name}: a field without a description"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"path": "x", "nonsense": 1}, spec.args_type)
+
+
+def test_schema_bounds_reject_out_of_range_arguments() -> None:
+    read = TOOLS["fs.read"].args_type
+    with pytest.raises(msgspec.ValidationError, match="<= 20000"):
+        msgspec.convert({"path": "a.txt", "limit": 20001}, read)
+    with pytest.raises(msgspec.ValidationError, match=">= 0"):
+        msgspec.convert({"path": "a.txt", "offset": -1}, read)
+    with pytest.raises(msgspec.ValidationError, match="<= 10000"):
+        msgspec.convert({"limit": 10001}, TOOLS["fs.list"].args_type)
+    with pytest.raises(msgspec.ValidationError, match="length >= 1"):
+        msgspec.convert({"path": "a.txt", "old": "", "new": "x"}, TOOLS["fs.edit"].args_type)
+
+
+def test_paths_name_what_each_call_touches() -> None:
+    def paths(tool: str, args: dict[str, Any]) -> tuple[PathAccess, ...]:
+        spec = TOOLS[tool]
+        return spec.paths(msgspec.convert(args, spec.args_type))
+
+    assert paths("fs.read", {"path": "a.txt"}) == (PathAccess(path="a.txt", access="read"),)
+    assert paths("fs.write", {"path": "a.txt", "content": "héllo"}) == (
+        PathAccess(path="a.txt", access="write", size=6),
+    )
+    assert paths("fs.write", {"path": "a.txt", "content": "x", "append": True}) == (
+        PathAccess(path="a.txt", access="write", size=None),
+    )
+    assert paths("fs.edit", {"path": "a.txt", "old": "a", "new": "b"}) == (
+        PathAccess(path="a.txt", access="read"),
+        PathAccess(path="a.txt", access="write"),
+    )
+    assert paths("fs.list", {}) == (PathAccess(path=".", access="read", is_dir=True),)
+    assert paths("fs.stat", {"path": "d"}) == (PathAccess(path="d", access="read"),)
+    assert paths("time.now", {}) == ()
+
+
+# --- fs.read ---------------------------------------------------------------------------
+
+
+async def test_read_returns_text_with_line_counts(resolver: Resolver, root: Path) -> None:
+    (root / "a.txt").write_text("one\ntwo\nthree")
+    result = await call("fs.read", {"path": "a.txt"}, make_grant(root))
+    assert result == {
+        "type": "text",
+        "path": "/workspace/a.txt",
+        "content": "one\ntwo\nthree",
+        "bytes": 13,
+        "totalLines": 3,
+        "offset": 0,
+        "outputLines": 3,
+        "truncated": False,
+        "truncatedBy": None,
+    }
+
+
+async def test_read_pages_by_offset_and_limit_and_says_lines_were_cut(root: Path) -> None:
+    (root / "a.txt").write_text("".join(f"line {i}\n" for i in range(10)))
+    result = await call("fs.read", {"path": "a.txt", "offset": 3, "limit": 2}, make_grant(root))
+    assert result["content"] == "line 3\nline 4\n"
+    assert (result["outputLines"], result["totalLines"]) == (2, 10)
+    assert (result["truncated"], result["truncatedBy"]) == (True, "lines")
+    last = await call("fs.read", {"path": "a.txt", "offset": 8, "limit": 5}, make_grant(root))
+    assert last["content"] == "line 8\nline 9\n"
+    assert last["truncated"] is False
+
+
+async def test_read_of_an_empty_file_is_empty_text(root: Path) -> None:
+    (root / "empty.txt").write_bytes(b"")
+    result = await call("fs.read", {"path": "empty.txt"}, make_grant(root))
+    assert (result["content"], result["totalLines"], result["truncated"]) == ("", 0, False)
+
+
+async def test_read_offset_past_the_end_is_invalid_and_says_the_line_count(root: Path) -> None:
+    (root / "a.txt").write_text("a\nb\n")
+    with pytest.raises(InvalidArguments) as caught:
+        await call("fs.read", {"path": "a.txt", "offset": 2}, make_grant(root))
+    assert str(caught.value) == (
+        "offset 2 is past the end of '/workspace/a.txt', which has 2 lines; "
+        "offsets are 0-based, so the last line is offset 1"
+    )
+
+
+async def test_read_caps_content_by_the_output_budget(root: Path) -> None:
+    (root / "a.txt").write_text("x" * 99 + "\n" + "y" * 99 + "\n" + "z\n")
+    cap = fs.OUTPUT_HEADROOM_BYTES + len("/workspace/a.txt") + 150
+    result = await call("fs.read", {"path": "a.txt"}, make_grant(root), max_output_bytes=cap)
+    assert result["content"] == "x" * 99 + "\n"
+    assert (result["truncatedBy"], result["outputLines"], result["totalLines"]) == ("bytes", 1, 3)
+    assert len(msgspec.json.encode(result)) <= cap
+
+
+async def test_read_of_one_huge_line_returns_the_prefix_that_fits(root: Path) -> None:
+    (root / "a.txt").write_text('"' * 5000)  # every quote costs two bytes in JSON
+    cap = fs.OUTPUT_HEADROOM_BYTES + len("/workspace/a.txt") + 100
+    result = await call("fs.read", {"path": "a.txt"}, make_grant(root), max_output_bytes=cap)
+    assert result["content"] == '"' * 50
+    assert result["truncatedBy"] == "bytes"
+
+
+async def test_read_over_the_grant_limit_is_refused_with_size_and_limit(
+    root: Path, tmp_path: Path
+) -> None:
+    (root / "big.txt").write_text("x" * 101)
+    with pytest.raises(PolicyViolation) as caught:
+        await call("fs.read", {"path": "big.txt"}, make_grant(root, max_file_bytes=100))
+    assert str(caught.value) == (
+        "'/workspace/big.txt' is 101 bytes, over the limit for files in '/workspace' of 100 bytes"
+    )
+    assert_safe(caught.value, tmp_path)
+
+
+async def test_read_returns_images_as_base64(root: Path) -> None:
+    (root / "pic.png").write_bytes(PNG)
+    result = await call("fs.read", {"path": "pic.png"}, make_grant(root))
+    assert result["type"] == "image"
+    assert result["mimeType"] == "image/png"
+    assert result["bytes"] == len(PNG)
+    assert base64.b64decode(result["base64"]) == PNG
+
+
+async def test_read_refuses_an_image_too_big_for_the_output_cap(root: Path) -> None:
+    (root / "pic.png").write_bytes(PNG)
+    cap = fs.OUTPUT_HEADROOM_BYTES + len("/workspace/pic.png") + 400
+    with pytest.raises(PolicyViolation) as caught:
+        await call("fs.read", {"path": "pic.png"}, make_grant(root), max_output_bytes=cap)
+    message = str(caught.value)
+    assert f"image/png image of {len(PNG)} bytes" in message
+    assert "more than the 400 bytes a tool result may hold" in message
+    assert "images up to 300 bytes can be read" in message
+
+
+@pytest.mark.parametrize(
+    ("head", "mime"),
+    [
+        (b"\x89PNG\r\n\x1a\n....", "image/png"),
+        (b"\xff\xd8\xff\xe0....", "image/jpeg"),
+        (b"GIF89a......", "image/gif"),
+        (b"GIF87a......", "image/gif"),
+        (b"RIFF\x00\x00\x00\x00WEBP", "image/webp"),
+        (b"RIFF\x00\x00\x00\x00WAVE", None),
+        (b"plain text..", None),
+    ],
+)
+def test_images_are_recognised_by_their_magic_bytes(head: bytes, mime: str | None) -> None:
+    assert sniff_image(head) == mime
+
+
+@pytest.mark.parametrize("data", [b"abc\x00def", b"caf\xe9 latin-1", b"ok\n" * 30000 + b"\xff"])
+async def test_read_of_binary_reports_binary_without_content(root: Path, data: bytes) -> None:
+    (root / "blob.bin").write_bytes(data)
+    result = await call("fs.read", {"path": "blob.bin"}, make_grant(root))
+    assert result["type"] == "binary"
+    assert result["bytes"] == len(data)
+    assert "content" not in result
+    assert "UTF-8 text" in result["note"]
+
+
+async def test_read_of_a_fifo_is_refused_and_does_not_block(resolver: Resolver, root: Path) -> None:
+    os.mkfifo(root / "pipe")
+    with pytest.raises(PolicyViolation) as caught:
+        await call("fs.read", {"path": "pipe"}, make_grant(root))
+    assert "FIFO" in str(caught.value)
+
+
+async def test_read_of_a_hard_link_to_an_outside_file_is_refused(
+    resolver: Resolver, root: Path, outside: Path, tmp_path: Path
+) -> None:
+    os.link(outside / "secret.txt", root / "hl.txt")
+    with pytest.raises(PolicyViolation) as caught:
+        await call("fs.read", {"path": "hl.txt"}, make_grant(root))
+    assert "hard links" in str(caught.value)
+    assert_safe(caught.value, tmp_path)
+
+
+async def test_read_through_a_symlink_to_outside_is_refused(
+    resolver: Resolver, root: Path, outside: Path, tmp_path: Path
+) -> None:
+    (root / "out").symlink_to(outside)
+    (root / "link.txt").symlink_to(outside / "secret.txt")
+    for path in ("out/secret.txt", "link.txt"):
+        with pytest.raises(PolicyViolation) as caught:
+            await call("fs.read", {"path": path}, make_grant(root))
+        assert_safe(caught.value, tmp_path)
+
+
+async def test_read_follows_an_inside_symlink_except_where_suffixes_are_enforced(
+    root: Path,
+) -> None:
+    if not openat2_available():
+        pytest.skip("this kernel does not allow openat2")
+    (root / "key.pem").write_text("private")
+    (root / "notes.md").symlink_to("key.pem")
+    with forced_resolver(Resolver.OPENAT2):
+        plain = await call("fs.read", {"path": "notes.md"}, make_grant(root))
+        assert plain["content"] == "private"
+        with pytest.raises(PolicyViolation) as caught:
+            await call("fs.read", {"path": "notes.md"}, make_grant(root, suffixes=(".md",)))
+    assert "'/workspace/notes.md' is a symlink" in str(caught.value)
+
+
+async def test_read_of_missing_file_or_directory_fails_helpfully(root: Path) -> None:
+    (root / "d").mkdir()
+    with pytest.raises(
+        ToolFailed, match=re.escape("'/workspace/nope.txt' does not exist; fs.list")
+    ):
+        await call("fs.read", {"path": "nope.txt"}, make_grant(root))
+    with pytest.raises(ToolFailed, match=re.escape("'/workspace/d' is a directory; fs.list")):
+        await call("fs.read", {"path": "d"}, make_grant(root))
+
+
+def _lines(text: str) -> list[str]:
+    pieces = text.split("\n")
+    lines = [p + "\n" for p in pieces[:-1]]
+    return [*lines, pieces[-1]] if pieces[-1] else lines
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from('ab\n"é\t'), max_size=200),
+    cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=6),
+    offset=st.integers(min_value=0, max_value=40),
+    limit=st.integers(min_value=1, max_value=40),
+    budget=st.integers(min_value=0, max_value=300),
+)
+def test_line_window_is_an_exact_page_within_budget_however_bytes_arrive(
+    text: str, cuts: list[int], offset: int, limit: int, budget: int
+) -> None:
+    data = text.encode()
+    window = LineWindow(offset=offset, limit=limit, budget=budget)
+    edges = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+    for start, end in itertools.pairwise(edges):
+        window.feed(data[start:end])
+    window.finish()
+    lines = _lines(text)
+    page = "".join(lines[offset : offset + limit])
+    content = "".join(window.pieces)
+    assert window.line_index == len(lines)
+    assert len(msgspec.json.encode(content)) - 2 <= budget
+    assert page.startswith(content)
+    if window.truncated_by is None:
+        assert content == page
+        assert offset + limit >= len(lines)
+    elif window.truncated_by == "lines":
+        assert content == page
+    else:
+        assert content != page
+
+
+# --- fs.write --------------------------------------------------------------------------
+
+
+async def test_write_creates_the_file_and_its_parents(resolver: Resolver, root: Path) -> None:
+    result = await call("fs.write", {"path": "a/b/c.txt", "content": "héllo"}, make_grant(root))
+    assert result == {"path": "/workspace/a/b/c.txt", "bytes": 6, "created": True}
+    assert (root / "a" / "b" / "c.txt").read_text() == "héllo"
+    assert stat.S_IMODE((root / "a" / "b" / "c.txt").stat().st_mode) & 0o600 == 0o600
+
+
+async def test_write_replaces_atomically_keeping_mode_and_leaving_no_temp_file(
+    root: Path,
+) -> None:
+    target = root / "a.txt"
+    target.write_text("old content")
+    target.chmod(0o640)
+    result = await call("fs.write", {"path": "a.txt", "content": "new"}, make_grant(root))
+    assert result["created"] is False
+    assert target.read_text() == "new"
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert tree(root) == ["a.txt"]
+
+
+async def test_write_over_a_symlink_replaces_the_link_not_the_outside_file(
+    resolver: Resolver, root: Path, outside: Path
+) -> None:
+    (root / "link.txt").symlink_to(outside / "secret.txt")
+    result = await call("fs.write", {"path": "link.txt", "content": "mine"}, make_grant(root))
+    assert result["created"] is False
+    assert (outside / "secret.txt").read_text() == SECRET
+    assert not (root / "link.txt").is_symlink()
+    assert (root / "link.txt").read_text() == "mine"
+
+
+async def test_write_through_a_symlinked_directory_to_outside_is_refused(
+    resolver: Resolver, root: Path, outside: Path, tmp_path: Path
+) -> None:
+    (root / "out").symlink_to(outside)
+    for path in ("out/new.txt", "out/deeper/new.txt"):
+        with pytest.raises(PolicyViolation) as caught:
+            await call("fs.write", {"path": path, "content": "x"}, make_grant(root))
+        assert_safe(caught.value, tmp_path)
+    assert tree(outside) == ["secret.txt"]
+
+
+async def test_write_and_edit_through_an_inside_symlinked_directory_are_refused(
+    resolver: Resolver, root: Path
+) -> None:
+    (root / "ro-docs").mkdir()
+    (root / "ro-docs" / "a.txt").write_text("abc")
+    (root / "alias").symlink_to("ro-docs")
+    with pytest.raises(PolicyViolation, match="writes never go through a symlink"):
+        await call("fs.write", {"path": "alias/new.txt", "content": "x"}, make_grant(root))
+    with pytest.raises(PolicyViolation, match="writes never go through a symlink"):
+        await call("fs.edit", {"path": "alias/a.txt", "old": "b", "new": "x"}, make_grant(root))
+    assert tree(root / "ro-docs") == ["a.txt"]
+    assert (root / "ro-docs" / "a.txt").read_text() == "abc"
+
+
+async def test_write_to_a_hard_linked_file_is_refused_and_leaves_it_alone(
+    resolver: Resolver, root: Path, outside: Path
+) -> None:
+    os.link(outside / "secret.txt", root / "hl.txt")
+    for append in (False, True):
+        with pytest.raises(PolicyViolation, match="has 2 hard links"):
+            await call(
+                "fs.write", {"path": "hl.txt", "content": "x", "append": append}, make_grant(root)
+            )
+    assert (outside / "secret.txt").read_text() == SECRET
+
+
+async def test_write_onto_a_directory_or_a_fifo_is_refused(root: Path) -> None:
+    (root / "d").mkdir()
+    os.mkfifo(root / "pipe")
+    with pytest.raises(ToolFailed, match="'/workspace/d' is a directory"):
+        await call("fs.write", {"path": "d", "content": "x"}, make_grant(root))
+    for append in (False, True):
+        with pytest.raises(PolicyViolation, match="not a regular file"):
+            await call(
+                "fs.write", {"path": "pipe", "content": "x", "append": append}, make_grant(root)
+            )
+
+
+async def test_devices_are_neither_read_nor_written(resolver: Resolver, root: Path) -> None:
+    try:
+        os.mknod(root / "null", stat.S_IFCHR | 0o666, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("making a device node needs CAP_MKNOD")
+    with pytest.raises(PolicyViolation, match="is a device, not a regular file"):
+        await call("fs.read", {"path": "null"}, make_grant(root))
+    for append in (False, True):
+        with pytest.raises(PolicyViolation, match="is a device, not a regular file"):
+            await call(
+                "fs.write", {"path": "null", "content": "x", "append": append}, make_grant(root)
+            )
+    assert stat.S_ISCHR(os.lstat(root / "null").st_mode)
+
+
+async def test_append_creates_then_appends(resolver: Resolver, root: Path) -> None:
+    grant = make_grant(root)
+    first = await call("fs.write", {"path": "log.txt", "content": "a\n", "append": True}, grant)
+    second = await call("fs.write", {"path": "log.txt", "content": "b\n", "append": True}, grant)
+    assert (first["created"], second["created"]) == (True, False)
+    assert second["bytes"] == 2
+    assert (root / "log.txt").read_text() == "a\nb\n"
+
+
+async def test_append_never_writes_through_a_symlink(
+    resolver: Resolver, root: Path, outside: Path
+) -> None:
+    (root / "link.txt").symlink_to(outside / "secret.txt")
+    with pytest.raises(PolicyViolation, match="symlink"):
+        await call(
+            "fs.write", {"path": "link.txt", "content": "x", "append": True}, make_grant(root)
+        )
+    assert (outside / "secret.txt").read_text() == SECRET
+
+
+async def test_write_and_append_over_the_grant_limit_are_refused(root: Path) -> None:
+    grant = make_grant(root, max_file_bytes=10)
+    with pytest.raises(PolicyViolation, match=r"11 bytes, over the limit .* of 10 bytes"):
+        await call("fs.write", {"path": "new/a.txt", "content": "x" * 11}, grant)
+    assert tree(root) == []  # refused before any directory was made
+    with pytest.raises(PolicyViolation, match="11 bytes, over the limit"):
+        await call("fs.write", {"path": "new.txt", "content": "x" * 11, "append": True}, grant)
+    assert tree(root) == []
+    (root / "log.txt").write_text("12345678")
+    with pytest.raises(PolicyViolation, match="11 bytes, over the limit"):
+        await call("fs.write", {"path": "log.txt", "content": "abc", "append": True}, grant)
+    assert (root / "log.txt").read_text() == "12345678"
+
+
+async def test_write_of_unencodable_text_is_invalid_arguments(root: Path) -> None:
+    with pytest.raises(InvalidArguments, match="unpaired surrogate"):
+        await call("fs.write", {"path": "a.txt", "content": "bad \ud800"}, make_grant(root))
+
+
+async def test_write_to_the_grant_root_itself_is_refused(root: Path) -> None:
+    with pytest.raises(ToolFailed, match="root of a grant"):
+        await call("fs.write", {"path": "/workspace", "content": "x"}, make_grant(root))
+
+
+# --- fs.edit ---------------------------------------------------------------------------
+
+
+async def test_edit_replaces_the_single_match(resolver: Resolver, root: Path) -> None:
+    (root / "a.py").write_text("x = 1\ny = 2\n")
+    (root / "a.py").chmod(0o600)
+    result = await call(
+        "fs.edit", {"path": "a.py", "old": "y = 2", "new": "y = 3"}, make_grant(root)
+    )
+    assert result == {"path": "/workspace/a.py", "replacements": 1, "bytes": 12}
+    assert (root / "a.py").read_text() == "x = 1\ny = 3\n"
+    assert stat.S_IMODE((root / "a.py").stat().st_mode) == 0o600
+    assert tree(root) == ["a.py"]
+
+
+async def test_edit_with_no_match_says_it_must_match_exactly(root: Path) -> None:
+    (root / "a.py").write_text("x = 1\n")
+    with pytest.raises(InvalidArguments) as caught:
+        await call("fs.edit", {"path": "a.py", "old": "x=1", "new": "x=2"}, make_grant(root))
+    assert "'old' was not found in '/workspace/a.py'" in str(caught.value)
+    assert "exactly" in str(caught.value)
+    assert (root / "a.py").read_text() == "x = 1\n"
+
+
+@pytest.mark.parametrize(("text", "old", "count"), [("a a a", "a", 3), ("aaa", "aa", 2)])
+async def test_edit_with_several_matches_asks_for_more_context(
+    root: Path, text: str, old: str, count: int
+) -> None:
+    (root / "a.txt").write_text(text)
+    with pytest.raises(InvalidArguments) as caught:
+        await call("fs.edit", {"path": "a.txt", "old": old, "new": "b"}, make_grant(root))
+    assert f"matches {count} times" in str(caught.value)
+    assert "include more context" in str(caught.value)
+    assert (root / "a.txt").read_text() == text
+
+
+async def test_edit_does_not_follow_a_final_symlink(resolver: Resolver, root: Path) -> None:
+    (root / "real.txt").write_text("abc")
+    (root / "link.txt").symlink_to("real.txt")
+    with pytest.raises(PolicyViolation, match="symlink"):
+        await call("fs.edit", {"path": "link.txt", "old": "b", "new": "x"}, make_grant(root))
+    assert (root / "real.txt").read_text() == "abc"
+
+
+async def test_edit_refuses_hard_links_and_binary_files(root: Path, outside: Path) -> None:
+    os.link(outside / "secret.txt", root / "hl.txt")
+    with pytest.raises(PolicyViolation, match="hard links"):
+        await call("fs.edit", {"path": "hl.txt", "old": "SECRET", "new": "x"}, make_grant(root))
+    (root / "b.txt").write_bytes(b"\xff\xfe")
+    with pytest.raises(
+        ToolFailed, match=re.escape("not UTF-8 text; fs.edit edits text files only")
+    ):
+        await call("fs.edit", {"path": "b.txt", "old": "a", "new": "x"}, make_grant(root))
+
+
+async def test_edit_result_over_the_limit_is_refused(root: Path) -> None:
+    (root / "a.txt").write_text("abc")
+    with pytest.raises(PolicyViolation, match="12 bytes, over the limit"):
+        await call(
+            "fs.edit",
+            {"path": "a.txt", "old": "b", "new": "b" * 10},
+            make_grant(root, max_file_bytes=11),
+        )
+    assert (root / "a.txt").read_text() == "abc"
+
+
+def test_edit_refuses_to_write_when_the_file_changed_since_it_was_read(root: Path) -> None:
+    (root / "a.txt").write_text("abc")
+    grant = make_grant(root)
+    target = resolve(grant, PathAccess(path="a.txt", access="write"))
+    before = os.stat(root / "a.txt")
+    # Someone else replaces the file between fs.edit's read and its write.
+    (root / "a.txt.new").write_text("other")
+    os.rename(root / "a.txt.new", root / "a.txt")
+    fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
+    try:
+        with pytest.raises(ToolFailed, match="changed while it was being edited"):
+            fs.replace_file(
+                fd, "a.txt", b"x", target.visible, expected=(before.st_dev, before.st_ino)
+            )
+    finally:
+        os.close(fd)
+    assert (root / "a.txt").read_text() == "other"
+
+
+# --- fs.list ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def project(root: Path, outside: Path) -> Path:
+    (root / "src").mkdir()
+    (root / "src" / "app.py").write_text("print()\n")
+    (root / "src" / "util.py").write_text("")
+    (root / "docs" / "guide").mkdir(parents=True)
+    (root / "docs" / "index.md").write_text("# hi\n")
+    (root / "docs" / "guide" / "deep.md").write_text("deep\n")
+    (root / "README.md").write_text("readme")
+    (root / "out").symlink_to(outside)
+    (outside / "leak.md").write_text(SECRET)
+    return root
+
+
+async def test_list_shows_the_directory_entries_with_types_and_sizes(
+    resolver: Resolver, project: Path
+) -> None:
+    result = await call("fs.list", {}, make_grant(project))
+    assert result == {
+        "path": "/workspace",
+        "entries": [
+            {"path": "/workspace/README.md", "type": "file", "size": 6},
+            {"path": "/workspace/docs", "type": "dir", "size": None},
+            {"path": "/workspace/out", "type": "symlink", "size": None},
+            {"path": "/workspace/src", "type": "dir", "size": None},
+        ],
+        "truncated": False,
+    }
+
+
+async def test_list_recursive_glob_never_follows_symlinks(
+    resolver: Resolver, project: Path
+) -> None:
+    result = await call("fs.list", {"pattern": "**/*.md"}, make_grant(project))
+    assert [e["path"] for e in result["entries"]] == [
+        "/workspace/README.md",
+        "/workspace/docs/guide/deep.md",
+        "/workspace/docs/index.md",
+    ]
+
+
+async def test_list_of_a_subdirectory_with_a_nested_pattern(project: Path) -> None:
+    result = await call(
+        "fs.list", {"path": "/workspace/src", "pattern": "*.py"}, make_grant(project)
+    )
+    assert [e["path"] for e in result["entries"]] == [
+        "/workspace/src/app.py",
+        "/workspace/src/util.py",
+    ]
+    nested = await call("fs.list", {"pattern": "docs/*/*.md"}, make_grant(project))
+    assert [e["path"] for e in nested["entries"]] == ["/workspace/docs/guide/deep.md"]
+
+
+async def test_list_stops_at_the_limit_and_says_so(root: Path) -> None:
+    for i in range(5):
+        (root / f"f{i}.txt").write_text("")
+    result = await call("fs.list", {"limit": 3}, make_grant(root))
+    assert [e["path"] for e in result["entries"]] == [f"/workspace/f{i}.txt" for i in range(3)]
+    assert result["truncated"] is True
+
+
+async def test_list_stops_at_the_visit_cap_on_huge_trees(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fs, "LIST_MAX_VISITED_ENTRIES", 20)
+    for d in range(5):
+        (root / f"d{d}").mkdir()
+        for i in range(10):
+            (root / f"d{d}" / f"f{i}.py").write_text("")
+    result = await call("fs.list", {"pattern": "**/*.py"}, make_grant(root))
+    assert result["truncated"] is True
+    assert 0 < len(result["entries"]) <= 20
+
+
+async def test_list_stops_descending_at_the_depth_cap(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fs, "LIST_MAX_DEPTH", 3)
+    (root / "a" / "b" / "c" / "d").mkdir(parents=True)
+    result = await call("fs.list", {"pattern": "**"}, make_grant(root))
+    assert [e["path"] for e in result["entries"]] == [
+        "/workspace/a",
+        "/workspace/a/b",
+        "/workspace/a/b/c",
+    ]
+    assert result["truncated"] is True
+
+
+@pytest.mark.parametrize("pattern", ["../*", "a/../b", "/etc/*", "a//b", "./x", "nul\0"])
+async def test_list_refuses_patterns_that_could_leave_the_directory(
+    root: Path, pattern: str
+) -> None:
+    with pytest.raises(InvalidArguments) as caught:
+        await call("fs.list", {"pattern": pattern}, make_grant(root))
+    assert "'**/*.md'" in str(caught.value)  # it shows what a good pattern looks like
+
+
+async def test_list_of_a_file_or_through_an_outside_symlink_is_refused(
+    resolver: Resolver, project: Path, tmp_path: Path
+) -> None:
+    with pytest.raises(
+        ToolFailed, match=re.escape("is not a directory; fs.list lists directories")
+    ):
+        await call("fs.list", {"path": "README.md"}, make_grant(project))
+    with pytest.raises(PolicyViolation) as caught:
+        await call("fs.list", {"path": "out"}, make_grant(project))
+    assert_safe(caught.value, tmp_path)
+
+
+def test_glob_matches_like_a_shell_with_double_star_spanning_directories() -> None:
+    def matches(pattern: str, path: str) -> bool:
+        glob = Glob.parse(pattern)
+        states = glob.start()
+        for name in path.split("/"):
+            states = glob.step(states, name)
+        return glob.accepts(states)
+
+    assert matches("*.py", "a.py")
+    assert not matches("*.py", "src/a.py")
+    assert matches("**/*.py", "a.py")
+    assert matches("**/*.py", "src/deep/a.py")
+    assert matches("src/**", "src/x/y")
+    assert matches("**", "anything/at/all")
+    assert not matches("src/*.py", "lib/a.py")
+    assert matches("a/**/b", "a/b")
+    assert matches("a/**/b", "a/x/y/b")
+
+
+# --- fs.stat ---------------------------------------------------------------------------
+
+
+async def test_stat_of_a_file_reports_type_size_mode_and_mtime(
+    resolver: Resolver, root: Path
+) -> None:
+    (root / "a.txt").write_text("hello")
+    (root / "a.txt").chmod(0o640)
+    os.utime(root / "a.txt", ns=(0, 1_767_323_045_678_000_000))
+    result = await call("fs.stat", {"path": "a.txt"}, make_grant(root))
+    assert result == {
+        "path": "/workspace/a.txt",
+        "type": "file",
+        "size": 5,
+        "mtime": "2026-01-02T03:04:05.678Z",
+        "mode": "0640",
+    }
+
+
+async def test_stat_reports_a_symlink_without_following_or_revealing_it(
+    resolver: Resolver, root: Path, outside: Path, tmp_path: Path
+) -> None:
+    (root / "link").symlink_to(outside / "secret.txt")
+    result = await call("fs.stat", {"path": "link"}, make_grant(root))
+    assert result["type"] == "symlink"
+    assert str(tmp_path) not in str(result)
+
+
+async def test_stat_of_directories_and_the_grant_root(root: Path) -> None:
+    (root / "d").mkdir()
+    assert (await call("fs.stat", {"path": "d"}, make_grant(root)))["type"] == "dir"
+    top = await call("fs.stat", {"path": "/workspace"}, make_grant(root))
+    assert (top["path"], top["type"]) == ("/workspace", "dir")
+
+
+async def test_stat_of_missing_path_or_outside_parent_fails_helpfully(
+    resolver: Resolver, root: Path, outside: Path
+) -> None:
+    with pytest.raises(ToolFailed, match="'/workspace/nope' does not exist"):
+        await call("fs.stat", {"path": "nope"}, make_grant(root))
+    (root / "out").symlink_to(outside)
+    with pytest.raises(PolicyViolation):
+        await call("fs.stat", {"path": "out/secret.txt"}, make_grant(root))

@@ -1,0 +1,56 @@
+"""The summary `gatewayd policy check` prints."""
+
+from __future__ import annotations
+
+import textwrap
+
+from gatewayd.policy import load_policy_text, summarize
+
+
+def test_summary_of_an_empty_policy_says_it_denies_everything() -> None:
+    policy = load_policy_text("version: 1\nname: nothing\n", "p.yaml")
+    assert summarize(policy, "policies/p.yaml") == textwrap.dedent("""\
+        policy nothing (version 1) from policies/p.yaml
+        tools: none (deny all)
+        paths: none (no file is reachable)
+        limits:
+          call timeout: 30 s
+          max output: 1048576 bytes per response value
+          rate: 50 calls/s, burst 100
+          concurrent calls: 16""")
+
+
+def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -> None:
+    policy = load_policy_text(
+        textwrap.dedent("""\
+            version: 1
+            name: mixed
+            description: |
+              Several rules.
+            tools: {allow: ["fs.*", time.now]}
+            filesystem:
+              paths:
+                workspace: {root: ., mode: rw, suffixes: [.md, .txt], max_file_bytes: 1000}
+                ref: {root: ref, mode: ro}
+                docs: {root: /srv/docs, mode: ro, mount: /data/docs}
+            limits: {call_timeout_s: 2.5, max_output_bytes: 4096, calls_per_second: 0.5,
+                     max_concurrent_calls: 2}
+        """),
+        "mixed.yaml",
+    )
+    assert summarize(policy, "mixed.yaml") == textwrap.dedent("""\
+        policy mixed (version 1) from mixed.yaml
+          Several rules.
+        tools: fs.*, time.now
+        paths (as the sandbox sees them):
+          workspace: /workspace (the workspace), read-write
+            suffixes: .md, .txt; max file size: 1000 bytes
+          ref: /workspace/ref (workspace/ref), read-only
+            suffixes: any; max file size: no limit
+          docs: /data/docs (host /srv/docs), read-only
+            suffixes: any; max file size: no limit
+        limits:
+          call timeout: 2.5 s
+          max output: 4096 bytes per response value
+          rate: 0.5 calls/s, burst 1
+          concurrent calls: 2""")
