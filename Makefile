@@ -34,11 +34,11 @@ system-packages:
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	@echo "==> creating virtualenv $(VENV) from pyproject.toml"
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	@touch $(STAMP)
 
 demo: setup

@@ -1,8 +1,14 @@
 """The cogni-tool client library: one persistent connection to the run's gateway socket.
 
-Standard library only, and only cheap modules (socket, select, struct, json, os, time):
-this file is copied into sandbox images whose Python may be as old as 3.8 and is
-imported on every ``cogni-tool`` invocation, so its import time is the CLI's cold start.
+Standard library only, and only modules that cost next to nothing to import: this file is
+copied into sandbox images whose Python may be as old as 3.8 and is imported on every
+``cogni-tool`` invocation, so its import time is the CLI's cold start. ``socket``,
+``json``, ``struct`` and ``os`` are not imported: each pulls in pure-Python modules
+(``enum``, ``re``, ``functools``, ``collections``, …) that together cost more than a
+bare interpreter start. Their C halves do the same work: ``_socket`` for the connection,
+:mod:`cogni_tool.json_codec` (``_json``) for JSON, ``int.to_bytes`` for the length prefix
+and ``posix`` for the pid and the environment. Where a C module is missing (another
+Python implementation), the public module stands in.
 
 Wire format (the same as ``gatewayd/protocol.py``, re-implemented here because the
 sandbox cannot import gatewayd): a frame is a 4-byte big-endian unsigned length and
@@ -26,12 +32,21 @@ own connection) or guard a shared one with a lock.
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import socket
-import struct
+import sys
 import time
+
+from cogni_tool.json_codec import decode as _decode_json
+from cogni_tool.json_codec import encode as _encode_json
+
+try:
+    import _socket
+except ImportError:  # a Python without the C socket module (tested by blocking it)
+    import socket as _socket  # type: ignore[no-redef]
+
+try:
+    from posix import getpid as _getpid  # the C half of os, which costs 1.8 ms to import
+except ImportError:  # pragma: no cover - not a POSIX system
+    from os import getpid as _getpid
 
 # Typing names are for mypy only: importing ``typing`` at run time costs cold-start time
 # on every cogni-tool invocation. mypy treats any name ``TYPE_CHECKING`` as true.
@@ -64,17 +79,14 @@ MAX_TIMEOUT_SECONDS: Final = 7 * 24 * 3600.0
 # The smallest frame limit that can still hold a request (the protocol's own floor).
 MIN_MAX_FRAME_BYTES: Final = 64
 
-_HEADER: Final = struct.Struct(">I")
-_HEADER_BYTES: Final = _HEADER.size
+# The frame's length prefix: 4 bytes, big-endian, unsigned.
+_HEADER_BYTES: Final = 4
 
 # One recv at most: large enough that big responses take few system calls.
 _RECV_BYTES: Final = 256 * 1024
 
 # How much of an unreadable frame to quote in a ProtocolError message.
 _QUOTE_BYTES: Final = 80
-
-_POLL_IN: Final = select.POLLIN | select.POLLHUP | select.POLLERR
-_POLL_OUT: Final = select.POLLOUT
 
 # --- exit codes ------------------------------------------------------------------------
 
@@ -214,11 +226,11 @@ def encode_request(
         "args": args,
     }
     try:
-        text = json.dumps(request, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        body = text.encode("utf-8")
-    except (TypeError, ValueError) as exc:
+        body = _encode_json(request, ensure_ascii=False, allow_nan=False).encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:
         # TypeError: not JSON (bytes, sets, objects); ValueError: NaN/Infinity, circular
-        # references, or a lone surrogate that has no UTF-8 form.
+        # references, or a lone surrogate that has no UTF-8 form; RecursionError: nested
+        # deeper than Python's recursion limit.
         raise ClientError(
             f"args for {tool!r} cannot be sent as JSON: {exc}; use only objects, arrays, "
             "strings, finite numbers, true, false and null"
@@ -229,7 +241,7 @@ def encode_request(
             f"{max_frame_bytes} bytes per request (the gateway's frame limit), so nothing "
             "was sent: split the content into smaller calls"
         )
-    return _HEADER.pack(len(body)) + body
+    return len(body).to_bytes(_HEADER_BYTES, "big") + body
 
 
 class Reply:
@@ -264,7 +276,7 @@ def _quote(body: bytes) -> str:
 def decode_response(body: bytes) -> Reply:
     """Decode one response body, or raise :class:`ProtocolError` saying what was wrong."""
     try:
-        obj = json.loads(body.decode("utf-8"))
+        obj = _decode_json(body.decode("utf-8"))
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ProtocolError(
             f"the gateway sent a frame that is not UTF-8 JSON ({exc}): {_quote(body)}"
@@ -321,7 +333,7 @@ class FrameReader:
         self._buf += data
         bodies: list[bytes] = []
         while len(self._buf) >= _HEADER_BYTES:
-            (length,) = _HEADER.unpack_from(self._buf)
+            length = int.from_bytes(self._buf[:_HEADER_BYTES], "big")
             if length > self.max_frame_bytes:
                 raise ProtocolError(
                     f"the gateway announced a {length}-byte response frame; this client "
@@ -388,8 +400,8 @@ class Client:
         self.run_id = run_id
         self.timeout = timeout
         self.max_frame_bytes = max_frame_bytes
-        self._sock: socket.socket | None = None
-        self._id_prefix = f"{os.getpid()}-"
+        self._sock: _socket.socket | None = None
+        self._id_prefix = f"{_getpid()}-"
         self._counter = 0
 
     # -- public API --
@@ -489,10 +501,10 @@ class Client:
             self.close()
             raise
 
-    def _connect(self, deadline: float | None) -> socket.socket:
+    def _connect(self, deadline: float | None) -> _socket.socket:
         where = f"{self.socket_path} (from {self._socket_source})"
         try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
         except OSError as exc:
             raise ConnectionFailed(f"cannot create a unix socket to reach {where}: {exc}") from None
         try:
@@ -519,13 +531,19 @@ class Client:
             raise ConnectionFailed(
                 f"cannot connect to the gateway socket at {where}: {reason}"
             ) from None
-        sock.setblocking(False)
         return sock
 
     def _pump(
-        self, sock: socket.socket, frames: list[bytes], ids: list[str], deadline: float | None
+        self, sock: _socket.socket, frames: list[bytes], ids: list[str], deadline: float | None
     ) -> dict[str, Reply]:
-        """Write ``frames`` and read until every id in ``ids`` has its reply."""
+        """Write ``frames`` and read until every id in ``ids`` has its reply.
+
+        The requests go out without waiting; almost always the socket buffer takes them
+        all at once, and then each read simply blocks (up to the deadline). Only when the
+        buffer is full does it poll for both directions, reading answers while it waits
+        to write more: a gateway that answers while it reads must not be left blocked on
+        a full buffer of answers (the pipelining deadlock).
+        """
         where = f"{self.socket_path} (from {self._socket_source})"
         out = memoryview(b"".join(frames))
         first_frame_end = len(frames[0])
@@ -533,79 +551,134 @@ class Client:
         reader = FrameReader()
         waiting = set(ids)
         replies: dict[str, Reply] = {}
-        poller = select.poll()
-        fd = sock.fileno()
-        poller.register(fd, _POLL_IN | _POLL_OUT)
         while waiting:
-            wants_out = sent < len(out)
-            poller.modify(fd, _POLL_IN | (_POLL_OUT if wants_out else 0))
-            remaining = _remaining(deadline, where)
-            events = poller.poll(None if remaining is None else max(1, int(remaining * 1000)))
-            if not events:
-                continue  # time is up, or the poll woke early: _remaining decides
-            mask = 0
-            for _, event in events:
-                mask |= event
-            if wants_out and mask & _POLL_OUT and not mask & select.POLLHUP:
-                try:
-                    sent += sock.send(out[sent:])
-                except (BlockingIOError, InterruptedError):
-                    pass
-                except OSError as exc:  # EPIPE, ECONNRESET: the gateway went away
-                    if sent < first_frame_end:
-                        raise _NothingDelivered from None
-                    raise ConnectionFailed(
-                        f"the connection to the gateway at {where} broke while sending "
-                        f"({exc.strerror or exc}); calls already sent may have run"
-                    ) from None
-            if mask & _POLL_IN:
-                try:
-                    data = sock.recv(_RECV_BYTES)
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:  # ECONNRESET: treat like the end of the stream
-                    data = b""
-                if not data:
-                    if sent < first_frame_end:
-                        raise _NothingDelivered
-                    raise ConnectionFailed(
-                        f"the gateway at {where} closed the connection before answering "
-                        f"{len(waiting)} call(s); they may or may not have run"
-                        + (" (it stopped mid-frame)" if reader.buffered else "")
-                    )
-                for body in reader.feed(data):
-                    reply = decode_response(body)
-                    if reply.tool_call_id is None:
-                        if reply.ok:
-                            raise ProtocolError(
-                                "the gateway sent a successful response without a toolCallId"
-                            )
-                        # About the connection, not one call (e.g. too_large): the gateway
-                        # closes it, and we cannot tell which call caused it, so every call
-                        # still waiting gets this answer.
-                        for tool_call_id in waiting:
-                            replies[tool_call_id] = reply
-                        self.close()
-                        return replies
-                    if reply.tool_call_id not in waiting:
-                        known = reply.tool_call_id in replies
+            if sent < len(out):
+                sent = _send_some(sock, out, sent, first_frame_end, where)
+            if sent < len(out) and not _wait_readable_or_writable(sock, deadline, where):
+                continue  # writable again, or woke early: send on (or time out)
+            data = _receive(sock, deadline, where, wait=sent == len(out))
+            if data is None:
+                continue  # nothing yet: the loop decides again (and times out)
+            if not data:
+                if sent < first_frame_end:
+                    raise _NothingDelivered
+                raise ConnectionFailed(
+                    f"the gateway at {where} closed the connection before answering "
+                    f"{len(waiting)} call(s); they may or may not have run"
+                    + (" (it stopped mid-frame)" if reader.buffered else "")
+                )
+            for body in reader.feed(data):
+                reply = decode_response(body)
+                if reply.tool_call_id is None:
+                    if reply.ok:
                         raise ProtocolError(
-                            f"the gateway sent a {'second ' if known else ''}response for "
-                            f"toolCallId {reply.tool_call_id!r}, which "
-                            + ("was already answered" if known else "this client never sent")
+                            "the gateway sent a successful response without a toolCallId"
                         )
-                    waiting.discard(reply.tool_call_id)
-                    replies[reply.tool_call_id] = reply
+                    # About the connection, not one call (e.g. too_large): the gateway
+                    # closes it, and we cannot tell which call caused it, so every call
+                    # still waiting gets this answer.
+                    for tool_call_id in waiting:
+                        replies[tool_call_id] = reply
+                    self.close()
+                    return replies
+                if reply.tool_call_id not in waiting:
+                    known = reply.tool_call_id in replies
+                    raise ProtocolError(
+                        f"the gateway sent a {'second ' if known else ''}response for "
+                        f"toolCallId {reply.tool_call_id!r}, which "
+                        + ("was already answered" if known else "this client never sent")
+                    )
+                waiting.discard(reply.tool_call_id)
+                replies[reply.tool_call_id] = reply
         if reader.buffered:
             # Part of a frame nobody asked for: the answers stand, the stream does not.
             self.close()
         return replies
 
 
+def _send_some(
+    sock: _socket.socket, out: memoryview, sent: int, first_frame_end: int, where: str
+) -> int:
+    """Send from ``out[sent:]`` what the socket takes without waiting; the new ``sent``."""
+    sock.settimeout(0.0)
+    try:
+        while sent < len(out):
+            sent += sock.send(out[sent:])
+    except (BlockingIOError, InterruptedError):
+        pass  # the buffer is full: the rest goes once the gateway has read some
+    except OSError as exc:  # EPIPE, ECONNRESET: the gateway went away
+        if sent < first_frame_end:
+            raise _NothingDelivered from None
+        raise ConnectionFailed(
+            f"the connection to the gateway at {where} broke while sending "
+            f"({exc.strerror or exc}); calls already sent may have run"
+        ) from None
+    return sent
+
+
+def _wait_readable_or_writable(sock: _socket.socket, deadline: float | None, where: str) -> bool:
+    """Wait until ``sock`` can be read or written; True when it can be read.
+
+    :class:`CallTimedOut` once the deadline has passed.
+    """
+    # Imported here: only pipelined sends bigger than the socket buffer come this way,
+    # and a single call should not pay for loading the module.
+    import select
+
+    remaining = _remaining(deadline, where)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN | select.POLLOUT)
+    events = poller.poll(None if remaining is None else max(1, int(remaining * 1000)))
+    mask = 0
+    for _, event in events:
+        mask |= event
+    # Hang-up and error count as readable: the read then sees the end of the stream.
+    return bool(mask & (select.POLLIN | select.POLLHUP | select.POLLERR))
+
+
+def _receive(sock: _socket.socket, deadline: float | None, where: str, wait: bool) -> bytes | None:
+    """The next bytes from ``sock`` (b"" at the end of the stream), or None when there are
+    none yet.
+
+    With ``wait`` it blocks until bytes come or the deadline passes
+    (:class:`CallTimedOut`); otherwise it only takes what is there.
+    """
+    sock.settimeout(_remaining(deadline, where) if wait else 0.0)
+    try:
+        return sock.recv(_RECV_BYTES)
+    # _socket.timeout, not TimeoutError: before Python 3.10 they are different classes.
+    except (BlockingIOError, InterruptedError, _socket.timeout):  # noqa: UP041
+        return None  # the caller loops, and _remaining says when time is up
+    except OSError:  # ECONNRESET: treat like the end of the stream
+        return b""
+
+
+def _getenv(name: str) -> str | None:
+    """``os.environ.get(name)``, without importing os when nothing has done so yet.
+
+    os.environ is a copy of ``posix.environ`` (bytes) made when os is imported, decoded
+    as below; it changes only through os. So while os is not loaded, the same decoding
+    of posix.environ gives the same answer.
+    """
+    os_module = sys.modules.get("os")
+    if os_module is not None:
+        environ: dict[str, str] = os_module.environ
+        return environ.get(name)
+    try:
+        from posix import environ as environb  # built in: always loaded
+    except ImportError:  # pragma: no cover - not a POSIX system
+        import os
+
+        return os.environ.get(name)
+    encoding = sys.getfilesystemencoding()
+    value = environb.get(name.encode(encoding, "surrogateescape"))
+    return None if value is None else value.decode(encoding, "surrogateescape")
+
+
 def _required_env(name: str) -> str:
-    value = os.environ.get(name, "")
+    value = _getenv(name)
     if not value:
-        state = "is empty" if name in os.environ else "is not set"
+        state = "is empty" if value is not None else "is not set"
         raise NotConfigured(
             f"{name} {state}: cogni-tool only works inside a gatewayd run, which sets "
             f"{SOCKET_ENV} (the gateway socket) and {RUN_ID_ENV} (the run id)"
@@ -626,11 +699,17 @@ def _remaining(deadline: float | None, where: str) -> float | None:
     return left
 
 
-def _closed_while_idle(sock: socket.socket) -> bool:
+def _closed_while_idle(sock: _socket.socket) -> bool:
     """True when an idle connection has anything to read: the gateway's close or stray bytes.
 
     Nothing was in flight, so either way the connection is of no further use.
     """
-    poller = select.poll()
-    poller.register(sock.fileno(), _POLL_IN)
-    return bool(poller.poll(0))
+    sock.settimeout(0.0)
+    try:
+        # A peek takes nothing off the stream; only whether there is anything matters.
+        sock.recv(1, _socket.MSG_PEEK)
+    except (BlockingIOError, InterruptedError):
+        return False  # nothing to read: still open and quiet
+    except OSError:
+        return True  # ECONNRESET
+    return True

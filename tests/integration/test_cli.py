@@ -287,3 +287,15 @@ def test_control_socket_refuses_other_users(base: Path) -> None:
         assert json.loads(second.stdout)["errorCode"] == "authz_denied"
     finally:
         daemon.stop()
+
+
+def test_max_frame_bytes_is_configurable_and_enforced(base: Path) -> None:
+    big = "x" * 5000
+    proc = gw_run(
+        base, "sh", "-c",
+        f"cogni-tool exec fs.write '{{\"path\": \"a.txt\", \"content\": \"{big}\"}}'; echo EXIT=$?",
+        extra=("--max-frame-bytes", "4096"),
+    )
+    assert "EXIT=11" in proc.stdout, proc.stdout + proc.stderr
+    assert "too_large" in proc.stderr and "4096" in proc.stderr
+    assert not (base / "ws" / "a.txt").exists()

@@ -78,6 +78,22 @@ def run_cli(
     )
 
 
+# How a sandbox launcher runs cogni-tool: no site, no os module loaded (``-m`` would load
+# it through runpy), so the client reads the environment from posix.environ itself.
+LAUNCHER = "import sys; from cogni_tool.cli import main; sys.argv[1:] = {words!r}; main()"
+
+
+def run_launcher(*words: str, env: dict[str, str]) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-S", "-E", "-c", LAUNCHER.format(words=list(words))],
+        capture_output=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=30,
+        check=False,
+    )
+
+
 # --- the table -------------------------------------------------------------------------
 
 
@@ -131,6 +147,14 @@ def test_output_is_utf8_even_when_the_locale_says_ascii(gateway: FakeGateway) ->
     assert (result.returncode, result.stderr) == (20, "cogni-tool: tool_failed: kein Zugriff: ü\n")
     result = run_cli("exec", "echo", '{"text": "日本"}', env=env)
     assert (result.returncode, result.stdout) == (0, '{"text": "日本"}\n')
+
+
+def test_large_output_is_written_in_full_before_the_process_ends(gateway: FakeGateway) -> None:
+    # main() ends the process without the interpreter's teardown: it must flush first.
+    text = "grüße " * 100_000
+    result = run_cli("exec", "echo", "-", gw=gateway, stdin=json.dumps({"t": text}).encode())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == json.dumps({"t": text}, ensure_ascii=False) + "\n"
 
 
 def test_exec_pretty_indents(gateway: FakeGateway) -> None:
@@ -225,6 +249,29 @@ def test_missing_environment_exits_3_naming_the_variable(
     assert result.returncode == 3
     assert result.stderr.startswith(f"cogni-tool: not_configured: {missing} is not set")
     assert "only works inside a gatewayd run" in result.stderr
+    assert gateway.connections == 0
+
+
+def test_launcher_without_os_reads_the_environment_as_os_environ_would(tmp_path: Path) -> None:
+    # A socket path that is not UTF-8 (byte 0xff): os.environ would decode it with
+    # surrogateescape, and so must the client when it reads posix.environ itself.
+    with FakeGateway(tmp_path / "gw-\udcff.sock") as gw:
+        env = {"COGNI_GATEWAY_SOCK": str(gw.path), "COGNI_RUN_ID": "run-ü-1"}
+        done = run_launcher("exec", "echo", '{"a": "ü"}', env=env)
+    assert (done.returncode, done.stdout, done.stderr) == (0, '{"a": "ü"}\n'.encode(), b"")
+    assert gw.requests[0]["runId"] == "run-ü-1"
+
+
+@pytest.mark.parametrize(("value", "state"), [(None, "is not set"), ("", "is empty")])
+def test_launcher_without_os_names_a_missing_or_empty_variable(
+    gateway: FakeGateway, value: str | None, state: str
+) -> None:
+    env = {"COGNI_GATEWAY_SOCK": str(gateway.path)}
+    if value is not None:
+        env["COGNI_RUN_ID"] = value
+    done = run_launcher("exec", "echo", env=env)
+    assert done.returncode == 3
+    assert done.stderr.decode().startswith(f"cogni-tool: not_configured: COGNI_RUN_ID {state}")
     assert gateway.connections == 0
 
 

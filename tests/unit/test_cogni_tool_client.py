@@ -14,6 +14,7 @@ import re
 import socket
 import socketserver
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -150,8 +151,14 @@ def route(conn: Conn) -> None:
         elif tool == "wrong_id":
             conn.send({"v": 1, "toolCallId": "not-yours", "ok": True, "value": 1})
         elif tool == "twice":
-            conn.ok(request, 1)
-            conn.ok(request, 2)
+            # Both answers in one write, so they reach the client together: a second
+            # answer arriving after the call has returned is stray bytes on an idle
+            # connection instead (see test_idle_connection_with_stray_bytes_...).
+            frames = [
+                json.dumps({"v": 1, "toolCallId": tcid, "ok": True, "value": n}).encode()
+                for n in (1, 2)
+            ]
+            conn.send_raw(b"".join(HEADER.pack(len(frame)) + frame for frame in frames))
         elif tool == "v2":
             conn.send({"v": 2, "toolCallId": tcid, "ok": True, "value": 1})
         elif tool == "answer_then_close":
@@ -397,6 +404,22 @@ def test_pipelining_big_requests_and_answers_does_not_deadlock(tmp_path: Path) -
     assert results == [blob * 2] * 40
 
 
+def test_batch_larger_than_the_socket_buffer_to_a_gateway_that_stops_reading_times_out(
+    tmp_path: Path,
+) -> None:
+    # The requests cannot all be written; the client must still give up at its deadline.
+    def read_one_then_stall(conn: Conn) -> None:
+        conn.read_request()
+        time.sleep(3)
+
+    blob = "x" * 200_000
+    with fake_gateway(tmp_path, read_one_then_stall) as gw, make_client(gw, timeout=0.5) as c:
+        started = time.monotonic()
+        with pytest.raises(CallTimedOut, match="within the client's timeout"):
+            c.call_many([("echo", {"blob": blob})] * 30)
+        assert time.monotonic() - started < 2.5
+
+
 # --- connection handling ---------------------------------------------------------------
 
 
@@ -409,6 +432,27 @@ def test_idle_connection_closed_by_gateway_is_replaced_for_the_next_call(
         assert client.call("echo", {"n": 2}) == {"n": 2}
     assert gateway.connections == 2
     assert gateway.tools_called() == ["answer_then_close", "echo"]
+
+
+def test_idle_connection_with_stray_bytes_is_replaced_for_the_next_call(tmp_path: Path) -> None:
+    # Half a frame header nobody asked for, sent while the connection sits idle: reusing
+    # the connection would read it as the start of the next answer.
+    def answer_then_stray(conn: Conn) -> None:
+        request = conn.read_request()
+        assert request is not None
+        conn.ok(request, "first")
+        time.sleep(0.05)
+        conn.send_raw(b"\x00\x00")
+        with conn.gateway.lock:
+            conn.gateway.payload = b"sent"
+        route(conn)
+
+    with fake_gateway(tmp_path, answer_then_stray) as gw, make_client(gw, timeout=5) as client:
+        assert client.call("echo") == "first"
+        wait_until(lambda: gw.payload == b"sent")
+        time.sleep(0.05)  # the bytes are on their way through the socket
+        assert client.call("echo", {"n": 2}) == "first"  # a new connection, a new script
+    assert gw.connections == 2
 
 
 def test_request_refused_by_a_connection_closing_in_the_race_is_sent_once_more(
@@ -632,6 +676,19 @@ def test_args_that_are_not_a_json_object_are_refused_locally(
     assert gateway.connections == 0
 
 
+def test_args_nested_deeper_than_python_can_encode_are_refused_locally(
+    gateway: FakeGateway,
+) -> None:
+    deep: dict[str, Any] = {}
+    for _ in range(sys.getrecursionlimit() + 100):
+        deep = {"d": deep}
+    with make_client(gateway) as client, pytest.raises(ClientError) as caught:
+        client.call("echo", deep)
+    assert "cannot be sent as JSON" in str(caught.value)
+    assert "use only objects, arrays" in str(caught.value)
+    assert gateway.connections == 0
+
+
 def test_non_string_tool_is_refused_locally(gateway: FakeGateway) -> None:
     with make_client(gateway) as client, pytest.raises(ClientError, match="tool must be a string"):
         client.call(42, {})  # type: ignore[arg-type]
@@ -786,6 +843,9 @@ def test_decode_response_either_decodes_or_raises_protocol_error(body: bytes) ->
         (b'{"v": 1, "toolCallId": "a", "ok": false}', "without a string errorCode"),
         (b'{"v": true, "toolCallId": "a", "ok": true}', "protocol version True"),
         (b"\xff\xfe", "not UTF-8 JSON"),
+        (b'{"v": 1, "toolCallId": "a", "ok": true, "value": NaN}', "NaN is not JSON"),
+        (b'{"v": 1, "toolCallId": "a", "ok": true, "value": [1, 2}', "Expecting ',' delimiter"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
     ],
 )
 def test_malformed_response_bodies_say_what_is_wrong(body: bytes, expected: str) -> None:
