@@ -39,20 +39,6 @@ log = structlog.get_logger("gatewayd.dispatch")
 
 # The one tool every run has: it reveals only what the run may already do.
 TOOLS_LIST: Final = "tools.list"
-# A call's write-ahead entry is durable before it runs; its result entry is made
-# durable after the response, usually by the next call's write-ahead flush. If no
-# flush comes within this delay, the call's own task makes one: one fsync per call
-# on the response path instead of two, and at most this long a window after the
-# response in which a crash could lose a result entry (never a call entry).
-RESULT_SYNC_DELAY_S: Final = 0.002
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """A response and the audit entry that must become durable soon after it is sent."""
-
-    response: Response
-    settle_seq: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,12 +78,16 @@ class Dispatcher:
 
     # -- frames that never became requests -------------------------------------
 
-    def refuse_frame(self, run: Run, err: FrameError, peer: Peer) -> Reply:
-        """Audit and answer a malformed or oversize frame."""
+    def refuse_frame(self, run: Run, err: FrameError, peer: Peer) -> Response:
+        """Audit and answer a malformed or oversize frame.
+
+        Its entries are not awaited: the audit log makes them durable within its
+        result sync delay (nothing ran, so there is nothing to write ahead of).
+        """
         detail: dict[str, Any] = {"frameBytes": len(err.raw)}
         if err.raw:
             detail["frameDigest"] = sha256_digest(err.raw)
-        seq = self.audit.record(
+        self.audit.record(
             "call",
             runId=run.run_id,
             toolCallId=err.tool_call_id,
@@ -107,7 +97,7 @@ class Dispatcher:
             peer=peer.as_dict(),
             detail=detail,
         )
-        seq = self.audit.record(
+        self.audit.record(
             "result",
             runId=run.run_id,
             toolCallId=err.tool_call_id,
@@ -115,11 +105,11 @@ class Dispatcher:
             durationMs=0.0,
         )
         run.count(str(err.code))
-        return Reply(error_response(err.tool_call_id, err.code, err.message), seq)
+        return error_response(err.tool_call_id, err.code, err.message)
 
     # -- requests --------------------------------------------------------------
 
-    async def handle(self, run: Run, req: Request, peer: Peer) -> Reply:
+    async def handle(self, run: Run, req: Request, peer: Peer) -> Response:
         """Take one request through every step and return its response.
 
         Fails closed: when the audit log cannot be written, no call runs and every
@@ -130,23 +120,13 @@ class Dispatcher:
         except AuditWriteError:
             return self._audit_down(run, req.toolCallId, req.tool)
 
-    def _audit_down(self, run: Run, tool_call_id: str | None, tool: str | None) -> Reply:
+    def _audit_down(self, run: Run, tool_call_id: str | None, tool: str | None) -> Response:
         log.error("audit_unavailable", run_id=run.run_id, tool=tool)
         run.count(str(ErrorCode.INTERNAL))
         message = "the audit log cannot be written, so no call can run; tell the operator"
-        return Reply(error_response(tool_call_id, ErrorCode.INTERNAL, message), None)
+        return error_response(tool_call_id, ErrorCode.INTERNAL, message)
 
-    async def settle(self, reply: Reply) -> None:
-        """After the response is sent: make the call's last entry durable."""
-        if reply.settle_seq is None:
-            return
-        await trio.sleep(RESULT_SYNC_DELAY_S)
-        try:
-            await self.audit.durable(reply.settle_seq)
-        except AuditWriteError:
-            log.error("audit_result_not_durable", seq=reply.settle_seq)
-
-    async def _handle(self, run: Run, req: Request, peer: Peer) -> Reply:
+    async def _handle(self, run: Run, req: Request, peer: Peer) -> Response:
         started = self.clock()
         common: dict[str, Any] = {
             "runId": run.run_id,
@@ -166,7 +146,9 @@ class Dispatcher:
             decision="allow",
             peer=peer.as_dict(),
         )
-        # Write-ahead: the entry is durable before the call has any effect.
+        # Write-ahead: the entry is durable before the call has any effect. The result
+        # entry below is not awaited: the audit log makes it durable within its result
+        # sync delay, usually with the next call's write-ahead flush.
         await self.audit.durable(call_seq)
 
         code: ErrorCode | None = None
@@ -187,7 +169,7 @@ class Dispatcher:
         except _Refusal as refusal:
             code, message = refusal.code, refusal.message
 
-        result_seq = self.audit.record(
+        self.audit.record(
             "result",
             **common,
             errorCode=None if code is None else str(code),
@@ -198,8 +180,8 @@ class Dispatcher:
         )
         run.count(None if code is None else str(code))
         if code is not None:
-            return Reply(error_response(req.toolCallId, code, message), result_seq)
-        return Reply(ok_response(req.toolCallId, value), result_seq)
+            return error_response(req.toolCallId, code, message)
+        return ok_response(req.toolCallId, value)
 
     def _admit(self, run: Run, req: Request) -> tuple[ToolSpec[Any] | None, Any]:
         """Steps 3-6: identify, authorize, rate, validate, policy. Raises _Refusal."""
@@ -308,7 +290,7 @@ class Dispatcher:
         common: dict[str, Any],
         refusal: _Refusal,
         started: float,
-    ) -> Reply:
+    ) -> Response:
         self.audit.record(
             "call",
             **common,
@@ -319,11 +301,11 @@ class Dispatcher:
             safeMessage=refusal.message,
             peer=peer.as_dict(),
         )
-        seq = self.audit.record(
+        self.audit.record(
             "result",
             **common,
             errorCode=str(refusal.code),
             durationMs=round((self.clock() - started) * 1000, 3),
         )
         run.count(str(refusal.code))
-        return Reply(error_response(req.toolCallId, refusal.code, refusal.message), seq)
+        return error_response(req.toolCallId, refusal.code, refusal.message)

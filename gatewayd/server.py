@@ -132,9 +132,7 @@ class Connection:
                 return
             partial_since = None
             if isinstance(event, FrameError):
-                reply = self.dispatcher.refuse_frame(self.run, event, self.peer)
-                await self._send(reply.response)
-                calls.start_soon(self.dispatcher.settle, reply)
+                await self._send(self.dispatcher.refuse_frame(self.run, event, self.peer))
                 if event.fatal:
                     return
                 continue
@@ -143,12 +141,11 @@ class Connection:
 
     async def _call(self, event: RequestReceived) -> None:
         try:
-            reply = await self.dispatcher.handle(self.run, event.request, self.peer)
+            response = await self.dispatcher.handle(self.run, event.request, self.peer)
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await self._send(reply.response)
+                await self._send(response)
         finally:
             self._inflight.release()
-        await self.dispatcher.settle(reply)
 
     async def _send(self, response: Response) -> None:
         data = encode_response(response)

@@ -1,31 +1,53 @@
 """The audit log writer: append-only, hash-chained, durable before the call's effect.
 
-``record()`` seals the next entry synchronously (trio is single-threaded, so entries
-recorded from many tasks still form one ordered chain) and queues its line.
-``durable(seq)`` returns once that line is written and fdatasync'd. Group commit: the
-first waiter that finds no flush in progress becomes the leader, writes and syncs
-every queued line in one worker-thread call, and wakes the others; waiters for later
-entries loop and one of them leads the next flush. No background task is needed.
+``record()`` seals the next entry synchronously on the trio thread (trio runs one task
+at a time, so entries recorded from many tasks still form one ordered chain) and
+queues its line. ``durable(seq)`` returns once that line is written and fdatasync'd.
+
+Group commit, pipelined: one dedicated OS thread per open log (the *flusher*) owns
+every write. It sleeps until there is work, then takes *all* queued lines (up to
+``MAX_BATCH_BYTES``), writes them, fdatasyncs, moves the head file, and publishes the
+new durable seq to trio (``TrioToken.run_sync_soon``), which wakes the waiters. If
+more lines are wanted by then it flushes again at once, without a round trip through
+trio: while calls keep arriving, the disk stays busy.
+
+The flusher flushes when a ``durable()`` waiter wants an entry it has not taken yet,
+or when the oldest queued entry has waited ``RESULT_SYNC_DELAY_S``: an entry nobody
+waits for (a call's ``result``, a denied call) is durable within that delay anyway,
+usually riding along with the next call's write-ahead flush.
+
+Thread boundary: the chain (sealing, hashing) lives on the trio thread; only the
+sealed ``(line, digest)`` pairs and the wanted seq cross to the flusher, under one
+``threading.Lock``. The trio side wakes the flusher with a *doorbell* (a second lock,
+released to ring), not a ``threading.Condition``: ringing is one futex wake, half
+the cost of a notify measured here, and it is paid on the trio thread, the daemon's
+bottleneck. The file offsets and line count (for the head record) are the flusher's
+alone. The durable seq, the failure and the waiters' event are trio's, changed only
+by callbacks the flusher schedules.
 
 Resource handling: ``open_audit_log`` owns two file descriptors (the log, opened
-O_APPEND, and its head file) and an exclusive flock on the log, so a second gatewayd
-cannot interleave its own chain. They are released when the context exits, after an
-``audit_close`` entry is durable.
+O_APPEND, and its head file), an exclusive flock on the log, so a second gatewayd
+cannot interleave its own chain, and the flusher thread. They are released when the
+context exits, after an ``audit_close`` entry is durable: the flusher is stopped and
+joined before the descriptors are closed.
 
-Error handling: a failed write or sync is never swallowed. The log becomes *failed*:
-every ``durable()``/``append()`` from then on raises :class:`AuditWriteError`, so no
-call runs without its audit entry (fail closed). A flush runs in a shielded cancel
-scope: cancelling the leader cannot leave an entry half-accounted (written twice, or
-lost while reported queued).
+Error handling: a failed write or sync is never swallowed. The flusher marks the log
+*failed*, wakes every waiter and stops: nothing is written after that, and every
+``durable()``/``append()`` raises :class:`AuditWriteError`, so no call runs without
+its audit entry (fail closed). Cancelling a waiter only stops the wait: the flusher
+owns the batch, so an entry is never half-accounted (written twice, or lost while
+reported queued).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
 import os
 import stat
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -54,6 +76,12 @@ MAX_BATCH_BYTES: Final = 4 * 1024 * 1024
 # How much of the tail open will read: a torn batch plus the line before it. Beyond
 # this the file was not left by a crash of this writer, and open refuses.
 MAX_TAIL_SCAN_BYTES: Final = 2 * MAX_BATCH_BYTES + 2 * MAX_LINE_BYTES
+# An entry nobody waits for (a result) is flushed at most this long after it was
+# queued. Short enough that a crash right after a response loses at most ~2 ms of
+# result entries (never a call entry: those are durable before the call runs); long
+# enough that under load it rides along with the next call's write-ahead flush
+# instead of costing an fdatasync of its own.
+RESULT_SYNC_DELAY_S: Final = 0.002
 # Counting lines without a head file reads the whole log once, in chunks of this.
 _COUNT_CHUNK_BYTES: Final = 1024 * 1024
 # A file that holds no entry at all is only resumed if it starts like our first line.
@@ -108,25 +136,43 @@ class AuditLog:
         *,
         fsync: bool,
         clock: Callable[[], int],
+        sync_delay_s: float = RESULT_SYNC_DELAY_S,
     ) -> None:
         self.path = path
         self.fsync_count = 0  # fdatasync calls made, for tests and benchmarks
         self._fd = opened.fd
         self._head_fd = opened.head_fd
         self._fsync = fsync
+        self._sync_delay_s = sync_delay_s
         self._chain = Chain(opened.chain_end.position, clock)
+        # -- trio's: changed on the trio thread only --
         self._durable_seq = opened.chain_end.position.seq
-        self._taken_seq = self._durable_seq  # last seq handed to a flush
-        # The file's size: we are its only writer (the flock), so we can count it.
-        torn = opened.chain_end.torn + (b"\n" if opened.torn_terminated else b"")
-        self._end = opened.chain_end.end + len(torn)
-        self._lines = opened.lines + torn.count(b"\n")
-        self._pending: list[tuple[bytes, str]] = []
-        self._flushing = False
-        self._flush_done = trio.Event()
+        self._queued_seq = self._durable_seq  # last seq handed to the flusher
+        self._flushed = trio.Event()  # set (and replaced) after each flush or failure
         self._failure: str | None = None
         self._closing = False
         self._closed = False
+        self._thread: threading.Thread | None = None
+        # -- shared: only under self._lock --
+        self._lock = threading.Lock()
+        self._pending: list[tuple[bytes, str]] = []
+        self._pending_since = 0.0  # monotonic time the oldest pending line was queued
+        self._wanted_seq = self._durable_seq  # the highest seq a waiter waits for
+        self._taken_seq = self._durable_seq  # the last seq the flusher took
+        self._idle = False  # the flusher sleeps with nothing pending (needs a ring)
+        self._stopping = False
+        # Wakes the flusher: released = rung. One futex wake, and no lock hand-over as
+        # with a Condition (notify under the lock, then the woken thread waits for it).
+        self._doorbell = threading.Lock()
+        self._doorbell.acquire()
+        # -- the flusher's alone once it runs (aclose reads them after joining it): the
+        # file's size and line count (we are its only writer, the flock, so we can
+        # count them), the last seq written, and why writing stopped --
+        self._written_seq = self._durable_seq
+        self._write_failure: str | None = None
+        torn = opened.chain_end.torn + (b"\n" if opened.torn_terminated else b"")
+        self._end = opened.chain_end.end + len(torn)
+        self._lines = opened.lines + torn.count(b"\n")
 
     # -- state ---------------------------------------------------------------------
 
@@ -148,12 +194,13 @@ class AuditLog:
         """The log's file descriptor (O_APPEND, write-only)."""
         return self._fd
 
-    # -- the hot path --------------------------------------------------------------
+    # -- the hot path (trio thread) ------------------------------------------------
 
     def record(self, kind: str, **fields: Unpack[EntryFields]) -> int:
         """Seal the next entry and queue it; returns its seq. Never awaits.
 
-        The entry is written by the next ``durable()``/``append()`` from any task (or
+        The entry is written when a ``durable()``/``append()`` from any task wants it
+        or a later entry, or at most ``RESULT_SYNC_DELAY_S`` after it was queued (or
         at close). On a failed or closed log the entry is not queued and
         ``durable(seq)`` raises AuditWriteError.
 
@@ -162,31 +209,43 @@ class AuditLog:
         """
         seq, digest, line = self._chain.append(kind, fields)
         if self._failure is None and not self._closing:
-            self._pending.append((line, digest))
+            with self._lock:
+                ring = not self._pending and self._idle  # to start the flusher's timer
+                if not self._pending:
+                    self._pending_since = time.monotonic()
+                self._pending.append((line, digest))
+            self._queued_seq = seq
+            if ring:
+                self._ring()
         return seq
 
     async def durable(self, seq: int) -> None:
         """Return once every entry up to ``seq`` is written and synced.
+
+        Cancellable at any point: the flusher owns the write, so a cancelled waiter
+        loses nothing and the entry is still written.
 
         Error handling: AuditWriteError if the log has failed (now or before) or is
         closed; ValueError for a seq that was never recorded.
         """
         if not 0 <= seq <= self._chain.position.seq:
             raise ValueError(f"seq {seq} was never recorded (last is {self.last_seq})")
+        await trio.lowlevel.checkpoint_if_cancelled()
         while True:
-            # Cancellation is honoured between flushes, never inside one (shielded).
-            await trio.lowlevel.checkpoint_if_cancelled()
             if self._failure is not None:
                 raise AuditWriteError(self._failure)
             if self._durable_seq >= seq:
                 return
-            if self._flushing:
-                await self._flush_done.wait()
-            elif self._closed or not self._pending:
+            if seq > self._queued_seq:
                 # Recorded after close started (or after a failure): never written.
                 raise AuditWriteError(f"{self.path}: entry {seq} was recorded after close")
-            else:
-                await self._lead_flush()
+            with self._lock:
+                ring = seq > self._wanted_seq
+                if ring:
+                    self._wanted_seq = seq
+            if ring:
+                self._ring()
+            await self._flushed.wait()
 
     async def append(self, kind: str, **fields: Unpack[EntryFields]) -> int:
         """``record`` then ``durable``: returns the seq once the entry is durable."""
@@ -194,50 +253,84 @@ class AuditLog:
         await self.durable(seq)
         return seq
 
-    # -- group commit --------------------------------------------------------------
+    # -- the flusher thread ----------------------------------------------------------
 
-    def _take_batch(self) -> tuple[bytes, int, str]:
+    def _ring(self) -> None:
+        with contextlib.suppress(RuntimeError):  # already rung, not yet answered
+            self._doorbell.release()
+
+    def _start_flusher(self) -> None:
+        token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(
+            target=self._flush_loop, args=(token,), name=f"audit-flusher {self.path}", daemon=True
+        )
+        self._thread.start()
+
+    def _flush_loop(self, token: trio.lowlevel.TrioToken) -> None:
+        """Flusher thread: flush whatever is wanted or due until stopped or failed."""
+        try:
+            while (work := self._next_batch()) is not None:
+                batch, head = work
+                self._write_batch(batch, head)
+                self._end, self._lines, self._written_seq = head.end, head.lines, head.seq
+                token.run_sync_soon(self._on_flushed, head.seq, self._fsync)
+        except OSError as exc:
+            self._write_failure = f"writing the audit log {self.path} failed: {exc}"
+        except BaseException as exc:  # a bug must fail the log, not hang its waiters
+            self._write_failure = f"writing the audit log {self.path} was interrupted: {exc!r}"
+        if self._write_failure is not None:
+            with contextlib.suppress(trio.RunFinishedError):  # nobody is left to tell
+                token.run_sync_soon(self._on_failed, self._write_failure)
+
+    def _next_batch(self) -> tuple[bytes, HeadRecord] | None:
+        """Flusher thread: sleep until a batch is wanted or due, then take it.
+
+        Returns None once stopped with nothing left to write.
+        """
+        while True:
+            with self._lock:
+                self._idle = False
+                if self._pending:
+                    due_in = self._pending_since + self._sync_delay_s - time.monotonic()
+                    if self._stopping or self._wanted_seq > self._taken_seq or due_in <= 0:
+                        taken = self._take_lines()
+                        break
+                elif self._stopping:
+                    return None
+                else:
+                    self._idle = True
+                    due_in = -1  # no timeout: record() rings
+            # A ring between the unlock and here is not lost: the doorbell stays open.
+            self._doorbell.acquire(timeout=due_in)
+        # Joined outside the lock: record() on the trio thread never waits for this.
+        batch = b"".join(line for line, _ in taken)
+        head = HeadRecord(
+            seq=self._taken_seq,
+            hash=taken[-1][1],
+            end=self._end + len(batch),
+            lines=self._lines + len(taken),
+        )
+        return batch, head
+
+    def _take_lines(self) -> list[tuple[bytes, str]]:
+        """Flusher thread, under the lock: take the queued lines, at most a batch."""
         size, count = 0, 0
         for line, _ in self._pending:
             if count and size + len(line) > MAX_BATCH_BYTES:
                 break
             size += len(line)
             count += 1
-        taken = self._pending[:count]
-        del self._pending[:count]
-        return b"".join(line for line, _ in taken), count, taken[-1][1]
+        if count == len(self._pending):
+            taken, self._pending = self._pending, []
+        else:
+            # The rest keeps the old _pending_since: it is due at once.
+            taken = self._pending[:count]
+            del self._pending[:count]
+        self._taken_seq += count
+        return taken
 
-    async def _lead_flush(self) -> None:
-        self._flushing = True
-        done = self._flush_done = trio.Event()
-        try:
-            batch, count, last_hash = self._take_batch()
-            last_seq = self._taken_seq + count
-            self._taken_seq = last_seq
-            head = HeadRecord(
-                seq=last_seq, hash=last_hash, end=self._end + len(batch), lines=self._lines + count
-            )
-            # Shielded: once the batch is taken it must end up written or the log
-            # failed; a cancelled leader must not leave that undecided.
-            with trio.CancelScope(shield=True):
-                synced = await trio.to_thread.run_sync(
-                    self._write_batch, batch, head, abandon_on_cancel=False
-                )
-            self._end, self._lines = head.end, head.lines
-            self._durable_seq = last_seq
-            self.fsync_count += synced
-        except OSError as exc:
-            self._fail(f"writing the audit log {self.path} failed: {exc}")
-            raise AuditWriteError(self._failure or "") from exc
-        except BaseException as exc:
-            self._fail(f"writing the audit log {self.path} was interrupted: {exc!r}")
-            raise
-        finally:
-            self._flushing = False
-            done.set()
-
-    def _write_batch(self, batch: bytes, head: HeadRecord) -> bool:
-        """Worker thread: append, sync, then move the head. Returns whether it synced."""
+    def _write_batch(self, batch: bytes, head: HeadRecord) -> None:
+        """Flusher thread: append, sync, then move the head."""
         view = memoryview(batch)
         while view:
             written = os.write(self._fd, view)
@@ -249,17 +342,29 @@ class AuditLog:
         # Written after the sync, so the head never claims more than is durable. It
         # is not synced itself: after a power cut it may lag, which is safe.
         os.pwrite(self._head_fd, encode_head(head), 0)
-        return self._fsync
 
-    def _fail(self, reason: str) -> None:
+    # -- what the flusher tells trio (run on the trio thread) -------------------------
+
+    def _wake_waiters(self) -> None:
+        self._flushed.set()
+        self._flushed = trio.Event()
+
+    def _on_flushed(self, seq: int, synced: bool) -> None:
+        self._durable_seq = seq
+        self.fsync_count += synced
+        self._wake_waiters()
+
+    def _on_failed(self, reason: str) -> None:
         if self._failure is None:
             self._failure = reason
-        self._pending.clear()  # never to be written; the log is failed
+        with self._lock:
+            self._pending.clear()  # never to be written; the flusher has stopped
+        self._wake_waiters()
 
     # -- close ---------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Record ``audit_close``, make everything durable, close the files.
+        """Record ``audit_close``, make everything durable, stop the flusher, close.
 
         Runs shielded (it is called while cancelling). Error handling: raises
         AuditWriteError if the final write fails; a log that had already failed is
@@ -269,22 +374,41 @@ class AuditLog:
             return
         with trio.CancelScope(shield=True):
             try:
-                if self._failure is None and not self._closing:
+                seq: int | None = None
+                if self._failure is None and not self._closing and self._thread is not None:
                     seq = self.record(
                         EntryKind.EVENT,
                         event=AuditEvent.AUDIT_CLOSE,
                         detail={"pid": os.getpid()},
                     )
-                    self._closing = True
-                    await self.durable(seq)
+                self._closing = True
+                await self._join_flusher()  # it writes everything queued, then exits
+                if seq is not None:
+                    # Read after the join: the flusher's last word, whatever trio's
+                    # callbacks have seen so far.
+                    if self._write_failure is not None or self._written_seq < seq:
+                        raise AuditWriteError(
+                            self._write_failure or f"{self.path}: audit_close was not written"
+                        )
                     if self._fsync:
                         await trio.to_thread.run_sync(os.fsync, self._head_fd)
             finally:
                 self._closed = True
                 self._closing = True
-                self._pending.clear()
                 os.close(self._fd)
                 os.close(self._head_fd)
+
+    async def _join_flusher(self) -> None:
+        """Stop the flusher once the queue is written (or writing failed); join it."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._lock:
+            self._stopping = True
+        self._ring()
+        await trio.to_thread.run_sync(thread.join)
+        with self._lock:
+            self._pending.clear()
 
 
 # --- open ---------------------------------------------------------------------------
@@ -433,7 +557,11 @@ def _torn_detail(opened: _Opened) -> dict[str, object]:
 
 @asynccontextmanager
 async def open_audit_log(
-    path: Path, *, fsync: bool = True, clock: Callable[[], int] = time.time_ns
+    path: Path,
+    *,
+    fsync: bool = True,
+    clock: Callable[[], int] = time.time_ns,
+    sync_delay_s: float = RESULT_SYNC_DELAY_S,
 ) -> AsyncIterator[AuditLog]:
     """Open (or create) the audit log at ``path`` and continue its chain.
 
@@ -441,18 +569,26 @@ async def open_audit_log(
     tail to find the last entry (the head file says where it is), so the chain
     continues across restarts. A torn tail left by a crash is terminated and recorded
     as a ``torn_tail_recovered`` event (line, size and sha256 of the torn bytes), never
-    dropped. Then an ``audit_open`` entry is made durable. On exit ``audit_close`` is
-    made durable and the files are closed. ``fsync=False`` writes without syncing
-    (tests and benchmarks only). ``clock`` returns ns since the epoch.
+    dropped. Then the flusher thread starts and an ``audit_open`` entry is made
+    durable. On exit ``audit_close`` is made durable, the flusher is joined and the
+    files are closed. ``fsync=False`` writes without syncing (tests and benchmarks
+    only). ``clock`` returns ns since the epoch. ``sync_delay_s`` is how long an entry
+    nobody waits for may stay queued (tests stretch it to make flushes predictable).
 
     Error handling: AuditOpenError when the log is locked by another process, shorter
     than its head file says, rewritten, or not an audit log (the message says what to
     do); AuditWriteError when the first entries cannot be written; OSError from
-    creating the files passes through.
+    creating the files passes through; ValueError for a ``sync_delay_s`` below 0 or
+    beyond what a thread can wait (``threading.TIMEOUT_MAX``).
     """
+    if not 0 <= sync_delay_s <= threading.TIMEOUT_MAX:
+        raise ValueError(
+            f"sync_delay_s must be 0 to {threading.TIMEOUT_MAX:g} seconds, not {sync_delay_s}"
+        )
     opened = await trio.to_thread.run_sync(_open_files, path, fsync)
-    log = AuditLog(path, opened, fsync=fsync, clock=clock)
+    log = AuditLog(path, opened, fsync=fsync, clock=clock, sync_delay_s=sync_delay_s)
     try:
+        log._start_flusher()
         if opened.chain_end.torn:
             log.record(
                 EntryKind.EVENT,

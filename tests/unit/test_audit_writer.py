@@ -1,6 +1,8 @@
 """The trio audit writer: files, group commit, restarts, torn tails, failures, cancellation.
 
-Real files in tmp_path, real trio, real OS errors (/dev/full, a full tmpfs).
+Real files in tmp_path, real trio, a real flusher thread, real OS errors (/dev/full, a
+full tmpfs, a pipe whose reader goes away). Tests that count flushes stretch the
+result sync delay (``sync_delay_s``) so that only waiters make the flusher write.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import hashlib
 import os
 import stat
 import subprocess
+import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +22,8 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gatewayd.audit import (
     AuditOpenError,
@@ -29,10 +35,15 @@ from gatewayd.audit import (
     read_head,
     verify_file,
 )
-from gatewayd.audit.writer import MAX_BATCH_BYTES
+from gatewayd.audit.writer import MAX_BATCH_BYTES, RESULT_SYNC_DELAY_S
 from gatewayd.protocol import ErrorCode
 
 PEER = {"pid": 4242, "uid": 1000, "gid": 1000}
+# Long enough that no entry is ever flushed for being due during a test: only a waiter
+# (or close) makes the flusher write, so flush counts are exact.
+NEVER_DUE_S = 3600.0
+# A bound on "soon" for things that take milliseconds: generous for a loaded CI box.
+PATIENCE_S = 20.0
 
 
 def call_fields(i: int) -> dict[str, Any]:
@@ -53,6 +64,10 @@ def entries(path: Path) -> list[dict[str, Any]]:
 
 def seqs(path: Path) -> list[int]:
     return [e["seq"] for e in entries(path)]
+
+
+def flusher_threads(path: Path) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"audit-flusher {path}"]
 
 
 async def write_log(path: Path, calls: int, *, fsync: bool = False) -> None:
@@ -147,6 +162,36 @@ async def test_second_writer_on_the_same_log_is_refused_while_the_first_holds_it
 # --- group commit -------------------------------------------------------------------
 
 
+async def test_a_waiter_makes_the_flusher_write_at_once_without_waiting_for_the_delay(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    async with open_audit_log(path, fsync=True, sync_delay_s=NEVER_DUE_S) as log:
+        result = log.record("result", runId="run-0123456789abcdef", toolCallId="c", durationMs=1.0)
+        await trio.sleep(0.05)  # the flusher is asleep again: that entry is due in an hour
+        assert (seqs(path), log.durable_seq) == ([1], 1)
+        with trio.fail_after(PATIENCE_S):  # without the waiter's wake-up: an hour
+            seq = await log.append("call", **call_fields(0))
+        assert seqs(path) == [1, result, seq]
+        assert log.fsync_count == 2  # audit_open, then both entries in one flush
+
+
+async def test_results_nobody_waits_for_become_durable_within_the_delay(tmp_path: Path) -> None:
+    """The flusher's own timer writes entries nobody awaits (results, denials)."""
+    path = tmp_path / "audit.jsonl"
+    async with open_audit_log(path, fsync=True) as log:
+        seq = log.record("result", runId="run-0123456789abcdef", toolCallId="c", durationMs=1.0)
+        with trio.fail_after(PATIENCE_S):
+            while seqs(path) != [1, seq]:
+                await trio.sleep(RESULT_SYNC_DELAY_S)
+            while log.durable_seq != seq:  # and trio is told
+                await trio.sleep(RESULT_SYNC_DELAY_S)
+        assert log.fsync_count == 2
+        head = read_head(path)
+        assert head is not None
+        assert (head.seq, head.end) == (seq, path.stat().st_size)
+
+
 async def test_concurrent_appends_share_fsyncs_and_keep_one_contiguous_chain(
     tmp_path: Path,
 ) -> None:
@@ -176,11 +221,12 @@ async def test_a_batch_larger_than_the_flush_cap_is_written_in_several_flushes(
 ) -> None:
     path = tmp_path / "audit.jsonl"
     summary = {"blob": "x" * 7000}
-    async with open_audit_log(path, fsync=True) as log:
+    async with open_audit_log(path, fsync=True, sync_delay_s=NEVER_DUE_S) as log:
         for i in range(700):  # ~5 MB, over MAX_BATCH_BYTES
             log.record("call", **{**call_fields(i), "argsSummary": summary})
         start = log.fsync_count
-        await log.durable(log.last_seq)
+        with trio.fail_after(PATIENCE_S):
+            await log.durable(log.last_seq)
         assert log.fsync_count - start == 2
     assert path.stat().st_size > MAX_BATCH_BYTES
     assert verify_file(path).ok
@@ -353,9 +399,10 @@ async def test_write_error_fails_the_log_for_every_waiter_and_every_later_call(
             except AuditWriteError as exc:
                 failures.append(exc)
 
-        async with trio.open_nursery() as nursery:
-            for i in range(20):
-                nursery.start_soon(caller, i)
+        with trio.fail_after(PATIENCE_S):  # a waiter nobody wakes fails, not hangs
+            async with trio.open_nursery() as nursery:
+                for i in range(20):
+                    nursery.start_soon(caller, i)
         assert len(failures) == 20
         assert log.failed
         with pytest.raises(AuditWriteError):
@@ -370,6 +417,68 @@ async def test_write_error_fails_the_log_for_every_waiter_and_every_later_call(
     assert "No space left on device" in exc.detail
     assert str(path) in exc.detail
     assert seqs(path) == [1]  # only audit_open reached the file
+
+
+async def test_failed_write_wakes_every_waiter_blocked_on_it_with_audit_write_error(
+    tmp_path: Path,
+) -> None:
+    """The flusher is held in a real blocking write (a full pipe), then the write fails.
+
+    Every waiter is already asleep when it fails, for entries in the failing batch and
+    after it; each one raises, and nothing is written after the failure.
+    """
+    path = tmp_path / "audit.jsonl"
+    failures: list[AuditWriteError] = []
+    summary = {"blob": "p" * 7000}
+    async with open_audit_log(path, fsync=False, sync_delay_s=NEVER_DUE_S) as log:
+        size_before = path.stat().st_size
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, log.fileno())
+        os.close(write_end)
+        recorded = [
+            log.record("call", **{**call_fields(i), "argsSummary": summary}) for i in range(30)
+        ]  # ~220 KB: more than a pipe holds, so the write blocks
+
+        async def waiter(seq: int) -> None:
+            try:
+                await log.durable(seq)
+            except AuditWriteError as exc:
+                failures.append(exc)
+
+        with trio.fail_after(PATIENCE_S):  # a waiter nobody wakes fails, not hangs
+            async with trio.open_nursery() as nursery:
+                for seq in recorded:
+                    nursery.start_soon(waiter, seq)
+                await trio.testing.wait_all_tasks_blocked()
+                assert failures == []  # the flusher is stuck in write(), nobody is woken yet
+                late = log.record("call", **call_fields(99))  # queued behind the stuck batch
+                nursery.start_soon(waiter, late)
+                await trio.testing.wait_all_tasks_blocked()
+                os.close(read_end)  # the reader goes away: the blocked write fails (EPIPE)
+        assert len(failures) == 31
+        assert log.failed
+        assert all("Broken pipe" in exc.detail for exc in failures)
+        assert log.durable_seq == 1
+    assert path.stat().st_size == size_before  # nothing reached the file, not even close
+    assert seqs(path) == [1]
+
+
+async def test_failed_flush_that_nobody_waited_for_fails_the_log_for_later_callers(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    async with open_audit_log(path, fsync=True) as log:
+        full = os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+        os.dup2(full, log.fileno())
+        os.close(full)
+        log.record("result", runId="run-0123456789abcdef", toolCallId="c", durationMs=1.0)
+        with trio.fail_after(PATIENCE_S):  # the flusher's timer writes it, and fails
+            while not log.failed:
+                await trio.sleep(RESULT_SYNC_DELAY_S)
+        with pytest.raises(AuditWriteError, match="no call can run") as info:
+            await log.append("call", **call_fields(1))
+        assert "No space left on device" in info.value.detail
+    assert seqs(path) == [1]
 
 
 @pytest.fixture
@@ -405,7 +514,7 @@ async def test_full_disk_fails_closed_then_restart_recovers_the_torn_write(
                 fields = {**call_fields(i), "argsSummary": summary}
                 durable.append(await log.append("call", **fields))
 
-    with pytest.raises(AuditWriteError) as info:
+    with pytest.raises(AuditWriteError) as info, trio.fail_after(PATIENCE_S):
         await fill_the_disk()
     assert "No space left on device" in info.value.detail
     assert durable  # some entries fit before the disk filled
@@ -433,6 +542,42 @@ async def test_bad_fields_raise_and_record_nothing(tmp_path: Path) -> None:
     assert verify_file(path).ok
 
 
+async def test_close_stops_and_joins_the_flusher_thread(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    async with open_audit_log(path, fsync=False) as log:
+        running = flusher_threads(path)
+        assert len(running) == 1
+        assert running[0].is_alive()
+        log.record("result", runId="run-0123456789abcdef", toolCallId="c", durationMs=1.0)
+    assert not running[0].is_alive()
+    assert flusher_threads(path) == []
+    assert seqs(path) == [1, 2, 3]  # the queued result was written before close
+
+
+async def test_close_of_a_failed_log_still_joins_the_flusher(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    async with open_audit_log(path, fsync=False) as log:
+        running = flusher_threads(path)
+        full = os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+        os.dup2(full, log.fileno())
+        os.close(full)
+        with pytest.raises(AuditWriteError), trio.fail_after(PATIENCE_S):
+            await log.append("call", **call_fields(0))
+    assert len(running) == 1
+    assert not running[0].is_alive()
+
+
+@pytest.mark.parametrize("delay", [-1.0, float("nan"), threading.TIMEOUT_MAX * 2])
+async def test_sync_delay_a_thread_cannot_wait_is_refused_before_anything_is_opened(
+    tmp_path: Path, delay: float
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    with pytest.raises(ValueError, match=r"sync_delay_s must be 0 to \S+ seconds, not"):
+        async with open_audit_log(path, sync_delay_s=delay):
+            pass
+    assert not path.exists()
+
+
 async def test_entry_recorded_after_close_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     async with open_audit_log(path, fsync=False) as log:
@@ -446,29 +591,33 @@ async def test_entry_recorded_after_close_is_refused(tmp_path: Path) -> None:
 # --- cancellation -------------------------------------------------------------------
 
 
-async def test_cancelling_the_leader_mid_flush_loses_and_duplicates_nothing(
+async def test_cancelling_a_waiter_mid_flush_loses_and_duplicates_nothing(
     tmp_path: Path,
 ) -> None:
+    """The flusher owns the flush: the waiter goes away, every wanted entry still lands."""
     path = tmp_path / "audit.jsonl"
     summary = {"blob": "z" * 7000}
-    async with open_audit_log(path, fsync=True) as log:
+    async with open_audit_log(path, fsync=True, sync_delay_s=NEVER_DUE_S) as log:
         for i in range(1500):  # ~11 MB: three flushes of at most MAX_BATCH_BYTES
             log.record("call", **{**call_fields(i), "argsSummary": summary})
         last = log.last_seq
         scope = trio.CancelScope()
 
-        async def leader() -> None:
+        async def waiter() -> None:
             with scope:
                 await log.durable(last)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(leader)
-            await trio.testing.wait_all_tasks_blocked()  # the leader's thread is writing
+            nursery.start_soon(waiter)
+            await trio.testing.wait_all_tasks_blocked()  # the flusher is writing
             scope.cancel()
         assert scope.cancelled_caught
-        assert 1 < log.durable_seq < last  # stopped between flushes, not mid-batch
+        assert log.durable_seq < last  # cancelled while the flushes were under way
+        with trio.fail_after(PATIENCE_S):  # nobody waits now and nothing is due: the
+            while log.durable_seq != last:  # flusher finishes what was wanted anyway
+                await trio.sleep(0.01)
         assert not log.failed
-        await log.durable(last)
+        assert log.fsync_count - 1 == 3
     written = seqs(path)
     assert written == list(range(1, last + 2))  # every entry once, in order, plus close
     assert verify_file(path).ok
@@ -478,11 +627,63 @@ async def test_entry_of_a_caller_cancelled_before_its_flush_is_still_written(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "audit.jsonl"
-    async with open_audit_log(path, fsync=False) as log:
+    async with open_audit_log(path, fsync=False, sync_delay_s=NEVER_DUE_S) as log:
         with trio.CancelScope() as scope:
             scope.cancel()
             await log.append("call", **call_fields(0))
         assert scope.cancelled_caught
-        assert log.durable_seq == 1
+        assert log.durable_seq == 1  # nobody wanted it and it is not due: still queued
     assert [e.get("toolCallId") for e in entries(path)] == [None, "call-0", None]
     assert verify_file(path).ok
+
+
+# One step of a random workload: record some entries, then wait for the last of them,
+# or wait and cancel the wait after some checkpoints, or wait for nothing; then let
+# other tasks run for a few checkpoints before the next step.
+_STEPS = st.lists(
+    st.tuples(
+        st.integers(min_value=1, max_value=4),
+        st.sampled_from(["wait", "cancel", "none"]),
+        st.integers(min_value=0, max_value=3),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=_STEPS, delay=st.sampled_from([0.0, RESULT_SYNC_DELAY_S, NEVER_DUE_S]))
+async def test_any_mix_of_waiters_and_cancellations_writes_every_entry_once_in_order(
+    steps: list[tuple[int, str, int]], delay: float
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "audit.jsonl"
+        async with open_audit_log(path, fsync=False, sync_delay_s=delay) as log:
+
+            async def waiter(seq: int, cancel_after: int | None) -> None:
+                with trio.CancelScope() as scope:
+                    if cancel_after is not None:
+
+                        async def cancel_later() -> None:
+                            for _ in range(cancel_after):
+                                await trio.lowlevel.checkpoint()
+                            scope.cancel()
+
+                        nursery.start_soon(cancel_later)
+                    await log.durable(seq)
+                    # Returned: the entry is on disk already, before close.
+                    assert seqs(path)[-1] >= seq
+                    assert log.durable_seq >= seq
+
+            with trio.fail_after(PATIENCE_S):
+                async with trio.open_nursery() as nursery:
+                    for i, (count, kind, pause) in enumerate(steps):
+                        for j in range(count):
+                            last = log.record("call", **call_fields(i * 10 + j))
+                        if kind != "none":
+                            nursery.start_soon(waiter, last, pause if kind == "cancel" else None)
+                        for _ in range(pause):
+                            await trio.lowlevel.checkpoint()
+            last = log.last_seq
+        assert seqs(path) == list(range(1, last + 2))
+        assert verify_file(path).ok
