@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _policy_check(path: Path) -> int:
-    from gatewayd.policy import PolicyError, load_policy, summarize
+    from gatewayd.policy import PolicyError, load_policy, summarize, unmatched_patterns
+    from gatewayd.tools import builtin_tools
 
     try:
         policy = load_policy(path)
@@ -125,6 +126,12 @@ def _policy_check(path: Path) -> int:
         print(f"invalid policy: {exc}", file=sys.stderr)
         return EXIT_FAILED
     print(summarize(policy, str(path)))
+    # Not an error (a later gatewayd may know the tool), but most likely a typo.
+    for pattern in unmatched_patterns(policy.tools.allow, builtin_tools()):
+        print(
+            f"warning: tools.allow entry {pattern!r} matches no tool this gatewayd has",
+            file=sys.stderr,
+        )
     return EXIT_OK
 
 

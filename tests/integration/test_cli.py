@@ -153,6 +153,15 @@ def test_policy_check_summarizes_or_names_the_bad_field(base: Path) -> None:
         text=True,
     )
     assert ok.returncode == 0 and "fs.read" in ok.stdout
+    assert "warning" not in ok.stderr
+    typo = write_policy(
+        base, "version: 1\nname: t\ntools: {allow: [fs.raed, time.now]}\n", name="typo.yaml"
+    )
+    warned = subprocess.run(
+        [GATEWAYD, "policy", "check", str(typo)], capture_output=True, text=True
+    )
+    assert warned.returncode == 0
+    assert "'fs.raed' matches no tool" in warned.stderr and "time.now" not in warned.stderr
     bad = write_policy(
         base,
         "version: 1\nname: x\nfilesystem:\n  paths:\n    w: {root: ., mode: rwx}\n",
@@ -292,8 +301,10 @@ def test_control_socket_refuses_other_users(base: Path) -> None:
 def test_max_frame_bytes_is_configurable_and_enforced(base: Path) -> None:
     big = "x" * 5000
     proc = gw_run(
-        base, "sh", "-c",
-        f"cogni-tool exec fs.write '{{\"path\": \"a.txt\", \"content\": \"{big}\"}}'; echo EXIT=$?",
+        base,
+        "sh",
+        "-c",
+        f'cogni-tool exec fs.write \'{{"path": "a.txt", "content": "{big}"}}\'; echo EXIT=$?',
         extra=("--max-frame-bytes", "4096"),
     )
     assert "EXIT=11" in proc.stdout, proc.stdout + proc.stderr
