@@ -28,6 +28,12 @@ SIGNAL_EXIT_BASE: Final = 128
 # Variables a run's command may inherit from gatewayd's environment; everything else
 # is dropped (invariant SECRETS_HOST_ONLY), and the two COGNI_ variables are added.
 ENV_ALLOWLIST: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TZ")
+# A frame must hold a request header (the decoder refuses less than 64 bytes); more
+# than 64 MiB per frame is not a tool call but a way to make the daemon buffer memory.
+MIN_FRAME_BYTES: Final = 64
+MAX_FRAME_BYTES: Final = 64 << 20
+# Like timeout(1): the run's command was stopped because the run ran out of time.
+EXIT_MAX_RUNTIME: Final = 124
 
 
 def _add_daemon_options(p: argparse.ArgumentParser) -> None:
@@ -48,7 +54,24 @@ def _add_daemon_options(p: argparse.ArgumentParser) -> None:
         default=[],
         help="directory searched for policies named without a path (repeatable)",
     )
-    p.add_argument("--max-frame-bytes", type=int, default=None, help="largest request frame")
+    p.add_argument(
+        "--max-frame-bytes",
+        type=_frame_bytes,
+        default=None,
+        help=f"largest request frame ({MIN_FRAME_BYTES}..{MAX_FRAME_BYTES}; default 1 MiB)",
+    )
+
+
+def _frame_bytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of bytes: {text!r}") from None
+    if not MIN_FRAME_BYTES <= value <= MAX_FRAME_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{value} is outside {MIN_FRAME_BYTES}..{MAX_FRAME_BYTES} bytes"
+        )
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workspace", type=Path, help="the run's workspace directory")
     run.add_argument("--actor", default=os.environ.get("USER", "operator"))
     run.add_argument("--tenant", default="local")
+    run.add_argument(
+        "--max-runtime",
+        type=int,
+        default=None,
+        help="seconds before the run and its command are stopped (default 3600)",
+    )
     run.add_argument(
         "--tool",
         action="append",
@@ -192,7 +221,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _run_request(args: argparse.Namespace) -> RunRequest:
     import pydantic
 
-    from gatewayd.runs import Grant, RunRequest, format_validation_error
+    from gatewayd.runs import Grant, RunLimits, RunRequest, format_validation_error
 
     if args.spec is not None:
         try:
@@ -214,6 +243,9 @@ def _run_request(args: argparse.Namespace) -> RunRequest:
         tenantId=args.tenant,
         grant=Grant(allowSandbox=True),
         toolIds=tuple(args.tools) if args.tools else None,
+        limits=RunLimits(maxRuntimeSec=args.max_runtime)
+        if args.max_runtime is not None
+        else RunLimits(),
     )
 
 
@@ -264,20 +296,32 @@ def _run(args: argparse.Namespace) -> int:
                 f"gatewayd: run {run.run_id} started (policy {run.spec.policy.name})",
                 file=sys.stderr,
             )
-            proc = await trio.run_process(
-                cmd,
-                cwd=str(run.spec.workspace),
-                env=child_environment(run),
-                check=False,
-                start_new_session=True,
-            )
-            rc = proc.returncode
-            status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
-            summary = await daemon.end_run(run.run_id, reason="command_exited") or {}
-            by_code = ", ".join(f"{k}: {v}" for k, v in sorted(summary["deniedByCode"].items()))
+            max_runtime = run.spec.request.limits.maxRuntimeSec
+            # Cancelling run_process stops the command (SIGTERM, then SIGKILL).
+            with trio.move_on_after(max_runtime) as scope:
+                proc = await trio.run_process(
+                    cmd,
+                    cwd=str(run.spec.workspace),
+                    env=child_environment(run),
+                    check=False,
+                    start_new_session=True,
+                )
+            if scope.cancelled_caught:
+                print(
+                    f"gatewayd: run {run.run_id} exceeded its {max_runtime} s "
+                    "(maxRuntimeSec); its command was stopped",
+                    file=sys.stderr,
+                )
+                rc, status = -1, EXIT_MAX_RUNTIME
+            else:
+                rc = proc.returncode
+                status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
+            # The run may already have ended (maxRuntimeSec); its counters stay on it.
+            await daemon.end_run(run.run_id, reason="command_exited")
+            by_code = ", ".join(f"{k}: {v}" for k, v in sorted(run.denied_by_code.items()))
             print(
-                f"gatewayd: run {run.run_id} ended: exit {rc}; {summary['calls']} calls, "
-                f"{summary['allowed']} allowed, {summary['denied']} denied"
+                f"gatewayd: run {run.run_id} ended: exit {rc}; {run.calls} calls, "
+                f"{run.allowed} allowed, {run.denied} denied"
                 + (f" ({by_code})" if by_code else ""),
                 file=sys.stderr,
             )

@@ -98,6 +98,10 @@ class ControlServer:
                 conn.start_next_cycle()
         except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
             pass
+        except HttpError as exc:  # refused while reading: answer, then close
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+                with contextlib.suppress(trio.BrokenResourceError, h11.LocalProtocolError):
+                    await self._send(stream, conn, exc.status, _error_body(exc.code, exc.message))
         except h11.RemoteProtocolError as exc:
             log.info("control_bad_http", error=str(exc))
             if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
@@ -129,7 +133,9 @@ class ControlServer:
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > MAX_BODY_BYTES:
-                    raise h11.RemoteProtocolError("request body too large", 413)
+                    raise HttpError(
+                        413, ErrorCode.BAD_REQUEST, f"request body over {MAX_BODY_BYTES} bytes"
+                    )
             elif isinstance(event, h11.EndOfMessage):
                 return request, bytes(body)
             elif isinstance(event, h11.ConnectionClosed):
@@ -182,6 +188,11 @@ class ControlServer:
             raise HttpError(403, ErrorCode.AUTHZ_DENIED, str(exc)) from None
         except (PolicyError, ValueError) as exc:
             raise HttpError(400, ErrorCode.BAD_REQUEST, str(exc)) from None
+        except OSError as exc:
+            log.exception("run_create_failed")
+            raise HttpError(
+                500, ErrorCode.INTERNAL, f"gatewayd could not create the run: {exc.strerror}"
+            ) from None
         return 201, {"ok": True, "run": run.summary()}
 
     async def _send(

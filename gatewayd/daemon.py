@@ -17,7 +17,8 @@ import trio
 from gatewayd.audit import AuditLog, AuditWriteError, open_audit_log
 from gatewayd.dispatch import Dispatcher
 from gatewayd.errors import AuthzDenied
-from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES
+from gatewayd.policy import PolicyError
+from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
 from gatewayd.server import serve_run
 from gatewayd.tools import builtin_tools
@@ -68,16 +69,16 @@ class Daemon:
         """Create a run and start serving its socket. Refusals are audited, then raised.
 
         Error handling: AuthzDenied (no sandbox grant), PolicyError (bad policy),
-        ValueError (bad workspace); each is recorded as a ``run_refused`` event.
+        ValueError (bad workspace), OSError (gatewayd could not make the run's files);
+        each is recorded as a ``run_refused`` event with the matching code.
         """
         try:
             run = self.registry.create(request)
         except Exception as exc:
-            code = getattr(exc, "code", None)
             await self.audit.append(
                 "event",
                 event="run_refused",
-                errorCode=str(code) if isinstance(exc, AuthzDenied) else "bad_request",
+                errorCode=str(_refusal_code(exc)),
                 safeMessage=str(exc),
                 detail={
                     "actorId": request.actorId,
@@ -104,20 +105,25 @@ class Daemon:
         try:
             await self._nursery.start(self._serve, run)
         except BaseException:
-            run.state = RunState.FAILED
+            run.move_to(RunState.FAILED)
             self.registry.remove(run)
             raise
         log.info("run_started", run_id=run.run_id, policy=run.spec.policy.name)
         return run
 
     async def _serve(self, run: Run, *, task_status: trio.TaskStatus[None]) -> None:
+        max_runtime = run.spec.request.limits.maxRuntimeSec
         try:
-            await serve_run(
-                run,
-                self.dispatcher,
-                max_frame_bytes=self.config.max_frame_bytes,
-                task_status=task_status,
-            )
+            with trio.move_on_after(max_runtime) as scope:
+                await serve_run(
+                    run,
+                    self.dispatcher,
+                    max_frame_bytes=self.config.max_frame_bytes,
+                    task_status=task_status,
+                )
+            if scope.cancelled_caught:
+                run.end_reason = "max_runtime_exceeded"
+                log.warning("run_max_runtime", run_id=run.run_id, seconds=max_runtime)
         finally:
             with trio.CancelScope(shield=True):
                 await self._finish(run)
@@ -136,10 +142,7 @@ class Daemon:
         if run.state in (RunState.CREATED, RunState.SERVING):
             run.move_to(RunState.ENDING)
         self.registry.remove(run)
-        if run.state is RunState.ENDING:
-            run.move_to(RunState.ENDED)
-        else:
-            run.state = RunState.ENDED
+        run.move_to(RunState.ENDED)  # from ENDING, or from FAILED
         try:
             await self.audit.append(
                 "event",
@@ -157,6 +160,15 @@ class Daemon:
         """End every run (used at shutdown)."""
         for run in self.registry.all():
             await self.end_run(run.run_id, reason="daemon_stopping")
+
+
+def _refusal_code(exc: Exception) -> ErrorCode:
+    """Whose fault a refused run was: the grant, the request, or gatewayd itself."""
+    if isinstance(exc, AuthzDenied):
+        return ErrorCode.AUTHZ_DENIED
+    if isinstance(exc, PolicyError | ValueError):
+        return ErrorCode.BAD_REQUEST
+    return ErrorCode.INTERNAL
 
 
 def _counts(run: Run) -> dict[str, Any]:

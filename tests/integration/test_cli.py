@@ -247,6 +247,10 @@ def test_serve_control_socket_works_with_curl(base: Path) -> None:
         assert status == 403 and refused["errorCode"] == "authz_denied"
         status, bad = curl("-X", "POST", "-d", "{", "http://gatewayd/v1/runs")
         assert status == 400 and bad["errorCode"] == "bad_request"
+        huge = base / "huge.json"
+        huge.write_text('{"pad": "' + "x" * (2 << 20) + '"}')
+        status, bad = curl("-X", "POST", "--data-binary", f"@{huge}", "http://gatewayd/v1/runs")
+        assert status == 413 and "bytes" in bad["message"]
         status, bad = curl(
             "-X", "POST", "-d", json.dumps({"runId": "x"}), "http://gatewayd/v1/runs"
         )
@@ -310,3 +314,20 @@ def test_max_frame_bytes_is_configurable_and_enforced(base: Path) -> None:
     assert "EXIT=11" in proc.stdout, proc.stdout + proc.stderr
     assert "too_large" in proc.stderr and "4096" in proc.stderr
     assert not (base / "ws" / "a.txt").exists()
+
+
+def test_max_frame_bytes_out_of_range_is_a_usage_error(base: Path) -> None:
+    proc = gw_run(base, "true", extra=("--max-frame-bytes", "10"))
+    assert proc.returncode == 2
+    assert "outside 64.." in proc.stderr
+
+
+def test_a_command_over_max_runtime_is_stopped_and_reported(base: Path) -> None:
+    proc = gw_run(base, "sleep", "30", extra=("--max-runtime", "1"))
+    assert proc.returncode == 124
+    assert "exceeded its 1 s (maxRuntimeSec)" in proc.stderr
+    show = subprocess.run(
+        [GATEWAYD, "audit", "show", str(base / "state/audit/audit.jsonl")],
+        capture_output=True, text=True,
+    )
+    assert "max_runtime_exceeded" in show.stdout

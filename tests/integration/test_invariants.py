@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -50,7 +51,9 @@ async def test_run_ids_are_fresh_128_bit_values_made_by_gatewayd(
     ids = {(await gateway.create_run(workspace)).run_id for _ in range(20)}
     assert len(ids) == 20
     for run_id in ids:
-        assert len(run_id) == 32 and int(run_id, 16) >= 0  # 32 hex chars = 128 bits
+        assert re.fullmatch(r"[0-9a-f]{32}", run_id), run_id  # 32 hex chars = 128 bits
+    # random, not a counter or a clock: every position varies across 20 ids
+    assert all(len({r[i] for r in ids}) > 1 for i in range(32))
 
 
 # 2 ONE_SOCKET_PER_RUN
