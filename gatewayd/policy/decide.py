@@ -17,21 +17,16 @@ from typing import Final
 
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation
 from gatewayd.policy.paths import (
+    MAX_PATH_BYTES,
     WORKSPACE_VISIBLE_ROOT,
     Access,
     PathAccess,
     PathGrant,
     PathMode,
     ResolvedPath,
+    shown,
 )
 from gatewayd.protocol import ErrorCode
-
-# Linux PATH_MAX: a longer path cannot be opened anyway, and refusing it early keeps
-# the work per call and the size of error messages bounded.
-MAX_PATH_BYTES: Final = 4096
-# Paths are echoed into messages; past this they are cut so a hostile path cannot
-# fill the response or the audit line.
-MAX_SHOWN_PATH_CHARS: Final = 200
 
 _WORKSPACE_PARTS: Final = WORKSPACE_VISIBLE_ROOT.parts[1:]
 
@@ -119,18 +114,11 @@ def _tool_denied(tool: str, rules: RunRules) -> Deny:
             what = "None of this run's toolIds is allowed by its policy, so no tool is allowed."
     return Deny(
         code=ErrorCode.POLICY_DENIED,
-        message=f"tool '{_shown(tool)}' is not allowed for this run. {what}",
+        message=f"tool '{shown(tool)}' is not allowed for this run. {what}",
     )
 
 
 # --- paths ----------------------------------------------------------------------------
-
-
-def _shown(text: str) -> str:
-    """``text`` made safe and short for a message: control characters escaped, cut."""
-    if len(text) > MAX_SHOWN_PATH_CHARS:
-        text = text[:MAX_SHOWN_PATH_CHARS] + "..."
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _normalize(path: str) -> tuple[str, ...]:
@@ -174,7 +162,7 @@ def _readable(grants: Sequence[PathGrant]) -> str:
 
 def _writable(grants: Sequence[PathGrant]) -> str:
     """Writable roots, each with the read-only grants nested inside it."""
-    shown = []
+    roots = []
     for g in grants:
         if g.mode is not PathMode.RW:
             continue
@@ -185,10 +173,10 @@ def _writable(grants: Sequence[PathGrant]) -> str:
             and o.visible_root != g.visible_root
             and o.visible_root.is_relative_to(g.visible_root)
         ]
-        shown.append(
+        roots.append(
             f"{g.visible_root} (except {', '.join(inner)})" if inner else str(g.visible_root)
         )
-    return _path_list(shown)
+    return _path_list(roots)
 
 
 def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> ResolvedPath | Deny:
@@ -202,7 +190,7 @@ def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> Reso
     if "\x00" in path:
         return Deny(
             code=ErrorCode.INVALID_ARGS,
-            message=f"path '{_shown(path)}' contains a NUL byte, which no file name can hold",
+            message=f"path '{shown(path)}' contains a NUL byte, which no file name can hold",
         )
     size = len(path.encode("utf-8", "surrogatepass"))
     if size > MAX_PATH_BYTES:
@@ -212,16 +200,16 @@ def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> Reso
         )
     parts = _normalize(path)
     grant = _grant_for(parts, grants)
-    shown = _shown(path)
+    quoted = shown(path)
     if grant is None:
         if access == "write":
             message = (
-                f"Cannot write to '{shown}': path is outside the writable paths.\n"
+                f"Cannot write to '{quoted}': path is outside the writable paths.\n"
                 f"Writable paths: {_writable(grants)}"
             )
         else:
             message = (
-                f"Cannot read '{shown}': path is outside the readable paths.\n"
+                f"Cannot read '{quoted}': path is outside the readable paths.\n"
                 f"Readable paths: {_readable(grants)}"
             )
         return Deny(code=ErrorCode.POLICY_DENIED, message=message)
@@ -229,7 +217,7 @@ def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> Reso
         return Deny(
             code=ErrorCode.POLICY_DENIED,
             message=(
-                f"Cannot write to '{shown}': path is read-only.\n"
+                f"Cannot write to '{quoted}': path is read-only.\n"
                 f"Writable paths: {_writable(grants)}"
             ),
         )
@@ -248,13 +236,14 @@ def check_path(access: PathAccess, grants: Sequence[PathGrant]) -> ResolvedPath 
     if isinstance(resolved, Deny):
         return resolved
     grant = resolved.grant
-    shown = _shown(access.path)
+    quoted = shown(access.path)
     name = resolved.visible.rsplit("/", 1)[-1]
-    if grant.suffixes and not access.is_dir and not _has_allowed_suffix(name, grant.suffixes):
+    by_suffix = grant.suffixes and not access.metadata_only
+    if by_suffix and not _has_allowed_suffix(name, grant.suffixes):
         return Deny(
             code=ErrorCode.POLICY_DENIED,
             message=(
-                f"Cannot access '{shown}': suffix not allowed.\n"
+                f"Cannot access '{quoted}': suffix not allowed.\n"
                 f"Allowed suffixes: {', '.join(grant.suffixes)}"
             ),
         )
@@ -264,7 +253,7 @@ def check_path(access: PathAccess, grants: Sequence[PathGrant]) -> ResolvedPath 
         return Deny(
             code=ErrorCode.POLICY_DENIED,
             message=(
-                f"Cannot write '{shown}': {access.size} bytes is over the limit.\n"
+                f"Cannot write '{quoted}': {access.size} bytes is over the limit.\n"
                 f"Maximum allowed: {limit} bytes"
             ),
         )
@@ -279,7 +268,7 @@ def check_read_size(resolved: ResolvedPath, size: int) -> Deny | None:
     return Deny(
         code=ErrorCode.POLICY_DENIED,
         message=(
-            f"Cannot read '{_shown(resolved.visible)}': file too large ({size} bytes).\n"
+            f"Cannot read '{shown(resolved.visible)}': file too large ({size} bytes).\n"
             f"Maximum allowed: {limit} bytes"
         ),
     )

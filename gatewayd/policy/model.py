@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+import stat
 import typing
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
@@ -463,8 +464,10 @@ def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
 
     Relative roots become ``workspace/root`` on the host and ``/workspace/root`` inside;
     absolute roots stay as they are on the host and appear at ``mount`` (default: the same
-    path). Host roots are resolved (symlinks followed) now, once, so a later swap of a
-    symlink cannot move a grant.
+    path). Host roots are resolved (symlinks followed) now, once, and each root's
+    (device, inode) is pinned in ``root_id``: the fs tools refuse a root that was later
+    swapped for a symlink or another directory. A grant whose host root contains
+    another grant's is marked ``holds_nested`` (no symlink is followed beneath it).
 
     Error handling: a missing workspace or root, a root that is not a directory, or a
     relative root that resolves outside the workspace is a :class:`PolicyError`.
@@ -479,15 +482,17 @@ def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
         raise PolicyError(source, [f"workspace {workspace}: {exc.strerror}"]) from None
     if not base.is_dir():
         raise PolicyError(source, [f"workspace {workspace} is not a directory"])
-    grants = []
+    bound: list[tuple[str, PathRule, Path, tuple[int, int]]] = []
     for name, rule in rules.items():
         where = f"filesystem.paths.{name}.root"
         wanted = Path(rule.root) if rule.is_absolute else base / rule.root
         try:
             host_root = wanted.resolve(strict=True)
+            # stat of the resolved path: no symlink left to follow in it.
+            st = host_root.stat()
         except OSError as exc:
             raise PolicyError(source, [f"{where}: {wanted}: {exc.strerror}"]) from None
-        if not host_root.is_dir():
+        if not stat.S_ISDIR(st.st_mode):
             raise PolicyError(source, [f"{where}: {wanted} is not a directory"])
         if not rule.is_absolute and not host_root.is_relative_to(base):
             raise PolicyError(
@@ -497,14 +502,20 @@ def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
                     f"{base}; a relative root must stay inside the workspace"
                 ],
             )
-        grants.append(
-            PathGrant(
-                name=name,
-                host_root=host_root,
-                visible_root=rule.visible_root,
-                mode=PathMode(rule.mode),
-                suffixes=rule.suffixes,
-                max_file_bytes=rule.max_file_bytes,
-            )
+        bound.append((name, rule, host_root, (st.st_dev, st.st_ino)))
+    roots = [host_root for _, _, host_root, _ in bound]
+    return tuple(
+        PathGrant(
+            name=name,
+            host_root=host_root,
+            root_id=root_id,
+            holds_nested=any(
+                other != host_root and other.is_relative_to(host_root) for other in roots
+            ),
+            visible_root=rule.visible_root,
+            mode=PathMode(rule.mode),
+            suffixes=rule.suffixes,
+            max_file_bytes=rule.max_file_bytes,
         )
-    return tuple(grants)
+        for name, rule, host_root, root_id in bound
+    )

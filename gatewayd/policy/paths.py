@@ -12,11 +12,28 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Literal
+from typing import Final, Literal
 
 # Where the run's workspace appears inside the sandbox, and what relative paths
 # are resolved against.
 WORKSPACE_VISIBLE_ROOT = PurePosixPath("/workspace")
+
+# Linux's PATH_MAX: a longer path cannot be opened anyway, and refusing it early keeps
+# the work per call and the size of error messages bounded. The policy checks bytes;
+# the fs tools' argument schemas use it as a (looser) character limit.
+MAX_PATH_BYTES: Final = 4096
+# Longest path quoted in a message: the agent wrote the path, so it could be 4 KiB of
+# noise or terminal escapes; a message (and the audit line) only needs enough to
+# recognise it.
+MAX_SHOWN_PATH_CHARS: Final = 200
+
+
+def shown(text: str) -> str:
+    """``text`` (a path or name the agent wrote) made safe and short for a message:
+    cut to :data:`MAX_SHOWN_PATH_CHARS` and control characters escaped."""
+    if len(text) > MAX_SHOWN_PATH_CHARS:
+        text = text[: MAX_SHOWN_PATH_CHARS - 1] + "…"
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 class PathMode(enum.StrEnum):
@@ -26,10 +43,24 @@ class PathMode(enum.StrEnum):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PathGrant:
-    """One directory the run may read (``ro``) or read and write (``rw``)."""
+    """One directory the run may read (``ro``) or read and write (``rw``).
+
+    ``root_id`` pins the root's identity: a writable grant may contain this grant's
+    root (``reference`` inside ``/workspace``), and the agent can replace that
+    directory, by name, with a symlink to ``/`` or with another directory. The fs
+    tools open ``host_root`` without following a final symlink and refuse it unless
+    its (device, inode) is still ``root_id``.
+
+    ``holds_nested`` says another grant's root lies inside this one on the host: a
+    symlink here could then lead into that grant and read it under this grant's
+    rules (a ``.md``-only grant's ``key.pem``), so the fs tools follow no symlink at
+    all beneath this root.
+    """
 
     name: str
-    host_root: Path  # absolute host path, fixed when the run is created
+    host_root: Path  # absolute host path, resolved when the run is created
+    root_id: tuple[int, int]  # (st_dev, st_ino) of host_root when the run was created
+    holds_nested: bool  # another grant's host root lies strictly beneath host_root
     visible_root: PurePosixPath  # absolute path the agent uses
     mode: PathMode
     suffixes: tuple[str, ...] = ()  # empty: any suffix
@@ -46,7 +77,9 @@ class PathAccess:
     path: str
     access: Access
     size: int | None = None  # bytes a write will leave in the file, when known up front
-    is_dir: bool = False  # a directory (list, stat of a dir): suffix rules do not apply
+    # Names and metadata only, never contents (fs.list, fs.stat): suffix rules, which
+    # say whose contents may be read, do not apply.
+    metadata_only: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -14,11 +14,24 @@ one step, relative to a directory file descriptor of the root:
   would leave the root (absolute symlinks, ``..`` above it) with ``EXDEV`` and any
   magic link with ``ELOOP``. Symlinks that stay inside the root are followed, for
   reads only (see :class:`BeneathRoot` for why writes never follow one).
-* :attr:`Resolver.WALK` — where ``openat2`` is missing (``ENOSYS``) or refused by a
-  seccomp filter (``EPERM``): one ``openat`` per component with ``O_NOFOLLOW``,
-  each relative to the previous component's descriptor. This cannot tell a symlink
-  that stays inside from one that leaves, so it is stricter: **every** symlink
-  component is refused. Writes always use it, on every host.
+* :attr:`Resolver.WALK` — one ``openat`` per component with ``O_NOFOLLOW``, each
+  relative to the previous component's descriptor. This cannot tell a symlink that
+  stays inside from one that leaves, so it is stricter: **every** symlink component
+  is refused. Writes always use it, on every host, and so do reads beneath a root
+  that holds another grant's root (:attr:`PathGrant.holds_nested`): a symlink that
+  stays inside could still lead into that grant and dodge its own rules.
+
+Which resolver reads use is probed once per process: any error from a probe
+``openat2`` of ``/`` (``ENOSYS`` on kernels before 5.6, ``EPERM`` from a seccomp
+filter that refuses syscalls it does not know, anything odd) selects the walk.
+After that, only ``ENOSYS`` from a real call switches to the walk: ``EPERM`` and
+``EACCES`` from a real open are ordinary permission errors on that file, and
+switching on them would hide the real answer.
+
+The root itself is opened by its host path, which may lie inside another, writable
+grant, where the agent can replace it. So it is opened with ``O_NOFOLLOW`` and its
+(device, inode) must still be the :attr:`PathGrant.root_id` pinned when the run was
+created; anything else is refused.
 
 Whatever the resolver, the last component is opened with ``O_NOFOLLOW`` relative
 to its safely opened parent when the caller does not want a final symlink
@@ -44,7 +57,7 @@ from types import TracebackType
 from typing import Final
 
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
-from gatewayd.policy.paths import ResolvedPath
+from gatewayd.policy.paths import ResolvedPath, shown
 
 # openat2(2)'s number. It is 437 on every architecture that uses the unified
 # syscall table (x86, arm, riscv, powerpc, s390); alpha, mips and ia64 number it
@@ -68,10 +81,6 @@ OPENAT2_RETRIES: Final = 8
 
 # Mode for directories fs.write creates (the daemon's umask still applies).
 NEW_DIR_MODE: Final = 0o755
-
-# Longest visible path quoted in a message: the agent wrote the path, so it could
-# be 4 KiB of noise; a message only needs enough to recognise it.
-MESSAGE_PATH_CHARS: Final = 200
 
 OUTSIDE_MESSAGE: Final = "leads outside the readable paths (symlinks may not point outside)"
 
@@ -163,13 +172,6 @@ def forced_resolver(resolver: Resolver) -> Iterator[None]:
         yield
     finally:
         _forced = previous
-
-
-def shown(visible: str) -> str:
-    """A visible path shortened for a message."""
-    if len(visible) <= MESSAGE_PATH_CHARS:
-        return visible
-    return visible[: MESSAGE_PATH_CHARS - 1] + "…"
 
 
 class _SymlinkRefused(Exception):
@@ -297,26 +299,23 @@ class BeneathRoot:
     ``follow_symlinks`` (default: only for reads) lets openat2 follow symlinks that
     stay beneath the root. Writes never go through any symlink: the policy decided on
     the lexical path (a read-only grant nested in a writable one, a suffix rule), and
-    a link ``/workspace/x -> ro-docs`` would otherwise write where it said no.
+    a link ``/workspace/x -> ro-docs`` would otherwise write where it said no. Reads
+    beneath a root that holds another grant's root follow none either, for the same
+    reason (a link ``/workspace/x -> docs/key.pem`` would read past the rules of
+    ``docs``).
     """
 
     def __init__(self, target: ResolvedPath, *, follow_symlinks: bool | None = None) -> None:
         check_parts(target)
         self.target = target
-        self.follows = target.access == "read" if follow_symlinks is None else follow_symlinks
+        wanted = target.access == "read" if follow_symlinks is None else follow_symlinks
+        self.follows = wanted and not target.grant.holds_nested
         # Without following, the per-component no-follow walk is exactly the rule.
         self.resolver = active_resolver() if self.follows else Resolver.WALK
         self._root_fd = -1
 
     def __enter__(self) -> BeneathRoot:
-        try:
-            self._root_fd = os.open(self.target.grant.host_root, _DIR_PATH_FLAGS)
-        except OSError as exc:
-            name = errno.errorcode.get(exc.errno or 0, "unknown")
-            raise ToolFailed(
-                f"the directory behind '{self.target.grant.visible_root}' is unavailable "
-                f"on the host ({name})"
-            ) from None
+        self._root_fd = open_pinned_root(self.target)
         return self
 
     def __exit__(
@@ -395,12 +394,21 @@ class BeneathRoot:
 
     def _walk_symlink_error(self, index: int) -> PolicyViolation:
         link = shown(self.visible_prefix(index + 1))
-        reason = (
-            "this host cannot resolve symlinks safely (no openat2), so no symlink is followed"
-            if self.follows
-            else "writes never go through a symlink, so the path the policy approved is the "
-            "path written"
-        )
+        grant = self.target.grant
+        if self.follows:
+            reason = (
+                "this host cannot resolve symlinks safely (no openat2), so no symlink is followed"
+            )
+        elif self.target.access == "read" and grant.holds_nested:
+            reason = (
+                f"'{grant.visible_root}' holds the directory of another path grant with its "
+                "own rules, which a symlink could dodge, so no symlink is followed there"
+            )
+        else:
+            reason = (
+                "writes never go through a symlink, so the path the policy approved is the "
+                "path written"
+            )
         if index == len(self.target.parts) - 1:
             return PolicyViolation(f"'{link}' is a symlink; {reason}: use the real path")
         return PolicyViolation(
@@ -511,6 +519,36 @@ class BeneathRoot:
             os.close(fd)
             raise self._final_symlink_error(follow_final)
         return fd
+
+
+def open_pinned_root(target: ResolvedPath) -> int:
+    """O_PATH descriptor of ``target.grant``'s root, refused unless it is still the
+    directory pinned in ``root_id`` when the run was created.
+
+    The last component is not followed (``O_NOFOLLOW``): a root swapped for a symlink
+    fails to open as a directory. A root swapped for another directory (or reached
+    through a swapped parent) opens, and its (device, inode) tells.
+    """
+    grant = target.grant
+    replaced = PolicyViolation(
+        f"the directory behind '{grant.visible_root}' was replaced after the run started "
+        f"(by a symlink or another directory), so it is refused; '{shown(target.visible)}' "
+        "can be reached again once the original directory is back, or in a new run"
+    )
+    try:
+        fd = os.open(grant.host_root, _DIR_PATH_FLAGS | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise replaced from None  # a symlink or a file where the directory was
+        name = errno.errorcode.get(exc.errno or 0, "unknown")
+        raise ToolFailed(
+            f"the directory behind '{grant.visible_root}' is unavailable on the host ({name})"
+        ) from None
+    st = os.fstat(fd)
+    if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != grant.root_id:
+        os.close(fd)
+        raise replaced
+    return fd
 
 
 def _is_symlink_at(dir_fd: int, name: str) -> bool:

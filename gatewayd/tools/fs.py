@@ -19,6 +19,7 @@ import functools
 import os
 import secrets
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -28,13 +29,12 @@ import msgspec
 import trio
 
 from gatewayd.errors import InvalidArguments, PolicyViolation, ToolFailed
-from gatewayd.policy.paths import PathAccess, PathGrant, ResolvedPath
+from gatewayd.policy.paths import MAX_PATH_BYTES, PathAccess, PathGrant, ResolvedPath, shown
 from gatewayd.tools.beneath import (
     BeneathRoot,
     describe_mode,
     open_child_dir,
     require_single_link_regular,
-    shown,
     translate_oserror,
 )
 from gatewayd.tools.clock import iso_utc
@@ -42,8 +42,6 @@ from gatewayd.tools.registry import ToolContext, ToolSpec
 
 # --- limits ------------------------------------------------------------------
 
-# Linux's PATH_MAX: no longer path can be opened anyway.
-MAX_PATH_CHARS: Final = 4096
 # A page of a source file; more lines are one more call away.
 DEFAULT_READ_LINES: Final = 2000
 # The largest page an agent may ask for; the output cap usually bites first.
@@ -96,7 +94,7 @@ PathArg = Annotated[
     str,
     msgspec.Meta(
         min_length=1,
-        max_length=MAX_PATH_CHARS,
+        max_length=MAX_PATH_BYTES,  # characters here; the policy counts bytes
         description=(
             "File path as seen in the sandbox: absolute (e.g. /workspace/src/app.py) "
             "or relative to /workspace."
@@ -170,7 +168,7 @@ class ListArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         str,
         msgspec.Meta(
             min_length=1,
-            max_length=MAX_PATH_CHARS,
+            max_length=MAX_PATH_BYTES,  # characters here; the policy counts bytes
             description="Directory to list (default '.', i.e. /workspace).",
         ),
     ] = "."
@@ -223,14 +221,22 @@ def edit_paths(args: EditArgs) -> tuple[PathAccess, ...]:
 
 
 def list_paths(args: ListArgs) -> tuple[PathAccess, ...]:
-    return (PathAccess(path=args.path, access="read", is_dir=True),)
+    return (PathAccess(path=args.path, access="read", metadata_only=True),)
 
 
 def stat_paths(args: StatArgs) -> tuple[PathAccess, ...]:
-    return (PathAccess(path=args.path, access="read"),)
+    # Metadata only: a suffix rule must not refuse a stat of a directory (or of a
+    # grant's own root); it governs whose contents may be read.
+    return (PathAccess(path=args.path, access="read", metadata_only=True),)
 
 
 # --- shared pieces -------------------------------------------------------------
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    """End an abandoned read or list at its next step (nobody waits for the result)."""
+    if stop is not None and stop.is_set():
+        raise ToolFailed("the call was stopped (timed out or cancelled) before it finished")
 
 
 def _json_len(text: str) -> int:
@@ -422,7 +428,14 @@ def _read_image(
 
 
 def _read_text(
-    fd: int, head: bytes, *, args: ReadArgs, size: int, target: ResolvedPath, budget: int
+    fd: int,
+    head: bytes,
+    *,
+    args: ReadArgs,
+    size: int,
+    target: ResolvedPath,
+    budget: int,
+    stop: threading.Event | None,
 ) -> dict[str, Any]:
     limit, who = _size_limit(target.grant, TOOL_MAX_READ_FILE_BYTES)
     window = LineWindow(offset=args.offset, limit=args.limit, budget=budget)
@@ -430,6 +443,7 @@ def _read_text(
     total = 0
     chunk = head
     while chunk:
+        _check_stop(stop)
         total += len(chunk)
         if total > limit:
             raise _too_large(target.visible, total, limit, who)
@@ -470,9 +484,16 @@ def _read_text(
     }
 
 
-def read_file(args: ReadArgs, target: ResolvedPath, max_output_bytes: int) -> dict[str, Any]:
+def read_file(
+    args: ReadArgs,
+    target: ResolvedPath,
+    max_output_bytes: int,
+    *,
+    stop: threading.Event | None = None,
+) -> dict[str, Any]:
     """fs.read, blocking. A symlink at the end is followed (inside the root) unless the
-    grant restricts suffixes: there a link ``notes.md -> key.pem`` would dodge the rule."""
+    grant restricts suffixes: there a link ``notes.md -> key.pem`` would dodge the rule.
+    ``stop`` set (the call was abandoned) ends the scan at the next chunk."""
     with BeneathRoot(target) as root:
         fd = root.open_file(_READ_OPEN_FLAGS, follow_final=not target.grant.suffixes)
     try:
@@ -483,7 +504,9 @@ def read_file(args: ReadArgs, target: ResolvedPath, max_output_bytes: int) -> di
         mime = sniff_image(head[:IMAGE_SNIFF_BYTES])
         if mime is not None:
             return _read_image(fd, head, mime=mime, size=st.st_size, target=target, budget=budget)
-        return _read_text(fd, head, args=args, size=st.st_size, target=target, budget=budget)
+        return _read_text(
+            fd, head, args=args, size=st.st_size, target=target, budget=budget, stop=stop
+        )
     except OSError as exc:
         raise translate_oserror(exc, target.visible) from None
     finally:
@@ -714,6 +737,13 @@ class Glob:
     def parse(cls, pattern: str) -> Glob:
         """Validate and split; refuses what could name something outside ``path``."""
         segments = tuple(pattern.split("/"))
+        # '**/**' matches what '**' does; collapsing the run keeps the automaton's
+        # state set (and the work per entry) small for a pattern of many '**'.
+        segments = tuple(
+            seg
+            for index, seg in enumerate(segments)
+            if not (seg == "**" and index > 0 and segments[index - 1] == "**")
+        )
         if (
             "\0" in pattern
             or pattern.startswith("/")
@@ -774,6 +804,7 @@ class _Listing:
     glob: Glob
     base: PurePosixPath
     limit: int
+    stop: threading.Event | None = None
     entries: list[dict[str, Any]] = field(default_factory=list)
     visited: int = 0
     truncated: bool = False
@@ -793,6 +824,7 @@ class _Listing:
                 self.visited += 1
                 names.append(entry.name)
         for name in sorted(names):
+            _check_stop(self.stop)
             try:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except OSError:
@@ -826,9 +858,12 @@ class _Listing:
         return True
 
 
-def list_dir(args: ListArgs, target: ResolvedPath) -> dict[str, Any]:
+def list_dir(
+    args: ListArgs, target: ResolvedPath, *, stop: threading.Event | None = None
+) -> dict[str, Any]:
     """fs.list, blocking. The listed directory itself may be reached through a symlink
-    inside the root (openat2); nothing below it is ever followed."""
+    inside the root (openat2); nothing below it is ever followed. ``stop`` set (the
+    call was abandoned) ends the walk at the next entry."""
     glob = Glob.parse(args.pattern)
     with BeneathRoot(target) as root:
         path_fd = root.open_file(os.O_PATH, follow_final=True)
@@ -844,7 +879,7 @@ def list_dir(args: ListArgs, target: ResolvedPath) -> dict[str, Any]:
         raise translate_oserror(exc, target.visible) from None
     finally:
         os.close(path_fd)
-    listing = _Listing(glob=glob, base=PurePosixPath(target.visible), limit=args.limit)
+    listing = _Listing(glob=glob, base=PurePosixPath(target.visible), limit=args.limit, stop=stop)
     try:
         listing.walk(dir_fd, (), glob.start())
     except OSError as exc:
@@ -887,39 +922,69 @@ def stat_path(target: ResolvedPath) -> dict[str, Any]:
 # --- runners -------------------------------------------------------------------------
 
 
-async def _in_thread(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+async def in_thread_abandoned_on_cancel(
+    call: Callable[[threading.Event], dict[str, Any]],
+) -> dict[str, Any]:
+    """Run a call that changes nothing (fs.read, fs.list, fs.stat) in a worker thread.
+
+    A cancel (the run's call_timeout_s, the run ending) answers at once: the thread is
+    abandoned (a thread cannot be interrupted), ``stop`` is set, and the read or list
+    loop ends at its next chunk or entry; its result is dropped.
+    """
+    stop = threading.Event()
+    try:
+        return await trio.to_thread.run_sync(call, stop, abandon_on_cancel=True)
+    finally:
+        stop.set()
+
+
+async def in_thread_to_completion(call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run a call that writes (fs.write, fs.edit) in a worker thread, to its end.
+
+    Not abandoned on cancel: a write that went on after the caller was told "stopped"
+    would be an effect nobody knows of. A cancel that arrives once the thread has
+    started waits for it, and the write's own result comes back, late (each write is
+    bounded by the tool's size limits).
+    """
     return await trio.to_thread.run_sync(call)
 
 
 async def run_read(
     args: ReadArgs, ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
 ) -> dict[str, Any]:
-    return await _in_thread(functools.partial(read_file, args, resolved[0], ctx.max_output_bytes))
+    target = resolved[0]
+    return await in_thread_abandoned_on_cancel(
+        lambda stop: read_file(args, target, ctx.max_output_bytes, stop=stop)
+    )
 
 
 async def run_write(
     args: WriteArgs, _ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
 ) -> dict[str, Any]:
-    return await _in_thread(functools.partial(write_file, args, resolved[0]))
+    return await in_thread_to_completion(functools.partial(write_file, args, resolved[0]))
 
 
 async def run_edit(
     args: EditArgs, _ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
 ) -> dict[str, Any]:
-    return await _in_thread(functools.partial(edit_file, args, resolved[0], resolved[1]))
+    return await in_thread_to_completion(
+        functools.partial(edit_file, args, resolved[0], resolved[1])
+    )
 
 
 async def run_list(
     args: ListArgs, _ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
 ) -> dict[str, Any]:
     Glob.parse(args.pattern)  # refuse a bad pattern before any I/O
-    return await _in_thread(functools.partial(list_dir, args, resolved[0]))
+    target = resolved[0]
+    return await in_thread_abandoned_on_cancel(lambda stop: list_dir(args, target, stop=stop))
 
 
 async def run_stat(
     args: StatArgs, _ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
 ) -> dict[str, Any]:
-    return await _in_thread(functools.partial(stat_path, resolved[0]))
+    target = resolved[0]
+    return await in_thread_abandoned_on_cancel(lambda _stop: stat_path(target))
 
 
 FS_READ: ToolSpec[ReadArgs] = ToolSpec(

@@ -79,6 +79,21 @@ def exchange(sock_path: str, payload: bytes) -> list[dict[str, Any]]:
     return out
 
 
+def expected_answers(payload: bytes, max_frame: int = 1 << 20) -> int:
+    """How many response frames the server owes for ``payload``: one per complete
+    frame, and one too_large error (after which it closes) for an oversize header."""
+    count, pos = 0, 0
+    while len(payload) - pos >= 4:
+        (n,) = HEADER.unpack_from(payload, pos)
+        if n > max_frame:
+            return count + 1
+        if len(payload) - pos - 4 < n:
+            break
+        count += 1
+        pos += 4 + n
+    return count
+
+
 def good(run: dict[str, Any], tcid: str = "ok1") -> dict[str, Any]:
     return {"v": 1, "runId": run["runId"], "toolCallId": tcid, "tool": "time.now", "args": {}}
 
@@ -94,12 +109,20 @@ json_values = st.recursive(
 
 @st.composite
 def payloads(draw: st.DrawFn, run_id: str) -> bytes:
-    kind = draw(st.sampled_from(["random", "mutated", "fields", "lengths"]))
+    kind = draw(st.sampled_from(["random", "mutated", "fields", "lengths", "deep"]))
     valid = json.dumps(
         {"v": 1, "runId": run_id, "toolCallId": "f1", "tool": "time.now", "args": {}}
     ).encode()
     if kind == "random":
         return draw(st.binary(max_size=300))
+    if kind == "deep":  # nesting deep enough to exhaust a recursive decoder
+        depth = draw(st.integers(500, 20_000))
+        opener, closer = draw(st.sampled_from([(b"[", b"]"), (b'{"a":', b"}")]))
+        body = (
+            b'{"v":1,"runId":"' + run_id.encode() + b'","toolCallId":"d1","tool":"time.now",'
+            b'"args":{"x":' + opener * depth + b"1" + closer * depth + b"}}"
+        )
+        return HEADER.pack(len(body)) + body
     if kind == "mutated":
         data = bytearray(HEADER.pack(len(valid)) + valid)
         for _ in range(draw(st.integers(1, 6))):
@@ -150,7 +173,9 @@ def test_random_and_mutated_frames_never_crash_the_daemon(
     )
     @given(payloads(run["runId"]))
     def one_case(payload: bytes) -> None:
-        for resp in exchange(sock, payload):
+        responses = exchange(sock, payload)
+        assert len(responses) == expected_answers(payload), "a frame went unanswered"
+        for resp in responses:
             assert set(resp) <= {"v", "toolCallId", "ok", "value", "errorCode", "safeMessage"}
             assert resp["v"] == 1 and isinstance(resp["ok"], bool)
             if not resp["ok"]:

@@ -62,10 +62,18 @@ def outside(tmp_path: Path) -> Path:
     return path
 
 
+def pinned(host_root: Path) -> tuple[int, int]:
+    """The root identity bind_paths records when a run is created."""
+    st = os.stat(host_root)
+    return (st.st_dev, st.st_ino)
+
+
 def grant_for(host_root: Path, *, suffixes: tuple[str, ...] = ()) -> PathGrant:
     return PathGrant(
         name="workspace",
         host_root=host_root,
+        root_id=pinned(host_root),
+        holds_nested=False,
         visible_root=VISIBLE_ROOT,
         mode=PathMode.RW,
         suffixes=suffixes,
@@ -375,7 +383,10 @@ def test_components_the_policy_never_produces_are_refused(root: Path, bad: str) 
 
 
 def test_missing_host_root_is_reported_by_its_visible_name(tmp_path: Path) -> None:
-    with pytest.raises(ToolFailed) as caught, BeneathRoot(target(tmp_path / "gone", "x")):
+    (tmp_path / "gone").mkdir()
+    resolved = target(tmp_path / "gone", "x")
+    (tmp_path / "gone").rmdir()  # removed after the run started
+    with pytest.raises(ToolFailed) as caught, BeneathRoot(resolved):
         pass
     assert str(caught.value) == (
         "the directory behind '/workspace' is unavailable on the host (ENOENT)"
@@ -554,7 +565,9 @@ from gatewayd.errors import PolicyViolation
 from gatewayd.policy.paths import PathGrant, PathMode, ResolvedPath
 from gatewayd.tools.beneath import BeneathRoot, active_resolver, openat2_available
 
-grant = PathGrant(name="w", host_root=root, visible_root=PurePosixPath("/workspace"),
+st = os.stat(root)
+grant = PathGrant(name="w", host_root=root, root_id=(st.st_dev, st.st_ino),
+                  holds_nested=False, visible_root=PurePosixPath("/workspace"),
                   mode=PathMode.RW)
 
 def read(*parts):
@@ -600,3 +613,38 @@ def test_a_host_that_refuses_openat2_falls_back_to_the_stricter_walk(
     assert seen["plain"] == "inside\n"
     assert seen["inside_link"].startswith("refused: ")
     assert "no openat2" in seen["inside_link"]
+
+
+def test_messages_escape_control_characters_and_cut_long_paths_like_the_policy() -> None:
+    hostile = "/workspace/a\x1b[31m\n" + "x" * 500
+    message = str(translate_oserror(OSError(errno.ENOENT, "gone"), hostile))
+    assert "\x1b" not in message
+    assert "\n" not in message
+    assert message.startswith("'/workspace/a\\x1b[31m\\nxxx")
+    assert "…' does not exist; fs.list shows what is there" in message
+    assert len(message) < 300
+
+
+@pytest.mark.parametrize("how", ["symlink", "directory", "file"])
+def test_a_root_swapped_after_pinning_is_refused_by_both_resolvers(
+    resolver: Resolver, tmp_path: Path, outside: Path, how: str
+) -> None:
+    host_root = tmp_path / "nested"
+    host_root.mkdir()
+    resolved = target(host_root, "secret.txt")  # pins the original directory
+    host_root.rename(tmp_path / "moved")
+    if how == "symlink":
+        host_root.symlink_to(outside)
+    elif how == "directory":
+        host_root.mkdir()
+        (host_root / "secret.txt").write_text(SECRET)
+    else:
+        host_root.write_text(SECRET)
+    with pytest.raises(PolicyViolation) as caught:
+        read_through(resolved)
+    assert str(caught.value) == (
+        "the directory behind '/workspace' was replaced after the run started (by a symlink "
+        "or another directory), so it is refused; '/workspace/secret.txt' can be reached "
+        "again once the original directory is back, or in a new run"
+    )
+    assert_message_is_safe(caught.value, tmp_path)

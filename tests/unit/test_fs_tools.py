@@ -7,6 +7,8 @@ import itertools
 import os
 import re
 import stat
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -18,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
+from gatewayd.policy import Allow, Deny, RunRules, bind_paths, decide, load_policy_text
 from gatewayd.policy.paths import PathAccess, PathGrant, PathMode, ResolvedPath
 from gatewayd.tools import builtin_tools, fs
 from gatewayd.tools.beneath import Resolver, forced_resolver, openat2_available
@@ -61,6 +64,8 @@ def make_grant(
     return PathGrant(
         name="workspace",
         host_root=host_root,
+        root_id=(os.stat(host_root).st_dev, os.stat(host_root).st_ino),
+        holds_nested=False,
         visible_root=VISIBLE_ROOT,
         mode=PathMode.RW,
         suffixes=suffixes,
@@ -159,8 +164,10 @@ def test_paths_name_what_each_call_touches() -> None:
         PathAccess(path="a.txt", access="read"),
         PathAccess(path="a.txt", access="write"),
     )
-    assert paths("fs.list", {}) == (PathAccess(path=".", access="read", is_dir=True),)
-    assert paths("fs.stat", {"path": "d"}) == (PathAccess(path="d", access="read"),)
+    assert paths("fs.list", {}) == (PathAccess(path=".", access="read", metadata_only=True),)
+    assert paths("fs.stat", {"path": "d"}) == (
+        PathAccess(path="d", access="read", metadata_only=True),
+    )
     assert paths("time.now", {}) == ()
 
 
@@ -777,3 +784,266 @@ async def test_stat_of_missing_path_or_outside_parent_fails_helpfully(
     (root / "out").symlink_to(outside)
     with pytest.raises(PolicyViolation):
         await call("fs.stat", {"path": "out/secret.txt"}, make_grant(root))
+
+
+# --- grants nested in a writable grant: pinned roots, no symlinks ----------------------
+
+NESTED_POLICY = """
+version: 1
+name: nested
+tools: {allow: ["fs.*"]}
+filesystem:
+  paths:
+    workspace: {root: ., mode: rw}
+    docs: {root: docs, mode: ro, suffixes: [.md], max_file_bytes: 100}
+    out: {root: out, mode: rw}
+"""
+
+
+@pytest.fixture
+def nested(root: Path) -> tuple[PathGrant, ...]:
+    """The grants of a run whose rw workspace holds a ro ``docs`` and a rw ``out`` grant."""
+    (root / "docs").mkdir()
+    (root / "docs" / "guide.md").write_text("# guide\n")
+    (root / "docs" / "key.pem").write_text("PRIVATE KEY\n")
+    (root / "docs" / "big.md").write_text("x" * 5000)
+    (root / "out").mkdir()
+    return bind_paths(load_policy_text(NESTED_POLICY, "test"), root)
+
+
+async def call_nested(
+    tool: str, args: dict[str, Any], grants: tuple[PathGrant, ...]
+) -> dict[str, Any]:
+    """As dispatch does: validate, ask the pure policy, then run."""
+    spec = TOOLS[tool]
+    typed = msgspec.convert(args, spec.args_type)
+    decision = decide(
+        tool, spec.paths(typed), RunRules(tool_patterns=("fs.*",), run_tool_ids=None, grants=grants)
+    )
+    if isinstance(decision, Deny):
+        raise decision.as_error()
+    assert isinstance(decision, Allow)
+    ctx = ToolContext(run_id="run-1", grants=grants, max_output_bytes=DEFAULT_OUTPUT)
+    with trio.fail_after(10):
+        result: dict[str, Any] = await spec.run(typed, ctx, decision.resolved)
+    return result
+
+
+def test_bind_paths_pins_each_root_and_marks_the_grants_that_hold_others(
+    root: Path, nested: tuple[PathGrant, ...]
+) -> None:
+    workspace, docs, out = nested
+    for grant in nested:
+        st = os.stat(grant.host_root)
+        assert grant.root_id == (st.st_dev, st.st_ino)
+    assert (workspace.holds_nested, docs.holds_nested, out.holds_nested) == (True, False, False)
+
+
+SWAPPED_CALLS = [
+    ("fs.read", {"path": "/workspace/docs/secret.md"}),
+    ("fs.list", {"path": "/workspace/docs"}),
+    ("fs.stat", {"path": "/workspace/docs/secret.md"}),
+    ("fs.stat", {"path": "/workspace/docs"}),
+    ("fs.read", {"path": "/workspace/out/secret.md"}),
+    ("fs.write", {"path": "/workspace/out/planted.md", "content": "pwned"}),
+    ("fs.write", {"path": "/workspace/out/secret.md", "content": "x", "append": True}),
+    ("fs.edit", {"path": "/workspace/out/secret.md", "old": "SECRET", "new": "GONE"}),
+    ("fs.list", {"path": "/workspace/out", "pattern": "**"}),
+]
+
+
+@pytest.mark.parametrize("how", ["symlink", "directory"])
+@pytest.mark.parametrize(("tool", "args"), SWAPPED_CALLS)
+async def test_a_nested_root_swapped_after_the_run_started_is_refused(
+    resolver: Resolver,
+    root: Path,
+    outside: Path,
+    tmp_path: Path,
+    nested: tuple[PathGrant, ...],
+    how: str,
+    tool: str,
+    args: dict[str, Any],
+) -> None:
+    # The agent owns the rw workspace: it moves the nested roots away and puts, in
+    # their place, a symlink to a host directory or a directory of its own making.
+    (outside / "secret.md").write_text(SECRET)
+    for name in ("docs", "out"):
+        (root / name).rename(tmp_path / f"moved-{name}")
+        if how == "symlink":
+            (root / name).symlink_to(outside)
+        else:
+            (root / name).mkdir()
+            (root / name / "secret.md").write_text(SECRET)
+    before = {p: p.read_text() for p in (outside / "secret.md", root / "out" / "secret.md")}
+    with pytest.raises(PolicyViolation) as caught:
+        await call_nested(tool, args, nested)
+    visible = "/workspace/docs" if "/docs" in args["path"] else "/workspace/out"
+    assert str(caught.value).startswith(
+        f"the directory behind '{visible}' was replaced after the run started "
+        "(by a symlink or another directory), so it is refused"
+    )
+    assert_safe(caught.value, tmp_path)
+    assert {p: p.read_text() for p in before} == before
+    assert sorted(os.listdir(outside)) == ["secret.md", "secret.txt"]
+
+
+async def test_a_nested_root_still_in_place_works(
+    resolver: Resolver, root: Path, nested: tuple[PathGrant, ...]
+) -> None:
+    read = await call_nested("fs.read", {"path": "/workspace/docs/guide.md"}, nested)
+    assert read["content"] == "# guide\n"
+    written = await call_nested("fs.write", {"path": "out/a.md", "content": "a"}, nested)
+    assert written["created"] is True
+    assert (root / "out" / "a.md").read_text() == "a"
+
+
+@pytest.mark.parametrize(
+    ("link", "target", "path", "symlink"),
+    [
+        ("lnk", "docs/key.pem", "/workspace/lnk", "/workspace/lnk"),
+        ("lnkdir", "docs", "/workspace/lnkdir/key.pem", "/workspace/lnkdir"),
+        ("lnkdir", "docs", "/workspace/lnkdir/big.md", "/workspace/lnkdir"),
+    ],
+)
+async def test_no_symlink_is_read_through_in_a_grant_that_holds_another(
+    resolver: Resolver,
+    root: Path,
+    nested: tuple[PathGrant, ...],
+    link: str,
+    target: str,
+    path: str,
+    symlink: str,
+) -> None:
+    # docs allows only .md files of at most 100 bytes; a link in the workspace to
+    # docs/key.pem or docs/big.md would read them under the workspace's rules.
+    (root / link).symlink_to(target)
+    with pytest.raises(PolicyViolation) as caught:
+        await call_nested("fs.read", {"path": path}, nested)
+    message = str(caught.value)
+    assert f"'{symlink}'" in message
+    assert (
+        "'/workspace' holds the directory of another path grant with its own rules, which "
+        "a symlink could dodge, so no symlink is followed there: use the real path"
+    ) in message
+    if link == "lnkdir":
+        with pytest.raises(PolicyViolation, match="no symlink is followed there"):
+            await call_nested("fs.list", {"path": "/workspace/lnkdir"}, nested)
+
+
+async def test_the_real_path_into_a_nested_grant_applies_its_rules(
+    resolver: Resolver, nested: tuple[PathGrant, ...]
+) -> None:
+    with pytest.raises(PolicyViolation, match=r"Allowed suffixes: \.md"):
+        await call_nested("fs.read", {"path": "/workspace/docs/key.pem"}, nested)
+    with pytest.raises(PolicyViolation, match="over the limit for files in '/workspace/docs'"):
+        await call_nested("fs.read", {"path": "/workspace/docs/big.md"}, nested)
+
+
+async def test_a_grant_that_holds_no_other_still_follows_inside_symlinks(
+    root: Path,
+) -> None:
+    if not openat2_available():
+        pytest.skip("this kernel does not allow openat2 (the walk follows no symlink)")
+    (root / "a.txt").write_text("target\n")
+    (root / "lnk").symlink_to("a.txt")
+    grants = bind_paths(
+        load_policy_text(
+            "version: 1\nname: flat\nfilesystem: {paths: {workspace: {root: ., mode: rw}}}\n",
+            "test",
+        ),
+        root,
+    )
+    assert grants[0].holds_nested is False
+    with forced_resolver(Resolver.OPENAT2):
+        result = await call_nested("fs.read", {"path": "lnk"}, grants)
+    assert result["content"] == "target\n"
+
+
+# --- fs.stat is metadata: suffix rules do not refuse it --------------------------------
+
+
+async def test_stat_of_directories_in_a_suffix_restricted_grant_is_allowed(
+    root: Path, nested: tuple[PathGrant, ...]
+) -> None:
+    (root / "docs" / "sub").mkdir()
+    for path in ("/workspace/docs", "/workspace/docs/sub"):
+        result = await call_nested("fs.stat", {"path": path}, nested)
+        assert (result["path"], result["type"]) == (path, "dir")
+    # Contents still follow the rule.
+    with pytest.raises(PolicyViolation, match=r"suffix not allowed.\nAllowed suffixes: .md"):
+        await call_nested("fs.read", {"path": "/workspace/docs/key.pem"}, nested)
+
+
+# --- cancellation: reads are abandoned, writes finish ------------------------------------
+
+
+async def test_a_call_without_effect_answers_a_cancel_at_once_and_is_told_to_stop() -> None:
+    started = threading.Event()
+    stopped_seen = threading.Event()
+
+    def slow(stop: threading.Event) -> dict[str, Any]:
+        started.set()
+        # Without abandon_on_cancel the cancel below would wait here for up to 5 s.
+        if stop.wait(timeout=5):
+            stopped_seen.set()
+        return {}
+
+    begin = time.monotonic()
+    with trio.move_on_after(0.05) as scope:
+        await fs.in_thread_abandoned_on_cancel(slow)
+    assert scope.cancelled_caught
+    assert time.monotonic() - begin < 1
+    assert started.is_set()
+    assert await trio.to_thread.run_sync(stopped_seen.wait, 5)
+
+
+async def test_a_call_with_effect_is_never_abandoned_midway(tmp_path: Path) -> None:
+    done = tmp_path / "done"
+
+    def write() -> dict[str, Any]:
+        time.sleep(0.3)
+        done.write_text("written")
+        return {}
+
+    with trio.move_on_after(0.02):
+        await fs.in_thread_to_completion(write)
+    # The cancel came at 20 ms, but the answer waited until the write was over.
+    assert done.read_text() == "written"
+
+
+def test_an_abandoned_read_or_list_stops_at_its_next_step(root: Path) -> None:
+    (root / "a.txt").write_text("line\n" * 100)
+    (root / "d").mkdir()
+    grant = make_grant(root)
+    stop = threading.Event()
+    stop.set()
+    message = "the call was stopped (timed out or cancelled) before it finished"
+    with pytest.raises(ToolFailed, match=re.escape(message)):
+        fs.read_file(
+            fs.ReadArgs(path="a.txt"), resolve(grant, read("a.txt")), DEFAULT_OUTPUT, stop=stop
+        )
+    with pytest.raises(ToolFailed, match=re.escape(message)):
+        fs.list_dir(fs.ListArgs(path="."), resolve(grant, read(".")), stop=stop)
+    # Not set: the same calls finish.
+    unset = threading.Event()
+    assert (
+        fs.read_file(
+            fs.ReadArgs(path="a.txt"), resolve(grant, read("a.txt")), DEFAULT_OUTPUT, stop=unset
+        )["totalLines"]
+        == 100
+    )
+
+
+def read(path: str) -> PathAccess:
+    return PathAccess(path=path, access="read")
+
+
+def test_repeated_double_stars_collapse_into_one() -> None:
+    assert Glob.parse("/".join(["**"] * 300) + "/*.md").segments == ("**", "*.md")
+    assert Glob.parse("a/**/**/b/**").segments == ("a", "**", "b", "**")
+    glob = Glob.parse("**/**/**/x")
+    states = glob.start()
+    for name in ("p", "q", "r", "s"):
+        states = glob.step(states, name)
+        assert len(states) <= 2
+    assert glob.accepts(glob.step(states, "x"))

@@ -29,12 +29,14 @@ from gatewayd.policy import (
     tool_matches,
     unmatched_patterns,
 )
-from gatewayd.policy.decide import MAX_PATH_BYTES
+from gatewayd.policy.paths import MAX_PATH_BYTES
 from gatewayd.protocol import ErrorCode
 
 WS = PathGrant(
     name="workspace",
     host_root=Path("/host/ws"),
+    root_id=(1, 10),
+    holds_nested=True,  # ref
     visible_root=PurePosixPath("/workspace"),
     mode=PathMode.RW,
     suffixes=(".md", ".txt", ".json"),
@@ -43,12 +45,16 @@ WS = PathGrant(
 REF = PathGrant(
     name="ref",
     host_root=Path("/host/ws/ref"),
+    root_id=(1, 11),
+    holds_nested=False,
     visible_root=PurePosixPath("/workspace/ref"),
     mode=PathMode.RO,
 )
 DOCS = PathGrant(
     name="docs",
     host_root=Path("/srv/docs"),
+    root_id=(2, 12),
+    holds_nested=False,
     visible_root=PurePosixPath("/data/docs"),
     mode=PathMode.RO,
 )
@@ -68,7 +74,7 @@ SUFFIX = "suffix not allowed.\nAllowed suffixes: .md, .txt, .json"
 
 # --- the table ------------------------------------------------------------------------
 
-# (path, access, is_dir, size) -> ("allow", grant name, parts) | ("deny", code, exact message)
+# (path, access, metadata_only, size) -> ("allow", grant name, parts) | ("deny", code, exact message)
 TABLE: list[tuple[str, str, bool, int | None, tuple[object, ...]]] = [
     # relative paths start at /workspace
     ("notes.md", "read", False, None, ("allow", "workspace", ("notes.md",))),
@@ -301,11 +307,11 @@ TABLE: list[tuple[str, str, bool, int | None, tuple[object, ...]]] = [
 ]
 
 
-@pytest.mark.parametrize(("path", "access", "is_dir", "size", "expected"), TABLE)
+@pytest.mark.parametrize(("path", "access", "metadata_only", "size", "expected"), TABLE)
 def test_path_decisions_follow_the_table(
-    path: str, access: str, is_dir: bool, size: int | None, expected: tuple[object, ...]
+    path: str, access: str, metadata_only: bool, size: int | None, expected: tuple[object, ...]
 ) -> None:
-    request = PathAccess(path=path, access=access, is_dir=is_dir, size=size)  # type: ignore[arg-type]
+    request = PathAccess(path=path, access=access, metadata_only=metadata_only, size=size)  # type: ignore[arg-type]
     decision = decide("fs.read", (request,), RULES)
     if expected[0] == "allow":
         assert isinstance(decision, Allow), decision
@@ -340,7 +346,7 @@ def test_long_and_control_character_paths_are_cut_and_escaped_in_messages() -> N
     assert len(first_line) < 300
     assert "\x1b" not in denied.message
     assert first_line.startswith("Cannot read '/etc/xxx")
-    assert "...': path is outside the readable paths." in first_line
+    assert "…': path is outside the readable paths." in first_line
 
 
 def test_control_characters_in_a_short_path_are_escaped_not_printed() -> None:
@@ -382,12 +388,16 @@ def test_a_rw_grant_nested_in_a_ro_grant_is_writable_inside_only() -> None:
     ro = PathGrant(
         name="ro",
         host_root=Path("/h"),
+        root_id=(1, 20),
+        holds_nested=True,
         visible_root=PurePosixPath("/workspace"),
         mode=PathMode.RO,
     )
     rw = PathGrant(
         name="out",
         host_root=Path("/h/out"),
+        root_id=(1, 21),
+        holds_nested=False,
         visible_root=PurePosixPath("/workspace/out"),
         mode=PathMode.RW,
     )
@@ -607,7 +617,7 @@ ACCESSES = st.builds(
     path=ANY_PATH,
     access=st.sampled_from(["read", "write"]),
     size=st.none() | st.integers(min_value=0, max_value=10**6),
-    is_dir=st.booleans(),
+    metadata_only=st.booleans(),
 )
 
 

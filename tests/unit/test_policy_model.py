@@ -612,3 +612,26 @@ def test_bind_refuses_a_missing_workspace(tmp_path: Path) -> None:
 
 def test_bind_of_a_policy_without_paths_grants_nothing_and_touches_nothing(tmp_path: Path) -> None:
     assert bind_paths(load("version: 1\nname: p\n"), tmp_path / "does-not-exist") == ()
+
+
+def test_bind_pins_root_identity_and_marks_grants_holding_another_on_the_host(
+    tmp_path: Path,
+) -> None:
+    ws = tmp_path / "ws"
+    (ws / "ref").mkdir(parents=True)
+    (ws / "inner").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    policy = policy_with_paths(
+        "workspace: {root: ., mode: rw}\n"
+        "ref: {root: ref, mode: ro}\n"
+        # Seen at /data/inner, but on the host inside the workspace: a symlink in the
+        # workspace could reach it, so the workspace holds it all the same.
+        f"inner: {{root: {ws / 'inner'}, mode: ro, mount: /data/inner}}\n"
+        f"side: {{root: {elsewhere}, mode: ro, mount: /data/side}}\n"
+    )
+    grants = bind_paths(policy, ws)
+    assert [g.holds_nested for g in grants] == [True, False, False, False]
+    for grant, path in zip(grants, (ws, ws / "ref", ws / "inner", elsewhere), strict=True):
+        st = path.stat()
+        assert grant.root_id == (st.st_dev, st.st_ino)
