@@ -78,18 +78,21 @@ class ControlServer:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
         try:
             peer = peer_credentials(stream.socket)
-            if peer.uid not in (0, os.geteuid()):
-                await self._send(
-                    stream,
-                    conn,
-                    403,
-                    _error_body(ErrorCode.AUTHZ_DENIED, "the control socket is for root only"),
-                )
-                return
+            allowed = peer.uid in (0, os.geteuid())
             while True:
+                # The request is read even from a refused peer: answering before it is
+                # consumed and then closing would reset the connection, and the client
+                # would see a failed connect instead of the 403.
                 with trio.fail_after(REQUEST_TIMEOUT_S):
                     request, body = await self._read_request(stream, conn)
                 if request is None:
+                    return
+                if not allowed:
+                    log.warning("control_peer_refused", uid=peer.uid, pid=peer.pid)
+                    refusal = "the control socket is for root only"
+                    await self._send(
+                        stream, conn, 403, _error_body(ErrorCode.AUTHZ_DENIED, refusal)
+                    )
                     return
                 status, payload = await self._route(request, body)
                 await self._send(stream, conn, status, payload)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
@@ -21,6 +21,7 @@ import trio
 
 from gatewayd.argsummary import args_digest, sha256_digest, summarize
 from gatewayd.audit import AuditLog, AuditWriteError
+from gatewayd.audit import Peer as AuditPeer
 from gatewayd.errors import GatewayError
 from gatewayd.policy import Allow, allowed_tools, decide, tool_allowed
 from gatewayd.protocol import (
@@ -48,6 +49,12 @@ class Peer:
     pid: int
     uid: int
     gid: int
+    # The same credentials as the audit entry's field, made once per connection
+    # rather than converted from a dict for every entry.
+    audit: AuditPeer = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "audit", AuditPeer(pid=self.pid, uid=self.uid, gid=self.gid))
 
     def as_dict(self) -> dict[str, int]:
         return {"pid": self.pid, "uid": self.uid, "gid": self.gid}
@@ -94,7 +101,7 @@ class Dispatcher:
             decision="deny",
             errorCode=str(err.code),
             safeMessage=err.message,
-            peer=peer.as_dict(),
+            peer=peer.audit,
             detail=detail,
         )
         self.audit.record(
@@ -128,33 +135,26 @@ class Dispatcher:
 
     async def _handle(self, run: Run, req: Request, peer: Peer) -> Response:
         started = self.clock()
-        common: dict[str, Any] = {
-            "runId": run.run_id,
-            "toolCallId": req.toolCallId,
-            "tool": req.tool,
-        }
         try:
             spec, args = self._admit(run, req)
         except _Refusal as refusal:
-            return await self._deny(run, req, peer, common, refusal, started)
+            return await self._deny(run, req, peer, refusal, started)
 
         call_seq = self.audit.record(
             "call",
-            **common,
+            runId=run.run_id,
+            toolCallId=req.toolCallId,
+            tool=req.tool,
             argsDigest=args_digest(req.args),
             argsSummary=summarize(req.args),
             decision="allow",
-            peer=peer.as_dict(),
+            peer=peer.audit,
         )
         # Write-ahead: the entry is durable before the call has any effect. The result
         # entry below is not awaited: the audit log makes it durable within its result
         # sync delay, usually with the next call's write-ahead flush.
         await self.audit.durable(call_seq)
 
-        code: ErrorCode | None = None
-        message = ""
-        payload = b""
-        value: Any = None
         try:
             value = await self._run(run, spec, args)
             payload = encode_json(value)
@@ -167,21 +167,31 @@ class Dispatcher:
                     "smaller limit or an offset",
                 )
         except _Refusal as refusal:
-            code, message = refusal.code, refusal.message
+            code = str(refusal.code)
+            self.audit.record(
+                "result",
+                runId=run.run_id,
+                toolCallId=req.toolCallId,
+                tool=req.tool,
+                errorCode=code,
+                safeMessage=refusal.message,
+                durationMs=round((self.clock() - started) * 1000, 3),
+            )
+            run.count(code)
+            return error_response(req.toolCallId, refusal.code, refusal.message)
 
         self.audit.record(
             "result",
-            **common,
-            errorCode=None if code is None else str(code),
-            safeMessage=message or None,
+            runId=run.run_id,
+            toolCallId=req.toolCallId,
+            tool=req.tool,
             durationMs=round((self.clock() - started) * 1000, 3),
-            outputDigest=sha256_digest(payload) if code is None else None,
-            outputBytes=len(payload) if code is None else None,
+            outputDigest=sha256_digest(payload),
+            outputBytes=len(payload),
         )
-        run.count(None if code is None else str(code))
-        if code is not None:
-            return error_response(req.toolCallId, code, message)
-        return ok_response(req.toolCallId, value)
+        run.count(None)
+        # The value goes out as the bytes just measured and digested: encoded once.
+        return ok_response(req.toolCallId, msgspec.Raw(payload))
 
     def _admit(self, run: Run, req: Request) -> tuple[ToolSpec[Any] | None, Any]:
         """Steps 3-6: identify, authorize, rate, validate, policy. Raises _Refusal."""
@@ -261,20 +271,28 @@ class Dispatcher:
             max_output_bytes=limits.max_output_bytes,
         )
         # The time limit covers waiting for a slot too: a saturated run fails fast.
+        limiter = run.limiter
         with trio.move_on_after(limits.call_timeout_s):
-            async with run.limiter:
-                try:
-                    return await spec.run(args, ctx, resolved)
-                except GatewayError as exc:
-                    raise _Refusal(exc.code, exc.safe_message) from None
-                except trio.Cancelled:
-                    raise
-                except Exception:
-                    log.exception("tool_crashed", run_id=run.run_id, tool=spec.name)
-                    raise _Refusal(
-                        ErrorCode.INTERNAL,
-                        f"{spec.name} failed inside gatewayd; the operator's log has details",
-                    ) from None
+            # A free slot is taken without a schedule point (the call has just waited
+            # for its audit entry); only a full run waits, in line, under the timeout.
+            try:
+                limiter.acquire_nowait()
+            except trio.WouldBlock:
+                await limiter.acquire()
+            try:
+                return await spec.run(args, ctx, resolved)
+            except GatewayError as exc:
+                raise _Refusal(exc.code, exc.safe_message) from None
+            except trio.Cancelled:
+                raise
+            except Exception:
+                log.exception("tool_crashed", run_id=run.run_id, tool=spec.name)
+                raise _Refusal(
+                    ErrorCode.INTERNAL,
+                    f"{spec.name} failed inside gatewayd; the operator's log has details",
+                ) from None
+            finally:
+                limiter.release()
         # Only a timeout leaves the block without returning or raising.
         raise _Refusal(
             ErrorCode.TIMEOUT,
@@ -287,10 +305,14 @@ class Dispatcher:
         run: Run,
         req: Request,
         peer: Peer,
-        common: dict[str, Any],
         refusal: _Refusal,
         started: float,
     ) -> Response:
+        common: dict[str, Any] = {
+            "runId": run.run_id,
+            "toolCallId": req.toolCallId,
+            "tool": req.tool,
+        }
         self.audit.record(
             "call",
             **common,
@@ -299,7 +321,7 @@ class Dispatcher:
             decision="deny",
             errorCode=str(refusal.code),
             safeMessage=refusal.message,
-            peer=peer.as_dict(),
+            peer=peer.audit,
         )
         self.audit.record(
             "result",

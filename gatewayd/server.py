@@ -9,6 +9,7 @@ its connection's nursery; a handler catches its own errors and closes its stream
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import struct
@@ -91,8 +92,12 @@ class Connection:
         self.dispatcher = dispatcher
         self.decoder = FrameDecoder(max_frame_bytes)
         self.peer = peer_credentials(stream.socket)
+        # Held only by a send that has to wait for the client to read; see _send.
         self._send_lock = trio.Lock()
-        self._inflight = trio.Semaphore(MAX_INFLIGHT_PER_CONNECTION)
+        # Calls in flight, and the event the reader waits on when they reach the cap (a
+        # counter, not a trio.Semaphore: the common case then costs no schedule point).
+        self._inflight = 0
+        self._slot_freed: trio.Event | None = None
 
     async def serve(self) -> None:
         """Read frames until EOF, a fatal frame error or a timeout; answer each."""
@@ -107,37 +112,51 @@ class Connection:
             await trio.aclose_forcefully(self.stream)
 
     async def _read_loop(self, calls: trio.Nursery) -> None:
+        # One cancel scope for the connection whose deadline moves before each receive
+        # (cheaper than a scope per receive). Anything else the loop waits for (a free
+        # call slot, an error frame's send) runs with no deadline: that is not the
+        # client idling, and the send has its own timeout.
         partial_since: float | None = None
-        while True:
-            event = self.decoder.next_event()
-            if event is NEED_DATA:
-                if self.decoder.buffered and partial_since is None:
-                    partial_since = trio.current_time()
-                deadline = (
-                    trio.current_time() + IDLE_TIMEOUT_S
-                    if partial_since is None
-                    else partial_since + FRAME_TIMEOUT_S
-                )
-                with trio.move_on_at(deadline):
-                    data = await self.stream.receive_some(RECV_CHUNK)
+        with trio.CancelScope() as idle:
+            while True:
+                event = self.decoder.next_event()
+                if event is NEED_DATA:
+                    if partial_since is not None:
+                        idle.deadline = partial_since + FRAME_TIMEOUT_S
+                    elif self.decoder.buffered:
+                        partial_since = trio.current_time()
+                        idle.deadline = partial_since + FRAME_TIMEOUT_S
+                    else:
+                        idle.deadline = trio.current_time() + IDLE_TIMEOUT_S
+                    try:
+                        data = await self.stream.receive_some(RECV_CHUNK)
+                    except trio.BrokenResourceError:
+                        return  # reset by the peer: like EOF, calls in flight finish
                     if not data:
                         return  # EOF: the nursery still waits for calls in flight
                     self.decoder.receive_data(data)
                     continue
-                log.info(
-                    "connection_timeout",
-                    run_id=self.run.run_id,
-                    partial_frame=partial_since is not None,
-                )
-                return
-            partial_since = None
-            if isinstance(event, FrameError):
-                await self._send(self.dispatcher.refuse_frame(self.run, event, self.peer))
-                if event.fatal:
-                    return
-                continue
-            await self._inflight.acquire()
-            calls.start_soon(self._call, event)
+                partial_since = None
+                if isinstance(event, FrameError):
+                    idle.deadline = math.inf
+                    await self._send(self.dispatcher.refuse_frame(self.run, event, self.peer))
+                    if event.fatal:
+                        return
+                    # A chunk full of bad frames must not hold the event loop.
+                    await trio.lowlevel.checkpoint()
+                    continue
+                if self._inflight >= MAX_INFLIGHT_PER_CONNECTION:
+                    idle.deadline = math.inf
+                    while self._inflight >= MAX_INFLIGHT_PER_CONNECTION:
+                        self._slot_freed = trio.Event()
+                        await self._slot_freed.wait()
+                self._inflight += 1
+                calls.start_soon(self._call, event)
+        log.info(
+            "connection_timeout",
+            run_id=self.run.run_id,
+            partial_frame=partial_since is not None,
+        )
 
     async def _call(self, event: RequestReceived) -> None:
         try:
@@ -145,13 +164,49 @@ class Connection:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._send(response)
         finally:
-            self._inflight.release()
+            self._inflight -= 1
+            if self._slot_freed is not None:
+                self._slot_freed.set()
+                self._slot_freed = None
 
     async def _send(self, response: Response) -> None:
+        """Send one framed response; drop the client if it does not read for SEND_TIMEOUT_S.
+
+        A response usually fits the socket buffer, so when no other send is waiting it
+        is written at once without waiting (and so without a timeout to arm). Whatever
+        does not fit is sent under the lock, with the timeout, before any other frame.
+        """
         data = encode_response(response)
+        if not self._send_lock.locked():
+            sent = self._send_nowait(data)
+            if sent == len(data):
+                return
+            # Part of a frame is out: hold the lock (no await since the write, so it is
+            # free) until the rest follows, so no other frame lands in the middle.
+            self._send_lock.acquire_nowait()
+            try:
+                await self._send_rest(data[sent:])
+            finally:
+                self._send_lock.release()
+            return
         async with self._send_lock:
-            with trio.move_on_after(SEND_TIMEOUT_S) as scope:
-                await self.stream.send_all(data)
+            await self._send_rest(data)
+
+    def _send_nowait(self, data: bytes) -> int:
+        """Write what the socket takes now, without waiting; returns the bytes written."""
+        fd = self.stream.socket.fileno()
+        if fd == -1:  # closed by a send that timed out: never write to a reused number
+            raise trio.ClosedResourceError("the connection was closed")
+        try:
+            return os.write(fd, data)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:  # EPIPE, ECONNRESET: the client went away
+            raise trio.BrokenResourceError(f"sending a response failed: {exc}") from exc
+
+    async def _send_rest(self, data: bytes) -> None:
+        with trio.move_on_after(SEND_TIMEOUT_S) as scope:
+            await self.stream.send_all(data)
         if scope.cancelled_caught:
             log.info("client_not_reading", run_id=self.run.run_id, peer_pid=self.peer.pid)
             await trio.aclose_forcefully(self.stream)

@@ -25,14 +25,23 @@ async def _nap(args: _Nap, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
     return {"slept": args.seconds}
 
 
+class _Big(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    chars: int
+
+
+async def _big(args: _Big, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+    return "x" * args.chars
+
+
 TOOLS: dict[str, ToolSpec[Any]] = {
     **builtin_tools(),
     "test.nap": ToolSpec(name="test.nap", summary="sleeps", args_type=_Nap, run=_nap),
+    "test.big": ToolSpec(name="test.big", summary="a long string", args_type=_Big, run=_big),
 }
 POLICY = """
 version: 1
 name: server-tests
-tools: {allow: [time.now, test.nap]}
+tools: {allow: [time.now, test.nap, test.big]}
 limits: {call_timeout_s: 5, calls_per_second: 10000, burst: 10000, max_concurrent_calls: 2}
 """
 
@@ -121,3 +130,85 @@ async def test_many_connections_from_one_client_each_get_their_answers(
                 nursery.start_soon(one, i)
         assert len(results) == 150 and all(r["ok"] for r in results)
         assert len({r["toolCallId"] for r in results}) == 150
+
+
+async def test_a_client_that_never_reads_is_disconnected_after_the_send_timeout(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "SEND_TIMEOUT_S", 0.5)
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        hog = await trio.open_unix_socket(str(run.socket_path))
+        async with hog:
+            burst = b"".join(frame(request(run, "tools.list", tcid=f"h{i}")) for i in range(400))
+            with trio.move_on_after(2):
+                await hog.send_all(burst)
+            await trio.sleep(1.0)  # not reading, twice the send timeout
+            answered = 0
+            buf = bytearray()
+            with trio.fail_after(5):  # what was sent before the drop, then EOF
+                while await read_frame(hog, buf) is not None:
+                    answered += 1
+        assert 0 < answered < 400
+
+
+async def test_a_response_larger_than_the_socket_buffer_is_not_interleaved(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        async with stream:
+            chars = 900_000  # several socket buffers: written in parts, with waits
+            payload = frame(request(run, "test.big", {"chars": chars}, tcid="big")) + b"".join(
+                frame(request(run, "time.now", tcid=f"t{i}")) for i in range(5)
+            )
+            await stream.send_all(payload)
+            await trio.sleep(0.2)  # let the small answers queue behind the big one
+            buf = bytearray()
+            got: dict[str, Any] = {}
+            with trio.fail_after(10):
+                while len(got) < 6:
+                    msg = await read_frame(stream, buf)
+                    assert msg is not None
+                    got[msg["toolCallId"]] = msg
+        assert got["big"]["value"] == "x" * chars
+        assert all(got[f"t{i}"]["ok"] for i in range(5))
+
+
+async def test_calls_in_flight_on_one_connection_are_capped(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "MAX_INFLIGHT_PER_CONNECTION", 2)
+    roomy = POLICY.replace("max_concurrent_calls: 2", "max_concurrent_calls: 16")
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, roomy)
+        payload = b"".join(
+            frame(request(run, "test.nap", {"seconds": 0.3}, tcid=f"n{i}")) for i in range(4)
+        )
+        start = trio.current_time()
+        responses = await raw_exchange(run.socket_path, payload, expect=4)
+        elapsed = trio.current_time() - start
+        assert sorted(r["toolCallId"] for r in responses) == ["n0", "n1", "n2", "n3"]
+        # The run allows 16 at once, so only the per-connection cap makes two rounds.
+        assert elapsed >= 0.55
+
+
+async def test_a_connection_idle_past_the_idle_timeout_is_closed(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "IDLE_TIMEOUT_S", 0.5)
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        async with stream:
+            buf = bytearray()
+            for i in range(3):  # activity keeps it open past one timeout
+                await trio.sleep(0.3)
+                await stream.send_all(frame(request(run, "time.now", tcid=f"k{i}")))
+                msg = await read_frame(stream, buf)
+                assert msg is not None and msg["ok"]
+            start = trio.current_time()
+            with trio.fail_after(3):
+                assert await stream.receive_some(100) == b""
+            assert trio.current_time() - start >= 0.4
