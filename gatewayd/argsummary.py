@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import msgspec
 
-# Enough to recognise a path or a command in a table; file contents stay out of the log.
+# Enough to recognise a path or a command in a table.
 MAX_SUMMARY_STR: Final = 120
 # A handful of keys tells the story; a call with hundreds of keys is itself suspicious.
 MAX_SUMMARY_KEYS: Final = 16
@@ -23,6 +23,9 @@ _SECRET_KEY: Final = re.compile(
     r"(pass(word|wd)?|secret|token|api[-_]?key|auth|credential|private[-_]?key|cookie)",
     re.IGNORECASE,
 )
+# Keys that carry file contents or message bodies: only their size is summarized
+# (the digest still covers them), so the audit log never holds what a file says.
+_CONTENT_KEY: Final = re.compile(r"^(content|old|new|data|body|text|messages?)$", re.IGNORECASE)
 _canonical: Final = msgspec.json.Encoder(order="sorted")
 
 
@@ -57,7 +60,12 @@ def summarize(value: Any, depth: int = 0) -> Any:
                 out["…"] = f"{len(value) - MAX_SUMMARY_KEYS} more keys"
                 break
             k = str(key)[:MAX_SUMMARY_STR]
-            out[k] = "[redacted]" if _SECRET_KEY.search(k) else summarize(item, depth + 1)
+            if _SECRET_KEY.search(k):
+                out[k] = "[redacted]"
+            elif _CONTENT_KEY.match(k) and isinstance(item, str):
+                out[k] = f"[{len(item)} chars]"
+            else:
+                out[k] = summarize(item, depth + 1)
         return out
     if isinstance(value, list):
         head = [summarize(v, depth + 1) for v in value[:MAX_SUMMARY_KEYS]]

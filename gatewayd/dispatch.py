@@ -38,6 +38,7 @@ from gatewayd.tools.registry import ToolContext, ToolSpec
 
 log = structlog.get_logger("gatewayd.dispatch")
 
+CANCELLED_MESSAGE: Final = "stopped before it finished: the run or gatewayd is shutting down"
 # The one tool every run has: it reveals only what the run may already do.
 TOOLS_LIST: Final = "tools.list"
 
@@ -89,8 +90,20 @@ class Dispatcher:
         """Audit and answer a malformed or oversize frame.
 
         Its entries are not awaited: the audit log makes them durable within its
-        result sync delay (nothing ran, so there is nothing to write ahead of).
+        result sync delay (nothing ran, so there is nothing to write ahead of). A bad
+        frame costs a token of the run's call budget like any call, so a flood of
+        garbage is answered with ``rate_limited`` (and the connection closed by the
+        server) instead of filling the audit disk at full speed.
         """
+        if not run.bucket.try_take(self.clock()):
+            err = FrameError(
+                code=ErrorCode.RATE_LIMITED,
+                message=self._rate_message(run)
+                + "; malformed frames count too, and this connection is closed",
+                tool_call_id=err.tool_call_id,
+                fatal=True,
+                raw=err.raw,
+            )
         detail: dict[str, Any] = {"frameBytes": len(err.raw)}
         if err.raw:
             detail["frameDigest"] = sha256_digest(err.raw)
@@ -153,9 +166,8 @@ class Dispatcher:
         # Write-ahead: the entry is durable before the call has any effect. The result
         # entry below is not awaited: the audit log makes it durable within its result
         # sync delay, usually with the next call's write-ahead flush.
-        await self.audit.durable(call_seq)
-
         try:
+            await self.audit.durable(call_seq)
             value = await self._run(run, spec, args)
             payload = encode_json(value)
             limit = run.spec.policy.limits.max_output_bytes
@@ -179,6 +191,20 @@ class Dispatcher:
             )
             run.count(code)
             return error_response(req.toolCallId, refusal.code, refusal.message)
+        except trio.Cancelled:
+            # The run or the daemon is ending under this call: its write-ahead entry
+            # still gets a result (record() never awaits, so this cannot be cancelled).
+            self.audit.record(
+                "result",
+                runId=run.run_id,
+                toolCallId=req.toolCallId,
+                tool=req.tool,
+                errorCode=str(ErrorCode.INTERNAL),
+                safeMessage=CANCELLED_MESSAGE,
+                durationMs=round((self.clock() - started) * 1000, 3),
+            )
+            run.count(str(ErrorCode.INTERNAL))
+            raise
 
         self.audit.record(
             "result",
@@ -195,6 +221,10 @@ class Dispatcher:
 
     def _admit(self, run: Run, req: Request) -> tuple[ToolSpec[Any] | None, Any]:
         """Steps 3-6: identify, authorize, rate, validate, policy. Raises _Refusal."""
+        # Rate first: every frame on the run's socket spends its budget, even one
+        # that will be refused, so refusals cannot be used to flood the audit log.
+        if not run.bucket.try_take(self.clock()):
+            raise _Refusal(ErrorCode.RATE_LIMITED, self._rate_message(run))
         if req.runId != run.run_id:
             raise _Refusal(
                 ErrorCode.RUN_MISMATCH,
@@ -202,14 +232,6 @@ class Dispatcher:
             )
         if not run.spec.request.grant.allowSandbox:
             raise _Refusal(ErrorCode.AUTHZ_DENIED, "this run has no sandbox grant")
-        now = self.clock()
-        if not run.bucket.try_take(now):
-            limits = run.spec.policy.limits
-            raise _Refusal(
-                ErrorCode.RATE_LIMITED,
-                f"this run may make {limits.calls_per_second:g} calls per second "
-                f"(burst {limits.burst}); retry after {run.bucket.retry_after(now):.3f} s",
-            )
         if req.tool == TOOLS_LIST:
             if req.args:
                 raise _Refusal(ErrorCode.INVALID_ARGS, "tools.list takes no arguments: send {}")
@@ -238,6 +260,13 @@ class Dispatcher:
         if not isinstance(decision, Allow):
             raise _Refusal(decision.code, decision.message)
         return spec, (args, decision.resolved)
+
+    def _rate_message(self, run: Run) -> str:
+        limits = run.spec.policy.limits
+        return (
+            f"this run may make {limits.calls_per_second:g} calls per second "
+            f"(burst {limits.burst}); retry after {run.bucket.retry_after(self.clock()):.3f} s"
+        )
 
     def _allowed_sentence(self, run: Run) -> str:
         names = allowed_tools(self.tools, run.spec.rules)

@@ -150,7 +150,7 @@ def _recover_id(body: bytes) -> str | None:
     """Best effort: the toolCallId of a request that failed validation, if it is sane."""
     try:
         tcid = _id_decoder.decode(body).toolCallId
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError, UnicodeDecodeError):
         return None
     return tcid if _ID_RE.fullmatch(tcid) else None
 
@@ -219,10 +219,18 @@ def decode_body(body: bytes) -> RequestReceived | FrameError:
             fatal=False,
             raw=body,
         )
-    except msgspec.DecodeError as exc:
-        return FrameError(
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec raises the latter
+        return FrameError(  # for invalid UTF-8 inside a string
             code=ErrorCode.BAD_REQUEST,
             message=f"frame body is not valid JSON: {exc}",
+            tool_call_id=None,
+            fatal=False,
+            raw=body,
+        )
+    except RecursionError:  # a few KiB of brackets can exhaust a recursive decoder
+        return FrameError(
+            code=ErrorCode.BAD_REQUEST,
+            message="request nests too deeply to decode; flatten the arguments",
             tool_call_id=None,
             fatal=False,
             raw=body,

@@ -22,11 +22,13 @@ import trio
 from gatewayd.dispatch import Dispatcher, Peer
 from gatewayd.protocol import (
     NEED_DATA,
+    ErrorCode,
     FrameDecoder,
     FrameError,
     RequestReceived,
     Response,
     encode_response,
+    error_response,
 )
 from gatewayd.runs import Run, RunState
 
@@ -42,7 +44,19 @@ FRAME_TIMEOUT_S: Final = 10.0
 SEND_TIMEOUT_S: Final = 30.0
 # Requests one connection may have in flight before we stop reading from it.
 MAX_INFLIGHT_PER_CONNECTION: Final = 32
+# One read takes at most this much: a full frame header plus a page of body, so a
+# fast client is served in few reads without one read holding megabytes.
 RECV_CHUNK: Final = 64 * 1024
+# Connections one run may hold open at once. An agent needs a handful (one per
+# process that calls cogni-tool); each idle one costs a file descriptor and, while
+# a frame is half-sent, up to a frame of memory.
+MAX_CONNECTIONS_PER_RUN: Final = 64
+# After a fatal frame error: how long, and how much, to read and discard before
+# closing, so the client reads our error frame instead of a connection reset.
+LINGER_S: Final = 1.0
+LINGER_MAX_BYTES: Final = 4 << 20
+# Pause after a failed accept (e.g. EMFILE) so a full fd table does not spin the loop.
+ACCEPT_RETRY_S: Final = 0.05
 LISTEN_BACKLOG: Final = 128
 
 _PEERCRED: Final = struct.Struct("3i")
@@ -139,8 +153,10 @@ class Connection:
                 partial_since = None
                 if isinstance(event, FrameError):
                     idle.deadline = math.inf
-                    await self._send(self.dispatcher.refuse_frame(self.run, event, self.peer))
-                    if event.fatal:
+                    response = self.dispatcher.refuse_frame(self.run, event, self.peer)
+                    await self._send(response)
+                    if event.fatal or response.errorCode is ErrorCode.RATE_LIMITED:
+                        await self._linger()
                         return
                     # A chunk full of bad frames must not hold the event loop.
                     await trio.lowlevel.checkpoint()
@@ -157,6 +173,19 @@ class Connection:
             run_id=self.run.run_id,
             partial_frame=partial_since is not None,
         )
+
+    async def _linger(self) -> None:
+        """Half-close and drain briefly: closing with unread input would reset the
+        connection, and the client could lose the error frame we just sent."""
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await self.stream.send_eof()
+            drained = 0
+            with trio.move_on_after(LINGER_S):
+                while drained < LINGER_MAX_BYTES:
+                    data = await self.stream.receive_some(RECV_CHUNK)
+                    if not data:
+                        break
+                    drained += len(data)
 
     async def _call(self, event: RequestReceived) -> None:
         try:
@@ -225,6 +254,16 @@ async def serve_run(
     socket file is removed with the run's directory by the registry.
     """
     listener = await open_unix_listener(run.socket_path)
+    open_connections = 0
+
+    async def serve_one(conn: Connection) -> None:
+        nonlocal open_connections
+        open_connections += 1
+        try:
+            await conn.serve()
+        finally:
+            open_connections -= 1
+
     with run.cancel_scope:
         async with listener, trio.open_nursery() as connections:
             run.move_to(RunState.SERVING)
@@ -234,11 +273,37 @@ async def serve_run(
                     stream = await listener.accept()
                 except OSError as exc:  # e.g. EMFILE: keep serving the others
                     log.warning("accept_failed", run_id=run.run_id, error=str(exc))
-                    await trio.sleep(0.05)
+                    await trio.sleep(ACCEPT_RETRY_S)
                     continue
                 try:
                     conn = Connection(stream, run, dispatcher, max_frame_bytes=max_frame_bytes)
                 except OSError:
                     await trio.aclose_forcefully(stream)
                     continue
-                connections.start_soon(conn.serve)
+                if open_connections >= MAX_CONNECTIONS_PER_RUN:
+                    connections.start_soon(refuse_connection, conn)
+                    continue
+                connections.start_soon(serve_one, conn)
+
+
+async def refuse_connection(conn: Connection) -> None:
+    """Answer a connection over the run's limit with one error frame, then close it."""
+    message = (
+        f"this run already has {MAX_CONNECTIONS_PER_RUN} open connections to gatewayd; "
+        "reuse a connection (cogni-tool's Client keeps one) or close idle ones"
+    )
+    log.warning("connection_refused", run_id=conn.run.run_id, peer_pid=conn.peer.pid)
+    conn.dispatcher.audit.record(
+        "event",
+        event="connection_refused",
+        runId=conn.run.run_id,
+        errorCode=str(ErrorCode.RATE_LIMITED),
+        safeMessage=message,
+        peer=conn.peer.audit,
+    )
+    try:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await conn._send(error_response(None, ErrorCode.RATE_LIMITED, message))
+            await conn._linger()
+    finally:
+        await trio.aclose_forcefully(conn.stream)

@@ -76,6 +76,7 @@ class AuditEvent(enum.StrEnum):
     RUN_CREATED = "run_created"
     RUN_REFUSED = "run_refused"
     RUN_ENDED = "run_ended"
+    CONNECTION_REFUSED = "connection_refused"
 
 
 class Peer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

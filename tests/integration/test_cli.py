@@ -327,6 +327,7 @@ def test_a_command_over_max_runtime_is_stopped_and_reported(base: Path) -> None:
     assert "exceeded its 1 s (maxRuntimeSec)" in proc.stderr
     show = subprocess.run(
         [GATEWAYD, "audit", "show", str(base / "state/audit/audit.jsonl")],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert "max_runtime_exceeded" in show.stdout

@@ -212,3 +212,59 @@ async def test_a_connection_idle_past_the_idle_timeout_is_closed(
             with trio.fail_after(3):
                 assert await stream.receive_some(100) == b""
             assert trio.current_time() - start >= 0.4
+
+
+async def test_a_call_cut_short_by_the_run_ending_still_gets_a_result_entry(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        await stream.send_all(frame(request(run, "test.nap", {"seconds": 30}, tcid="long")))
+        await trio.sleep(0.3)  # the call is admitted and running
+        await gw.daemon.end_run(run.run_id)
+        await stream.aclose()
+        mine = [e for e in await gw.audit_entries() if e.get("toolCallId") == "long"]
+        assert [e["kind"] for e in mine] == ["call", "result"]
+        assert mine[1]["errorCode"] == "internal"
+        assert "shutting down" in mine[1]["safeMessage"]
+
+
+async def test_connections_over_the_runs_limit_are_refused_with_a_reason(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        held = [
+            await trio.open_unix_socket(str(run.socket_path))
+            for _ in range(server.MAX_CONNECTIONS_PER_RUN)
+        ]
+        await trio.sleep(0.2)  # let the server accept them all
+        [resp] = await raw_exchange(run.socket_path, frame(request(run, "time.now")))
+        assert resp["errorCode"] == "rate_limited" and resp["toolCallId"] is None
+        assert str(server.MAX_CONNECTIONS_PER_RUN) in resp["safeMessage"]
+        for s in held:
+            await s.aclose()
+        await trio.sleep(0.2)
+        [resp] = await raw_exchange(run.socket_path, frame(request(run, "time.now")))
+        assert resp["ok"], "a slot frees when a connection closes"
+        refused = [e for e in await gw.audit_entries() if e.get("event") == "connection_refused"]
+        assert len(refused) == 1
+
+
+async def test_garbage_frames_spend_the_runs_budget_and_then_close_the_connection(
+    short_tmp: Path, workspace: Path
+) -> None:
+    policy = """
+    version: 1
+    name: stingy
+    tools: {allow: [time.now]}
+    limits: {calls_per_second: 0.01, burst: 3}
+    """
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, policy)
+        payload = frame(b"junk") * 10
+        responses = await raw_exchange(run.socket_path, payload, expect=10)
+        codes = [r["errorCode"] for r in responses]
+        assert codes == ["bad_request"] * 3 + ["rate_limited"], codes
+        assert "malformed frames count too" in responses[-1]["safeMessage"]

@@ -81,6 +81,8 @@ def test_several_frames_in_one_read_give_several_events() -> None:
         (b"{nope", "not valid JSON", None),
         (b"", "not valid JSON", None),
         (b"[]", "malformed request", None),
+        (body(runId=...)[:-1] + b', "runId": "\xb2x"}', "not valid JSON", None),
+        (b'{"v": 1, "tool": "\xff"}', "not valid JSON", None),
         (body(v=2), "v=1", "c1"),
         (body(runId=...), "runId", "c1"),
         (body(tool="FS.READ"), "dotted lowercase", "c1"),
@@ -163,3 +165,19 @@ def test_garbage_either_decodes_or_is_a_protocol_error(data: bytes, limit: int) 
 def test_any_args_object_is_carried_unchanged(args: dict[str, object]) -> None:
     req = Request(v=1, runId=RUN, toolCallId="c", tool="x.y", args=args)
     assert msgspec.json.decode(encode_request(req)[4:], type=Request).args == args
+
+
+@pytest.mark.parametrize("opener", [b"[", b'{"a":'])
+@pytest.mark.parametrize("where", ["unknown field", "args"])
+def test_deep_nesting_is_a_bad_request_not_a_crash(opener: bytes, where: str) -> None:
+    closer = b"]" if opener == b"[" else b"}"
+    deep = opener * 50_000 + b"1" + closer * 50_000
+    if where == "args":
+        raw = body()[: -len(b'{"path": "x"}}')] + b'{"x": ' + deep + b"}}"
+    else:
+        raw = body()[:-1] + b', "deep": ' + deep + b"}"
+    dec = FrameDecoder(max_frame_bytes=1 << 22)
+    dec.receive_data(encode_frame(raw))
+    event = dec.next_event()
+    assert isinstance(event, FrameError)
+    assert event.code is ErrorCode.BAD_REQUEST and not event.fatal
