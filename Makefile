@@ -60,6 +60,7 @@ check: lint typecheck test
 bench: setup
 	$(PY) bench/gateway_rtt.py
 	$(PY) bench/cli_cold.py
+	$(PY) bench/audit_cost.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
@@ -20,8 +19,9 @@ import structlog
 import trio
 
 from gatewayd.argsummary import args_digest, sha256_digest, summarize
-from gatewayd.audit import AuditLog, AuditWriteError
-from gatewayd.audit import Peer as AuditPeer
+
+# Who is on the other end of a connection (SO_PEERCRED at accept), as the audit records it.
+from gatewayd.audit import AuditLog, AuditWriteError, Peer
 from gatewayd.errors import GatewayError
 from gatewayd.policy import Allow, allowed_tools, decide, tool_allowed
 from gatewayd.protocol import (
@@ -41,24 +41,6 @@ log = structlog.get_logger("gatewayd.dispatch")
 CANCELLED_MESSAGE: Final = "stopped before it finished: the run or gatewayd is shutting down"
 # The one tool every run has: it reveals only what the run may already do.
 TOOLS_LIST: Final = "tools.list"
-
-
-@dataclass(frozen=True, slots=True)
-class Peer:
-    """Who is on the other end of a connection (SO_PEERCRED at accept)."""
-
-    pid: int
-    uid: int
-    gid: int
-    # The same credentials as the audit entry's field, made once per connection
-    # rather than converted from a dict for every entry.
-    audit: AuditPeer = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "audit", AuditPeer(pid=self.pid, uid=self.uid, gid=self.gid))
-
-    def as_dict(self) -> dict[str, int]:
-        return {"pid": self.pid, "uid": self.uid, "gid": self.gid}
 
 
 class _Refusal(Exception):
@@ -114,7 +96,7 @@ class Dispatcher:
             decision="deny",
             errorCode=str(err.code),
             safeMessage=err.message,
-            peer=peer.audit,
+            peer=peer,
             detail=detail,
         )
         self.audit.record(
@@ -161,7 +143,7 @@ class Dispatcher:
             argsDigest=args_digest(req.args),
             argsSummary=summarize(req.args),
             decision="allow",
-            peer=peer.audit,
+            peer=peer,
         )
         # Write-ahead: the entry is durable before the call has any effect. The result
         # entry below is not awaited: the audit log makes it durable within its result
@@ -350,7 +332,7 @@ class Dispatcher:
             decision="deny",
             errorCode=str(refusal.code),
             safeMessage=refusal.message,
-            peer=peer.audit,
+            peer=peer,
         )
         self.audit.record(
             "result",

@@ -19,7 +19,8 @@ from typing import Final
 import structlog
 import trio
 
-from gatewayd.dispatch import Dispatcher, Peer
+from gatewayd.audit import Peer
+from gatewayd.dispatch import Dispatcher
 from gatewayd.protocol import (
     NEED_DATA,
     ErrorCode,
@@ -299,7 +300,7 @@ async def refuse_connection(conn: Connection) -> None:
         runId=conn.run.run_id,
         errorCode=str(ErrorCode.RATE_LIMITED),
         safeMessage=message,
-        peer=conn.peer.audit,
+        peer=conn.peer,
     )
     try:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
