@@ -8,7 +8,6 @@ import http.client
 import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,6 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-HEADER = struct.Struct(">I")
 
 
 class UnixHTTPConnection(http.client.HTTPConnection):
@@ -133,14 +131,6 @@ def echo_server() -> Iterator[str]:
         proc.kill()
         proc.wait()
         subprocess.run(["rm", "-rf", str(base)], check=False)
-
-
-def frame(run_id: str, n: int) -> bytes:
-    body = json.dumps(
-        {"v": 1, "runId": run_id, "toolCallId": f"b{n}", "tool": "time.now", "args": {}},
-        separators=(",", ":"),
-    ).encode()
-    return HEADER.pack(len(body)) + body
 
 
 LOAD = str(Path(__file__).resolve().parent / "load.py")
