@@ -175,6 +175,28 @@ class Connection:
             partial_frame=partial_since is not None,
         )
 
+    async def refuse_over_limit(self) -> None:
+        """Answer a connection over the run's limit with one error frame, then close it."""
+        message = (
+            f"this run already has {MAX_CONNECTIONS_PER_RUN} open connections to gatewayd; "
+            "reuse a connection (cogni-tool's Client keeps one) or close idle ones"
+        )
+        log.warning("connection_refused", run_id=self.run.run_id, peer_pid=self.peer.pid)
+        self.dispatcher.audit.record(
+            "event",
+            event="connection_refused",
+            runId=self.run.run_id,
+            errorCode=str(ErrorCode.RATE_LIMITED),
+            safeMessage=message,
+            peer=self.peer,
+        )
+        try:
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await self._send(error_response(None, ErrorCode.RATE_LIMITED, message))
+                await self._linger()
+        finally:
+            await trio.aclose_forcefully(self.stream)
+
     async def _linger(self) -> None:
         """Half-close and drain briefly: closing with unread input would reset the
         connection, and the client could lose the error frame we just sent."""
@@ -282,29 +304,6 @@ async def serve_run(
                     await trio.aclose_forcefully(stream)
                     continue
                 if open_connections >= MAX_CONNECTIONS_PER_RUN:
-                    connections.start_soon(refuse_connection, conn)
+                    connections.start_soon(conn.refuse_over_limit)
                     continue
                 connections.start_soon(serve_one, conn)
-
-
-async def refuse_connection(conn: Connection) -> None:
-    """Answer a connection over the run's limit with one error frame, then close it."""
-    message = (
-        f"this run already has {MAX_CONNECTIONS_PER_RUN} open connections to gatewayd; "
-        "reuse a connection (cogni-tool's Client keeps one) or close idle ones"
-    )
-    log.warning("connection_refused", run_id=conn.run.run_id, peer_pid=conn.peer.pid)
-    conn.dispatcher.audit.record(
-        "event",
-        event="connection_refused",
-        runId=conn.run.run_id,
-        errorCode=str(ErrorCode.RATE_LIMITED),
-        safeMessage=message,
-        peer=conn.peer,
-    )
-    try:
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-            await conn._send(error_response(None, ErrorCode.RATE_LIMITED, message))
-            await conn._linger()
-    finally:
-        await trio.aclose_forcefully(conn.stream)
