@@ -1,0 +1,595 @@
+"""The bubblewrap plan: a frozen, typed list of setup steps, checked whole before anything runs.
+
+Like bubblewrap itself, the launcher first builds every step (``build_plan``), then checks
+the whole plan (``validate``), then renders it to one command line (``render_argv``) and
+only then starts a process. Everything here is pure: the one function that looks at the
+host, :func:`probe_host_layout`, only reads which system directories are symlinks and which
+``/etc`` entries exist, and its result is passed in as a value.
+
+Threat model of this layer: the process in the sandbox is hostile and tries to read host
+secrets or write outside its workspace. The plan decides what it can *see*; the network
+namespace (joined by the launcher, see ``netns_path``), seccomp and limits are other layers.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from gatewayd.errors import GatewayError
+from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathMode
+
+# Where the run's own socket appears inside the sandbox; cogni-tool finds it there (and in
+# COGNI_GATEWAY_SOCK). Nothing else of /run is visible.
+SANDBOX_SOCKET: Final = "/run/cogni/gateway.sock"
+SOCKET_NAME: Final = "gateway.sock"
+WORKSPACE: Final = str(WORKSPACE_VISIBLE_ROOT)
+# cogni-tool's host directory is mounted here read-only and put first on PATH.
+COGNI_TOOL_VISIBLE_DIR: Final = "/opt/cogni-tool"
+# HOME is the private tmpfs: tools write dotfiles (~/.cache, ~/.npm) there and they vanish
+# with the run, instead of landing in the workspace (which may be committed) or needing a
+# /home that the acceptance tests require to be absent.
+SANDBOX_HOME: Final = "/tmp"
+SANDBOX_PATH: Final = f"{COGNI_TOOL_VISIBLE_DIR}:/usr/local/bin:/usr/bin:/bin"
+# Not 0: inside its user namespace the process then holds no capabilities at all.
+SANDBOX_UID: Final = 1000
+SANDBOX_GID: Final = 1000
+SANDBOX_USER: Final = "sandbox"
+# The host's name says which machine this is; the sandbox does not need to know.
+SANDBOX_HOSTNAME: Final = "cogni-sandbox"
+
+# Options every plan gets, in this order (bubblewrap 0.8.0, Debian 12).
+ISOLATION_OPTIONS: Final[tuple[str, ...]] = (
+    "--unshare-user",  # uid 0 inside is nobody outside; required by --disable-userns
+    "--unshare-pid",  # the sandbox sees only its own processes (not the daemon's environ)
+    "--unshare-ipc",  # no System V IPC / POSIX mqueues shared with the host
+    "--unshare-uts",  # its own hostname
+    "--unshare-cgroup-try",  # its own cgroup root where the kernel offers it
+    "--disable-userns",  # no nested user namespace: the usual first step of a kernel exploit
+    "--die-with-parent",  # gatewayd dies -> the sandbox dies, never an orphan
+    "--new-session",  # setsid: no TIOCSTI typing into the operator's terminal
+    "--cap-drop",
+    "ALL",  # no capability even inside the namespaces
+)
+# No --unshare-net here on purpose: gatewayd makes the run's netns (loopback only) and the
+# launcher joins it before exec'ing bwrap, so the gateway can check peers against it.
+
+# Host top-level directories that hold the system. On Debian 12 (merged /usr) all but /usr
+# are symlinks into /usr; elsewhere they are real directories. Mounted read-only.
+SYSTEM_TOP_LEVEL: Final[tuple[str, ...]] = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+
+# The /etc entries the sandbox sees, bound read-only from the host. Everything else of /etc
+# is absent: an allowlist, because /etc is where hosts keep credentials under names nobody
+# can list in advance (pip.conf and npmrc with index tokens, gitconfig credential helpers,
+# ssl/private, shadow, ssh host keys, sudoers).
+ETC_ALLOWLIST: Final[tuple[str, ...]] = (
+    "nsswitch.conf",  # how glibc looks up users and hosts (files only in here)
+    "ld.so.cache",  # the dynamic linker's library index
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",  # the time zone
+    "alternatives",  # many /usr/bin commands are symlinks through /etc/alternatives
+    "ssl/certs",  # CA bundle for TLS through gateway-run proxies (not ssl/private)
+    "os-release",  # platform detection (pip, python's platform module)
+    "protocols",  # getprotobyname
+    "services",  # getservbyname
+)
+# Not bound, with the reason:
+#   machine-id: a stable unique host identifier (systemd documents it as confidential);
+#     nothing in a network-less, D-Bus-less sandbox needs it.
+#   resolv.conf: there is no network to resolve on, and it names the host's DNS servers.
+#   hostname, hosts: they name the host; a minimal hosts is generated instead.
+#   passwd, group: they list the host's users; generated with the sandbox user instead.
+
+# Host paths the sandbox never sees: no step may bind one of them, anything beneath one,
+# or anything above one (binding / or /etc would expose them). The state directory, which
+# holds every run's socket, is added per plan.
+DENIED_HOST_TREES: Final[tuple[str, ...]] = (
+    "/root",  # the daemon user's keys and cloud credentials
+    "/run",  # host sockets (docker.sock, dbus, systemd): each one a way out
+    "/proc",  # host processes and their environments; the sandbox gets a fresh /proc
+    "/sys",
+    "/dev",  # the sandbox gets a minimal /dev (--dev), never the host's
+    "/boot",
+    "/etc/shadow",
+    "/etc/shadow-",
+    "/etc/gshadow",
+    "/etc/gshadow-",
+    "/etc/sudoers",
+    "/etc/sudoers.d",
+    "/etc/ssh",
+    "/etc/ssl/private",
+)
+# Host trees never exposed as a whole (nothing at or above them may be bound), while a
+# directory the operator grants beneath them may be: workspaces commonly live in
+# /home/<user>/... or /var/lib/..., and such a grant is bound at its own visible path, so
+# the sandbox still sees neither /home nor /var.
+HIDDEN_HOST_TREES: Final[tuple[str, ...]] = ("/home", "/var")
+
+# Destinations that hold the system: a writable bind on or under one is refused.
+SYSTEM_DESTINATIONS: Final[tuple[str, ...]] = (
+    "/usr",
+    *(f"/{name}" for name in SYSTEM_TOP_LEVEL),
+    "/etc",
+    "/proc",
+    "/dev",
+    "/sys",
+    COGNI_TOOL_VISIBLE_DIR,
+)
+
+# Environment names passed through from the caller's values when present; PATH and HOME
+# are set to sandbox values, never copied from the daemon.
+PASSED_ENV_NAMES: Final[tuple[str, ...]] = ("LANG", "TERM")
+FIXED_ENV_NAMES: Final[tuple[str, ...]] = ("PATH", "HOME", "COGNI_GATEWAY_SOCK", "COGNI_RUN_ID")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_RUN_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class PlanError(GatewayError):
+    """The sandbox plan is unsafe or malformed; nothing was started (a gatewayd or
+    operator configuration fault, never the sandbox's)."""
+
+
+# --- the setup steps -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoBind:
+    """Bind host ``src`` read-only at ``dest``."""
+
+    src: str
+    dest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bind:
+    """Bind host ``src`` read-write at ``dest``."""
+
+    src: str
+    dest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RoBindData:
+    """A file made from ``data`` (passed to bwrap on a file descriptor), read-only at ``dest``."""
+
+    data: bytes
+    dest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Tmpfs:
+    dest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Proc:
+    dest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Dev:
+    dest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Symlink:
+    """A symlink at ``dest`` pointing to ``target`` (made in the sandbox, not bound)."""
+
+    target: str
+    dest: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemountRo:
+    """Make the (already mounted) ``dest`` read-only; not recursive."""
+
+    dest: str
+
+
+Step = RoBind | Bind | RoBindData | Tmpfs | Proc | Dev | Symlink | RemountRo
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostLayout:
+    """What :func:`probe_host_layout` found: which system top-level names are symlinks
+    (with their targets) or directories, and which allowlisted /etc entries exist."""
+
+    system_links: tuple[tuple[str, str], ...] = ()  # ("bin", "usr/bin")
+    system_dirs: tuple[str, ...] = ()  # ("lib64",) where not merged
+    etc_entries: tuple[str, ...] = ()  # subset of ETC_ALLOWLIST
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PolicyMount:
+    """A policy path: host directory ``host`` seen at ``visible`` with ``mode``."""
+
+    host: str
+    visible: str
+    mode: PathMode
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SandboxPlan:
+    """Everything bwrap needs for one sandboxed command, in order."""
+
+    run_id: str
+    steps: tuple[Step, ...]
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    extra_env_names: tuple[str, ...]
+    uid: int
+    gid: int
+    hostname: str
+    cwd: str
+    # The run's network namespace: the launcher enters it before exec'ing bwrap.
+    netns_path: str
+    # gatewayd's state directory: never visible, except this run's socket in it.
+    state_dir: str
+
+    @property
+    def data_steps(self) -> tuple[RoBindData, ...]:
+        """The steps whose content the launcher must hand to bwrap on file descriptors."""
+        return tuple(step for step in self.steps if isinstance(step, RoBindData))
+
+
+# --- building ---------------------------------------------------------------------------
+
+
+def probe_host_layout(root: Path = Path("/")) -> HostLayout:
+    """Look at the host (the only I/O of this module): merged-/usr symlinks, real system
+    directories, and which :data:`ETC_ALLOWLIST` entries exist under ``root``."""
+    links: list[tuple[str, str]] = []
+    dirs: list[str] = []
+    for name in SYSTEM_TOP_LEVEL:
+        path = root / name
+        if path.is_symlink():
+            links.append((name, os.readlink(path)))
+        elif path.is_dir():
+            dirs.append(name)
+    etc = tuple(entry for entry in ETC_ALLOWLIST if (root / "etc" / entry).exists())
+    return HostLayout(system_links=tuple(links), system_dirs=tuple(dirs), etc_entries=etc)
+
+
+def build_plan(
+    *,
+    run_id: str,
+    workspace_host: str,
+    policy_paths: Sequence[PolicyMount],
+    gateway_socket_host: str,
+    cogni_tool_host_dir: str,
+    command: Sequence[str],
+    extra_env_names: Sequence[str],
+    env_values: Mapping[str, str],
+    state_dir: str,
+    netns_path: str,
+    layout: HostLayout,
+    image_dir: str | None = None,
+) -> SandboxPlan:
+    """The plan for ``command`` in run ``run_id``; call :func:`validate` on it before use.
+
+    ``env_values`` is where allowlisted values come from (LANG, TERM and
+    ``extra_env_names``); a name not listed is never passed, whatever the mapping holds.
+    With ``image_dir`` the sandbox's root is that directory (read-only) instead of the
+    host's system directories; it must contain the mount points (/workspace, /run/cogni,
+    /opt/cogni-tool, and the policy paths' parents), since bwrap cannot create them there.
+
+    Error handling: raises :class:`PlanError` for an unusable run id, environment name or
+    value, a reserved extra name, or a system symlink pointing outside /usr.
+    """
+    if not _RUN_ID.fullmatch(run_id):
+        raise PlanError(f"run id {run_id!r} is not 1-64 characters of [A-Za-z0-9_-]")
+    if not command:
+        raise PlanError("the command is empty; give at least the program to run")
+    steps: list[Step] = []
+    if image_dir is None:
+        steps.extend(_system_steps(layout))
+        steps.extend(
+            RoBind(src=f"/etc/{entry}", dest=f"/etc/{entry}") for entry in layout.etc_entries
+        )
+    else:
+        steps.append(RoBind(src=image_dir, dest="/"))
+    steps.extend(
+        (
+            RoBindData(data=_passwd(), dest="/etc/passwd"),
+            RoBindData(data=_group(), dest="/etc/group"),
+            RoBindData(data=_hosts(), dest="/etc/hosts"),
+            Proc(dest="/proc"),
+            Dev(dest="/dev"),
+            Tmpfs(dest="/tmp"),
+            Bind(src=workspace_host, dest=WORKSPACE),
+        )
+    )
+    # Parents before children: a policy path under /workspace (or under another policy
+    # path) must be mounted after it, or the later parent mount would hide it.
+    for mount in sorted(policy_paths, key=lambda m: (m.visible.count("/"), m.visible)):
+        kind = Bind if mount.mode is PathMode.RW else RoBind
+        steps.append(kind(src=mount.host, dest=mount.visible))
+    steps.append(RoBind(src=cogni_tool_host_dir, dest=COGNI_TOOL_VISIBLE_DIR))
+    steps.append(RoBind(src=gateway_socket_host, dest=SANDBOX_SOCKET))
+    # Last: the root tmpfs bwrap builds (and the directories it made for mount points) is
+    # writable otherwise; the mounts below it keep their own modes.
+    steps.append(RemountRo(dest="/"))
+    return SandboxPlan(
+        run_id=run_id,
+        steps=tuple(steps),
+        command=tuple(command),
+        env=_build_env(run_id, extra_env_names, env_values),
+        extra_env_names=tuple(extra_env_names),
+        uid=SANDBOX_UID,
+        gid=SANDBOX_GID,
+        hostname=SANDBOX_HOSTNAME,
+        cwd=WORKSPACE,
+        netns_path=netns_path,
+        state_dir=state_dir,
+    )
+
+
+def _system_steps(layout: HostLayout) -> list[Step]:
+    steps: list[Step] = [RoBind(src="/usr", dest="/usr")]
+    for name, target in layout.system_links:
+        if not _is_within(posixpath.normpath(posixpath.join("/", target)), "/usr"):
+            raise PlanError(
+                f"/{name} is a symlink to {target!r}; only symlinks into /usr (merged /usr) "
+                "are mirrored into the sandbox"
+            )
+        steps.append(Symlink(target=target, dest=f"/{name}"))
+    steps.extend(RoBind(src=f"/{name}", dest=f"/{name}") for name in layout.system_dirs)
+    return steps
+
+
+def _build_env(
+    run_id: str, extra_env_names: Sequence[str], env_values: Mapping[str, str]
+) -> tuple[tuple[str, str], ...]:
+    for name in extra_env_names:
+        if name in FIXED_ENV_NAMES:
+            raise PlanError(
+                f"environment name {name!r} is set by gatewayd and cannot be passed through; "
+                f"reserved: {', '.join(FIXED_ENV_NAMES)}"
+            )
+        if not _ENV_NAME.fullmatch(name):
+            raise PlanError(
+                f"environment name {name!r} is not a valid name; allowed: [A-Za-z_][A-Za-z0-9_]*"
+            )
+    env = {
+        "PATH": SANDBOX_PATH,
+        "HOME": SANDBOX_HOME,
+        "COGNI_GATEWAY_SOCK": SANDBOX_SOCKET,
+        "COGNI_RUN_ID": run_id,
+    }
+    for name in (*PASSED_ENV_NAMES, *extra_env_names):
+        if name in env_values:
+            value = env_values[name]
+            if "\0" in value:
+                raise PlanError(f"environment variable {name} holds a NUL byte; values are text")
+            env[name] = value
+    return tuple(env.items())
+
+
+def _passwd() -> bytes:
+    return (
+        "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+        f"{SANDBOX_USER}:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{SANDBOX_HOME}:/bin/sh\n"
+        "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    ).encode()
+
+
+def _group() -> bytes:
+    return (f"root:x:0:\n{SANDBOX_USER}:x:{SANDBOX_GID}:\nnogroup:x:65534:\n").encode()
+
+
+def _hosts() -> bytes:
+    return b"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+
+
+# --- checking ---------------------------------------------------------------------------
+
+
+def describe(index: int, step: Step) -> str:
+    """How a message names a step: its position and the bwrap options it becomes."""
+    return f"step {index} ({' '.join(_step_args(step, fd=None))})"
+
+
+def validate(plan: SandboxPlan) -> None:
+    """Check the whole plan; raise :class:`PlanError` naming the first offending step.
+
+    Checks: every path absolute and normalized; no destination mounted twice; parents
+    mounted before children; no writable bind on a system path; no source at, beneath or
+    above a denied host tree (or the state directory), nor at or above a hidden one; the
+    socket is exactly this run's, at exactly :data:`SANDBOX_SOCKET`, and nothing else of
+    /run is mounted; the environment holds only allowlisted names with gatewayd's values.
+    """
+    if not _RUN_ID.fullmatch(plan.run_id):
+        raise PlanError(f"run id {plan.run_id!r} is not 1-64 characters of [A-Za-z0-9_-]")
+    for label, path in (("state directory", plan.state_dir), ("netns path", plan.netns_path)):
+        if not _is_clean_absolute(path):
+            raise PlanError(f"{label} {path!r} must be an absolute, normalized path")
+    if not _is_clean_absolute(plan.cwd):
+        raise PlanError(f"working directory {plan.cwd!r} must be an absolute, normalized path")
+    seen: dict[str, int] = {}
+    sockets = 0
+    for index, step in enumerate(plan.steps):
+        name = describe(index, step)
+        _check_paths(name, step)
+        if isinstance(step, RemountRo):
+            continue
+        if step.dest in seen:
+            raise PlanError(
+                f"{name} mounts {step.dest} again (already step {seen[step.dest]}); "
+                "each destination may be mounted once"
+            )
+        if step.dest == "/" and index != 0:
+            raise PlanError(f"{name} mounts the root; only the first step may")
+        for earlier_dest, earlier_index in seen.items():
+            if _is_within(earlier_dest, step.dest):
+                raise PlanError(
+                    f"{name} mounts {step.dest} over step {earlier_index}'s {earlier_dest}, "
+                    "hiding it; mount parents before children"
+                )
+        seen[step.dest] = index
+        if step.dest == SANDBOX_SOCKET:
+            sockets += 1
+            _check_socket(plan, name, step)
+            continue
+        if _is_within(step.dest, "/run"):
+            raise PlanError(
+                f"{name} mounts under /run; the only thing there is the run's socket at "
+                f"{SANDBOX_SOCKET}"
+            )
+        if isinstance(step, Bind) and any(_is_within(step.dest, s) for s in SYSTEM_DESTINATIONS):
+            raise PlanError(
+                f"{name} binds a system path writable; system paths are read-only: "
+                f"{', '.join(SYSTEM_DESTINATIONS)}"
+            )
+        if isinstance(step, RoBind | Bind):
+            _check_source(plan, name, step.src)
+    if sockets != 1:
+        raise PlanError(
+            f"the plan mounts the run's socket {sockets} times; it must mount it once, "
+            f"at {SANDBOX_SOCKET}"
+        )
+    _check_env(plan)
+
+
+def _check_paths(name: str, step: Step) -> None:
+    if not _is_clean_absolute(step.dest):
+        raise PlanError(
+            f"{name}: destination {step.dest!r} must be absolute and normalized "
+            "(no '..', '.', '//' or trailing '/')"
+        )
+    if isinstance(step, RoBind | Bind) and not _is_clean_absolute(step.src):
+        raise PlanError(
+            f"{name}: source {step.src!r} must be absolute and normalized "
+            "(no '..', '.', '//' or trailing '/')"
+        )
+    if isinstance(step, Symlink) and "\0" in step.target:
+        raise PlanError(f"{name}: symlink target holds a NUL byte")
+
+
+def _check_socket(plan: SandboxPlan, name: str, step: Step) -> None:
+    if not isinstance(step, RoBind | Bind):
+        raise PlanError(f"{name} puts something other than a bind of the run's socket there")
+    expected = posixpath.join(plan.state_dir, "runs", plan.run_id, SOCKET_NAME)
+    if step.src != expected:
+        raise PlanError(
+            f"{name} binds {step.src} as the run's socket; only this run's socket "
+            f"{expected} may be bound there"
+        )
+
+
+def _check_source(plan: SandboxPlan, name: str, src: str) -> None:
+    for denied in (*DENIED_HOST_TREES, plan.state_dir):
+        if _is_within(src, denied) or _is_within(denied, src):
+            raise PlanError(
+                f"{name} exposes {denied}, which the sandbox never sees; bind a directory "
+                f"that neither contains nor lies in any of: {', '.join(DENIED_HOST_TREES)}, "
+                f"{plan.state_dir}"
+            )
+    for hidden in HIDDEN_HOST_TREES:
+        if _is_within(hidden, src):
+            raise PlanError(
+                f"{name} exposes all of {hidden}; bind the one directory beneath it the run "
+                "needs instead"
+            )
+
+
+def _check_env(plan: SandboxPlan) -> None:
+    allowed = (*FIXED_ENV_NAMES, *PASSED_ENV_NAMES, *plan.extra_env_names)
+    names = [name for name, _ in plan.env]
+    if len(set(names)) != len(names):
+        raise PlanError("the environment names a variable twice; each name is set once")
+    values = dict(plan.env)
+    for name, value in plan.env:
+        if name not in allowed:
+            raise PlanError(
+                f"environment variable {name} is not on the allowlist; allowed: "
+                f"{', '.join(allowed)}"
+            )
+        if not _ENV_NAME.fullmatch(name) or "\0" in value:
+            raise PlanError(f"environment variable {name!r} has an invalid name or value")
+    fixed = {
+        "PATH": SANDBOX_PATH,
+        "HOME": SANDBOX_HOME,
+        "COGNI_GATEWAY_SOCK": SANDBOX_SOCKET,
+        "COGNI_RUN_ID": plan.run_id,
+    }
+    for name, value in fixed.items():
+        if values.get(name) != value:
+            raise PlanError(f"environment variable {name} must be {value!r}, set by gatewayd")
+
+
+def _is_clean_absolute(path: str) -> bool:
+    return (
+        path.startswith("/")
+        and posixpath.normpath(path) == path
+        and not path.startswith("//")
+        and "\0" not in path
+        and "\n" not in path
+    )
+
+
+def _is_within(path: str, root: str) -> bool:
+    """``path`` is ``root`` or lies beneath it (both clean absolute paths)."""
+    return root in ("/", path) or path.startswith(root + "/")
+
+
+# --- rendering --------------------------------------------------------------------------
+
+
+def render_argv(
+    plan: SandboxPlan, *, bwrap: str = "bwrap", data_fds: Mapping[str, int] | None = None
+) -> list[str]:
+    """The bwrap command line for ``plan``, validated first.
+
+    ``data_fds`` maps each :attr:`SandboxPlan.data_steps` destination to the file
+    descriptor number the child will find that step's ``data`` on (a memfd or pipe the
+    launcher passes with ``pass_fds``); bwrap reads each to its end.
+
+    Error handling: raises :class:`PlanError` if the plan does not validate or a data
+    step has no descriptor.
+    """
+    validate(plan)
+    fds = dict(data_fds or {})
+    argv = [bwrap, *ISOLATION_OPTIONS]
+    argv += ["--uid", str(plan.uid), "--gid", str(plan.gid), "--hostname", plan.hostname]
+    # --clearenv acts when parsed, so it comes before every --setenv.
+    argv.append("--clearenv")
+    for name, value in plan.env:
+        argv += ["--setenv", name, value]
+    for index, step in enumerate(plan.steps):
+        fd: int | None = None
+        if isinstance(step, RoBindData):
+            if step.dest not in fds:
+                raise PlanError(
+                    f"{describe(index, step)} has no file descriptor; pass data_fds for: "
+                    f"{', '.join(s.dest for s in plan.data_steps)}"
+                )
+            fd = fds[step.dest]
+        argv += _step_args(step, fd=fd)
+    argv += ["--chdir", plan.cwd, "--", *plan.command]
+    return argv
+
+
+def _step_args(step: Step, *, fd: int | None) -> list[str]:
+    match step:
+        case RoBind(src=src, dest=dest):
+            return ["--ro-bind", src, dest]
+        case Bind(src=src, dest=dest):
+            return ["--bind", src, dest]
+        case RoBindData(dest=dest):
+            return ["--ro-bind-data", "FD" if fd is None else str(fd), dest]
+        case Tmpfs(dest=dest):
+            return ["--tmpfs", dest]
+        case Proc(dest=dest):
+            return ["--proc", dest]
+        case Dev(dest=dest):
+            return ["--dev", dest]
+        case Symlink(target=target, dest=dest):
+            return ["--symlink", target, dest]
+        case RemountRo(dest=dest):
+            return ["--remount-ro", dest]
