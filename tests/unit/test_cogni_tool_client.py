@@ -173,6 +173,14 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     block_on_close = False
     gateway: FakeGateway
 
+    def shutdown_request(self, request: Any) -> None:
+        # socketserver closes the socket here, after handle() has returned. Counting the
+        # close any earlier (in handle) leaves a window in which the count says closed
+        # while the client can still write to the connection and be answered with EOF.
+        super().shutdown_request(request)
+        with self.gateway.lock:
+            self.gateway.closed += 1
+
 
 class _RequestHandler(socketserver.BaseRequestHandler):
     server: _Server
@@ -181,13 +189,8 @@ class _RequestHandler(socketserver.BaseRequestHandler):
         gateway = self.server.gateway
         with gateway.lock:
             gateway.connections += 1
-        try:
+        with suppress(OSError):  # the client went away mid-script: fine for a fake
             gateway.handler(Conn(self.request, gateway))
-        except OSError:
-            pass  # the client went away mid-script: fine for a fake
-        finally:
-            with gateway.lock:
-                gateway.closed += 1
 
 
 class FakeGateway:
@@ -199,7 +202,7 @@ class FakeGateway:
         self.lock = threading.Lock()
         self.requests: list[dict[str, Any]] = []
         self.connections = 0
-        self.closed = 0
+        self.closed = 0  # connections whose socket the gateway has really closed
         self.payload = b""  # for handlers that send test-chosen bytes
         self.tools: Any = TOOLS  # what tools.list answers
         self._server = _Server(str(path), _RequestHandler)
@@ -428,6 +431,8 @@ def test_idle_connection_closed_by_gateway_is_replaced_for_the_next_call(
 ) -> None:
     with make_client(gateway) as client:
         assert client.call("answer_then_close") == "bye"
+        # closed counts a socket only once it is really closed: on a unix socket the
+        # client's idle check then sees the end of the stream, every time.
         wait_until(lambda: gateway.closed == 1)
         assert client.call("echo", {"n": 2}) == {"n": 2}
     assert gateway.connections == 2
@@ -478,6 +483,33 @@ def test_call_that_reached_the_gateway_is_never_resent(gateway: FakeGateway) -> 
     assert "may or may not have run" in str(caught.value)
     assert str(gateway.path) in str(caught.value)
     assert gateway.tools_called() == ["echo", "hangup"]
+
+
+def test_request_written_whole_as_the_gateway_closes_the_idle_connection_is_not_resent(
+    tmp_path: Path,
+) -> None:
+    # The race the idle check cannot win: the gateway closes the connection just after
+    # the check found it open, and the whole request was already written. The gateway
+    # might have read it, so the client must fail and never send it again.
+    def close_once_the_next_request_is_in(conn: Conn) -> None:
+        first = conn.read_request()
+        assert first is not None
+        conn.ok(first, "first")
+        conn.sock.recv(1, socket.MSG_PEEK)  # blocks until the next request has arrived
+        # Returning closes the connection with the request unread.
+
+    with fake_gateway(tmp_path, close_once_the_next_request_is_in) as gw:
+        with make_client(gw, timeout=5) as client:
+            assert client.call("echo") == "first"
+            with pytest.raises(ConnectionFailed) as caught:
+                client.call("echo", {"n": 2})
+            assert "before answering 1 call(s)" in str(caught.value)
+            assert "may or may not have run" in str(caught.value)
+            assert gw.connections == 1  # not resent on a new connection
+            # The broken connection was dropped: the next call starts a new one.
+            assert client.call("echo", {"n": 3}) == "first"
+        assert gw.connections == 2
+        assert [r["args"] for r in gw.requests] == [{}, {"n": 3}]
 
 
 def test_close_in_the_middle_of_a_frame_is_a_failed_connection(gateway: FakeGateway) -> None:
