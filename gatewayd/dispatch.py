@@ -133,7 +133,7 @@ class Dispatcher:
         try:
             spec, args = self._admit(run, req)
         except _Refusal as refusal:
-            return await self._deny(run, req, peer, refusal, started)
+            return self._deny(run, req, peer, refusal, started)
 
         call_seq = self.audit.record(
             "call",
@@ -311,7 +311,7 @@ class Dispatcher:
             "(limits.call_timeout_s) and was stopped",
         )
 
-    async def _deny(
+    def _deny(
         self,
         run: Run,
         req: Request,
