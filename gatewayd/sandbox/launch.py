@@ -1,0 +1,328 @@
+"""Run ONE command in a run's sandbox and return what happened: the host-to-sandbox path.
+
+Order of events for one command (issue 3, items 3, 4 and 8):
+
+1. In gatewayd: the plan's generated files and the seccomp filter go on memfds; the argv is
+   ``render_argv(plan)`` plus ``--seccomp FD`` inserted just before the ``--`` that ends
+   bwrap's options (``render_argv`` has no seccomp hook); the run's netns file is opened.
+2. In the forked child, before exec (``preexec_fn``, after ``setsid`` from
+   ``start_new_session``): join the run's netns with ``setns`` (needs CAP_SYS_ADMIN, so
+   first), set the rlimits, drop to the caller's unprivileged host uid/gid (``setgroups([])``,
+   ``setresgid``, ``setresuid``), then no_new_privs and the parent-death signal (after the
+   uid change, which clears it). One process and one exec: no ``nsenter``/``setpriv``
+   wrappers, whose own credential changes would clear the death signal again.
+3. bwrap (unprivileged: it needs unprivileged user namespaces, which this kernel allows)
+   builds the namespaces, drops every capability, loads the filter and execs the command.
+
+The child is forked from the trio thread itself, not through ``trio.lowlevel.open_process``
+(which forks in a worker thread): the parent-death signal fires when the *thread* that
+forked the child ends, and trio's idle worker threads end after a few seconds.
+
+Threat model: the command is hostile. It holds no capability, sees only the plan, has no
+network, cannot keep running past its time (the whole pid namespace is killed), cannot
+block gatewayd with output (both pipes are drained to the end, keeping at most the cap).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import resource
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import prctl
+import trio
+
+from gatewayd.errors import GatewayError
+from gatewayd.sandbox.limits import ErrorKind, HostUser, SandboxLimits, classify_exit, rlimits
+from gatewayd.sandbox.plan import SandboxPlan, render_argv
+from gatewayd.sandbox.seccomp import write_filter
+
+# Debian's bubblewrap package puts it here; a fixed path, never a PATH lookup by the daemon.
+BWRAP: Final = "/usr/bin/bwrap"
+CLONE_NEWNET: Final = 0x40000000  # <linux/sched.h>
+READ_CHUNK: Final = 64 * 1024  # one pipe's worth per read
+# After the command is gone its pipes close at once (every writer was in its pid
+# namespace); this bounds the drain in case something still holds one.
+DRAIN_AFTER_EXIT_S: Final = 2.0
+# How often the grace period checks whether the tree has gone.
+EXIT_POLL_S: Final = 0.01
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class LaunchError(GatewayError):
+    """The sandbox could not be started (gatewayd's or the host's fault, never the command's);
+    the message names what failed."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExecResult:
+    """What one sandboxed command did.
+
+    ``stdout``/``stderr`` are the first ``max_output_bytes`` bytes, as bytes: the command's
+    output need not be text, and the caller decides how to decode it for the wire.
+    ``errorCode`` is ``"timeout"``, ``"limit_exceeded"`` or None (``"oom_killed"`` needs
+    cgroups and is not produced yet); see :func:`~gatewayd.sandbox.limits.classify_exit`.
+    """
+
+    exitCode: int | None  # camelCase: the wire's spelling
+    signal: int | None
+    stdout: bytes
+    stderr: bytes
+    stdoutTruncated: bool
+    stderrTruncated: bool
+    durationMs: int
+    errorCode: ErrorKind | None
+
+
+def sandbox_argv(
+    plan: SandboxPlan, *, bwrap: str, data_fds: dict[str, int], seccomp_fd: int
+) -> list[str]:
+    """``render_argv`` with ``--seccomp FD`` added as the last bwrap option (before ``--``).
+
+    Error handling: raises ``PlanError`` as ``render_argv`` does.
+    """
+    argv = render_argv(plan, bwrap=bwrap, data_fds=data_fds)
+    end_of_options = len(argv) - len(plan.command) - 1
+    if argv[end_of_options] != "--":
+        raise LaunchError(
+            "render_argv no longer ends with '--' followed by the command; the launcher "
+            "inserts --seccomp just before that '--'"
+        )
+    return [*argv[:end_of_options], "--seccomp", str(seccomp_fd), *argv[end_of_options:]]
+
+
+async def run_in_sandbox(
+    plan: SandboxPlan,
+    *,
+    netns: Path,
+    limits: SandboxLimits,
+    host_user: HostUser,
+    stdin: bytes | None = None,
+    bwrap: str = BWRAP,
+) -> ExecResult:
+    """Run ``plan.command`` in the sandbox the plan describes, inside network namespace
+    ``netns``, as ``host_user``, within ``limits``; return its :class:`ExecResult`.
+
+    Must be called in the trio thread (the parent-death signal is tied to the forking
+    thread). ``stdin`` is written to the command and closed; None gives it /dev/null.
+
+    Resource handling: the memfds and the netns descriptor are closed once bwrap runs; on
+    timeout the tree gets SIGTERM, then SIGKILL after ``limits.kill_grace_s``; on
+    cancellation it is killed at once under a shielded scope, so no process outlives the call.
+
+    Error handling: ``PlanError`` if the plan does not validate, :class:`LaunchError` if the
+    netns cannot be opened or bwrap cannot be started. Anything the command does is a
+    result, never an exception.
+    """
+    with contextlib.ExitStack() as fds:
+        data_fds = {step.dest: _memfd(fds, "cogni-data", step.data) for step in plan.data_steps}
+        seccomp_fd = _memfd(fds, "cogni-seccomp", None)
+        argv = sandbox_argv(plan, bwrap=bwrap, data_fds=data_fds, seccomp_fd=seccomp_fd)
+        try:
+            netns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise LaunchError(f"cannot open the run's network namespace {netns}: {exc}") from exc
+        fds.callback(os.close, netns_fd)
+        out_r, out_w = os.pipe2(os.O_CLOEXEC)
+        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        in_r, in_w = os.pipe2(os.O_CLOEXEC) if stdin is not None else (subprocess.DEVNULL, -1)
+        child_ends = [fd for fd in (out_w, err_w, in_r) if fd >= 0]
+        started = time.monotonic()
+        try:
+            process = subprocess.Popen(
+                argv,
+                stdin=in_r,
+                stdout=out_w,
+                stderr=err_w,
+                env={},  # bwrap's own environment: nothing of the daemon's (invariant 4)
+                pass_fds=(*data_fds.values(), seccomp_fd),
+                start_new_session=True,
+                # Safe here: forked from the trio thread; the child only makes system calls.
+                preexec_fn=_child_setup(netns_fd, host_user, limits),  # noqa: PLW1509
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            for fd in (out_r, err_r, in_w, *child_ends):
+                if fd >= 0:
+                    os.close(fd)
+            raise LaunchError(f"cannot start {bwrap} for run {plan.run_id}: {exc}") from exc
+        finally:
+            for fd in child_ends:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+    return await _supervise(process, started, out_r, err_r, in_w, stdin, limits)
+
+
+def _memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)  # pass_fds clears CLOEXEC in the child
+    stack.callback(os.close, fd)
+    if data is None:
+        write_filter(fd)
+    else:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    os.lseek(fd, 0, os.SEEK_SET)  # bwrap reads from the current offset to the end
+    return fd
+
+
+def _child_setup(netns_fd: int, user: HostUser, limits: SandboxLimits) -> Callable[[], None]:
+    """The ``preexec_fn``: runs in the forked child, before exec; order matters (module doc).
+    An exception here makes Popen raise in the parent, so nothing starts half-configured."""
+    table = rlimits(limits)
+
+    def setup() -> None:
+        if _libc.setns(netns_fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
+        for which, soft, hard in table:
+            resource.setrlimit(which, (soft, hard))
+        os.setgroups([])
+        os.setresgid(user.gid, user.gid, user.gid)
+        os.setresuid(user.uid, user.uid, user.uid)
+        prctl.set_no_new_privs(1)
+        # After setresuid: a credential change clears the parent-death signal.
+        prctl.set_pdeathsig(signal.SIGKILL)
+
+    return setup
+
+
+async def _supervise(
+    process: subprocess.Popen[bytes],
+    started: float,
+    out_r: int,
+    err_r: int,
+    in_w: int,
+    stdin: bytes | None,
+    limits: SandboxLimits,
+) -> ExecResult:
+    stdout = _Capture(limits.max_output_bytes)
+    stderr = _Capture(limits.max_output_bytes)
+    timed_out = False
+    pidfd = os.pidfd_open(process.pid)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stdout.drain, trio.lowlevel.FdStream(out_r))
+            nursery.start_soon(stderr.drain, trio.lowlevel.FdStream(err_r))
+            if stdin is not None:
+                nursery.start_soon(_feed, trio.lowlevel.FdStream(in_w), stdin)
+            with trio.move_on_after(limits.timeout_s) as deadline:
+                await trio.lowlevel.wait_readable(pidfd)
+            if deadline.cancelled_caught:
+                timed_out = True
+                with trio.CancelScope(shield=True):
+                    await _terminate_tree(process, pidfd, limits.kill_grace_s)
+            with trio.move_on_after(DRAIN_AFTER_EXIT_S):
+                await stdout.done.wait()
+                await stderr.done.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        # Cancelled from outside (or a bug): nothing may outlive the call.
+        with trio.CancelScope(shield=True):
+            if process.poll() is None:
+                _kill_tree(process.pid, signal.SIGKILL)
+                await trio.lowlevel.wait_readable(pidfd)
+            process.wait()
+            os.close(pidfd)
+    reading = classify_exit(process.returncode, timed_out=timed_out)
+    return ExecResult(
+        exitCode=reading.exit_code,
+        signal=reading.signal,
+        stdout=bytes(stdout.data),
+        stderr=bytes(stderr.data),
+        stdoutTruncated=stdout.truncated,
+        stderrTruncated=stderr.truncated,
+        durationMs=round((time.monotonic() - started) * 1000),
+        errorCode=reading.error,
+    )
+
+
+class _Capture:
+    """Keeps the first ``cap`` bytes of a pipe and reads (and drops) the rest to its end,
+    so the command never blocks on a full pipe."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.data = bytearray()
+        self.truncated = False
+        self.done = trio.Event()
+
+    async def drain(self, stream: trio.lowlevel.FdStream) -> None:
+        async with stream:
+            try:
+                while chunk := await stream.receive_some(READ_CHUNK):
+                    room = self.cap - len(self.data)
+                    if len(chunk) > room:
+                        self.truncated = True
+                    self.data += chunk[: max(room, 0)]
+            finally:
+                self.done.set()
+
+
+async def _feed(stream: trio.lowlevel.FdStream, data: bytes) -> None:
+    async with stream:
+        # The command may exit without reading its input; that is its business.
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(data)
+
+
+async def _terminate_tree(process: subprocess.Popen[bytes], pidfd: int, grace_s: float) -> None:
+    """SIGTERM every process in the sandbox but its init, wait ``grace_s`` for the command to
+    end (its init then ends the namespace), then SIGKILL bwrap and the init: killing a pid
+    namespace's init kills every process in it."""
+    _kill_tree(process.pid, signal.SIGTERM)
+    with trio.move_on_after(grace_s):
+        await trio.lowlevel.wait_readable(pidfd)
+        return
+    _kill_tree(process.pid, signal.SIGKILL)
+    await trio.lowlevel.wait_readable(pidfd)
+
+
+def _kill_tree(bwrap_pid: int, sig: signal.Signals) -> None:
+    """SIGTERM: every process in the sandbox's pid namespace except its init (so the
+    command sees it and the init reaps it). SIGKILL: bwrap's monitor and the namespace's
+    init, which takes every process in the namespace with it."""
+    inits = list(_children(bwrap_pid))
+    if sig == signal.SIGKILL:
+        targets = [bwrap_pid, *inits]
+    else:
+        namespaces = {_pid_namespace(pid) for pid in inits} - {None}
+        targets = [
+            pid for pid in _all_pids() if pid not in inits and _pid_namespace(pid) in namespaces
+        ]
+    for pid in targets:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _all_pids() -> Iterator[int]:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            yield int(entry)
+
+
+def _children(parent: int) -> Iterator[int]:
+    """Processes whose parent is ``parent`` (this kernel has no /proc/PID/task/TID/children)."""
+    for pid in _all_pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # it ended while we looked
+        if int(fields[1]) == parent:
+            yield pid
+
+
+def _pid_namespace(pid: int) -> tuple[int, int] | None:
+    try:
+        info = os.stat(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino)
