@@ -14,7 +14,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 
 import pytest
@@ -33,15 +32,6 @@ from gatewayd.tools.beneath import (
 
 SECRET = "OUTSIDE-SECRET"
 VISIBLE_ROOT = PurePosixPath("/workspace")
-
-
-@pytest.fixture(params=[Resolver.OPENAT2, Resolver.WALK], ids=["openat2", "walk"])
-def resolver(request: pytest.FixtureRequest) -> Iterator[Resolver]:
-    wanted: Resolver = request.param
-    if wanted is Resolver.OPENAT2 and not openat2_available():
-        pytest.skip("this kernel does not allow openat2")
-    with forced_resolver(wanted):
-        yield wanted
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -32,15 +31,6 @@ VISIBLE_ROOT = PurePosixPath("/workspace")
 DEFAULT_OUTPUT = 1 << 20
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 TOOLS = builtin_tools()
-
-
-@pytest.fixture(params=[Resolver.OPENAT2, Resolver.WALK], ids=["openat2", "walk"])
-def resolver(request: pytest.FixtureRequest) -> Iterator[Resolver]:
-    wanted: Resolver = request.param
-    if wanted is Resolver.OPENAT2 and not openat2_available():
-        pytest.skip("this kernel does not allow openat2")
-    with forced_resolver(wanted):
-        yield wanted
 
 
 @pytest.fixture
