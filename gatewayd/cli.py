@@ -1,4 +1,4 @@
-"""`gatewayd` command line: serve, run, policy check, audit verify/show.
+"""`gatewayd` command line: serve, run, exec, policy check, audit verify/show.
 
 Heavy imports (trio, the daemon) happen inside the commands that need them, so
 `gatewayd audit verify` and `gatewayd policy check` start fast.
@@ -13,10 +13,10 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from gatewayd.daemon import DaemonConfig
+    from gatewayd.daemon import Daemon, DaemonConfig
     from gatewayd.runs import Run, RunRequest
 
 # Exit codes of gatewayd itself (a one-shot run exits with its command's status).
@@ -55,6 +55,25 @@ def _add_daemon_options(p: argparse.ArgumentParser) -> None:
         help="directory searched for policies named without a path (repeatable)",
     )
     p.add_argument(
+        "--no-os-sandbox",
+        action="store_true",
+        help="act as on a host without bubblewrap: only runs whose policy says "
+        "require_os_sandbox: false start, without isolation (development only)",
+    )
+    p.add_argument(
+        "--netns-prefix",
+        default=os.environ.get("GATEWAYD_NETNS_PREFIX", "cogni-"),
+        help="prefix of the runs' network namespaces; another daemon on this host needs "
+        "another one (default $GATEWAYD_NETNS_PREFIX or cogni-)",
+    )
+    p.add_argument(
+        "--sandbox-uids",
+        type=_uid_range,
+        default=None,
+        help="BASE+COUNT: host uids the sandboxes run as, one per live run "
+        "(default 1800000000+1024)",
+    )
+    p.add_argument(
         "--max-frame-bytes",
         type=_frame_bytes,
         default=None,
@@ -72,6 +91,18 @@ def _frame_bytes(text: str) -> int:
             f"{value} is outside {MIN_FRAME_BYTES}..{MAX_FRAME_BYTES} bytes"
         )
     return value
+
+
+def _uid_range(text: str) -> tuple[int, int]:
+    base, sep, count = text.partition("+")
+    try:
+        if not sep:
+            raise ValueError
+        return int(base), int(count)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a uid range: {text!r}; write BASE+COUNT, e.g. 1800000000+1024"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,6 +145,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
+    execute = sub.add_parser(
+        "exec",
+        help="run a command in a live run's sandbox (through gatewayd serve's control socket)",
+    )
+    execute.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(os.environ.get("GATEWAYD_STATE_DIR", "/var/lib/gatewayd")),
+        help="the daemon's state directory (to find its control socket)",
+    )
+    execute.add_argument(
+        "--control-socket", type=Path, default=None, help="default STATE_DIR/control.sock"
+    )
+    execute.add_argument(
+        "--timeout", type=float, default=None, help="seconds (at most the policy's timeout)"
+    )
+    execute.add_argument(
+        "-i", "--stdin", action="store_true", help="pass this command's standard input"
+    )
+    execute.add_argument("run_id", metavar="RUN", help="the run id (32 hex digits)")
+    execute.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+
     policy = sub.add_parser("policy", help="policy files").add_subparsers(
         dest="policy_command", required=True
     )
@@ -142,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "run":
         return _run(args)
+    if args.command == "exec":
+        return _exec(args)
     return EXIT_USAGE  # pragma: no cover (argparse enforces the choices)
 
 
@@ -184,13 +239,21 @@ def _audit(args: argparse.Namespace) -> int:
 def _config(args: argparse.Namespace) -> DaemonConfig:
     from gatewayd.daemon import SHIPPED_POLICY_DIR, DaemonConfig
     from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES
+    from gatewayd.sandbox.uids import UidRange
 
     policy_dirs = tuple(args.policy_dir) or (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
+    try:
+        uids = UidRange(*args.sandbox_uids) if args.sandbox_uids else UidRange()
+    except ValueError as exc:
+        raise SystemExit(f"gatewayd: --sandbox-uids: {exc}") from None
     return DaemonConfig(
         state_dir=args.state_dir.absolute(),
         audit_path=args.audit.absolute() if args.audit else None,
         policy_dirs=policy_dirs,
         max_frame_bytes=args.max_frame_bytes or DEFAULT_MAX_FRAME_BYTES,
+        os_sandbox=not args.no_os_sandbox,
+        netns_prefix=args.netns_prefix,
+        sandbox_uids=uids,
     )
 
 
@@ -266,7 +329,7 @@ def _run(args: argparse.Namespace) -> int:
     import trio
 
     from gatewayd.daemon import open_daemon
-    from gatewayd.errors import AuthzDenied
+    from gatewayd.errors import GatewayError
     from gatewayd.logs import configure_logging
     from gatewayd.policy import PolicyError
 
@@ -286,8 +349,8 @@ def _run(args: argparse.Namespace) -> int:
         async with open_daemon(config) as daemon:
             try:
                 run = await daemon.start_run(request)
-            except AuthzDenied as exc:
-                print(f"gatewayd: authz_denied: {exc}", file=sys.stderr)
+            except GatewayError as exc:  # no grant, no sandbox, a workspace out of reach
+                print(f"gatewayd: {exc.code}: {exc}", file=sys.stderr)
                 return
             except (PolicyError, ValueError) as exc:
                 print(f"gatewayd: run refused: {exc}", file=sys.stderr)
@@ -297,6 +360,14 @@ def _run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             max_runtime = run.spec.request.limits.maxRuntimeSec
+            if run.sandbox is not None:
+                status = await _run_in_sandbox(daemon, run, cmd, max_runtime)
+                return
+            print(
+                f"gatewayd: WARNING: run {run.run_id} has NO OS sandbox ({run.degraded}); "
+                "its command runs on the host without isolation",
+                file=sys.stderr,
+            )
             # Cancelling run_process stops the command (SIGTERM, then SIGKILL).
             with trio.move_on_after(max_runtime) as scope:
                 proc = await trio.run_process(
@@ -316,19 +387,143 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 rc = proc.returncode
                 status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
-            # The run may already have ended (maxRuntimeSec); its counters stay on it.
-            await daemon.end_run(run.run_id, reason="command_exited")
-            by_code = ", ".join(f"{k}: {v}" for k, v in sorted(run.denied_by_code.items()))
-            print(
-                f"gatewayd: run {run.run_id} ended: exit {rc}; {run.calls} calls, "
-                f"{run.allowed} allowed, {run.denied} denied"
-                + (f" ({by_code})" if by_code else ""),
-                file=sys.stderr,
-            )
-            print(f"gatewayd: audit log {config.resolved_audit_path}", file=sys.stderr)
+            await _end_one_shot(daemon, run, f"exit {rc}")
 
     trio.run(one_shot)
     return status
+
+
+async def _end_one_shot(daemon: Daemon, run: Run, outcome: str) -> None:
+    # The run may already have ended (maxRuntimeSec); its counters stay on it.
+    await daemon.end_run(run.run_id, reason="command_exited")
+    by_code = ", ".join(f"{k}: {v}" for k, v in sorted(run.denied_by_code.items()))
+    print(
+        f"gatewayd: run {run.run_id} ended: {outcome}; {run.calls} calls, "
+        f"{run.allowed} allowed, {run.denied} denied" + (f" ({by_code})" if by_code else ""),
+        file=sys.stderr,
+    )
+    print(f"gatewayd: audit log {daemon.config.resolved_audit_path}", file=sys.stderr)
+
+
+async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime: int) -> int:
+    """The one-shot run's command, in the run's sandbox; returns gatewayd's exit status."""
+    from gatewayd.errors import GatewayError
+
+    try:
+        result = await daemon.exec_in_run(run.run_id, cmd, timeout_s=max_runtime)
+    except GatewayError as exc:
+        print(f"gatewayd: the sandbox could not start: {exc}", file=sys.stderr)
+        await _end_one_shot(daemon, run, "not started")
+        return EXIT_FAILED
+    _write_output(result.stdout, result.stderr)
+    status = _exec_status(result.exitCode, result.signal, _str_or_none(result.errorCode))
+    outcome = _describe_exec(result.exitCode, result.signal, _str_or_none(result.errorCode))
+    await _end_one_shot(daemon, run, outcome)
+    return status
+
+
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _write_output(stdout: bytes, stderr: bytes) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for stream, data in ((sys.stdout, stdout), (sys.stderr, stderr)):
+        view = memoryview(data)
+        while view:
+            view = view[os.write(stream.fileno(), view) :]
+
+
+def _exec_status(exit_code: int | None, sig: int | None, error: str | None) -> int:
+    """gatewayd's exit status for a sandboxed command: its own, 128+N for a signal,
+    124 when it ran out of time (like timeout(1))."""
+    if error == "timeout":
+        return EXIT_MAX_RUNTIME
+    if sig is not None:
+        return SIGNAL_EXIT_BASE + sig
+    return exit_code if exit_code is not None else EXIT_FAILED
+
+
+def _describe_exec(exit_code: int | None, sig: int | None, error: str | None) -> str:
+    what = f"signal {sig}" if sig is not None else f"exit {exit_code}"
+    return f"{what} ({error})" if error else what
+
+
+def _exec(args: argparse.Namespace) -> int:
+    """`gatewayd exec RUN -- CMD`: POST the command to the control socket, print its
+    output, exit with its status."""
+    import base64
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("gatewayd exec: give the command after --, e.g. RUN -- make test", file=sys.stderr)
+        return EXIT_USAGE
+    body: dict[str, object] = {"command": cmd}
+    if args.timeout is not None:
+        body["timeoutSec"] = args.timeout
+    if args.stdin:
+        body["stdin"] = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    control = args.control_socket or args.state_dir / "control.sock"
+    try:
+        status, payload = control_request(control, "POST", f"/v1/runs/{args.run_id}/exec", body)
+    except OSError as exc:
+        print(f"gatewayd exec: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if status != 200 or not payload.get("ok"):
+        print(
+            f"gatewayd exec: {payload.get('errorCode', status)}: {payload.get('message')}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    result = payload["result"]
+    streams = []
+    for name in ("stdout", "stderr"):
+        text = result[name]
+        data = base64.b64decode(text) if result[f"{name}Encoding"] == "base64" else text.encode()
+        streams.append(data)
+    _write_output(streams[0], streams[1])
+    for name in ("stdout", "stderr"):
+        if result[f"{name}Truncated"]:
+            print(f"gatewayd exec: {name} was cut at the run's output limit", file=sys.stderr)
+    if result["errorCode"]:
+        print(
+            "gatewayd exec: "
+            + _describe_exec(result["exitCode"], result["signal"], result["errorCode"]),
+            file=sys.stderr,
+        )
+    return _exec_status(result["exitCode"], result["signal"], result["errorCode"])
+
+
+def control_request(
+    path: Path, method: str, target: str, body: object | None = None
+) -> tuple[int, dict[str, Any]]:
+    """One JSON request to the control socket at ``path``; (status, decoded body)."""
+    import http.client
+    import socket
+
+    class UnixConnection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(os.fspath(path))
+            self.sock = sock
+
+    conn = UnixConnection("gatewayd")
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        headers = {"content-type": "application/json"} if data is not None else {}
+        conn.request(method, target, body=data, headers=headers)
+        response = conn.getresponse()
+        raw = response.read()
+    finally:
+        conn.close()
+    try:
+        decoded = json.loads(raw)
+    except ValueError:
+        decoded = {"ok": False, "message": raw.decode(errors="replace")}
+    return response.status, decoded if isinstance(decoded, dict) else {"ok": False}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,7 +3,8 @@
     curl --unix-socket /var/lib/gatewayd/control.sock http://gatewayd/v1/runs
 
 Routes: ``GET /v1/health``, ``GET /v1/runs``, ``POST /v1/runs`` (a RunRequest),
-``GET /v1/runs/{id}``, ``DELETE /v1/runs/{id}``. HTTP parsing is h11's (sans-IO);
+``GET /v1/runs/{id}``, ``DELETE /v1/runs/{id}``, ``POST /v1/runs/{id}/exec`` (run a
+command in the run's sandbox and wait for its result). HTTP parsing is h11's (sans-IO);
 this module only routes. No run socket can reach it: it lives in the state
 directory, which no sandbox sees, and it refuses peers other than root or the
 daemon's own user.
@@ -11,6 +12,7 @@ daemon's own user.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -24,10 +26,12 @@ import structlog
 import trio
 
 from gatewayd.daemon import Daemon
-from gatewayd.errors import AuthzDenied
+from gatewayd.errors import GatewayError
 from gatewayd.policy import PolicyError
 from gatewayd.protocol import ErrorCode
 from gatewayd.runs import RunRequest, format_validation_error
+from gatewayd.sandbox.launch import ExecResult
+from gatewayd.sandbox.session import SandboxUnavailable
 from gatewayd.server import open_unix_listener, peer_credentials
 
 log = structlog.get_logger("gatewayd.control")
@@ -38,6 +42,56 @@ MAX_BODY_BYTES: Final = 1 << 20
 REQUEST_TIMEOUT_S: Final = 30.0
 RECV_CHUNK: Final = 64 * 1024
 _RUN_PATH: Final = re.compile(r"/v1/runs/([0-9a-f]{32})")
+_EXEC_PATH: Final = re.compile(r"/v1/runs/([0-9a-f]{32})/exec")
+# HTTP status of a refused request, by whose fault the error code says it was.
+_STATUS: Final = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.AUTHZ_DENIED: 403,
+    ErrorCode.POLICY_DENIED: 403,
+    ErrorCode.INTERNAL: 500,
+}
+# The longest argv an exec may carry (ARG_MAX-like; more is not a command but a payload).
+MAX_EXEC_ARGS: Final = 4096
+
+
+class ExecRequest(pydantic.BaseModel):
+    """``POST /v1/runs/{id}/exec``: a command to run in the run's sandbox."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    command: tuple[str, ...] = pydantic.Field(min_length=1, max_length=MAX_EXEC_ARGS)
+    stdin: str | None = None
+    timeoutSec: float | None = pydantic.Field(default=None, gt=0, allow_inf_nan=False)
+
+    @pydantic.field_validator("command")
+    @classmethod
+    def _no_nul(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any("\0" in arg for arg in value):
+            raise ValueError("an argument holds a NUL byte; arguments are C strings")
+        if not value[0]:
+            raise ValueError("the program (first argument) is empty")
+        return value
+
+
+def exec_result_json(result: ExecResult) -> dict[str, Any]:
+    """An ExecResult for the wire: output as UTF-8 text when it is valid UTF-8, else
+    base64 (``stdoutEncoding`` says which), so bytes arrive exactly."""
+    out: dict[str, Any] = {
+        "exitCode": result.exitCode,
+        "signal": result.signal,
+        "durationMs": result.durationMs,
+        "errorCode": None if result.errorCode is None else str(result.errorCode),
+    }
+    for name, data, truncated in (
+        ("stdout", result.stdout, result.stdoutTruncated),
+        ("stderr", result.stderr, result.stderrTruncated),
+    ):
+        try:
+            out[name], out[f"{name}Encoding"] = data.decode("utf-8"), "utf-8"
+        except UnicodeDecodeError:
+            out[name], out[f"{name}Encoding"] = base64.b64encode(data).decode(), "base64"
+        out[f"{name}Truncated"] = truncated
+    return out
 
 
 class HttpError(Exception):
@@ -154,6 +208,9 @@ class ControlServer:
                 return 200, {"ok": True, "runs": [r.summary() for r in self.daemon.registry.all()]}
             if target == "/v1/runs" and method == "POST":
                 return await self._create(body)
+            exec_match = _EXEC_PATH.fullmatch(target)
+            if exec_match and method == "POST":
+                return await self._exec(exec_match.group(1), body)
             match = _RUN_PATH.fullmatch(target)
             if match and method == "GET":
                 run = self.daemon.registry.get(match.group(1))
@@ -169,7 +226,7 @@ class ControlServer:
                 404,
                 ErrorCode.BAD_REQUEST,
                 f"no route {method} {target}; routes: GET /v1/health, GET|POST /v1/runs, "
-                "GET|DELETE /v1/runs/{runId}",
+                "GET|DELETE /v1/runs/{runId}, POST /v1/runs/{runId}/exec",
             )
         except HttpError as exc:
             return exc.status, _error_body(exc.code, exc.message)
@@ -187,8 +244,8 @@ class ControlServer:
             ) from None
         try:
             run = await self.daemon.start_run(request)
-        except AuthzDenied as exc:
-            raise HttpError(403, ErrorCode.AUTHZ_DENIED, str(exc)) from None
+        except GatewayError as exc:  # AuthzDenied, PolicyViolation, SandboxUnavailable
+            raise HttpError(_STATUS[exc.code], exc.code, str(exc)) from None
         except (PolicyError, ValueError) as exc:
             raise HttpError(400, ErrorCode.BAD_REQUEST, str(exc)) from None
         except OSError as exc:
@@ -197,6 +254,29 @@ class ControlServer:
                 500, ErrorCode.INTERNAL, f"gatewayd could not create the run: {exc.strerror}"
             ) from None
         return 201, {"ok": True, "run": run.summary()}
+
+    async def _exec(self, run_id: str, body: bytes) -> tuple[int, Any]:
+        try:
+            request = ExecRequest.model_validate_json(body or b"null")
+        except pydantic.ValidationError as exc:
+            raise HttpError(
+                400, ErrorCode.BAD_REQUEST, f"bad exec request: {format_validation_error(exc)}"
+            ) from None
+        stdin = None if request.stdin is None else request.stdin.encode()
+        try:
+            result = await self.daemon.exec_in_run(
+                run_id, list(request.command), stdin=stdin, timeout_s=request.timeoutSec
+            )
+        except LookupError:
+            raise HttpError(404, ErrorCode.BAD_REQUEST, f"no such run {run_id}") from None
+        except SandboxUnavailable as exc:
+            raise HttpError(409, exc.code, str(exc)) from None
+        except GatewayError as exc:  # the plan or bwrap failed: gatewayd's or the host's fault
+            log.exception("exec_failed", run_id=run_id)
+            raise HttpError(
+                500, ErrorCode.INTERNAL, f"the sandbox could not start: {exc}"
+            ) from None
+        return 200, {"ok": True, "result": exec_result_json(result)}
 
     async def _send(
         self, stream: trio.SocketStream, conn: h11.Connection, status: int, payload: Any

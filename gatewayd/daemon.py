@@ -5,6 +5,7 @@ every run's listener. Used by `gatewayd serve` (with the control socket) and by
 
 from __future__ import annotations
 
+import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -16,10 +17,23 @@ import trio
 
 from gatewayd.audit import AuditLog, AuditWriteError, open_audit_log
 from gatewayd.dispatch import Dispatcher
-from gatewayd.errors import AuthzDenied
+from gatewayd.errors import GatewayError, PolicyViolation
 from gatewayd.policy import PolicyError
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
+from gatewayd.sandbox.launch import BWRAP, ExecResult
+from gatewayd.sandbox.netns import NETNS_PREFIX
+from gatewayd.sandbox.plan import probe_host_layout
+from gatewayd.sandbox.session import (
+    CommandLimits,
+    RunSandbox,
+    SandboxSettings,
+    SandboxUnavailable,
+    clean_leftovers,
+    install_cogni_tool,
+)
+from gatewayd.sandbox.support import SandboxSupport, probe_os_sandbox
+from gatewayd.sandbox.uids import UidPool, UidRange
 from gatewayd.server import serve_run
 from gatewayd.tools import builtin_tools
 from gatewayd.tools.registry import ToolSpec
@@ -40,6 +54,13 @@ class DaemonConfig:
     )
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     audit_fsync: bool = True
+    # False: behave as on a host without bubblewrap (runs need require_os_sandbox: false).
+    os_sandbox: bool = True
+    bwrap: str = BWRAP
+    # Two daemons on one host need different prefixes and uid ranges: each removes the
+    # namespaces with its prefix at start, and hands out the uids of its range.
+    netns_prefix: str = NETNS_PREFIX
+    sandbox_uids: UidRange = field(default_factory=UidRange)
 
     @property
     def resolved_audit_path(self) -> Path:
@@ -64,6 +85,52 @@ class Daemon:
         )
         self.dispatcher = Dispatcher(audit, builtin_tools() if tools is None else tools)
         self._nursery = nursery
+        self.uid_pool = UidPool(config.sandbox_uids)
+        self.support = SandboxSupport(False, "not probed yet")
+        self.sandbox_settings: SandboxSettings | None = None
+
+    async def prepare_sandbox(self) -> None:
+        """At start: remove what a crashed daemon left, probe the OS sandbox, install the
+        client copy. Audited; a host without the sandbox is logged loudly, not fatal
+        (runs whose policy requires it are refused, with the reason)."""
+        config = self.config
+        leftovers = await trio.to_thread.run_sync(
+            _clean_leftovers_quietly,
+            self.registry.runs_dir,
+            config.netns_prefix if config.os_sandbox else None,
+        )
+        if any(leftovers.values()):
+            log.warning("leftovers_removed", **leftovers)
+            await self.audit.append("event", event="leftovers_removed", detail=leftovers)
+        if not config.os_sandbox:
+            self.support = SandboxSupport(
+                False, "the OS sandbox is turned off in gatewayd's configuration (--no-os-sandbox)"
+            )
+        else:
+            probe_user = self.uid_pool.acquire()
+            try:
+                self.support = await trio.to_thread.run_sync(
+                    probe_os_sandbox, config.bwrap, probe_user
+                )
+            finally:
+                self.uid_pool.release(probe_user)
+            if self.support.available:
+                self.support = _state_dir_reachable(config.state_dir)
+        if self.support.available:
+            self.sandbox_settings = SandboxSettings(
+                bwrap=config.bwrap,
+                netns_prefix=config.netns_prefix,
+                state_dir=config.state_dir,
+                cogni_tool_dir=install_cogni_tool(config.state_dir),
+                layout=probe_host_layout(),
+            )
+        else:
+            log.warning("os_sandbox_unavailable", reason=self.support.reason)
+        await self.audit.append(
+            "event",
+            event="sandbox_support",
+            detail={"available": self.support.available, "reason": self.support.reason},
+        )
 
     async def start_run(self, request: RunRequest) -> Run:
         """Create a run and start serving its socket. Refusals are audited, then raised.
@@ -74,6 +141,11 @@ class Daemon:
         """
         try:
             run = self.registry.create(request)
+            try:
+                await self._isolate(run)
+            except BaseException:
+                self.registry.remove(run)
+                raise
         except Exception as exc:
             await self.audit.append(
                 "event",
@@ -100,6 +172,7 @@ class Daemon:
                 "policySource": run.spec.policy_source,
                 "workspace": str(run.spec.workspace),
                 "toolIds": list(request.toolIds) if request.toolIds is not None else None,
+                "sandbox": _sandbox_detail(run),
             },
         )
         try:
@@ -110,6 +183,106 @@ class Daemon:
             raise
         log.info("run_started", run_id=run.run_id, policy=run.spec.policy.name)
         return run
+
+    async def _isolate(self, run: Run) -> None:
+        """Give the run its OS sandbox, or make it degraded if its policy allows that.
+
+        Error handling: PolicyViolation when the policy requires a sandbox this host
+        cannot give; SandboxUnavailable when making it failed.
+        """
+        policy = run.spec.policy
+        if self.sandbox_settings is None:
+            if policy.require_os_sandbox:
+                raise PolicyViolation(
+                    f"policy {policy.name!r} requires the OS sandbox (require_os_sandbox: "
+                    f"true) and this gatewayd has none: {self.support.reason}. Fix the host, "
+                    "or set require_os_sandbox: false in the policy to run without isolation"
+                )
+            run.degraded = f"no OS sandbox: {self.support.reason}"
+            log.warning(
+                "run_degraded_no_os_sandbox",
+                run_id=run.run_id,
+                reason=self.support.reason,
+                note="the run's commands run WITHOUT isolation; every call is audited as degraded",
+            )
+            return
+        limits = policy.sandbox
+        run.sandbox = await RunSandbox.open(
+            run_id=run.run_id,
+            settings=self.sandbox_settings,
+            pool=self.uid_pool,
+            run_dir=run.directory,
+            socket_path=run.socket_path,
+            workspace=run.spec.workspace,
+            grants=run.spec.grants,
+            env_names=policy.env.allow,
+            limits=CommandLimits(
+                timeout_s=limits.timeout_s,
+                cpu_s=limits.cpu_s,
+                memory_mb=run.spec.request.limits.maxMemoryMb,
+                max_processes=limits.max_processes,
+                max_file_mb=limits.max_file_mb,
+                max_open_files=limits.max_open_files,
+                max_output_bytes=limits.max_output_bytes,
+            ),
+        )
+
+    async def exec_in_run(
+        self,
+        run_id: str,
+        command: list[str],
+        *,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+    ) -> ExecResult:
+        """Run ``command`` in the run's sandbox (host to sandbox, issue 3 item 8); audited
+        before it starts and when it ends.
+
+        Error handling: LookupError for an unknown run; SandboxUnavailable for a run
+        without a sandbox or one that is ending; PlanError/LaunchError if bwrap cannot
+        start (also audited).
+        """
+        run = self.registry.get(run_id)
+        if run is None:
+            raise LookupError(f"no run {run_id}")
+        if run.sandbox is None:
+            raise SandboxUnavailable(
+                f"run {run_id} has no OS sandbox ({run.degraded}); commands run only inside "
+                "a sandbox"
+            )
+        await self.audit.append(
+            "event",
+            event="exec_started",
+            runId=run_id,
+            detail={"command": command[:64], "timeoutS": timeout_s},
+        )
+        try:
+            result = await run.sandbox.exec(command, stdin=stdin, timeout_s=timeout_s)
+        except Exception as exc:
+            self.audit.record(
+                "event",
+                event="exec_ended",
+                runId=run_id,
+                errorCode=str(ErrorCode.INTERNAL),
+                safeMessage=str(exc),
+            )
+            raise
+        self.audit.record(
+            "event",
+            event="exec_ended",
+            runId=run_id,
+            durationMs=result.durationMs,
+            detail={
+                "exitCode": result.exitCode,
+                "signal": result.signal,
+                "errorCode": None if result.errorCode is None else str(result.errorCode),
+                "stdoutBytes": len(result.stdout),
+                "stderrBytes": len(result.stderr),
+                "stdoutTruncated": result.stdoutTruncated,
+                "stderrTruncated": result.stderrTruncated,
+            },
+        )
+        return result
 
     async def _serve(self, run: Run, *, task_status: trio.TaskStatus[None]) -> None:
         max_runtime = run.spec.request.limits.maxRuntimeSec
@@ -141,14 +314,26 @@ class Daemon:
     async def _finish(self, run: Run) -> None:
         if run.state in (RunState.CREATED, RunState.SERVING):
             run.move_to(RunState.ENDING)
-        self.registry.remove(run)
+        cleanup: dict[str, Any] = {}
+        if run.sandbox is not None:
+            try:
+                cleanup = await run.sandbox.close()
+            except Exception as exc:  # keep the lease record: the next start returns it
+                log.exception("sandbox_cleanup_failed", run_id=run.run_id)
+                cleanup = {"cleanupFailed": str(exc)}
+            else:
+                self.uid_pool.release(run.sandbox.user)
+        if "cleanupFailed" not in cleanup:
+            self.registry.remove(run)
+        else:
+            self.registry.forget(run)
         run.move_to(RunState.ENDED)  # from ENDING, or from FAILED
         try:
             await self.audit.append(
                 "event",
                 event="run_ended",
                 runId=run.run_id,
-                detail={"reason": run.end_reason, **_counts(run)},
+                detail={"reason": run.end_reason, **_counts(run), **cleanup},
             )
         except AuditWriteError:
             log.error("run_end_not_audited", run_id=run.run_id, reason=run.end_reason)
@@ -162,10 +347,39 @@ class Daemon:
             await self.end_run(run.run_id, reason="daemon_stopping")
 
 
+def _clean_leftovers_quietly(runs_dir: Path, prefix: str | None) -> dict[str, list[str]]:
+    try:
+        return clean_leftovers(runs_dir, prefix)
+    except Exception as exc:  # e.g. not root: namespaces cannot be listed/removed
+        log.warning("leftover_cleanup_failed", error=str(exc))
+        return {"cleanupFailed": [str(exc)]}
+
+
+def _state_dir_reachable(state_dir: Path) -> SandboxSupport:
+    """bwrap runs as the run's uid and must reach the run's socket and the client copy
+    in the state directory: every directory above it must let others pass (o+x)."""
+    for directory in (state_dir, *state_dir.parents):
+        if not directory.stat().st_mode & stat.S_IXOTH:
+            return SandboxSupport(
+                False,
+                f"the state directory {state_dir} lies under {directory}, which other users "
+                "cannot pass through (o+x), so a sandbox (running as an unprivileged uid) "
+                f"cannot reach its socket; chmod o+x {directory} or choose another "
+                "--state-dir",
+            )
+    return SandboxSupport(True)
+
+
+def _sandbox_detail(run: Run) -> dict[str, Any]:
+    if run.sandbox is None:
+        return {"os": False, "degraded": run.degraded}
+    return {"os": True, "uid": run.sandbox.user.uid, "netns": run.sandbox.netns.name}
+
+
 def _refusal_code(exc: Exception) -> ErrorCode:
     """Whose fault a refused run was: the grant, the request, or gatewayd itself."""
-    if isinstance(exc, AuthzDenied):
-        return ErrorCode.AUTHZ_DENIED
+    if isinstance(exc, GatewayError):  # AuthzDenied, PolicyViolation, SandboxUnavailable...
+        return exc.code
     if isinstance(exc, PolicyError | ValueError):
         return ErrorCode.BAD_REQUEST
     return ErrorCode.INTERNAL
@@ -194,6 +408,7 @@ async def open_daemon(
         trio.open_nursery() as nursery,
     ):
         daemon = Daemon(config, audit, nursery, tools=tools)
+        await daemon.prepare_sandbox()
         try:
             yield daemon
         finally:

@@ -98,6 +98,7 @@ class Dispatcher:
             safeMessage=err.message,
             peer=peer,
             detail=detail,
+            degraded=run.degraded,
         )
         self.audit.record(
             "result",
@@ -144,6 +145,7 @@ class Dispatcher:
             argsSummary=summarize(req.args),
             decision="allow",
             peer=peer,
+            degraded=run.degraded,
         )
         # Write-ahead: the entry is durable before the call has any effect. The result
         # entry below is not awaited: the audit log makes it durable within its result
@@ -333,6 +335,7 @@ class Dispatcher:
             errorCode=str(refusal.code),
             safeMessage=refusal.message,
             peer=peer,
+            degraded=run.degraded,
         )
         self.audit.record(
             "result",

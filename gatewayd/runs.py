@@ -18,7 +18,7 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import pydantic
 import trio
@@ -27,11 +27,20 @@ from gatewayd.errors import AuthzDenied
 from gatewayd.policy import Policy, RunRules, TokenBucket, bind_paths
 from gatewayd.policy.paths import PathGrant
 
+if TYPE_CHECKING:
+    from gatewayd.sandbox.session import RunSandbox
+
 # 16 random bytes = 128 bits: unguessable, so a run id alone names exactly one run.
 RUN_ID_BYTES: Final = 16
 SOCKET_NAME: Final = "gateway.sock"
 # A unix socket path must fit in sun_path (108 bytes including the NUL).
 MAX_SOCKET_PATH: Final = 107
+PRIVATE_DIR_MODE: Final = 0o700
+# The state directory and runs/: nobody but root may list or create anything, but a
+# run's uid may pass through to its own directory (root:<run gid> 0710), whose socket
+# bwrap binds into the sandbox while running as that uid. Run ids are 128-bit secrets,
+# so passing through without listing reveals nothing.
+PASS_THROUGH_DIR_MODE: Final = 0o711
 
 
 class RunState(enum.StrEnum):
@@ -136,6 +145,10 @@ class Run:
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     finished: trio.Event = field(default_factory=trio.Event)
     end_reason: str = "ended"
+    # The run's OS sandbox; None when the run is degraded (see ``degraded``).
+    sandbox: RunSandbox | None = None
+    # Why the run has no OS sandbox (its policy allowed that); None when it has one.
+    degraded: str | None = None
 
     @property
     def run_id(self) -> str:
@@ -169,6 +182,8 @@ class Run:
             "policy": self.spec.policy.name,
             "workspace": str(self.spec.workspace),
             "socket": str(self.socket_path),
+            "osSandbox": self.sandbox is not None,
+            "degraded": self.degraded,
             "calls": self.calls,
             "allowed": self.allowed,
             "denied": self.denied,
@@ -176,14 +191,14 @@ class Run:
         }
 
 
-def make_private_dir(path: Path) -> None:
-    """Create ``path`` as a 0700 directory owned by us, refusing anything else there."""
-    path.mkdir(mode=0o700, parents=False, exist_ok=True)
+def make_private_dir(path: Path, mode: int = PRIVATE_DIR_MODE) -> None:
+    """Create ``path`` as a ``mode`` directory owned by us, refusing anything else there."""
+    path.mkdir(mode=mode, parents=False, exist_ok=True)
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
         raise RuntimeError(f"{path} exists and is not a directory owned by uid {os.geteuid()}")
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(path, 0o700)
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
 
 
 class RunRegistry:
@@ -194,9 +209,9 @@ class RunRegistry:
         self.runs_dir = state_dir / "runs"
         self._load_policy = policy_loader
         self._runs: dict[str, Run] = {}
-        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        make_private_dir(state_dir)
-        make_private_dir(self.runs_dir)
+        state_dir.mkdir(mode=PASS_THROUGH_DIR_MODE, parents=True, exist_ok=True)
+        make_private_dir(state_dir, PASS_THROUGH_DIR_MODE)
+        make_private_dir(self.runs_dir, PASS_THROUGH_DIR_MODE)
 
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
@@ -260,6 +275,12 @@ class RunRegistry:
         """Forget ``run`` and delete its directory (socket included)."""
         self._runs.pop(run.run_id, None)
         shutil.rmtree(run.directory, ignore_errors=True)
+
+    def forget(self, run: Run) -> None:
+        """Forget ``run`` but keep its directory: it holds a lease record that the next
+        daemon start must still give back."""
+        self._runs.pop(run.run_id, None)
+        (run.directory / SOCKET_NAME).unlink(missing_ok=True)
 
 
 class PolicyLoader:

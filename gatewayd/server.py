@@ -59,6 +59,8 @@ LINGER_MAX_BYTES: Final = 4 << 20
 # Pause after a failed accept (e.g. EMFILE) so a full fd table does not spin the loop.
 ACCEPT_RETRY_S: Final = 0.05
 LISTEN_BACKLOG: Final = 128
+# A sandboxed run's socket: root-owned, the run's group (its uid's) may connect.
+RUN_SOCKET_MODE: Final = 0o660
 
 _PEERCRED: Final = struct.Struct("3i")
 
@@ -70,17 +72,21 @@ def peer_credentials(sock: trio.socket.SocketType) -> Peer:
     return Peer(pid=pid, uid=uid, gid=gid)
 
 
-async def open_unix_listener(path: Path, *, mode: int = 0o600) -> trio.SocketListener:
+async def open_unix_listener(
+    path: Path, *, mode: int = 0o600, group: int | None = None
+) -> trio.SocketListener:
     """Listen on a fresh unix socket at ``path`` (which must not exist).
 
-    The socket is bound under a temporary name, given its mode, set listening, and
-    only then renamed into place: a client that sees ``path`` can connect at once,
+    The socket is bound under a temporary name, given its group and mode, set listening,
+    and only then renamed into place: a client that sees ``path`` can connect at once,
     and never finds it with the wrong permissions.
     """
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         await sock.bind(os.fspath(staging))
+        if group is not None:
+            os.chown(staging, -1, group)
         os.chmod(staging, mode)
         sock.listen(LISTEN_BACKLOG)
         os.rename(staging, path)
@@ -177,22 +183,36 @@ class Connection:
 
     async def refuse_over_limit(self) -> None:
         """Answer a connection over the run's limit with one error frame, then close it."""
-        message = (
+        await self.refuse(
+            ErrorCode.RATE_LIMITED,
             f"this run already has {MAX_CONNECTIONS_PER_RUN} open connections to gatewayd; "
-            "reuse a connection (cogni-tool's Client keeps one) or close idle ones"
+            "reuse a connection (cogni-tool's Client keeps one) or close idle ones",
         )
-        log.warning("connection_refused", run_id=self.run.run_id, peer_pid=self.peer.pid)
+
+    async def refuse_outsider(self) -> None:
+        """Answer a peer outside the run's sandbox (issue 3 item 6) and close."""
+        await self.refuse(
+            ErrorCode.AUTHZ_DENIED,
+            "this socket serves only processes inside its run's sandbox (its network "
+            "namespace); start the command with `gatewayd exec RUN -- CMD` instead",
+        )
+
+    async def refuse(self, code: ErrorCode, message: str) -> None:
+        """Audit a refused connection, answer it with one error frame, then close it."""
+        log.warning(
+            "connection_refused", run_id=self.run.run_id, peer_pid=self.peer.pid, code=str(code)
+        )
         self.dispatcher.audit.record(
             "event",
             event="connection_refused",
             runId=self.run.run_id,
-            errorCode=str(ErrorCode.RATE_LIMITED),
+            errorCode=str(code),
             safeMessage=message,
             peer=self.peer,
         )
         try:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await self._send(error_response(None, ErrorCode.RATE_LIMITED, message))
+                await self._send(error_response(None, code, message))
                 await self._linger()
         finally:
             await trio.aclose_forcefully(self.stream)
@@ -276,7 +296,13 @@ async def serve_run(
     Resource handling: the listener and every connection are closed on exit; the
     socket file is removed with the run's directory by the registry.
     """
-    listener = await open_unix_listener(run.socket_path)
+    sandbox = run.sandbox
+    if sandbox is None:
+        listener = await open_unix_listener(run.socket_path)
+    else:  # the sandbox runs as the run's uid: its group may connect, nobody else
+        listener = await open_unix_listener(
+            run.socket_path, mode=RUN_SOCKET_MODE, group=sandbox.user.gid
+        )
     open_connections = 0
 
     async def serve_one(conn: Connection) -> None:
@@ -302,6 +328,9 @@ async def serve_run(
                     conn = Connection(stream, run, dispatcher, max_frame_bytes=max_frame_bytes)
                 except OSError:
                     await trio.aclose_forcefully(stream)
+                    continue
+                if sandbox is not None and not sandbox.owns_peer(conn.peer.pid):
+                    connections.start_soon(conn.refuse_outsider)
                     continue
                 if open_connections >= MAX_CONNECTIONS_PER_RUN:
                     connections.start_soon(conn.refuse_over_limit)

@@ -37,6 +37,7 @@ limits:
   calls_per_second: 100000
   burst: 100000
   max_concurrent_calls: 64
+require_os_sandbox: false
 """
 
 
@@ -81,6 +82,11 @@ class Gateway:
         allow_sandbox: bool = True,
         tool_ids: tuple[str, ...] | None = None,
     ) -> Run:
+        if "require_os_sandbox" not in policy:
+            # This daemon has no OS sandbox (its clients are the test itself, on the
+            # host): gateway-core tests say so in each policy. Sandboxed runs are
+            # tested with a real sandbox in tests/integration/test_run_sandbox.py.
+            policy = textwrap.dedent(policy) + "require_os_sandbox: false\n"
         path = write_policy(self.base, policy, name=f"p{len(os.listdir(self.base))}.yaml")
         request = RunRequest(
             workspacePath=str(workspace),
@@ -113,7 +119,7 @@ def make_gateway(base: Path, tools: dict[str, ToolSpec[Any]] | None = None) -> A
     async def cm() -> AsyncIterator[Gateway]:
         policies = base / "policies"
         policies.mkdir(exist_ok=True)
-        config = DaemonConfig(state_dir=base / "state", policy_dirs=(policies,))
+        config = DaemonConfig(state_dir=base / "state", policy_dirs=(policies,), os_sandbox=False)
         async with open_daemon(config, tools=tools or builtin_tools()) as daemon:
             yield Gateway(daemon, policies)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -80,12 +81,24 @@ class LiveDaemon:
             return self.proc.wait()
 
 
-def start_daemon(state: Path, *extra: str) -> LiveDaemon:
+def sandbox_options() -> list[str]:
+    """Options that keep a test daemon's namespaces and sandbox uids apart from every
+    other daemon's on this host (each removes its prefix's namespaces at start)."""
+    tag = secrets.token_hex(4)
+    base = 1_700_000_000 + secrets.randbelow(50_000) * 1024
+    return ["--netns-prefix", f"cgt{tag}-", "--sandbox-uids", f"{base}+64"]
+
+
+def start_daemon(state: Path, *extra: str, sandbox: bool = False) -> LiveDaemon:
+    """A `gatewayd serve` on ``state``; without ``sandbox`` it has no OS sandbox (its
+    clients are the test itself, on the host), so its policies say
+    ``require_os_sandbox: false``."""
     log_path = state.parent / "gatewayd.log"
     log = open(log_path, "wb")  # noqa: SIM115 (the process owns it)
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    mode = sandbox_options() if sandbox else ["--no-os-sandbox"]
     proc = subprocess.Popen(
-        [str(BIN / "gatewayd"), "serve", "--state-dir", str(state), *extra],
+        [str(BIN / "gatewayd"), "serve", "--state-dir", str(state), *mode, *extra],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

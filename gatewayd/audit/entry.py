@@ -109,6 +109,9 @@ class AuditEntry(
     peer: Peer | None = None
     event: EventName | None = None
     detail: dict[str, Any] | None = None
+    # Set on every call of a run without the OS sandbox (require_os_sandbox: false):
+    # why it has none. A reviewer filters on it.
+    degraded: Annotated[str, msgspec.Meta(min_length=1, max_length=500)] | None = None
     prev: HashHex
 
 
@@ -129,6 +132,7 @@ class EntryFields(TypedDict, total=False):
     peer: Peer | Mapping[str, int] | None
     event: str | None
     detail: Mapping[str, Any] | None
+    degraded: str | None
 
 
 class EntryFormatError(ValueError):

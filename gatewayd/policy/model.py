@@ -146,6 +146,7 @@ def _plain_parts(value: str, what: str) -> list[str]:
 
 
 StrictStr = Annotated[str, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
 PolicyName = Annotated[StrictStr, AfterValidator(_check_name)]
 PathRuleName = Annotated[StrictStr, AfterValidator(_check_path_name)]
 ToolPattern = Annotated[StrictStr, AfterValidator(_check_tool_pattern)]
@@ -292,6 +293,63 @@ class Limits(Section):
         return data
 
 
+# Names gatewayd sets itself in the sandbox; a policy cannot pass them through.
+RESERVED_ENV_NAMES: Final = ("PATH", "HOME", "COGNI_GATEWAY_SOCK", "COGNI_RUN_ID")
+_ENV_NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+def _env_name(value: str) -> str:
+    if not _ENV_NAME_RE.fullmatch(value):
+        raise ValueError(f"{value!r} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)")
+    if value in RESERVED_ENV_NAMES:
+        raise ValueError(
+            f"{value} is set by gatewayd in every sandbox and cannot be passed through; "
+            f"reserved: {', '.join(RESERVED_ENV_NAMES)}"
+        )
+    return value
+
+
+EnvName = Annotated[StrictStr, AfterValidator(_env_name)]
+
+
+class EnvSection(Section):
+    """Host environment variables a sandboxed command may see, by name (invariant
+    SECRETS_HOST_ONLY: nothing else of gatewayd's environment enters)."""
+
+    allow: tuple[EnvName, ...] = ()
+
+
+# Sandboxed command limits: enough for a build or a test suite; the reason for each
+# bound is the host's safety, not the command's comfort.
+DEFAULT_SANDBOX_TIMEOUT_S: Final = 600.0
+MAX_SANDBOX_TIMEOUT_S: Final = 24 * 3600.0
+DEFAULT_SANDBOX_CPU_S: Final = 300
+DEFAULT_SANDBOX_MAX_PROCESSES: Final = 256
+DEFAULT_SANDBOX_MAX_FILE_MB: Final = 1024
+DEFAULT_SANDBOX_MAX_OPEN_FILES: Final = 1024
+DEFAULT_SANDBOX_MAX_OUTPUT_BYTES: Final = 1 << 20
+
+
+class SandboxSection(Section):
+    """Limits of each command run in the run's sandbox (``gatewayd run``/``exec``).
+    Memory comes from the run request's ``limits.maxMemoryMb``."""
+
+    timeout_s: Annotated[
+        float, Field(strict=True, gt=0, le=MAX_SANDBOX_TIMEOUT_S, allow_inf_nan=False)
+    ] = DEFAULT_SANDBOX_TIMEOUT_S
+    cpu_s: Annotated[int, Field(strict=True, ge=1)] = DEFAULT_SANDBOX_CPU_S
+    max_processes: Annotated[int, Field(strict=True, ge=4, le=65536)] = (
+        DEFAULT_SANDBOX_MAX_PROCESSES
+    )
+    max_file_mb: Annotated[int, Field(strict=True, ge=1)] = DEFAULT_SANDBOX_MAX_FILE_MB
+    max_open_files: Annotated[int, Field(strict=True, ge=16, le=1 << 20)] = (
+        DEFAULT_SANDBOX_MAX_OPEN_FILES
+    )
+    max_output_bytes: Annotated[int, Field(strict=True, ge=0, le=64 << 20)] = (
+        DEFAULT_SANDBOX_MAX_OUTPUT_BYTES
+    )
+
+
 class Policy(Section):
     """A whole policy file. Only ``version`` and ``name`` are required."""
 
@@ -301,6 +359,11 @@ class Policy(Section):
     tools: ToolsSection = Field(default_factory=ToolsSection)
     filesystem: FilesystemSection = Field(default_factory=FilesystemSection)
     limits: Limits = Field(default_factory=Limits)
+    # Reference note 003: without bubblewrap or namespaces the run is refused, unless the
+    # policy accepts a degraded run (then every call is audited as degraded).
+    require_os_sandbox: StrictBool = True
+    env: EnvSection = Field(default_factory=EnvSection)
+    sandbox: SandboxSection = Field(default_factory=SandboxSection)
 
     @field_validator("version")
     @classmethod

@@ -2,17 +2,24 @@
 
 Order of events for one command (issue 3, items 3, 4 and 8):
 
-1. In gatewayd: the plan's generated files and the seccomp filter go on memfds; the argv is
-   ``render_argv(plan)`` plus ``--seccomp FD`` inserted just before the ``--`` that ends
-   bwrap's options (``render_argv`` has no seccomp hook); the run's netns file is opened.
+1. In gatewayd: when the host offers cgroups (``cgroups=probe_cgroups()``), the command's
+   own cgroup is made with its memory (swap included) and pids limits; the plan's generated
+   files and the seccomp filter go on memfds; the argv is ``render_argv(plan)`` plus
+   ``--seccomp FD`` inserted just before the ``--`` that ends bwrap's options
+   (``render_argv`` has no seccomp hook); the run's netns file is opened.
 2. In the forked child, before exec (``preexec_fn``, after ``setsid`` from
-   ``start_new_session``): join the run's netns with ``setns`` (needs CAP_SYS_ADMIN, so
-   first), set the rlimits, drop to the caller's unprivileged host uid/gid (``setgroups([])``,
+   ``start_new_session``): join the command's cgroup (write ``0`` to its ``cgroup.procs``:
+   needs root, so before the uid changes, and first, so bwrap is counted too), join the
+   run's netns with ``setns`` (needs CAP_SYS_ADMIN), set the rlimits (no RLIMIT_AS or
+   RLIMIT_NPROC where the cgroup limits those), drop to the caller's unprivileged host
+   uid/gid (``setgroups([])``,
    ``setresgid``, ``setresuid``), then no_new_privs and the parent-death signal (after the
    uid change, which clears it). One process and one exec: no ``nsenter``/``setpriv``
    wrappers, whose own credential changes would clear the death signal again.
 3. bwrap (unprivileged: it needs unprivileged user namespaces, which this kernel allows)
    builds the namespaces, drops every capability, loads the filter and execs the command.
+4. After the command: its cgroup's OOM-kill counter decides ``oom_killed``; the cgroup is
+   removed (also on cancellation and when bwrap could not start).
 
 The child is forked from the trio thread itself, not through ``trio.lowlevel.open_process``
 (which forks in a worker thread): the parent-death signal fires when the *thread* that
@@ -41,7 +48,20 @@ import prctl
 import trio
 
 from gatewayd.errors import GatewayError
-from gatewayd.sandbox.limits import ErrorKind, HostUser, SandboxLimits, classify_exit, rlimits
+from gatewayd.sandbox.cgroup import (
+    CgroupError,
+    CgroupSupport,
+    CommandCgroup,
+    create_command_cgroup,
+)
+from gatewayd.sandbox.limits import (
+    ErrorKind,
+    HostUser,
+    LimitMechanism,
+    SandboxLimits,
+    classify_exit,
+    rlimits,
+)
 from gatewayd.sandbox.plan import SandboxPlan, render_argv
 from gatewayd.sandbox.seccomp import write_filter
 
@@ -69,8 +89,10 @@ class ExecResult:
 
     ``stdout``/``stderr`` are the first ``max_output_bytes`` bytes, as bytes: the command's
     output need not be text, and the caller decides how to decode it for the wire.
-    ``errorCode`` is ``"timeout"``, ``"limit_exceeded"`` or None (``"oom_killed"`` needs
-    cgroups and is not produced yet); see :func:`~gatewayd.sandbox.limits.classify_exit`.
+    ``errorCode`` is ``"timeout"``, ``"oom_killed"`` (only with a cgroup memory limit),
+    ``"limit_exceeded"`` or None; see :func:`~gatewayd.sandbox.limits.classify_exit`.
+    ``memoryLimit`` and ``processLimit`` say how those limits were applied (``"cgroup"``
+    or ``"rlimit"``), so the audit can tell a per-command limit from a per-process one.
     """
 
     exitCode: int | None  # camelCase: the wire's spelling
@@ -81,6 +103,8 @@ class ExecResult:
     stderrTruncated: bool
     durationMs: int
     errorCode: ErrorKind | None
+    memoryLimit: LimitMechanism
+    processLimit: LimitMechanism
 
 
 def sandbox_argv(
@@ -108,21 +132,65 @@ async def run_in_sandbox(
     host_user: HostUser,
     stdin: bytes | None = None,
     bwrap: str = BWRAP,
+    cgroups: CgroupSupport | None = None,
 ) -> ExecResult:
     """Run ``plan.command`` in the sandbox the plan describes, inside network namespace
     ``netns``, as ``host_user``, within ``limits``; return its :class:`ExecResult`.
 
     Must be called in the trio thread (the parent-death signal is tied to the forking
     thread). ``stdin`` is written to the command and closed; None gives it /dev/null.
+    ``cgroups`` (from :func:`~gatewayd.sandbox.cgroup.probe_cgroups`, once per daemon):
+    where available, memory and process count are limited by the command's own cgroup
+    and an OOM kill is reported as ``oom_killed``; None or unavailable keeps RLIMIT_AS
+    and RLIMIT_NPROC.
 
     Resource handling: the memfds and the netns descriptor are closed once bwrap runs; on
     timeout the tree gets SIGTERM, then SIGKILL after ``limits.kill_grace_s``; on
     cancellation it is killed at once under a shielded scope, so no process outlives the call.
+    The command's cgroup is removed in every case, under a shielded scope.
 
     Error handling: ``PlanError`` if the plan does not validate, :class:`LaunchError` if the
+    command's cgroup cannot be made, read or removed (the message names the file), the
     netns cannot be opened or bwrap cannot be started. Anything the command does is a
     result, never an exception.
     """
+    cgroup = _create_cgroup(plan.run_id, limits, cgroups)
+    try:
+        return await _start_and_supervise(plan, netns, limits, host_user, stdin, bwrap, cgroup)
+    finally:
+        if cgroup is not None:
+            with trio.CancelScope(shield=True):
+                try:
+                    await cgroup.remove()
+                except CgroupError as exc:
+                    raise LaunchError(f"run {plan.run_id}'s command cgroup: {exc}") from exc
+
+
+def _create_cgroup(
+    run_id: str, limits: SandboxLimits, cgroups: CgroupSupport | None
+) -> CommandCgroup | None:
+    if cgroups is None or not cgroups.available:
+        return None
+    try:
+        return create_command_cgroup(
+            cgroups,
+            run_id=run_id,
+            memory_bytes=limits.memory_bytes,
+            max_processes=limits.max_processes,
+        )
+    except CgroupError as exc:
+        raise LaunchError(f"cannot make run {run_id}'s command cgroup: {exc}") from exc
+
+
+async def _start_and_supervise(
+    plan: SandboxPlan,
+    netns: Path,
+    limits: SandboxLimits,
+    host_user: HostUser,
+    stdin: bytes | None,
+    bwrap: str,
+    cgroup: CommandCgroup | None,
+) -> ExecResult:
     with contextlib.ExitStack() as fds:
         data_fds = {step.dest: _memfd(fds, "cogni-data", step.data) for step in plan.data_steps}
         seccomp_fd = _memfd(fds, "cogni-seccomp", None)
@@ -147,7 +215,7 @@ async def run_in_sandbox(
                 pass_fds=(*data_fds.values(), seccomp_fd),
                 start_new_session=True,
                 # Safe here: forked from the trio thread; the child only makes system calls.
-                preexec_fn=_child_setup(netns_fd, host_user, limits),  # noqa: PLW1509
+                preexec_fn=_child_setup(netns_fd, host_user, limits, cgroup),  # noqa: PLW1509
             )
         except (OSError, subprocess.SubprocessError) as exc:
             for fd in (out_r, err_r, in_w, *child_ends):
@@ -158,7 +226,7 @@ async def run_in_sandbox(
             for fd in child_ends:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-    return await _supervise(process, started, out_r, err_r, in_w, stdin, limits)
+    return await _supervise(process, started, out_r, err_r, in_w, stdin, limits, cgroup)
 
 
 def _memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
@@ -174,12 +242,22 @@ def _memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
     return fd
 
 
-def _child_setup(netns_fd: int, user: HostUser, limits: SandboxLimits) -> Callable[[], None]:
+def _child_setup(
+    netns_fd: int, user: HostUser, limits: SandboxLimits, cgroup: CommandCgroup | None
+) -> Callable[[], None]:
     """The ``preexec_fn``: runs in the forked child, before exec; order matters (module doc).
-    An exception here makes Popen raise in the parent, so nothing starts half-configured."""
-    table = rlimits(limits)
+    An exception here makes Popen raise in the parent, so nothing starts half-configured.
+    Everything is computed here, in the parent: the child only makes system calls."""
+    procs_files = cgroup.procs_files if cgroup is not None else ()
+    table = rlimits(limits, memory=_memory_mechanism(cgroup), processes=_pids_mechanism(cgroup))
 
     def setup() -> None:
+        for procs in procs_files:
+            fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, b"0")  # "0" is the writer itself, in v1 and v2
+            finally:
+                os.close(fd)
         if _libc.setns(netns_fd, CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
         for which, soft, hard in table:
@@ -194,6 +272,16 @@ def _child_setup(netns_fd: int, user: HostUser, limits: SandboxLimits) -> Callab
     return setup
 
 
+def _memory_mechanism(cgroup: CommandCgroup | None) -> LimitMechanism:
+    return LimitMechanism.RLIMIT if cgroup is None else LimitMechanism.CGROUP
+
+
+def _pids_mechanism(cgroup: CommandCgroup | None) -> LimitMechanism:
+    if cgroup is None or cgroup.pids_dir is None:
+        return LimitMechanism.RLIMIT
+    return LimitMechanism.CGROUP
+
+
 async def _supervise(
     process: subprocess.Popen[bytes],
     started: float,
@@ -202,6 +290,7 @@ async def _supervise(
     in_w: int,
     stdin: bytes | None,
     limits: SandboxLimits,
+    cgroup: CommandCgroup | None,
 ) -> ExecResult:
     stdout = _Capture(limits.max_output_bytes)
     stderr = _Capture(limits.max_output_bytes)
@@ -231,7 +320,12 @@ async def _supervise(
                 await trio.lowlevel.wait_readable(pidfd)
             process.wait()
             os.close(pidfd)
-    reading = classify_exit(process.returncode, timed_out=timed_out)
+    try:
+        # Read once the tree is reaped: every kill the kernel made is counted by then.
+        oom_killed = cgroup is not None and cgroup.oom_killed()
+    except CgroupError as exc:
+        raise LaunchError(f"cannot tell whether the command was OOM-killed: {exc}") from exc
+    reading = classify_exit(process.returncode, timed_out=timed_out, oom_killed=oom_killed)
     return ExecResult(
         exitCode=reading.exit_code,
         signal=reading.signal,
@@ -241,6 +335,8 @@ async def _supervise(
         stderrTruncated=stderr.truncated,
         durationMs=round((time.monotonic() - started) * 1000),
         errorCode=reading.error,
+        memoryLimit=_memory_mechanism(cgroup),
+        processLimit=_pids_mechanism(cgroup),
     )
 
 

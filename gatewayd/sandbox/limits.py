@@ -1,13 +1,16 @@
 """What one sandboxed command may use, and how its end is read: pure values and decisions.
 
 The launcher (``launch.py``) applies :class:`SandboxLimits` as rlimits in the child before it
-execs bwrap and enforces the wall clock itself; :func:`classify_exit` turns what it saw into
-the result's exit code, signal and error code. Nothing here touches a process.
+execs bwrap, or, where the host offers cgroups (``cgroup.py``), memory and process count as
+the command's cgroup limits instead of RLIMIT_AS and RLIMIT_NPROC; it enforces the wall clock
+itself. :func:`classify_exit` turns what it saw into the result's exit code, signal and error
+code. Nothing here touches a process.
 
 RLIMIT_NPROC counts every process of a *real uid* on the whole host (per user namespace
 since Linux 5.14, checked up the chain to the host's), not per sandbox. Runs that share a
 host uid share one process budget, so each concurrent run should get its own
-:class:`HostUser` (a uid nobody else uses) from the caller.
+:class:`HostUser` (a uid nobody else uses) from the caller. A pids cgroup, where there is
+one, counts per command instead and replaces it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from typing import Final
 # starve the host. The policy may lower them; the caller passes the values.
 DEFAULT_TIMEOUT_S: Final = 600.0  # wall clock of one command
 DEFAULT_CPU_S: Final = 300  # CPU seconds (RLIMIT_CPU), all of the command's own time
-DEFAULT_MEMORY_BYTES: Final = 4 * 1024**3  # address space per process (RLIMIT_AS)
-DEFAULT_MAX_PROCESSES: Final = 256  # tasks of the host uid (RLIMIT_NPROC), threads count
+# Memory of the whole command (cgroup, swap included), else address space per process
+# (RLIMIT_AS).
+DEFAULT_MEMORY_BYTES: Final = 4 * 1024**3
+# Tasks of the command (pids cgroup), else of the host uid (RLIMIT_NPROC); threads count.
+DEFAULT_MAX_PROCESSES: Final = 256
 DEFAULT_MAX_FILE_BYTES: Final = 1024**3  # largest file it may write (RLIMIT_FSIZE)
 DEFAULT_MAX_OPEN_FILES: Final = 1024  # descriptors per process (RLIMIT_NOFILE)
 DEFAULT_MAX_OUTPUT_BYTES: Final = 1024**2  # kept of stdout and of stderr, each
@@ -50,8 +56,15 @@ class ErrorKind(enum.StrEnum):
     """Why a command ended abnormally, as it appears in the result's ``errorCode``."""
 
     TIMEOUT = "timeout"  # the wall clock ran out; the tree was terminated
-    OOM_KILLED = "oom_killed"  # reserved for cgroup memory limits; not produced yet
+    OOM_KILLED = "oom_killed"  # the kernel OOM-killed a process at the cgroup memory limit
     LIMIT_EXCEEDED = "limit_exceeded"  # the kernel ended it for a CPU or file-size rlimit
+
+
+class LimitMechanism(enum.StrEnum):
+    """How a limit was applied to a command, as the result reports it for the audit."""
+
+    CGROUP = "cgroup"  # the command's own cgroup: counts every process of it together
+    RLIMIT = "rlimit"  # RLIMIT_AS per process, RLIMIT_NPROC per host uid
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,7 +87,9 @@ class HostUser:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SandboxLimits:
-    """The limits of one sandboxed command. Memory is RLIMIT_AS per process (cgroups later)."""
+    """The limits of one sandboxed command. ``memory_bytes`` and ``max_processes`` are the
+    command cgroup's limits where the host offers cgroups, else RLIMIT_AS (per process) and
+    RLIMIT_NPROC (per host uid)."""
 
     timeout_s: float = DEFAULT_TIMEOUT_S
     cpu_s: int = DEFAULT_CPU_S
@@ -106,9 +121,19 @@ class SandboxLimits:
             raise ValueError(f"limit timeout_s={self.timeout_s!r} must be more than 0 seconds")
 
 
-def rlimits(limits: SandboxLimits) -> tuple[tuple[int, int, int], ...]:
-    """``(resource, soft, hard)`` for ``setrlimit`` in the child, in the order applied."""
-    return (
+def rlimits(
+    limits: SandboxLimits,
+    *,
+    memory: LimitMechanism = LimitMechanism.RLIMIT,
+    processes: LimitMechanism = LimitMechanism.RLIMIT,
+) -> tuple[tuple[int, int, int], ...]:
+    """``(resource, soft, hard)`` for ``setrlimit`` in the child, in the order applied.
+
+    A limit the command's cgroup enforces (``memory`` or ``processes`` is ``CGROUP``) gets
+    no rlimit: RLIMIT_AS would fail allocations before the cgroup's OOM killer could say
+    what happened, and RLIMIT_NPROC would share one budget among every run of a host uid.
+    """
+    table = [
         (resource.RLIMIT_NPROC, limits.max_processes, limits.max_processes),
         (resource.RLIMIT_CPU, limits.cpu_s, limits.cpu_s + CPU_HARD_SLACK_S),
         (resource.RLIMIT_FSIZE, limits.max_file_bytes, limits.max_file_bytes),
@@ -116,7 +141,13 @@ def rlimits(limits: SandboxLimits) -> tuple[tuple[int, int, int], ...]:
         (resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes),
         # No core files: they would land in the workspace and may hold secrets in memory.
         (resource.RLIMIT_CORE, 0, 0),
-    )
+    ]
+    dropped = set()
+    if processes == LimitMechanism.CGROUP:
+        dropped.add(resource.RLIMIT_NPROC)
+    if memory == LimitMechanism.CGROUP:
+        dropped.add(resource.RLIMIT_AS)
+    return tuple(entry for entry in table if entry[0] not in dropped)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -132,7 +163,7 @@ class ExitReading:
 _LIMIT_SIGNALS: Final = frozenset({signal.SIGXCPU, signal.SIGXFSZ})
 
 
-def classify_exit(returncode: int, *, timed_out: bool) -> ExitReading:
+def classify_exit(returncode: int, *, timed_out: bool, oom_killed: bool = False) -> ExitReading:
     """Read bwrap's ``returncode`` (Popen convention: negative is "killed by signal").
 
     bwrap exits with the command's status, or 128+N when the command was killed by signal
@@ -141,6 +172,10 @@ def classify_exit(returncode: int, *, timed_out: bool) -> ExitReading:
     ``limit_exceeded`` only for SIGXCPU / SIGXFSZ, which the kernel sends for RLIMIT_CPU and
     RLIMIT_FSIZE alone; a failed allocation (RLIMIT_AS) or fork (RLIMIT_NPROC) is an error
     the program itself handles, so it shows as its own exit code, never a guessed code.
+
+    ``oom_killed`` is the command cgroup's word that the kernel OOM-killed a process in it.
+    Precedence: ``timeout`` (our clock ended it, whatever else happened on the way), then
+    ``oom_killed``, then ``limit_exceeded``.
     """
     if returncode < 0:
         exit_code, sig = None, -returncode
@@ -151,6 +186,8 @@ def classify_exit(returncode: int, *, timed_out: bool) -> ExitReading:
     error: ErrorKind | None = None
     if timed_out:
         error = ErrorKind.TIMEOUT
+    elif oom_killed:
+        error = ErrorKind.OOM_KILLED
     elif sig in _LIMIT_SIGNALS:
         error = ErrorKind.LIMIT_EXCEEDED
     return ExitReading(exit_code=exit_code, signal=sig, error=error)

@@ -31,6 +31,9 @@ SOCKET_NAME: Final = "gateway.sock"
 WORKSPACE: Final = str(WORKSPACE_VISIBLE_ROOT)
 # cogni-tool's host directory is mounted here read-only and put first on PATH.
 COGNI_TOOL_VISIBLE_DIR: Final = "/opt/cogni-tool"
+# gatewayd's copy of the client inside its state directory (the only state-directory
+# path besides the run's socket that a plan may bind).
+CLIENT_COPY_DIR: Final = "cogni-tool"
 # HOME is the private tmpfs: tools write dotfiles (~/.cache, ~/.npm) there and they vanish
 # with the run, instead of landing in the workspace (which may be committed) or needing a
 # /home that the acceptance tests require to be absent.
@@ -446,6 +449,8 @@ def validate(plan: SandboxPlan) -> None:
                 f"{name} binds a system path writable; system paths are read-only: "
                 f"{', '.join(SYSTEM_DESTINATIONS)}"
             )
+        if isinstance(step, RoBind) and _is_client_copy(plan, step):
+            continue  # gatewayd's own read-only copy of cogni-tool, in the state directory
         if isinstance(step, RoBind | Bind):
             _check_source(plan, name, step.src)
     if sockets != 1:
@@ -480,6 +485,14 @@ def _check_socket(plan: SandboxPlan, name: str, step: Step) -> None:
             f"{name} binds {step.src} as the run's socket; only this run's socket "
             f"{expected} may be bound there"
         )
+
+
+def _is_client_copy(plan: SandboxPlan, step: RoBind) -> bool:
+    """The one source inside the state directory a plan may bind: gatewayd's copy of
+    the cogni-tool client (``STATE/cogni-tool``), read-only at its fixed place."""
+    return step.dest == COGNI_TOOL_VISIBLE_DIR and step.src == posixpath.join(
+        plan.state_dir, CLIENT_COPY_DIR
+    )
 
 
 def _check_source(plan: SandboxPlan, name: str, src: str) -> None:

@@ -52,6 +52,7 @@ def gw_run(
             str(base / "ws"),
             "--policy",
             str(pol),
+            "--no-os-sandbox",
             *extra,
             "--",
             *cmd,
@@ -217,7 +218,7 @@ def test_serve_control_socket_works_with_curl(base: Path) -> None:
             json.dumps(
                 {
                     "workspacePath": str(base / "ws"),
-                    "policy": "demo",
+                    "policy": str(write_policy(base, OPEN_POLICY)),
                     "actorId": "op",
                     "tenantId": "t",
                     "grant": {"allowSandbox": True},
@@ -237,7 +238,7 @@ def test_serve_control_socket_works_with_curl(base: Path) -> None:
             json.dumps(
                 {
                     "workspacePath": str(base / "ws"),
-                    "policy": "demo",
+                    "policy": str(write_policy(base, OPEN_POLICY)),
                     "actorId": "op",
                     "tenantId": "t",
                 }
@@ -288,7 +289,7 @@ def test_control_socket_refuses_other_users(base: Path) -> None:
             sock,
             "http://gatewayd/v1/runs",
         ]
-        # Layer 1: the 0700 state directory keeps other users from the socket at all.
+        # Layer 1: the 0600 root-owned socket keeps other users from connecting at all.
         first = subprocess.run(cmd, capture_output=True, text=True)
         assert first.returncode != 0 and "runs" not in first.stdout
         # Layer 2: even if permissions were loosened, the peer check says no.

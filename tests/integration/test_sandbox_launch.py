@@ -1,13 +1,17 @@
-"""The launcher run for real: bwrap, the run's netns, seccomp, rlimits, an unprivileged uid.
+"""The launcher run for real: bwrap, the run's netns, seccomp, rlimits, cgroups, an
+unprivileged uid.
 
-Every property is proven from inside (the probe tries and fails) or from the host's /proc,
-never by reading our own configuration back. Each test gets a fresh run id, netns and host
-uid (RLIMIT_NPROC counts per host uid, so tests must not share one), removed in ``finally``.
+Every property is proven from inside (the probe tries and fails) or from the host's /proc
+and cgroup files, never by reading our own configuration back. Each test gets a fresh run id,
+netns and host uid (RLIMIT_NPROC counts per host uid, so tests must not share one), removed
+in ``finally``. Tests pass ``cgroups=CGROUPS`` to limit by cgroup; without it the launcher
+keeps today's rlimits, so the rlimit tests stay meaningful on a host with cgroups.
 """
 
 from __future__ import annotations
 
 import os
+import resource
 import secrets
 import shutil
 import socket
@@ -19,12 +23,15 @@ from pathlib import Path
 import pytest
 import trio
 
+from gatewayd.sandbox.cgroup import CgroupSupport, probe_cgroups
 from gatewayd.sandbox.launch import ExecResult, LaunchError, run_in_sandbox, sandbox_argv
 from gatewayd.sandbox.limits import (
     ErrorKind,
     HostUser,
+    LimitMechanism,
     SandboxLimits,
     classify_exit,
+    rlimits,
 )
 from gatewayd.sandbox.netns import create_run_netns, remove_run_netns
 from gatewayd.sandbox.plan import SandboxPlan, build_plan, probe_host_layout
@@ -56,6 +63,11 @@ def _unavailable_reason() -> str | None:
 
 _REASON = _unavailable_reason()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
+CGROUPS = probe_cgroups() if _REASON is None else CgroupSupport.unavailable(_REASON)
+needs_cgroups = pytest.mark.skipif(
+    not CGROUPS.available, reason=f"needs cgroups gatewayd may create: {CGROUPS.reason}"
+)
+MIB = 1024**2
 
 
 def _fresh_user() -> HostUser:
@@ -130,11 +142,19 @@ async def launch(
     *command: str,
     limits: SandboxLimits = FAST,
     stdin: bytes | None = None,
+    cgroups: CgroupSupport | None = None,
+    bwrap: str = "/usr/bin/bwrap",
 ) -> ExecResult:
     netns, user = setup["netns"], setup["user"]
     assert isinstance(netns, Path) and isinstance(user, HostUser)
     return await run_in_sandbox(
-        make_plan(setup, *command), netns=netns, limits=limits, host_user=user, stdin=stdin
+        make_plan(setup, *command),
+        netns=netns,
+        limits=limits,
+        host_user=user,
+        stdin=stdin,
+        cgroups=cgroups,
+        bwrap=bwrap,
     )
 
 
@@ -332,13 +352,17 @@ async def test_fork_bomb_is_stopped_by_the_process_limit_and_the_host_keeps_work
     assert result.exitCode == 0
 
 
-async def test_memory_bomb_is_contained_by_the_address_space_limit(
-    setup: dict[str, object],
+@pytest.mark.parametrize(
+    "cgroups", [None, CgroupSupport.unavailable("turned off")], ids=["no-cgroups", "unavailable"]
+)
+async def test_memory_bomb_is_contained_by_the_address_space_limit_without_cgroups(
+    setup: dict[str, object], cgroups: CgroupSupport | None
 ) -> None:
-    result = await python(setup, "x = bytearray(1 << 30)")  # 1 GiB against 256 MiB
+    result = await python(setup, "x = bytearray(1 << 30)", cgroups=cgroups)  # 1 GiB vs 256 MiB
     assert result.exitCode not in (0, None)
     assert b"MemoryError" in result.stderr
     assert result.errorCode is None  # an allocation failure is not guessed as a limit code
+    assert (result.memoryLimit, result.processLimit) == (LimitMechanism.RLIMIT,) * 2
 
 
 async def test_cpu_limit_ends_a_spinning_command_with_limit_exceeded(
@@ -415,6 +439,191 @@ async def test_cancelling_the_caller_kills_the_sandbox_at_once(
     assert host_pids_with_cmdline(marker) == []  # ... and nothing outlived the call
 
 
+# --- cgroups: memory and process count per command -----------------------------------------
+
+MEMORY_BOMB = "chunks = []\nwhile True: chunks.append(b'x' * (10 << 20))"  # touches every page
+
+
+def command_cgroups(run_id: object) -> list[Path]:
+    """The command cgroups of this run that exist right now, under every parent."""
+    parents = {CGROUPS.memory_parent, CGROUPS.pids_parent} - {None}
+    return [path for parent in parents if parent for path in parent.glob(f"cogni-{run_id}-*")]
+
+
+def _soft_limit(which: int) -> bytes:
+    soft = resource.getrlimit(which)[0]
+    return b"unlimited" if soft == resource.RLIM_INFINITY else str(soft).encode()
+
+
+async def host_work() -> int:
+    done = await trio.run_process(["/bin/true"])
+    return done.returncode
+
+
+@needs_cgroups
+async def test_memory_bomb_under_a_cgroup_limit_ends_oom_killed_and_the_host_keeps_working(
+    setup: dict[str, object],
+) -> None:
+    limits = replace(FAST, memory_bytes=128 * MIB)
+    result = await python(setup, MEMORY_BOMB, limits=limits, cgroups=CGROUPS)
+    assert result.errorCode == ErrorKind.OOM_KILLED, result.stderr
+    assert (result.exitCode, result.signal) == (None, 9)  # the kernel's SIGKILL
+    assert b"MemoryError" not in result.stderr  # no RLIMIT_AS: the cgroup stopped it
+    assert result.memoryLimit == LimitMechanism.CGROUP
+    assert await host_work() == 0
+    assert command_cgroups(setup["run_id"]) == []
+
+
+@needs_cgroups
+async def test_a_command_under_its_cgroup_limits_is_unaffected_and_has_no_as_or_nproc_rlimit(
+    setup: dict[str, object],
+) -> None:
+    code = (
+        "data = b'x' * (64 << 20)\n"  # half the limit, every page touched
+        "for line in open('/proc/self/limits'):\n"
+        "    if line.startswith(('Max address space', 'Max processes')): print(line.split()[-3])"
+    )
+    result = await python(
+        setup, code, limits=replace(FAST, memory_bytes=128 * MIB), cgroups=CGROUPS
+    )
+    assert (result.exitCode, result.errorCode) == (0, None), result.stderr
+    # The cgroup replaces RLIMIT_AS (and, with a pids controller, RLIMIT_NPROC): the
+    # command keeps what gatewayd itself has, not FAST's values.
+    pids_by_cgroup = CGROUPS.pids_parent is not None
+    inherited = [_soft_limit(resource.RLIMIT_NPROC), _soft_limit(resource.RLIMIT_AS)]
+    assert result.stdout.split() == [
+        inherited[0] if pids_by_cgroup else str(FAST.max_processes).encode(),
+        inherited[1],
+    ]
+    assert result.memoryLimit == LimitMechanism.CGROUP
+    assert result.processLimit == (
+        LimitMechanism.CGROUP if pids_by_cgroup else LimitMechanism.RLIMIT
+    )
+
+
+@needs_cgroups
+async def test_every_sandbox_process_is_in_the_command_cgroup_as_the_host_sees_it(
+    setup: dict[str, object],
+) -> None:
+    marker = f"{secrets.randbelow(10**6) + 10**6}.5"
+    seen: list[str] = []
+    during: list[Path] = []
+
+    async def watch() -> None:
+        while not (pids := host_pids_with_cmdline(marker)):
+            await trio.sleep(0.01)
+        seen.extend(Path(f"/proc/{pids[0]}/cgroup").read_text().splitlines())
+        during.extend(command_cgroups(setup["run_id"]))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        result = await launch(
+            setup, "/bin/sh", "-c", f"sleep {marker} & sleep 0.5", cgroups=CGROUPS
+        )
+    assert result.exitCode == 0, result.stderr
+    mine = f"/cogni-{setup['run_id']}-"
+    memory = [line for line in seen if ":memory:" in line or line.startswith("0::")]
+    assert any(mine in line for line in memory), seen
+    if CGROUPS.pids_parent is not None:
+        assert any(":pids:" in line and mine in line for line in seen), seen
+    assert during  # the cgroup existed while the command ran ...
+    assert command_cgroups(setup["run_id"]) == []  # ... and is gone after
+
+
+@needs_cgroups
+async def test_fork_bomb_is_stopped_by_the_pids_cgroup_seen_from_the_host(
+    setup: dict[str, object],
+) -> None:
+    if CGROUPS.pids_parent is None:
+        pytest.skip(f"this host has no pids controller for gatewayd: {CGROUPS.reason}")
+    refused: list[int] = []
+
+    async def watch_pids_events() -> None:
+        while True:
+            for directory in command_cgroups(setup["run_id"]):
+                events = directory / "pids.events"
+                try:
+                    counters = dict(line.split() for line in events.read_text().splitlines())
+                except OSError:
+                    continue
+                if int(counters["max"]) > 0:
+                    refused.append(int(counters["max"]))
+                    return
+            await trio.sleep(0.01)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_pids_events)
+        result = await python(setup, FORK_BOMB, cgroups=CGROUPS)
+        nursery.cancel_scope.cancel()
+    children, error = result.stdout.decode().split(maxsplit=1)
+    assert int(children) < FAST.max_processes
+    assert error.strip() == "Resource temporarily unavailable"  # EAGAIN from fork
+    assert refused  # the pids cgroup counted the refused forks (RLIMIT_NPROC is not set)
+    assert result.processLimit == LimitMechanism.CGROUP
+    assert command_cgroups(setup["run_id"]) == []
+
+
+@needs_cgroups
+async def test_the_command_cgroup_is_removed_after_a_timeout(setup: dict[str, object]) -> None:
+    during: list[Path] = []
+
+    async def watch() -> None:
+        while not (found := command_cgroups(setup["run_id"])):
+            await trio.sleep(0.01)
+        during.extend(found)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch)
+        limits = replace(FAST, timeout_s=0.5, kill_grace_s=0.2)
+        result = await launch(setup, "/bin/sleep", "100", limits=limits, cgroups=CGROUPS)
+    assert result.errorCode == ErrorKind.TIMEOUT
+    assert during
+    assert command_cgroups(setup["run_id"]) == []
+
+
+@needs_cgroups
+async def test_the_command_cgroup_is_removed_when_the_caller_cancels(
+    setup: dict[str, object],
+) -> None:
+    marker = f"{secrets.randbelow(10**6) + 10**6}.75"
+    during: list[Path] = []
+    async with trio.open_nursery() as nursery:
+
+        async def cancel_once_running() -> None:
+            while not host_pids_with_cmdline(marker):
+                await trio.sleep(0.01)
+            during.extend(command_cgroups(setup["run_id"]))
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(cancel_once_running)
+        await launch(setup, "/bin/sleep", marker, cgroups=CGROUPS)
+    assert during
+    assert host_pids_with_cmdline(marker) == []
+    assert command_cgroups(setup["run_id"]) == []
+
+
+@needs_cgroups
+async def test_the_command_cgroup_is_removed_when_bwrap_cannot_start(
+    setup: dict[str, object],
+) -> None:
+    with pytest.raises(LaunchError, match=r"cannot start /nonexistent/bwrap for run [0-9a-f]{32}"):
+        await launch(setup, "/bin/true", cgroups=CGROUPS, bwrap="/nonexistent/bwrap")
+    assert command_cgroups(setup["run_id"]) == []
+
+
+@needs_cgroups
+async def test_a_cgroup_that_cannot_be_made_is_a_launch_error_naming_the_file(
+    setup: dict[str, object], tmp_path: Path
+) -> None:
+    # A plain directory stands in for a hierarchy whose controller files are missing.
+    broken = replace(CGROUPS, memory_parent=tmp_path, pids_parent=None)
+    with pytest.raises(
+        LaunchError, match=r"cannot make run [0-9a-f]{32}'s command cgroup: cannot set .*memory"
+    ):
+        await launch(setup, "/bin/true", cgroups=broken)
+    assert os.listdir(tmp_path) == []
+
+
 # --- errors ---------------------------------------------------------------------------
 
 
@@ -461,21 +670,41 @@ def test_limits_refuse_values_bwrap_cannot_start_with() -> None:
 
 
 @pytest.mark.parametrize(
-    ("returncode", "timed_out", "expected"),
+    ("returncode", "timed_out", "oom_killed", "expected"),
     [
-        (0, False, (0, None, None)),
-        (1, False, (1, None, None)),
-        (128, False, (128, None, None)),
-        (137, False, (None, 9, None)),
-        (128 + 24, False, (None, 24, ErrorKind.LIMIT_EXCEEDED)),
-        (128 + 25, False, (None, 25, ErrorKind.LIMIT_EXCEEDED)),
-        (-9, True, (None, 9, ErrorKind.TIMEOUT)),
-        (3, True, (3, None, ErrorKind.TIMEOUT)),
-        (255, False, (255, None, None)),
+        (0, False, False, (0, None, None)),
+        (1, False, False, (1, None, None)),
+        (128, False, False, (128, None, None)),
+        (137, False, False, (None, 9, None)),
+        (128 + 24, False, False, (None, 24, ErrorKind.LIMIT_EXCEEDED)),
+        (128 + 25, False, False, (None, 25, ErrorKind.LIMIT_EXCEEDED)),
+        (-9, True, False, (None, 9, ErrorKind.TIMEOUT)),
+        (3, True, False, (3, None, ErrorKind.TIMEOUT)),
+        (255, False, False, (255, None, None)),
+        (137, False, True, (None, 9, ErrorKind.OOM_KILLED)),
+        # A child was OOM-killed and the command carried on: still reported.
+        (0, False, True, (0, None, ErrorKind.OOM_KILLED)),
+        # Precedence: timeout, then oom_killed, then limit_exceeded.
+        (-9, True, True, (None, 9, ErrorKind.TIMEOUT)),
+        (128 + 24, False, True, (None, 24, ErrorKind.OOM_KILLED)),
     ],
 )
 def test_classify_exit_reads_bwraps_status(
-    returncode: int, timed_out: bool, expected: tuple[int | None, int | None, ErrorKind | None]
+    returncode: int,
+    timed_out: bool,
+    oom_killed: bool,
+    expected: tuple[int | None, int | None, ErrorKind | None],
 ) -> None:
-    reading = classify_exit(returncode, timed_out=timed_out)
+    reading = classify_exit(returncode, timed_out=timed_out, oom_killed=oom_killed)
     assert (reading.exit_code, reading.signal, reading.error) == expected
+
+
+def test_a_limit_the_cgroup_enforces_gets_no_rlimit() -> None:
+    def resources(**mechanisms: LimitMechanism) -> set[int]:
+        return {entry[0] for entry in rlimits(FAST, **mechanisms)}
+
+    everything = resources()
+    assert {resource.RLIMIT_AS, resource.RLIMIT_NPROC} <= everything
+    cgroup = LimitMechanism.CGROUP
+    assert everything - resources(memory=cgroup) == {resource.RLIMIT_AS}
+    assert everything - resources(processes=cgroup) == {resource.RLIMIT_NPROC}

@@ -1,0 +1,387 @@
+"""A run's sandbox: what gatewayd holds for a run between its start and its end, and the
+one way to run a command in it (:meth:`RunSandbox.exec`).
+
+At run start (:meth:`RunSandbox.open`): a uid from the pool, the run's network namespace
+(loopback only), the writable trees lent to that uid, the run's directory opened to
+the uid's group so bwrap can bind the socket. Every command of the run (``gatewayd run``'s
+command, ``gatewayd exec``, the control socket's exec) gets a fresh bwrap sandbox built
+from the same plan inputs, inside the same namespace, as the same uid: what the sandbox
+may do is fixed when the run starts.
+
+At run end (:meth:`RunSandbox.close`): running commands are stopped, every process of the
+uid is killed, the lease is given back, the namespace removed, the uid returned.
+A daemon that crashes leaves the lease record and the namespace; :func:`clean_leftovers`
+removes both at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import stat
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+import structlog
+import trio
+
+from gatewayd.errors import GatewayError
+from gatewayd.policy.paths import PathGrant, PathMode
+from gatewayd.protocol import ErrorCode
+from gatewayd.sandbox.launch import ExecResult, run_in_sandbox
+from gatewayd.sandbox.lease import Lease, give_back, lend, read_lease
+from gatewayd.sandbox.limits import HostUser, SandboxLimits
+from gatewayd.sandbox.netns import (
+    NetnsHandle,
+    create_run_netns,
+    remove_run_netns,
+    remove_stale_netns,
+)
+from gatewayd.sandbox.plan import (
+    CLIENT_COPY_DIR,
+    COGNI_TOOL_VISIBLE_DIR,
+    HostLayout,
+    PolicyMount,
+    SandboxPlan,
+    build_plan,
+    validate,
+)
+from gatewayd.sandbox.uids import UidPool, pids_of_uid
+
+log = structlog.get_logger("gatewayd.sandbox")
+
+COGNI_TOOL_SCRIPT: Final = "cogni-tool"
+# The client's modules copied into the sandbox: standard library only (its own tests
+# keep it so), so any python3 in the sandbox runs it.
+_CLIENT_PACKAGE: Final = Path(__file__).resolve().parent.parent.parent / "cogni_tool"
+# Directories and files the sandbox uid must read but never write.
+_PUBLIC_DIR_MODE: Final = 0o755  # also the script's mode: read and execute, never write
+_PUBLIC_FILE_MODE: Final = 0o644
+# The run's directory: root-owned, the run's group may only pass through it to the
+# socket (bwrap, running as the run's uid, resolves the socket's path on the host).
+RUN_DIR_MODE: Final = 0o710
+# Host variables passed when present (the policy adds its own env.allow names).
+PASSED_ENV: Final = ("LANG", "TERM")
+_MIB: Final = 1024 * 1024
+# Killing a run's leftovers: a process in uninterruptible sleep (D state, e.g. stuck on
+# NFS) can take a moment to die; past this the run's cleanup fails loudly instead.
+KILL_WAIT_S: Final = 5.0
+KILL_POLL_S: Final = 0.005
+
+
+class SandboxUnavailable(GatewayError):
+    """The run's sandbox could not be made; the message says what failed."""
+
+
+class WorkspaceUnreachable(SandboxUnavailable):
+    """A directory to bind cannot be reached by the sandbox's uid (the operator's choice
+    of directory, not gatewayd's fault)."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SandboxSettings:
+    """What every run's sandbox shares: set once when the daemon starts."""
+
+    bwrap: str
+    netns_prefix: str
+    state_dir: Path
+    cogni_tool_dir: Path
+    layout: HostLayout
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommandLimits:
+    """The run-level inputs of a command's :class:`SandboxLimits` (from its policy and
+    request)."""
+
+    timeout_s: float
+    cpu_s: int
+    memory_mb: int
+    max_processes: int
+    max_file_mb: int
+    max_open_files: int
+    max_output_bytes: int
+
+    def for_command(self, timeout_s: float | None) -> SandboxLimits:
+        """This run's limits, with a caller's shorter (never longer) timeout."""
+        timeout = self.timeout_s if timeout_s is None else min(timeout_s, self.timeout_s)
+        return SandboxLimits(
+            timeout_s=timeout,
+            cpu_s=self.cpu_s,
+            memory_bytes=self.memory_mb * _MIB,
+            max_processes=self.max_processes,
+            max_file_bytes=self.max_file_mb * _MIB,
+            max_open_files=self.max_open_files,
+            max_output_bytes=self.max_output_bytes,
+        )
+
+
+@dataclass(eq=False, kw_only=True)
+class RunSandbox:
+    """The OS sandbox of one live run."""
+
+    run_id: str
+    settings: SandboxSettings
+    user: HostUser
+    netns: NetnsHandle
+    netns_id: tuple[int, int]  # (st_dev, st_ino) of the namespace: peers must match it
+    lease: Lease
+    workspace: Path
+    mounts: tuple[PolicyMount, ...]
+    socket_path: Path
+    env_names: tuple[str, ...]
+    limits: CommandLimits
+    image_dir: Path | None = None
+    _running: set[trio.CancelScope] = field(default_factory=set)
+    _idle: trio.Event = field(default_factory=trio.Event)
+    _closed: bool = False
+
+    @classmethod
+    async def open(
+        cls,
+        *,
+        run_id: str,
+        settings: SandboxSettings,
+        pool: UidPool,
+        run_dir: Path,
+        socket_path: Path,
+        workspace: Path,
+        grants: Sequence[PathGrant],
+        env_names: Sequence[str],
+        limits: CommandLimits,
+        image_dir: Path | None = None,
+    ) -> RunSandbox:
+        """Make the run's sandbox resources; on any failure, undo what was made.
+
+        Error handling: :class:`SandboxUnavailable` naming the step and the cause.
+        """
+        user = pool.acquire()
+        netns: NetnsHandle | None = None
+        lease: Lease | None = None
+        try:
+            _open_run_dir(run_dir, user)
+            mounts = _policy_mounts(grants, workspace)
+            _check_reachable(user, [workspace, *(Path(m.host) for m in mounts)])
+            netns = await trio.to_thread.run_sync(
+                lambda: create_run_netns(run_id, prefix=settings.netns_prefix)
+            )
+            info = os.stat(netns.path)
+            writable = [workspace, *(Path(m.host) for m in mounts if m.mode is PathMode.RW)]
+            lease = await trio.to_thread.run_sync(lend, writable, user, run_dir)
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                if netns is not None:
+                    name = netns.name
+                    await trio.to_thread.run_sync(remove_run_netns, name)
+                pool.release(user)
+            if isinstance(exc, SandboxUnavailable):
+                raise
+            if isinstance(exc, GatewayError | OSError | ValueError):
+                raise SandboxUnavailable(f"cannot make run {run_id}'s sandbox: {exc}") from exc
+            raise
+        return cls(
+            run_id=run_id,
+            settings=settings,
+            user=user,
+            netns=netns,
+            netns_id=(info.st_dev, info.st_ino),
+            lease=lease,
+            workspace=workspace,
+            mounts=mounts,
+            socket_path=socket_path,
+            env_names=tuple(env_names),
+            limits=limits,
+            image_dir=image_dir,
+        )
+
+    def plan(self, command: Sequence[str], env_values: Mapping[str, str]) -> SandboxPlan:
+        """The bwrap plan for ``command`` in this run (validated)."""
+        plan = build_plan(
+            run_id=self.run_id,
+            workspace_host=str(self.workspace),
+            policy_paths=self.mounts,
+            gateway_socket_host=str(self.socket_path),
+            cogni_tool_host_dir=str(self.settings.cogni_tool_dir),
+            command=command,
+            extra_env_names=self.env_names,
+            env_values=env_values,
+            state_dir=str(self.settings.state_dir),
+            netns_path=str(self.netns.path),
+            layout=self.settings.layout,
+            image_dir=None if self.image_dir is None else str(self.image_dir),
+        )
+        validate(plan)
+        return plan
+
+    async def exec(
+        self,
+        command: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        env_values: Mapping[str, str] | None = None,
+    ) -> ExecResult:
+        """Run ``command`` in a fresh sandbox of this run and return what it did.
+
+        Must be called from the trio thread. Error handling: ``PlanError`` or
+        ``LaunchError`` when the sandbox cannot start; :class:`SandboxUnavailable`
+        once the run is ending.
+        """
+        if self._closed:
+            raise SandboxUnavailable(f"run {self.run_id} is ending; no new command may start")
+        values = dict(os.environ) if env_values is None else dict(env_values)
+        plan = self.plan(command, values)
+        with trio.CancelScope() as scope:
+            self._running.add(scope)
+            try:
+                return await run_in_sandbox(
+                    plan,
+                    netns=self.netns.path,
+                    limits=self.limits.for_command(timeout_s),
+                    host_user=self.user,
+                    stdin=stdin,
+                    bwrap=self.settings.bwrap,
+                )
+            finally:
+                self._running.discard(scope)
+                if not self._running:
+                    self._idle.set()
+        raise SandboxUnavailable(f"run {self.run_id} ended while the command ran; it was stopped")
+
+    def owns_peer(self, pid: int) -> bool:
+        """Does process ``pid`` live in this run's network namespace (item 6)?"""
+        try:
+            info = os.stat(f"/proc/{pid}/ns/net")
+        except OSError:
+            return False  # gone already, or not visible: not ours to serve
+        return (info.st_dev, info.st_ino) == self.netns_id
+
+    async def close(self) -> dict[str, int]:
+        """Stop every command, give back the lease, remove the namespace; idempotent.
+        Returns what was cleaned, for the audit."""
+        self._closed = True
+        for scope in list(self._running):
+            scope.cancel()
+        if self._running:
+            await self._idle.wait()
+        return await trio.to_thread.run_sync(self._release)
+
+    def _release(self) -> dict[str, int]:
+        killed = _kill_uid(self.user.uid)
+        returned = give_back(self.lease)
+        removed = remove_run_netns(self.netns.name)
+        return {"processesKilled": killed, "entriesReturned": returned, "netnsRemoved": removed}
+
+
+def _kill_uid(uid: int) -> int:
+    """SIGKILL every process of ``uid`` until none is left (a fork loop cannot outrun it:
+    the uid's process limit caps how many new ones appear). Blocking, bounded."""
+    killed = 0
+    deadline = time.monotonic() + KILL_WAIT_S
+    while pids := pids_of_uid(uid):
+        if time.monotonic() > deadline:
+            raise SandboxUnavailable(
+                f"processes {pids[:10]} of sandbox uid {uid} survive SIGKILL (stuck in the "
+                "kernel?); the lease stays recorded and is given back at the next start"
+            )
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        time.sleep(KILL_POLL_S)  # SIGKILL is delivered asynchronously
+    return killed
+
+
+def _policy_mounts(grants: Sequence[PathGrant], workspace: Path) -> tuple[PolicyMount, ...]:
+    """The policy paths bwrap mounts besides the workspace itself. A grant rooted inside
+    the workspace is mounted too: its mode (``ro``) must hold in the sandbox as well."""
+    mounts = []
+    for grant in grants:
+        if grant.host_root == workspace and str(grant.visible_root) == "/workspace":
+            continue
+        mounts.append(
+            PolicyMount(host=str(grant.host_root), visible=str(grant.visible_root), mode=grant.mode)
+        )
+    return tuple(mounts)
+
+
+def _open_run_dir(run_dir: Path, user: HostUser) -> None:
+    """The run's directory becomes root:<run gid> 0710: the run's uid may pass through to
+    its socket (bwrap resolves the bind source as that uid), nobody else may enter."""
+    os.chown(run_dir, 0, user.gid)
+    os.chmod(run_dir, RUN_DIR_MODE)
+
+
+def _check_reachable(user: HostUser, paths: Sequence[Path]) -> None:
+    """bwrap runs as the run's uid and resolves every bind source on the host, so each
+    parent directory must let others pass (o+x). Refuse the run early, naming the
+    directory, rather than let bwrap fail with a bare "Permission denied"."""
+    for path in paths:
+        for parent in path.parents:
+            st = os.stat(parent)
+            if not st.st_mode & stat.S_IXOTH and st.st_uid != user.uid:
+                raise WorkspaceUnreachable(
+                    f"{path} cannot be given to the sandbox: its parent {parent} (mode "
+                    f"{stat.S_IMODE(st.st_mode):04o}) does not let other users pass through "
+                    "(o+x), and the sandbox runs as an unprivileged uid of its own; keep "
+                    f"workspaces under a directory such as /srv/cogni (chmod o+x {parent})"
+                )
+
+
+def install_cogni_tool(state_dir: Path) -> Path:
+    """Copy the cogni-tool client into ``state_dir/cogni-tool`` (seen in the sandbox at
+    /opt/cogni-tool) with a ``cogni-tool`` script; returns the directory.
+
+    A copy, not the installed package: the sandbox must not see the daemon's virtualenv
+    or source tree, and the copy's directory is root-owned and readable by every run uid.
+    """
+    target = state_dir / CLIENT_COPY_DIR
+    staging = state_dir / f".{CLIENT_COPY_DIR}.{os.getpid()}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    package = staging / "cogni_tool"
+    package.mkdir(parents=True, mode=_PUBLIC_DIR_MODE)
+    for source in sorted(_CLIENT_PACKAGE.glob("*.py")):
+        shutil.copyfile(source, package / source.name)
+        os.chmod(package / source.name, _PUBLIC_FILE_MODE)
+    script = staging / COGNI_TOOL_SCRIPT
+    script.write_text(
+        "#!/usr/bin/env python3\n"
+        f"# gatewayd's copy of the cogni-tool client, mounted at {COGNI_TOOL_VISIBLE_DIR}.\n"
+        "import sys\n\n"
+        "from cogni_tool.cli import main\n\n"
+        "sys.exit(main())\n"
+    )
+    os.chmod(script, _PUBLIC_DIR_MODE)
+    for directory in (staging, package):
+        os.chmod(directory, _PUBLIC_DIR_MODE)
+    if target.exists():
+        shutil.rmtree(target)
+    os.rename(staging, target)
+    return target
+
+
+def clean_leftovers(runs_dir: Path, netns_prefix: str | None) -> dict[str, list[str]]:
+    """What a crashed daemon left: give back leases recorded in run directories, remove
+    those directories and every namespace with our prefix (None: this daemon makes no
+    namespaces, so it leaves them alone). Call before any run starts. Blocking."""
+    returned: list[str] = []
+    removed_dirs: list[str] = []
+    if runs_dir.is_dir():
+        for entry in sorted(runs_dir.iterdir()):
+            if entry.is_dir() and not entry.is_symlink():
+                lease = read_lease(entry)
+                if lease is not None:
+                    _kill_uid(lease.uid)  # none should be left (pdeathsig); make sure
+                    give_back(lease)
+                    returned.extend(tree.path for tree in lease.trees)
+                shutil.rmtree(entry, ignore_errors=True)
+                removed_dirs.append(entry.name)
+    namespaces = [] if netns_prefix is None else remove_stale_netns(netns_prefix)
+    return {"leasesReturned": returned, "runDirs": removed_dirs, "netns": namespaces}

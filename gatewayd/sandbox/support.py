@@ -1,0 +1,81 @@
+"""Can this host build gatewayd's OS sandbox? Asked once, at daemon start.
+
+Reference note 003's ``require_os_sandbox``: where bubblewrap or namespaces are missing,
+a run whose policy requires the sandbox is refused, and one whose policy says
+``require_os_sandbox: false`` runs degraded (no isolation, every call audited as such).
+The probe does what a run does, in small: it starts bwrap as an unprivileged uid with
+a new user, pid and mount namespace, so a kernel that forbids unprivileged user
+namespaces, a missing bwrap or a daemon that is not root all show up here, with the
+reason, instead of as the first run's failure.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from gatewayd.sandbox.limits import HostUser
+
+USERNS_SYSCTL: Final = Path("/proc/sys/user/max_user_namespaces")
+# The probe is one tiny bwrap start; a host that takes longer is broken, not slow.
+PROBE_TIMEOUT_S: Final = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxSupport:
+    """Whether runs get the OS sandbox; ``reason`` says why not, for the operator."""
+
+    available: bool
+    reason: str = ""
+
+
+def probe_os_sandbox(bwrap: str, probe_user: HostUser) -> SandboxSupport:
+    """Check the pieces a run needs: root (network namespaces, uid switch), user
+    namespaces, and bwrap actually starting a sandbox as ``probe_user``. Blocking."""
+    if os.geteuid() != 0:
+        return SandboxSupport(
+            False,
+            "gatewayd is not running as root: creating a run's network namespace and "
+            "starting its sandbox as a per-run uid need root (or CAP_SYS_ADMIN + CAP_SETUID)",
+        )
+    try:
+        if int(USERNS_SYSCTL.read_text()) < 1:
+            return SandboxSupport(
+                False, f"user namespaces are disabled ({USERNS_SYSCTL} is 0); set it above 0"
+            )
+    except (OSError, ValueError) as exc:
+        return SandboxSupport(False, f"cannot read {USERNS_SYSCTL}: {exc}")
+    if not os.access(bwrap, os.X_OK):
+        return SandboxSupport(
+            False, f"bubblewrap is not installed at {bwrap} (Debian: apt-get install bubblewrap)"
+        )
+
+    def drop() -> None:
+        os.setgroups([])
+        os.setresgid(probe_user.gid, probe_user.gid, probe_user.gid)
+        os.setresuid(probe_user.uid, probe_user.uid, probe_user.uid)
+
+    argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--ro-bind", "/", "/"]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--cap-drop", "ALL", "--", "/bin/true"]
+    try:
+        done = subprocess.run(
+            argv,
+            env={},
+            capture_output=True,
+            timeout=PROBE_TIMEOUT_S,
+            check=False,
+            preexec_fn=drop,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return SandboxSupport(False, f"cannot start {bwrap}: {exc}")
+    if done.returncode != 0:
+        detail = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
+        return SandboxSupport(
+            False,
+            f"bubblewrap cannot build a sandbox as an unprivileged uid: {detail} (are "
+            "unprivileged user namespaces allowed? kernel.unprivileged_userns_clone)",
+        )
+    return SandboxSupport(True)

@@ -1,0 +1,118 @@
+"""The pool of unprivileged host uids that sandboxes run as: one uid per live run.
+
+Why one per run: RLIMIT_NPROC counts the processes of a *host uid*, so runs sharing a uid
+would share one process budget (a fork bomb in one would starve the others), and files a
+run leaves behind are told apart by their owner. The uid is also the sandbox's only
+identity on the host: it owns nothing outside the run's workspace, which gatewayd lends
+to it for the run's lifetime (see :mod:`gatewayd.sandbox.lease`).
+
+The default range lies in systemd's "container" uid range (524288-1879048191), which no
+login or system user is given; an operator changes it with the daemon's configuration.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final
+
+from gatewayd.errors import GatewayError
+from gatewayd.sandbox.limits import MAX_ID, HostUser
+
+DEFAULT_UID_BASE: Final = 1_800_000_000
+DEFAULT_UID_COUNT: Final = 1024
+_MIN_UID_BASE: Final = 1000  # below: system users (Debian's policy, /etc/adduser.conf)
+
+
+class UidPoolExhausted(GatewayError):
+    """Every uid of the pool belongs to a live run (or to a process still alive)."""
+
+
+@dataclass(frozen=True, slots=True)
+class UidRange:
+    """``count`` uids starting at ``base``; the gid is the same number."""
+
+    base: int = DEFAULT_UID_BASE
+    count: int = DEFAULT_UID_COUNT
+
+    def __post_init__(self) -> None:
+        if self.count < 1 or self.base < _MIN_UID_BASE or self.base + self.count - 1 > MAX_ID:
+            raise ValueError(
+                f"sandbox uid range {self.base}+{self.count} is not usable: it must lie "
+                f"within {_MIN_UID_BASE}..{MAX_ID} and hold at least one uid "
+                f"(default {DEFAULT_UID_BASE}+{DEFAULT_UID_COUNT})"
+            )
+
+    def __contains__(self, uid: object) -> bool:
+        return isinstance(uid, int) and self.base <= uid < self.base + self.count
+
+
+class UidPool:
+    """Hands out uids of a :class:`UidRange`, never one in use by a live run or by any
+    process still running on the host (a leftover of a crashed daemon)."""
+
+    def __init__(self, uids: UidRange) -> None:
+        self.range = uids
+        self._taken: set[int] = set()
+        self._next = uids.base
+
+    def acquire(self) -> HostUser:
+        """A free uid as a :class:`HostUser` (gid = uid).
+
+        Error handling: :class:`UidPoolExhausted` naming the range when none is free.
+        """
+        busy = uids_with_processes()
+        for _ in range(self.range.count):
+            uid = self._next
+            self._next = (
+                uid + 1 if uid + 1 < self.range.base + self.range.count else self.range.base
+            )
+            if uid not in self._taken and uid not in busy:
+                self._taken.add(uid)
+                return HostUser(uid=uid, gid=uid)
+        raise UidPoolExhausted(
+            f"all {self.range.count} sandbox uids ({self.range.base}.."
+            f"{self.range.base + self.range.count - 1}) are in use by live runs or their "
+            "processes; end a run or configure a larger range"
+        )
+
+    def release(self, user: HostUser) -> None:
+        self._taken.discard(user.uid)
+
+    @property
+    def in_use(self) -> int:
+        return len(self._taken)
+
+
+def uids_with_processes() -> frozenset[int]:
+    """The real uids of every process on the host (from /proc)."""
+    return frozenset(_process_uids())
+
+
+def pids_of_uid(uid: int) -> list[int]:
+    """Every process whose real uid is ``uid``."""
+    return [pid for pid, owner in _process_owners() if owner == uid]
+
+
+def _process_uids() -> Iterator[int]:
+    for _, uid in _process_owners():
+        yield uid
+
+
+def _process_owners() -> Iterator[tuple[int, int]]:
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            # The owner of /proc/PID is the process's effective uid; status has the real
+            # one. Zombies are skipped: they run nothing and hold no resource but a pid.
+            with open(f"/proc/{entry}/status", "rb") as status:
+                for line in status:
+                    if line.startswith(b"State:") and line.split()[1] == b"Z":
+                        break
+                    if line.startswith(b"Uid:"):
+                        yield int(entry), int(line.split()[1])
+                        break
+        except (OSError, ValueError, IndexError):
+            continue  # it ended while we looked

@@ -1,0 +1,867 @@
+"""Issue 3's acceptance, probed from inside real sandboxes of real runs.
+
+An in-process gatewayd with the OS sandbox on (real bwrap, real network namespaces, a
+real uid per run, the run's workspace lent to it) creates runs; every command runs in the
+run's sandbox through ``Daemon.exec_in_run`` (the path ``gatewayd run``, ``gatewayd exec``
+and the control socket's exec all take). Each property is shown by a probe that tries and
+fails inside, or by the host's audit log, never by reading our own configuration back.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.errors import AuthzDenied, PolicyViolation
+from gatewayd.runs import Grant, Run, RunLimits, RunRequest
+from gatewayd.sandbox.launch import ExecResult
+from gatewayd.sandbox.netns import NETNS_RUN_DIR
+from gatewayd.sandbox.session import WorkspaceUnreachable
+from gatewayd.sandbox.uids import UidRange, pids_of_uid
+from tests.conftest import frame, raw_exchange, read_frame
+
+PY = "/usr/bin/python3"
+OUTSIDE_V4 = "198.51.100.1"  # TEST-NET-2 (RFC 5737): never routed anywhere
+SECRET_NAME = "COGNI_TEST_HOST_SECRET"
+CLONE_NEWNET = 0x40000000  # <linux/sched.h>
+
+POLICY = """
+version: 1
+name: sandboxed
+tools:
+  allow: [time.now, fs.read, fs.list, fs.write]
+filesystem:
+  paths:
+    workspace: {root: ., mode: rw}
+limits: {calls_per_second: 1000, burst: 1000}
+sandbox: {timeout_s: 30, cpu_s: 20, max_processes: 48, max_output_bytes: 65536}
+"""
+
+
+def _unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "sandboxed runs need root (network namespaces, a uid per run)"
+    if not os.path.exists("/usr/bin/bwrap") or not os.path.exists(PY):
+        return "needs bubblewrap at /usr/bin/bwrap and the system python3"
+    return None
+
+
+pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+
+
+class Sandboxed:
+    """A daemon with the OS sandbox, and helpers to make runs and run commands in them."""
+
+    def __init__(self, daemon: Daemon, base: Path) -> None:
+        self.daemon = daemon
+        self.base = base
+        self.audit_path = daemon.config.resolved_audit_path
+
+    def workspace(self, name: str = "ws") -> Path:
+        ws = self.base / name
+        ws.mkdir(exist_ok=True)
+        (ws / "notes.md").write_text("hello\n")
+        return ws
+
+    async def run(
+        self,
+        policy: str = POLICY,
+        *,
+        workspace: Path | None = None,
+        memory_mb: int = 2048,
+        grant: bool = True,
+    ) -> Run:
+        path = self.base / f"policy-{secrets.token_hex(4)}.yaml"
+        path.write_text(textwrap.dedent(policy))
+        request = RunRequest(
+            workspacePath=str(workspace or self.workspace()),
+            policy=str(path),
+            actorId="tester",
+            tenantId="t1",
+            grant=Grant(allowSandbox=grant),
+            limits=RunLimits(maxMemoryMb=memory_mb),
+        )
+        return await self.daemon.start_run(request)
+
+    async def py(self, run: Run, code: str, *args: str, timeout: float = 30) -> ExecResult:
+        return await self.daemon.exec_in_run(
+            run.run_id, [PY, "-I", "-c", textwrap.dedent(code), *args], timeout_s=timeout
+        )
+
+    async def entries(self) -> list[dict[str, Any]]:
+        await self.daemon.audit.durable(self.daemon.audit.last_seq)
+        return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
+
+
+def sandbox_config(base: Path) -> DaemonConfig:
+    return DaemonConfig(
+        state_dir=base / "state",
+        policy_dirs=(base,),
+        netns_prefix=f"cgt{secrets.token_hex(4)}-",
+        sandbox_uids=UidRange(1_700_000_000 + secrets.randbelow(50_000) * 1024, 64),
+    )
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cg-sb-", dir="/tmp"))
+    path.chmod(0o711)  # the sandbox's uid passes through to its workspace and socket
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def sb(base: Path) -> AsyncIterator[Sandboxed]:
+    os.environ[SECRET_NAME] = "sk-host-only-" + secrets.token_hex(8)
+    try:
+        async with open_daemon(sandbox_config(base)) as daemon:
+            assert daemon.support.available, daemon.support.reason
+            yield Sandboxed(daemon, base)
+    finally:
+        del os.environ[SECRET_NAME]
+
+
+# --- the run's sandbox as gatewayd makes it --------------------------------------------
+
+
+async def test_a_run_gets_its_own_uid_netns_and_a_workspace_lent_and_given_back(
+    sb: Sandboxed,
+) -> None:
+    ws = sb.workspace()
+    owner = os.stat(ws).st_uid
+    run = await sb.run(workspace=ws)
+    assert run.sandbox is not None
+    uid = run.sandbox.user.uid
+    assert uid in sb.daemon.config.sandbox_uids and uid != 0
+    assert (NETNS_RUN_DIR / run.sandbox.netns.name).exists()
+    assert os.stat(ws / "notes.md").st_uid == uid  # lent for the run
+    result = await sb.py(
+        run,
+        """
+        import os
+        open("/workspace/made.txt", "w").write("by the sandbox")
+        os.mkdir("/workspace/sub")
+        print(os.getuid(), os.geteuid())
+        """,
+    )
+    assert result.exitCode == 0, result.stderr
+    assert result.stdout.split() == [b"1000", b"1000"]  # the sandbox user inside
+    netns = run.sandbox.netns.name
+    await sb.daemon.end_run(run.run_id)
+    # Given back: lent and new entries belong to the workspace's owner again.
+    for path in (ws, ws / "notes.md", ws / "made.txt", ws / "sub"):
+        assert os.stat(path).st_uid == owner, path
+    assert not (NETNS_RUN_DIR / netns).exists()
+    assert not run.directory.exists()
+    assert pids_of_uid(uid) == []
+    ended = [e for e in await sb.entries() if e.get("event") == "run_ended"][-1]
+    assert ended["detail"]["netnsRemoved"] is True
+    assert ended["detail"]["entriesReturned"] >= 4
+
+
+async def test_two_runs_get_different_uids_and_namespaces(sb: Sandboxed) -> None:
+    a = await sb.run(workspace=sb.workspace("a"))
+    b = await sb.run(workspace=sb.workspace("b"))
+    assert a.sandbox is not None and b.sandbox is not None
+    assert a.sandbox.user.uid != b.sandbox.user.uid
+    assert a.sandbox.netns_id != b.sandbox.netns_id
+
+
+async def test_run_directory_and_socket_are_open_to_the_runs_group_only(sb: Sandboxed) -> None:
+    run = await sb.run()
+    assert run.sandbox is not None
+    gid = run.sandbox.user.gid
+    directory, sock = os.stat(run.directory), os.stat(run.socket_path)
+    assert (directory.st_uid, directory.st_gid, stat.S_IMODE(directory.st_mode)) == (0, gid, 0o710)
+    assert (sock.st_uid, sock.st_gid, stat.S_IMODE(sock.st_mode)) == (0, gid, 0o660)
+
+
+# --- network ---------------------------------------------------------------------------
+
+NET_PROBE = r"""
+import errno, socket, sys
+def tcp(host, port):
+    s = socket.socket(); s.settimeout(5)
+    try:
+        s.connect((host, port)); return "connected"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e))
+def udp(host, port):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)
+    try:
+        s.sendto(b"ping", (host, port)); s.recvfrom(10); return "answered"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, type(e).__name__)
+print(tcp("127.0.0.1", int(sys.argv[1])), tcp(sys.argv[2], 80),
+      udp("127.0.0.1", int(sys.argv[3])), udp(sys.argv[2], 53))
+"""
+
+
+async def test_host_loopback_and_outside_addresses_are_unreachable_tcp_udp_and_curl(
+    sb: Sandboxed,
+) -> None:
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(4)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    tcp_port, udp_port = tcp.getsockname()[1], udp.getsockname()[1]
+    run = await sb.run()
+    try:
+        result = await sb.py(run, NET_PROBE, str(tcp_port), OUTSIDE_V4, str(udp_port))
+        curl = await sb.daemon.exec_in_run(
+            run.run_id,
+            ["curl", "-sS", "--max-time", "5", f"http://127.0.0.1:{tcp_port}/"],
+        )
+        # The same listeners answer from the host, so the failures inside are the netns.
+        with socket.create_connection(("127.0.0.1", tcp_port), timeout=5):
+            pass
+    finally:
+        tcp.close()
+        udp.close()
+    # Loopback inside is the sandbox's own: nothing listens there. UDP gets no answer.
+    assert result.stdout.split() == [
+        b"ECONNREFUSED",
+        b"ENETUNREACH",
+        b"TimeoutError",
+        b"ENETUNREACH",
+    ], result.stderr
+    assert curl.exitCode == 7, curl.stderr  # curl: "Failed to connect to host"
+
+
+async def test_the_only_interface_inside_is_loopback(sb: Sandboxed) -> None:
+    run = await sb.run()
+    result = await sb.daemon.exec_in_run(run.run_id, ["cat", "/proc/net/dev"])
+    interfaces = [line.split(b":")[0].strip() for line in result.stdout.splitlines()[2:]]
+    assert interfaces == [b"lo"]
+
+
+# --- the gateway from inside -----------------------------------------------------------
+
+
+async def test_cogni_tool_inside_calls_the_gateway_and_every_call_is_audited(
+    sb: Sandboxed,
+) -> None:
+    run = await sb.run()
+    result = await sb.daemon.exec_in_run(
+        run.run_id,
+        [
+            "sh",
+            "-c",
+            'cogni-tool exec time.now && cogni-tool exec fs.read \'{"path": "notes.md"}\' '
+            '&& cogni-tool exec fs.stat \'{"path": "notes.md"}\'; echo "stat=$?"',
+        ],
+    )
+    assert result.exitCode == 0, result.stderr
+    lines = result.stdout.decode().splitlines()
+    assert json.loads(lines[0])["timezone"] == "UTC"
+    assert json.loads(lines[1])["content"] == "hello\n"
+    assert lines[2] == "stat=15", result.stderr  # policy_denied: fs.stat is off the list
+    assert b"policy_denied" in result.stderr and b"fs.read" in result.stderr
+    calls = [e for e in await sb.entries() if e["kind"] == "call"]
+    assert [(c["tool"], c["decision"]) for c in calls] == [
+        ("time.now", "allow"),
+        ("fs.read", "allow"),
+        ("fs.stat", "deny"),
+    ]
+    assert {c["runId"] for c in calls} == {run.run_id}
+    assert all("degraded" not in c for c in calls)
+    # The peer recorded is the sandboxed process, as the host sees it: the run's uid.
+    assert run.sandbox is not None
+    assert {c["peer"]["uid"] for c in calls} == {run.sandbox.user.uid}
+    await sb.daemon.end_run(run.run_id)
+    verify = subprocess.run(
+        [str(Path(sys.executable).parent / "gatewayd"), "audit", "verify", str(sb.audit_path)],
+        capture_output=True,
+        text=True,
+    )
+    assert verify.returncode == 0, verify.stdout
+
+
+MISMATCH_PROBE = r"""
+import json, os, socket, struct, sys
+s = socket.socket(socket.AF_UNIX); s.connect(os.environ["COGNI_GATEWAY_SOCK"])
+body = json.dumps({"v": 1, "runId": sys.argv[1], "toolCallId": "x", "tool": "time.now",
+                   "args": {}}).encode()
+s.sendall(struct.pack(">I", len(body)) + body)
+n = struct.unpack(">I", s.recv(4))[0]
+print(json.loads(s.recv(n))["errorCode"])
+"""
+
+
+async def test_another_runs_id_gets_run_mismatch_and_its_socket_is_not_there(
+    sb: Sandboxed,
+) -> None:
+    a = await sb.run(workspace=sb.workspace("a"))
+    b = await sb.run(workspace=sb.workspace("b"))
+    mismatch = await sb.py(a, MISMATCH_PROBE, b.run_id)
+    assert mismatch.stdout.strip() == b"run_mismatch", mismatch.stderr
+    probe = await sb.py(
+        a,
+        """
+        import os, socket, sys
+        for path in sys.argv[1:]:
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect(path); print("connected")
+            except OSError as e:
+                print(type(e).__name__)
+        print(sorted(os.listdir("/run/cogni")))
+        """,
+        str(b.socket_path),
+        str(b.directory),
+        str(sb.daemon.config.state_dir / "control.sock"),
+    )
+    lines = probe.stdout.decode().split("\n")
+    assert lines[:3] == ["FileNotFoundError"] * 3, probe.stderr
+    assert lines[3] == "['gateway.sock']"
+
+
+async def test_a_connection_from_outside_the_runs_namespace_is_refused_and_audited(
+    sb: Sandboxed,
+) -> None:
+    run = await sb.run()
+    request = {"v": 1, "runId": run.run_id, "toolCallId": "c1", "tool": "time.now", "args": {}}
+    [answer] = await raw_exchange(run.socket_path, frame(request))
+    assert answer["errorCode"] == "authz_denied"
+    assert "inside its run's sandbox" in answer["safeMessage"]
+    refused = [e for e in await sb.entries() if e.get("event") == "connection_refused"]
+    assert refused and refused[-1]["errorCode"] == "authz_denied"
+    assert refused[-1]["peer"]["pid"] == os.getpid()
+    assert not [e for e in await sb.entries() if e["kind"] == "call"]
+
+
+async def test_a_process_of_another_runs_sandbox_is_refused_even_with_the_socket(
+    sb: Sandboxed,
+) -> None:
+    # Give b's sandbox a's socket path by hand (root connects it in b's namespace: the
+    # socket file is reachable, the namespace is not a's), as a leaked fd would.
+    a = await sb.run(workspace=sb.workspace("a"))
+    b = await sb.run(workspace=sb.workspace("b"))
+    assert b.sandbox is not None
+    fd = os.open(b.sandbox.netns.path, os.O_RDONLY)
+    original = os.open("/proc/self/ns/net", os.O_RDONLY)
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def setns(ns_fd: int) -> None:  # os.setns arrives with Python 3.12
+        if libc.setns(ns_fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns")
+
+    def connect_from_b() -> bytes:
+        # A thread of our own joins b's namespace, connects to a's socket, comes back.
+        setns(fd)
+        try:
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(a.socket_path))
+        finally:
+            setns(original)
+        body = json.dumps(
+            {"v": 1, "runId": a.run_id, "toolCallId": "c", "tool": "time.now", "args": {}}
+        ).encode()
+        s.sendall(len(body).to_bytes(4, "big") + body)
+        s.settimeout(10)
+        n = int.from_bytes(s.recv(4), "big")
+        return s.recv(n)
+
+    try:
+        answer = json.loads(await trio.to_thread.run_sync(connect_from_b))
+    finally:
+        os.close(fd)
+        os.close(original)
+    assert answer["errorCode"] == "authz_denied"
+
+
+async def test_a_run_without_the_grant_is_refused_with_authz_denied(sb: Sandboxed) -> None:
+    with pytest.raises(AuthzDenied, match="allowSandbox"):
+        await sb.run(grant=False)
+    refused = [e for e in await sb.entries() if e.get("event") == "run_refused"]
+    assert refused[-1]["errorCode"] == "authz_denied"
+
+
+# --- what the sandbox can see and do ---------------------------------------------------
+
+FS_PROBE = r"""
+import errno, os, sys
+def attempt(what, fn):
+    try:
+        fn(); return f"{what}:ok"
+    except OSError as e:
+        return f"{what}:{errno.errorcode.get(e.errno, e.errno)}"
+state = sys.argv[1]
+out = [
+    attempt("root", lambda: os.listdir("/root")),
+    attempt("home", lambda: os.listdir("/home")),
+    attempt("shadow", lambda: open("/etc/shadow").read()),
+    attempt("gshadow", lambda: open("/etc/gshadow").read()),
+    attempt("sudoers", lambda: open("/etc/sudoers").read()),
+    attempt("sshkeys", lambda: os.listdir("/etc/ssh")),
+    attempt("machineid", lambda: open("/etc/machine-id").read()),
+    attempt("var", lambda: os.listdir("/var")),
+    attempt("state", lambda: os.listdir(state)),
+    attempt("write_etc", lambda: open("/etc/x", "w")),
+    attempt("write_usr", lambda: open("/usr/x", "w")),
+    attempt("write_root", lambda: open("/x", "w")),
+    attempt("write_opt", lambda: open("/opt/cogni-tool/x", "w")),
+    attempt("write_ws", lambda: open("/workspace/x", "w")),
+    attempt("write_tmp", lambda: open("/tmp/x", "w")),
+]
+print(" ".join(out))
+"""
+
+
+async def test_host_secrets_and_other_trees_are_invisible_and_only_workspace_and_tmp_writable(
+    sb: Sandboxed,
+) -> None:
+    run = await sb.run()
+    result = await sb.py(run, FS_PROBE, str(sb.daemon.config.state_dir))
+    assert result.stdout.decode().split() == [
+        "root:ENOENT",
+        "home:ENOENT",
+        "shadow:ENOENT",
+        "gshadow:ENOENT",
+        "sudoers:ENOENT",
+        "sshkeys:ENOENT",
+        "machineid:ENOENT",
+        "var:ENOENT",
+        "state:ENOENT",
+        "write_etc:EROFS",
+        "write_usr:EROFS",
+        "write_root:EROFS",
+        "write_opt:EROFS",
+        "write_ws:ok",
+        "write_tmp:ok",
+    ], result.stderr
+
+
+async def test_no_host_variable_or_secret_reaches_the_sandbox(sb: Sandboxed) -> None:
+    secret = os.environ[SECRET_NAME]
+    run = await sb.run()
+    result = await sb.py(
+        run,
+        """
+        import os
+        # As exec'd (os.environ may gain LC_CTYPE from Python's own C-locale coercion).
+        initial = open("/proc/self/environ", "rb").read().split(b"\\0")
+        print(sorted(item.split(b"=")[0].decode() for item in initial if item))
+        blob = b""
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                blob += open(f"/proc/{pid}/environ", "rb").read()
+            except OSError:
+                pass
+        print(blob.count(b"="))
+        print(open("/proc/1/cmdline", "rb").read().split(b"\\0")[0].decode())
+        """,
+    )
+    names, count, init = result.stdout.decode().splitlines()
+    passed = [name for name in ("LANG", "TERM") if name in os.environ]
+    # PWD: bwrap sets it to the working directory (/workspace) after --chdir.
+    expected = sorted(["PATH", "HOME", "PWD", "COGNI_GATEWAY_SOCK", "COGNI_RUN_ID", *passed])
+    assert json.loads(names.replace("'", '"')) == expected
+    assert secret.encode() not in result.stdout
+    assert int(count) > 0  # the environ files were readable: the secret is truly absent
+    assert init == "/usr/bin/bwrap"  # /proc/1 inside is the sandbox's own init, not the host's
+
+
+async def test_the_policy_env_allowlist_passes_exactly_the_named_variables(
+    sb: Sandboxed,
+) -> None:
+    os.environ["COGNI_TEST_ALLOWED"] = "visible"
+    try:
+        run = await sb.run(POLICY + "env: {allow: [COGNI_TEST_ALLOWED]}\n")
+        result = await sb.py(run, "import os; print(sorted(os.environ.items()))")
+    finally:
+        del os.environ["COGNI_TEST_ALLOWED"]
+    assert "('COGNI_TEST_ALLOWED', 'visible')" in result.stdout.decode()
+    assert SECRET_NAME.encode() not in result.stdout
+
+
+KERNEL_PROBE = r"""
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, *args):
+    rc = getattr(libc, name)(*args)
+    return "ok" if rc >= 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+out = {
+    "ptrace": call("ptrace", 0, 0, 0, 0),
+    "mount": call("mount", b"none", b"/tmp", b"tmpfs", 0, None),
+    "unshare_user": call("unshare", 0x10000000),
+    "unshare_net": call("unshare", 0x40000000),
+    "bpf": call("syscall", 321, 0, 0, 0),
+    "io_uring_setup": call("syscall", 425, 1, 0),
+    "userfaultfd": call("syscall", 323, 0),
+    "keyctl": call("syscall", 250, 0, 0, 0, 0),
+    "perf_event_open": call("syscall", 298, 0, 0, -1, -1, 0),
+}
+print(" ".join(f"{k}={v}" for k, v in out.items()))
+"""
+
+
+async def test_kernel_escape_routes_are_refused_inside(sb: Sandboxed) -> None:
+    run = await sb.run()
+    result = await sb.py(run, KERNEL_PROBE)
+    got = dict(item.split("=") for item in result.stdout.decode().split())
+    assert got == {
+        "ptrace": "EPERM",
+        "mount": "EPERM",
+        "unshare_user": "EPERM",
+        "unshare_net": "EPERM",
+        "bpf": "EPERM",
+        "io_uring_setup": "ENOSYS",
+        "userfaultfd": "EPERM",
+        "keyctl": "EPERM",
+        "perf_event_open": "EPERM",
+    }, result.stderr
+
+
+# --- limits ----------------------------------------------------------------------------
+
+FORK_BOMB = r"""
+import os, time
+n = 0
+for _ in range(400):
+    try:
+        pid = os.fork()
+    except OSError as e:
+        print(n, errno_name := e.strerror, flush=True); break
+    if pid == 0:
+        time.sleep(30); os._exit(0)
+    n += 1
+time.sleep(0.5)
+"""
+
+MEMORY_BOMB = r"""
+chunks = []
+while True:
+    chunks.append(bytearray(16 * 1024 * 1024))
+"""
+
+
+async def test_fork_and_memory_bombs_are_contained_while_other_runs_are_served(
+    sb: Sandboxed,
+) -> None:
+    bombed = await sb.run(workspace=sb.workspace("bomb"), memory_mb=256)
+    other = await sb.run(workspace=sb.workspace("other"))
+    answers: list[bytes] = []
+
+    async def keep_calling() -> None:
+        for _ in range(5):
+            result = await sb.daemon.exec_in_run(other.run_id, ["cogni-tool", "exec", "time.now"])
+            answers.append(result.stdout)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(keep_calling)
+        fork = await sb.py(bombed, FORK_BOMB)
+        memory = await sb.py(bombed, MEMORY_BOMB)
+    count, error = fork.stdout.split(maxsplit=1)
+    assert int(count) < 48 and b"Resource temporarily unavailable" in error, fork.stderr
+    assert memory.exitCode != 0 or memory.errorCode is not None
+    assert memory.errorCode in ("oom_killed", None), memory  # RLIMIT_AS: MemoryError exit 1
+    assert b"MemoryError" in memory.stderr or memory.errorCode == "oom_killed"
+    assert len(answers) == 5 and all(b"UTC" in a for a in answers)
+
+
+async def test_a_command_over_its_timeout_is_killed_with_its_children(sb: Sandboxed) -> None:
+    run = await sb.run()
+    assert run.sandbox is not None
+    result = await sb.daemon.exec_in_run(
+        run.run_id,
+        ["sh", "-c", "trap '' TERM; (trap '' TERM; sleep 60) & sleep 60"],
+        timeout_s=0.5,
+    )
+    assert result.errorCode == "timeout"
+    assert pids_of_uid(run.sandbox.user.uid) == []
+
+
+async def test_output_over_the_policy_cap_is_truncated_and_flagged(sb: Sandboxed) -> None:
+    run = await sb.run(POLICY.replace("max_output_bytes: 65536", "max_output_bytes: 1000"))
+    result = await sb.py(run, "print('x' * 100000)")
+    assert len(result.stdout) == 1000 and result.stdoutTruncated and result.exitCode == 0
+
+
+async def test_a_caller_timeout_can_shorten_but_never_lengthen_the_policys(sb: Sandboxed) -> None:
+    run = await sb.run(POLICY.replace("timeout_s: 30", "timeout_s: 0.5"))
+    result = await sb.daemon.exec_in_run(run.run_id, ["sleep", "30"], timeout_s=3600)
+    assert result.errorCode == "timeout" and result.durationMs < 10_000
+
+
+# --- refusals at run start -------------------------------------------------------------
+
+
+async def test_a_workspace_the_sandbox_uid_cannot_reach_refuses_the_run_naming_the_parent(
+    sb: Sandboxed,
+) -> None:
+    hidden = sb.base / "private"
+    hidden.mkdir(mode=0o700)
+    ws = hidden / "ws"
+    ws.mkdir()
+    with pytest.raises(WorkspaceUnreachable, match=f"{hidden}.*o\\+x"):
+        await sb.run(workspace=ws)
+    refused = [e for e in await sb.entries() if e.get("event") == "run_refused"][-1]
+    assert refused["errorCode"] == "bad_request"
+    assert sb.daemon.uid_pool.in_use == 0  # the uid went back to the pool
+    assert os.stat(ws).st_uid == 0  # nothing was lent
+
+
+async def test_exec_in_an_ended_or_unknown_run_is_refused(sb: Sandboxed) -> None:
+    run = await sb.run()
+    await sb.daemon.end_run(run.run_id)
+    with pytest.raises(LookupError):
+        await sb.daemon.exec_in_run(run.run_id, ["true"])
+
+
+async def test_ending_a_run_stops_its_running_commands(sb: Sandboxed) -> None:
+    run = await sb.run()
+    assert run.sandbox is not None
+    uid = run.sandbox.user.uid
+    outcome: list[object] = []
+
+    async def long_command() -> None:
+        try:
+            await sb.daemon.exec_in_run(run.run_id, ["sleep", "60"])
+        except Exception as exc:
+            outcome.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(long_command)
+        with trio.fail_after(10):
+            while not pids_of_uid(uid):
+                await trio.sleep(0.02)
+        with trio.fail_after(10):
+            await sb.daemon.end_run(run.run_id)
+    assert outcome and "ended while the command ran" in str(outcome[0])
+    assert pids_of_uid(uid) == []
+
+
+# --- require_os_sandbox (a daemon whose host has no sandbox) ---------------------------
+
+
+async def test_without_an_os_sandbox_a_requiring_policy_is_refused_and_a_lenient_one_degraded(
+    base: Path,
+) -> None:
+    config = DaemonConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
+    ws = base / "ws"
+    ws.mkdir()
+    async with open_daemon(config) as daemon:
+        gw = Sandboxed(daemon, base)
+        with pytest.raises(PolicyViolation, match="require_os_sandbox: false"):
+            await gw.run(workspace=ws)
+        run = await gw.run(POLICY + "require_os_sandbox: false\n", workspace=ws)
+        assert run.sandbox is None and run.degraded is not None
+        request = {"v": 1, "runId": run.run_id, "toolCallId": "c", "tool": "time.now"}
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        async with stream:
+            await stream.send_all(frame({**request, "args": {}}))
+            answer = await read_frame(stream, bytearray())
+            await stream.send_all(frame({**request, "tool": "fs.stat", "args": {}}))
+            denied = await read_frame(stream, bytearray())
+        assert answer is not None and answer["ok"] is True
+        assert denied is not None and denied["errorCode"] == "policy_denied"
+        with pytest.raises(Exception, match="no OS sandbox"):
+            await daemon.exec_in_run(run.run_id, ["true"])
+        entries = await gw.entries()
+    refused = next(e for e in entries if e.get("event") == "run_refused")
+    assert refused["errorCode"] == "policy_denied"
+    assert "--no-os-sandbox" in refused["safeMessage"]
+    calls = [e for e in entries if e["kind"] == "call"]
+    assert len(calls) == 2
+    assert all("no OS sandbox" in c["degraded"] for c in calls)
+    support = next(e for e in entries if e.get("event") == "sandbox_support")
+    assert support["detail"]["available"] is False
+
+
+async def test_a_state_dir_the_sandbox_cannot_pass_makes_the_sandbox_unavailable(
+    base: Path,
+) -> None:
+    locked = base / "locked"
+    locked.mkdir(mode=0o700)
+    config = sandbox_config(locked)
+    async with open_daemon(config) as daemon:
+        assert not daemon.support.available
+        assert f"chmod o+x {locked}" in daemon.support.reason
+
+
+# --- crash cleanup ---------------------------------------------------------------------
+
+
+async def test_a_crashed_daemon_leaves_nothing_after_the_next_start(base: Path) -> None:
+    from tests.livedaemon import start_daemon
+
+    ws = base / "ws"
+    ws.mkdir()
+    (ws / "notes.md").write_text("hello\n")
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    state = base / "state"
+    prefix = f"cgt{secrets.token_hex(4)}-"
+    uid_base = 1_700_000_000 + secrets.randbelow(50_000) * 1024
+    options = ("--netns-prefix", prefix, "--sandbox-uids", f"{uid_base}+8")
+    daemon = start_daemon(state, *options, sandbox=True)
+    try:
+        run = daemon.create_run(ws, policy)
+        status, _ = daemon.control(
+            "POST", f"/v1/runs/{run['runId']}/exec", {"command": ["sh", "-c", "echo x > made.md"]}
+        )
+        assert status == 200
+        leased_uid = os.stat(ws / "notes.md").st_uid
+        assert leased_uid != 0
+        assert (NETNS_RUN_DIR / f"{prefix}{run['runId']}").exists()
+        daemon.proc.kill()  # a crash: no cleanup at all
+        daemon.proc.wait()
+    finally:
+        daemon.stop()
+    assert (NETNS_RUN_DIR / f"{prefix}{run['runId']}").exists()
+    assert os.stat(ws / "notes.md").st_uid == leased_uid
+    restarted = start_daemon(state, *options, sandbox=True)
+    try:
+        assert not (NETNS_RUN_DIR / f"{prefix}{run['runId']}").exists()
+        assert os.stat(ws / "notes.md").st_uid == 0
+        assert os.stat(ws / "made.md").st_uid == 0
+        assert os.stat(ws).st_uid == 0
+        assert list((state / "runs").iterdir()) == []
+        status, health = restarted.control("GET", "/v1/health")
+        assert status == 200 and health["runs"] == 0
+    finally:
+        restarted.stop()
+    entries = [
+        json.loads(line) for line in (state / "audit" / "audit.jsonl").read_text().splitlines()
+    ]
+    cleaned = [e for e in entries if e.get("event") == "leftovers_removed"]
+    assert cleaned and cleaned[0]["detail"]["runDirs"] == [run["runId"]]
+    assert cleaned[0]["detail"]["netns"] == [f"{prefix}{run['runId']}"]
+
+
+# --- gatewayd exec and the control socket ----------------------------------------------
+
+
+async def test_gatewayd_exec_runs_in_the_runs_sandbox_and_passes_status_and_output(
+    base: Path,
+) -> None:
+    from tests.livedaemon import start_daemon
+
+    ws = base / "ws"
+    ws.mkdir()
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    daemon = start_daemon(base / "state", sandbox=True)
+    gatewayd = str(Path(sys.executable).parent / "gatewayd")
+    state = ["--state-dir", str(base / "state")]
+    try:
+        run = daemon.create_run(ws, policy)
+        ok = subprocess.run(
+            [
+                gatewayd,
+                "exec",
+                *state,
+                run["runId"],
+                "--",
+                "sh",
+                "-c",
+                "id -u; echo err >&2; exit 3",
+            ],
+            capture_output=True,
+        )
+        assert (ok.returncode, ok.stdout, ok.stderr) == (3, b"1000\n", b"err\n")
+        binary = subprocess.run(
+            [
+                gatewayd,
+                "exec",
+                *state,
+                run["runId"],
+                "--",
+                PY,
+                "-c",
+                "import sys; sys.stdout.buffer.write(bytes(range(256)))",
+            ],
+            capture_output=True,
+        )
+        assert binary.stdout == bytes(range(256))
+        piped = subprocess.run(
+            [gatewayd, "exec", *state, "-i", run["runId"], "--", "wc", "-c"],
+            input=b"12345",
+            capture_output=True,
+        )
+        assert piped.stdout.strip() == b"5"
+        late = subprocess.run(
+            [gatewayd, "exec", *state, "--timeout", "0.3", run["runId"], "--", "sleep", "30"],
+            capture_output=True,
+            text=True,
+        )
+        assert late.returncode == 124 and "timeout" in late.stderr
+        unknown = subprocess.run(
+            [gatewayd, "exec", *state, "0" * 32, "--", "true"], capture_output=True, text=True
+        )
+        assert unknown.returncode == 1 and "no such run" in unknown.stderr
+        empty = subprocess.run(
+            [gatewayd, "exec", *state, run["runId"]], capture_output=True, text=True
+        )
+        assert empty.returncode == 2 and "give the command after --" in empty.stderr
+        status, bad = daemon.control("POST", f"/v1/runs/{run['runId']}/exec", {"command": []})
+        assert status == 400 and bad["errorCode"] == "bad_request" and "command" in bad["message"]
+        status, bad = daemon.control(
+            "POST", f"/v1/runs/{run['runId']}/exec", {"command": ["true"], "shell": True}
+        )
+        assert status == 400 and "shell" in bad["message"]
+        status, bad = daemon.control(
+            "POST", f"/v1/runs/{run['runId']}/exec", {"command": ["/no/such/program"]}
+        )
+        assert status == 200 and bad["result"]["exitCode"] != 0
+        assert "execvp" in bad["result"]["stderr"] or "No such file" in bad["result"]["stderr"]
+    finally:
+        daemon.stop()
+    entries = [json.loads(line) for line in daemon.audit_path.read_text().splitlines()]
+    started = [e for e in entries if e.get("event") == "exec_started"]
+    ended = [e for e in entries if e.get("event") == "exec_ended"]
+    assert len(started) == len(ended) == 5
+    assert started[0]["detail"]["command"][:2] == ["sh", "-c"]
+    assert ended[0]["detail"]["exitCode"] == 3
+
+
+def test_gatewayd_run_runs_its_command_in_the_sandbox(base: Path) -> None:
+    ws = base / "ws"
+    ws.mkdir()
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    from tests.livedaemon import sandbox_options
+
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "gatewayd"),
+            "run",
+            "--state-dir",
+            str(base / "state"),
+            *sandbox_options(),
+            "--workspace",
+            str(ws),
+            "--policy",
+            str(policy),
+            "--",
+            "sh",
+            "-c",
+            "cogni-tool exec time.now >/dev/null && ls / && exit 4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 4, proc.stderr
+    assert "workspace" in proc.stdout.split() and "root" not in proc.stdout.split()
+    assert "1 calls, 1 allowed" in proc.stderr
