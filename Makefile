@@ -12,7 +12,7 @@ STAMP := $(VENV)/.installed
 #   libseccomp-dev  seccomp filters for the sandbox
 #   python3-venv, python3-dev, gcc: the virtualenv and building python-prctl
 #   git, curl, iproute2: real repositories and probes in the integration tests
-APT_PACKAGES := bubblewrap libcap-dev libseccomp-dev python3-venv python3-dev gcc git curl iproute2
+APT_PACKAGES := bubblewrap libcap-dev libseccomp-dev python3-venv python3-dev gcc git curl iproute2 busybox-static
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # litellm must never fetch its price map at import.

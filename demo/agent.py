@@ -1,13 +1,17 @@
-"""A small "agent" for the demo: it runs as the command of a gatewayd run and can only
-reach the outside world through `cogni-tool`. Some of its calls are allowed, some are
-denied; each denial says why and what is allowed instead.
+"""A small "agent" for the demo: it runs as the command of a gatewayd run, inside the run's
+OS sandbox, and can only reach the outside world through `cogni-tool`. Some of its calls
+are allowed, some are denied; each denial says why and what is allowed instead. Then it
+tries to get out without the gateway, and the sandbox stops it.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+from collections.abc import Callable
 
 
 def tool(name: str, args: dict[str, object]) -> None:
@@ -46,7 +50,28 @@ def main() -> int:
     tool("fs.stat", {"path": "notes.md"})
     tool("shell.exec", {"cmd": "id"})
     tool("fs.read", {"path": "notes.md", "limit": "all"})
+    print("agent: trying to get out without cogni-tool (the OS sandbox answers)")
+    for what, attempt in ESCAPES:
+        try:
+            attempt()
+            print(f"  ESCAPED  {what}")
+        except OSError as exc:
+            print(f"  BLOCKED  {what}: {exc.strerror or exc}")
     return 0
+
+
+def _connect(host: str, port: int) -> None:
+    with socket.create_connection((host, port), timeout=3):
+        pass
+
+
+ESCAPES: list[tuple[str, Callable[[], object]]] = [
+    ("read /etc/shadow", lambda: open("/etc/shadow").read()),  # noqa: SIM115
+    ("list /root", lambda: os.listdir("/root")),
+    ("write /usr/bin/evil", lambda: open("/usr/bin/evil", "w")),  # noqa: SIM115
+    ("connect to 1.1.1.1:443", lambda: _connect("1.1.1.1", 443)),
+    ("connect to the host's 127.0.0.1:22", lambda: _connect("127.0.0.1", 22)),
+]
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """`make demo`: a sandboxed agent script calling cogni-tool through `gatewayd run`,
 with allowed and denied calls, then the audit trail and its verification.
 
-(The OS sandbox itself arrives with issue 3; here the agent is a plain child process
-whose only interface to the host is the same per-run socket the sandbox will use.)
+The agent runs inside the run's OS sandbox (bubblewrap, a loopback-only network
+namespace, its own uid, seccomp), with the system python3, from a copy in its workspace.
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ def step(title: str) -> None:
 
 def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="cogni-demo-"))
+    # The sandbox runs as an unprivileged uid of its own: it must pass through to its
+    # workspace and socket (o+x), though it may not list what else is here.
+    base.chmod(0o711)
     workspace = base / "workspace"
     workspace.mkdir()
+    shutil.copy(ROOT / "demo" / "agent.py", workspace / "agent.py")
     (workspace / "notes.md").write_text(
         "# Notes\n\n- the gateway checks every call\n- denials say what is allowed\n"
     )
@@ -34,7 +38,7 @@ def main() -> int:
     gatewayd = str(BIN / "gatewayd")
     tools = ["time.now", "fs.read", "fs.write", "fs.edit", "fs.list"]
 
-    step("gatewayd run: the agent's only way out is cogni-tool over its run's socket")
+    step("gatewayd run: the agent, in its sandbox, has one way out: cogni-tool")
     cmd = [
         gatewayd,
         "run",
@@ -47,7 +51,7 @@ def main() -> int:
     ]
     for t in tools:  # the run spec narrows the policy: fs.stat is allowed by it, not by the run
         cmd += ["--tool", t]
-    cmd += ["--", sys.executable, str(ROOT / "demo" / "agent.py")]
+    cmd += ["--", "python3", "agent.py"]
     rc = subprocess.run(cmd, check=False).returncode
     if rc != 0:
         print(f"demo: the agent run failed with exit {rc}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""`gatewayd` command line: serve, run, exec, policy check, audit verify/show.
+"""`gatewayd` command line: serve, run, exec, image check, policy check, audit verify/show.
 
 Heavy imports (trio, the daemon) happen inside the commands that need them, so
 `gatewayd audit verify` and `gatewayd policy check` start fast.
@@ -138,6 +138,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="restrict the run to these tool ids (repeatable); default: the policy's list",
     )
     run.add_argument(
+        "--image",
+        type=Path,
+        default=None,
+        help="a root filesystem directory for the sandbox instead of the host's system "
+        "directories (see sandbox_image/README.md; check it with `gatewayd image check`)",
+    )
+    run.add_argument(
         "--spec",
         type=Path,
         default=None,
@@ -166,6 +173,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     execute.add_argument("run_id", metavar="RUN", help="the run id (32 hex digits)")
     execute.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+
+    image = sub.add_parser("image", help="sandbox root filesystem images").add_subparsers(
+        dest="image_command", required=True
+    )
+    image_check = image.add_parser(
+        "check", help="can DIR be a sandbox root? lists every problem with its fix"
+    )
+    image_check.add_argument("dir", type=Path)
 
     policy = sub.add_parser("policy", help="policy files").add_subparsers(
         dest="policy_command", required=True
@@ -197,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     if args.command == "exec":
         return _exec(args)
+    if args.command == "image":
+        return _image_check(args.dir)
     return EXIT_USAGE  # pragma: no cover (argparse enforces the choices)
 
 
@@ -217,6 +234,14 @@ def _policy_check(path: Path) -> int:
             file=sys.stderr,
         )
     return EXIT_OK
+
+
+def _image_check(path: Path) -> int:
+    from gatewayd.sandbox.image import check_image
+
+    report = check_image(path)  # as given: a relative path gets its own message
+    print(report.render())
+    return EXIT_OK if report.ok else EXIT_FAILED
 
 
 def _audit(args: argparse.Namespace) -> int:
@@ -309,6 +334,7 @@ def _run_request(args: argparse.Namespace) -> RunRequest:
         limits=RunLimits(maxRuntimeSec=args.max_runtime)
         if args.max_runtime is not None
         else RunLimits(),
+        sandboxImage=str(args.image.absolute()) if args.image else None,
     )
 
 

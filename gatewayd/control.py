@@ -81,6 +81,8 @@ def exec_result_json(result: ExecResult) -> dict[str, Any]:
         "signal": result.signal,
         "durationMs": result.durationMs,
         "errorCode": None if result.errorCode is None else str(result.errorCode),
+        "memoryLimit": str(result.memoryLimit),
+        "processLimit": str(result.processLimit),
     }
     for name, data, truncated in (
         ("stdout", result.stdout, result.stdoutTruncated),

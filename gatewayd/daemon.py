@@ -21,6 +21,7 @@ from gatewayd.errors import GatewayError, PolicyViolation
 from gatewayd.policy import PolicyError
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
+from gatewayd.sandbox.cgroup import probe_cgroups
 from gatewayd.sandbox.launch import BWRAP, ExecResult
 from gatewayd.sandbox.netns import NETNS_PREFIX
 from gatewayd.sandbox.plan import probe_host_layout
@@ -116,21 +117,27 @@ class Daemon:
                 self.uid_pool.release(probe_user)
             if self.support.available:
                 self.support = _state_dir_reachable(config.state_dir)
+        detail: dict[str, Any] = {
+            "available": self.support.available,
+            "reason": self.support.reason,
+        }
         if self.support.available:
+            cgroups = await trio.to_thread.run_sync(probe_cgroups)
+            if not cgroups.available:
+                log.warning("cgroups_unavailable", reason=cgroups.reason, fallback="rlimits")
+            detail["cgroups"] = cgroups.available
+            detail["cgroupsReason"] = cgroups.reason or None
             self.sandbox_settings = SandboxSettings(
                 bwrap=config.bwrap,
                 netns_prefix=config.netns_prefix,
                 state_dir=config.state_dir,
                 cogni_tool_dir=install_cogni_tool(config.state_dir),
                 layout=probe_host_layout(),
+                cgroups=cgroups if cgroups.available else None,
             )
         else:
             log.warning("os_sandbox_unavailable", reason=self.support.reason)
-        await self.audit.append(
-            "event",
-            event="sandbox_support",
-            detail={"available": self.support.available, "reason": self.support.reason},
-        )
+        await self.audit.append("event", event="sandbox_support", detail=detail)
 
     async def start_run(self, request: RunRequest) -> Run:
         """Create a run and start serving its socket. Refusals are audited, then raised.
@@ -207,6 +214,7 @@ class Daemon:
             )
             return
         limits = policy.sandbox
+        image = run.spec.request.sandboxImage
         run.sandbox = await RunSandbox.open(
             run_id=run.run_id,
             settings=self.sandbox_settings,
@@ -225,6 +233,7 @@ class Daemon:
                 max_open_files=limits.max_open_files,
                 max_output_bytes=limits.max_output_bytes,
             ),
+            image_dir=None if image is None else Path(image),
         )
 
     async def exec_in_run(
@@ -273,6 +282,8 @@ class Daemon:
             runId=run_id,
             durationMs=result.durationMs,
             detail={
+                "memoryLimit": str(result.memoryLimit),
+                "processLimit": str(result.processLimit),
                 "exitCode": result.exitCode,
                 "signal": result.signal,
                 "errorCode": None if result.errorCode is None else str(result.errorCode),

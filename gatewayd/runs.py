@@ -92,6 +92,9 @@ class RunRequest(_Strict):
     taskInput: str = ""
     graphId: str = "sandbox:task"
     billingAccountId: str | None = None
+    # A root filesystem for the sandbox instead of the host's system directories
+    # (sandbox_image/README.md); an absolute host path, checked when the run starts.
+    sandboxImage: str | None = None
 
     @pydantic.model_validator(mode="before")
     @classmethod

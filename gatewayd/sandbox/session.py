@@ -33,6 +33,8 @@ import trio
 from gatewayd.errors import GatewayError
 from gatewayd.policy.paths import PathGrant, PathMode
 from gatewayd.protocol import ErrorCode
+from gatewayd.sandbox.cgroup import CgroupSupport
+from gatewayd.sandbox.image import ImageError, require_image
 from gatewayd.sandbox.launch import ExecResult, run_in_sandbox
 from gatewayd.sandbox.lease import Lease, give_back, lend, read_lease
 from gatewayd.sandbox.limits import HostUser, SandboxLimits
@@ -78,6 +80,12 @@ class SandboxUnavailable(GatewayError):
     """The run's sandbox could not be made; the message says what failed."""
 
 
+class ImageRefused(SandboxUnavailable):
+    """The run asked for a root filesystem image that cannot be a sandbox root."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
 class WorkspaceUnreachable(SandboxUnavailable):
     """A directory to bind cannot be reached by the sandbox's uid (the operator's choice
     of directory, not gatewayd's fault)."""
@@ -94,6 +102,8 @@ class SandboxSettings:
     state_dir: Path
     cogni_tool_dir: Path
     layout: HostLayout
+    # Memory and pids cgroups per command where the host delegates them; None: rlimits.
+    cgroups: CgroupSupport | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,6 +179,11 @@ class RunSandbox:
             _open_run_dir(run_dir, user)
             mounts = _policy_mounts(grants, workspace)
             _check_reachable(user, [workspace, *(Path(m.host) for m in mounts)])
+            if image_dir is not None:
+                try:
+                    require_image(image_dir, policy_mount_points=[m.visible for m in mounts])
+                except ImageError as exc:
+                    raise ImageRefused(str(exc)) from exc
             netns = await trio.to_thread.run_sync(
                 lambda: create_run_netns(run_id, prefix=settings.netns_prefix)
             )
@@ -248,6 +263,7 @@ class RunSandbox:
                     host_user=self.user,
                     stdin=stdin,
                     bwrap=self.settings.bwrap,
+                    cgroups=self.settings.cgroups,
                 )
             finally:
                 self._running.discard(scope)
@@ -351,11 +367,15 @@ def install_cogni_tool(state_dir: Path) -> Path:
         shutil.copyfile(source, package / source.name)
         os.chmod(package / source.name, _PUBLIC_FILE_MODE)
     script = staging / COGNI_TOOL_SCRIPT
+    # /usr/bin/python3: the one interpreter path every sandbox root has (the host's, or
+    # an image's, which `gatewayd image check` requires); -I: no PYTHON* variable or
+    # user site-packages can change what the client imports.
     script.write_text(
-        "#!/usr/bin/env python3\n"
+        "#!/usr/bin/python3 -I\n"
         f"# gatewayd's copy of the cogni-tool client, mounted at {COGNI_TOOL_VISIBLE_DIR}.\n"
         "import sys\n\n"
-        "from cogni_tool.cli import main\n\n"
+        f"sys.path.insert(0, {COGNI_TOOL_VISIBLE_DIR!r})\n"
+        "from cogni_tool.cli import main  # noqa: E402\n\n"
         "sys.exit(main())\n"
     )
     os.chmod(script, _PUBLIC_DIR_MODE)

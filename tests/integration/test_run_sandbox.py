@@ -865,3 +865,120 @@ def test_gatewayd_run_runs_its_command_in_the_sandbox(base: Path) -> None:
     assert proc.returncode == 4, proc.stderr
     assert "workspace" in proc.stdout.split() and "root" not in proc.stdout.split()
     assert "1 calls, 1 allowed" in proc.stderr
+
+
+# --- a root filesystem image instead of the host's system directories -----------------
+
+
+def make_python_image(root: Path) -> None:
+    """A small image that runs python3 and cogni-tool: the interpreter, its standard
+    library and the libraries it links, hard-linked from the host where possible, plus
+    busybox for a shell and the mount points gatewayd needs (sandbox_image/README.md)."""
+    libs = ["libm.so.6", "libz.so.1", "libexpat.so.1", "libc.so.6"]
+    for directory in ("usr/bin", "usr/lib/x86_64-linux-gnu", "usr/lib64", "proc", "dev", "tmp"):
+        (root / directory).mkdir(parents=True, exist_ok=True)
+    for directory in ("workspace", "opt/cogni-tool", "etc", "run/cogni"):
+        (root / directory).mkdir(parents=True, exist_ok=True)
+    for name in ("etc/passwd", "etc/group", "etc/hosts", "run/cogni/gateway.sock"):
+        (root / name).write_text("")
+    for link, target in (("bin", "usr/bin"), ("lib64", "usr/lib64"), ("lib", "usr/lib")):
+        (root / link).symlink_to(target)
+    copies = [
+        ("/usr/bin/python3.11", "usr/bin/python3.11"),
+        ("/usr/lib64/ld-linux-x86-64.so.2", "usr/lib64/ld-linux-x86-64.so.2"),
+        ("/bin/busybox", "usr/bin/busybox"),
+        *((f"/usr/lib/x86_64-linux-gnu/{lib}", f"usr/lib/x86_64-linux-gnu/{lib}") for lib in libs),
+    ]
+    for source, dest in copies:
+        real = os.path.realpath(source)
+        try:
+            os.link(real, root / dest)
+        except OSError:  # another file system: copy instead
+            shutil.copy2(real, root / dest)
+    subprocess.run(
+        ["cp", "-al", "/usr/lib/python3.11", str(root / "usr/lib/python3.11")], check=False
+    )
+    if not (root / "usr/lib/python3.11/os.py").exists():
+        shutil.copytree("/usr/lib/python3.11", root / "usr/lib/python3.11", symlinks=True)
+    (root / "usr/bin/python3").symlink_to("python3.11")
+    for applet in ("sh", "ls", "cat", "id"):
+        (root / "usr/bin" / applet).symlink_to("busybox")
+
+
+@pytest.mark.skipif(not os.path.exists("/bin/busybox"), reason="needs busybox-static (make setup)")
+def test_gatewayd_run_with_an_image_sees_the_images_root_and_still_reaches_the_gateway(
+    base: Path,
+) -> None:
+    image = base / "image"
+    make_python_image(image)
+    ws = base / "ws"
+    ws.mkdir()
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    from tests.livedaemon import sandbox_options
+
+    gatewayd = str(Path(sys.executable).parent / "gatewayd")
+    check = subprocess.run([gatewayd, "image", "check", str(image)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+    proc = subprocess.run(
+        [
+            gatewayd,
+            "run",
+            "--state-dir",
+            str(base / "state"),
+            *sandbox_options(),
+            "--workspace",
+            str(ws),
+            "--policy",
+            str(policy),
+            "--image",
+            str(image),
+            "--",
+            "sh",
+            "-c",
+            "cogni-tool exec time.now && ls /usr/lib && cat /etc/os-release; id -u",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = proc.stdout.split()
+    assert '"timezone":' in proc.stdout, proc.stderr
+    # The image's /usr/lib holds only what the image has; the host's /etc is not there.
+    assert "python3.11" in lines and "git" not in lines and "apt" not in lines
+    assert "cat: can't open '/etc/os-release'" in proc.stderr
+    assert lines[-1] == "1000"
+
+
+def test_an_image_that_cannot_be_a_root_refuses_the_run_with_every_problem(base: Path) -> None:
+    image = base / "image"
+    (image / "usr").mkdir(parents=True)
+    ws = base / "ws"
+    ws.mkdir()
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    from tests.livedaemon import sandbox_options
+
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "gatewayd"),
+            "run",
+            "--state-dir",
+            str(base / "state"),
+            *sandbox_options(),
+            "--workspace",
+            str(ws),
+            "--policy",
+            str(policy),
+            "--image",
+            str(image),
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "bad_request" in proc.stderr and "/usr/bin/python3" in proc.stderr
+    assert "/workspace" in proc.stderr  # a missing mount point is named with its fix

@@ -1,0 +1,596 @@
+"""Starting a command in a run's sandbox, and making and ending a run, with their
+baselines measured in the same process run (issue 3).
+
+    .venv/bin/python bench/sandbox_launch.py [--iterations 200] [--warmup 10] [--cli-iterations 30]
+
+Needs root, /usr/bin/bwrap and /bin/true. One in-process gatewayd with the OS sandbox on
+(its own network-namespace prefix and sandbox uid range, so it never touches another
+daemon's) runs every variant once per round, in an order rotated each round, so drift
+hits all of them alike:
+
+- ``/bin/true`` through ``Daemon.exec_in_run`` in an existing run: the path
+  ``gatewayd exec`` and the control socket take after HTTP parsing; then the same
+  without the audit entry (``RunSandbox.exec``) and without plan building
+  (``run_in_sandbox`` with a plan built once), to show what each layer costs;
+- raw bwrap: the launcher's exact argv (``sandbox_argv`` of the run's plan), the same
+  seccomp filter and data on memfds made once (rewound before each start), the same
+  child setup (setns into the run's netns, the same rlimits, setgroups/setresgid/
+  setresuid to the run's uid, no_new_privs, parent-death signal), a new session, the
+  empty environment and both output pipes read to the end, via ``subprocess.run`` in a
+  worker thread. Not in it: audit entries, plan building and validation, making the
+  memfds and compiling nothing (the filter is cached), trio's supervision (pidfd,
+  pipe drains, the timeout scope);
+- plain ``/bin/true`` via ``subprocess.run`` (no preexec_fn, so Python can vfork);
+- ``Daemon.start_run`` + ``Daemon.end_run`` of a fresh run (uid, network namespace,
+  lease of a small workspace, run directory, socket, two durable audit entries), and
+  its parts measured alone in the same rounds.
+
+Then, separately, the full CLI path: ``gatewayd exec RUN -- /bin/true`` against a live
+``gatewayd serve``, with fewer iterations; Python start-up dominates it.
+
+Targets (issue 3): exec at most 1.5x raw bwrap; run create + teardown under 50 ms.
+Prints medians and p90 in ms, never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import resource
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import prctl
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import BIN, control, env_info, percentile
+
+from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.runs import Grant, RunRequest
+from gatewayd.sandbox.launch import BWRAP, CLONE_NEWNET, ExecResult, run_in_sandbox, sandbox_argv
+from gatewayd.sandbox.lease import give_back, lend
+from gatewayd.sandbox.limits import HostUser, rlimits
+from gatewayd.sandbox.netns import create_run_netns, remove_run_netns, remove_stale_netns
+from gatewayd.sandbox.plan import SandboxPlan
+from gatewayd.sandbox.seccomp import write_filter
+from gatewayd.sandbox.session import RunSandbox
+from gatewayd.sandbox.uids import UidRange, pids_of_uid
+
+TRUE: Final = "/bin/true"
+# Sandbox uids of this benchmark: a random 64-uid slice of 1.6e9..1.65e9, away from the
+# tests' slices (1.7e9..) and the default range (1.8e9), so no live daemon shares one.
+UID_REGION_BASE: Final = 1_600_000_000
+UID_REGION_SLICES: Final = 50_000
+UID_COUNT: Final = 64
+# "A small workspace": this many files in two directories, so the lease walks a tree.
+WORKSPACE_FILES: Final = 8
+EXEC_TARGET_RATIO: Final = 1.5  # issue 3: exec at most 1.5x raw bwrap
+CREATE_TARGET_MS: Final = 50.0  # issue 3: run create + teardown under 50 ms
+# litellm must never fetch its cost map at import (DESIGN.md), in any process we start.
+SUBPROCESS_ENV: Final = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+# Waiting for a live `gatewayd serve` to answer /v1/health.
+SERVE_START_S: Final = 30.0
+
+POLICY: Final = """\
+version: 1
+name: bench-sandbox
+description: the run of bench/sandbox_launch.py; a writable workspace, so it is lent.
+tools:
+  allow: [time.now]
+filesystem:
+  paths:
+    workspace: {root: ., mode: rw}
+limits: {calls_per_second: 1000000, burst: 1000000}
+sandbox: {timeout_s: 30, cpu_s: 20, max_processes: 48, max_output_bytes: 65536}
+"""
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+Durations = dict[str, float]
+Variant = Callable[[], Awaitable[Durations]]
+
+
+def bench_ids() -> tuple[str, UidRange]:
+    """A fresh namespace prefix and uid range, so this run shares nothing with others."""
+    prefix = f"cgtb{secrets.token_hex(4)}-"
+    base = UID_REGION_BASE + secrets.randbelow(UID_REGION_SLICES) * 1024
+    return prefix, UidRange(base, UID_COUNT)
+
+
+def make_workspace(path: Path) -> Path:
+    for sub in ("src", "docs"):
+        (path / sub).mkdir(parents=True)
+        for i in range(WORKSPACE_FILES // 2):
+            (path / sub / f"f{i}.txt").write_text("hello\n")
+    return path
+
+
+@contextlib.contextmanager
+def bench_dir(prefix: str) -> Iterator[Path]:
+    base = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    base.chmod(0o711)  # the sandbox uid passes through to its workspace and socket
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def check(result: ExecResult) -> None:
+    """A failed start would time the failure, not the launch."""
+    if result.exitCode != 0 or result.errorCode is not None:
+        raise RuntimeError(f"/bin/true in the sandbox failed: {result}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RawBwrap:
+    """The launcher's bwrap command without gatewayd around it (see the module doc)."""
+
+    argv: list[str]
+    fds: tuple[int, ...]  # data memfds and the seccomp memfd, as the argv names them
+    netns_fd: int
+    user: HostUser
+    rlimit_table: tuple[tuple[int, int, int], ...]
+
+    def start(self) -> float:
+        """Run it once; returns the wall time in seconds. Blocking: call from a thread."""
+        started = time.perf_counter()
+        for fd in self.fds:
+            os.lseek(fd, 0, os.SEEK_SET)  # bwrap reads each from the current offset
+        proc = subprocess.run(
+            self.argv,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            env={},
+            pass_fds=self.fds,
+            start_new_session=True,
+            preexec_fn=self._child_setup,  # noqa: PLW1509 (the child only makes system calls)
+        )
+        elapsed = time.perf_counter() - started
+        if proc.returncode != 0:
+            raise RuntimeError(f"raw bwrap failed ({proc.returncode}): {proc.stderr!r}")
+        return elapsed
+
+    def _child_setup(self) -> None:
+        if _libc.setns(self.netns_fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
+        for which, soft, hard in self.rlimit_table:
+            resource.setrlimit(which, (soft, hard))
+        os.setgroups([])
+        os.setresgid(self.user.gid, self.user.gid, self.user.gid)
+        os.setresuid(self.user.uid, self.user.uid, self.user.uid)
+        prctl.set_no_new_privs(1)
+        prctl.set_pdeathsig(signal.SIGKILL)
+
+
+def memfds(stack: contextlib.ExitStack, plan: SandboxPlan) -> tuple[dict[str, int], int]:
+    """The plan's data and the seccomp filter on memfds, as the launcher makes them."""
+
+    def make(name: str, data: bytes | None) -> int:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        stack.callback(os.close, fd)
+        if data is None:
+            write_filter(fd)
+        else:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+
+    data = {step.dest: make("cogni-data", step.data) for step in plan.data_steps}
+    return data, make("cogni-seccomp", None)
+
+
+def plain_true() -> float:
+    started = time.perf_counter()
+    subprocess.run([TRUE], stdin=subprocess.DEVNULL, capture_output=True, check=True)
+    return time.perf_counter() - started
+
+
+class InProcess:
+    """Every in-process variant, each one round's worth of work returning named times."""
+
+    def __init__(
+        self, daemon: Daemon, base: Path, policy: Path, sandbox: RunSandbox, raw: RawBwrap
+    ) -> None:
+        self.daemon = daemon
+        self.base = base
+        self.policy = policy
+        self.sandbox = sandbox
+        self.raw = raw
+        self.plan = sandbox.plan([TRUE], dict(os.environ))
+        self.create_ws = make_workspace(base / "ws-create")
+        self.lease_ws = make_workspace(base / "ws-lease")
+        self.lease_record = base / "lease-record"
+        self.lease_record.mkdir()
+        self.exec_run_id = sandbox.run_id
+
+    def request(self) -> RunRequest:
+        return RunRequest(
+            workspacePath=str(self.create_ws),
+            policy=str(self.policy),
+            actorId="bench",
+            tenantId="bench",
+            grant=Grant(allowSandbox=True),
+        )
+
+    def variants(self) -> dict[str, Variant]:
+        return {
+            "exec": self.exec_daemon,
+            "session": self.exec_session,
+            "launcher": self.exec_launcher,
+            "raw": self.exec_raw,
+            "plain": self.exec_plain,
+            "parts_exec": self.parts_exec,
+            "create": self.create_teardown,
+            "netns": self.part_netns,
+            "lease": self.part_lease,
+            "uids": self.part_uids,
+            "registry": self.part_registry,
+            "audit": self.part_audit,
+        }
+
+    async def exec_daemon(self) -> Durations:
+        started = time.perf_counter()
+        result = await self.daemon.exec_in_run(self.exec_run_id, [TRUE])
+        elapsed = time.perf_counter() - started
+        check(result)
+        return {"exec": elapsed}
+
+    async def exec_session(self) -> Durations:
+        started = time.perf_counter()
+        result = await self.sandbox.exec([TRUE])
+        elapsed = time.perf_counter() - started
+        check(result)
+        return {"session": elapsed}
+
+    async def exec_launcher(self) -> Durations:
+        started = time.perf_counter()
+        result = await run_in_sandbox(
+            self.plan,
+            netns=self.sandbox.netns.path,
+            limits=self.sandbox.limits.for_command(None),
+            host_user=self.sandbox.user,
+            bwrap=self.sandbox.settings.bwrap,
+        )
+        elapsed = time.perf_counter() - started
+        check(result)
+        return {"launcher": elapsed}
+
+    async def exec_raw(self) -> Durations:
+        return {"raw": await trio.to_thread.run_sync(self.raw.start)}
+
+    async def exec_plain(self) -> Durations:
+        return {"plain": await trio.to_thread.run_sync(plain_true)}
+
+    async def parts_exec(self) -> Durations:
+        started = time.perf_counter()
+        self.sandbox.plan([TRUE], dict(os.environ))
+        planned = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            memfds(stack, self.plan)
+        made = time.perf_counter()
+        await self.daemon.audit.append("event", event="bench_probe")
+        appended = time.perf_counter()
+        return {
+            "plan": planned - started,
+            "memfds": made - planned,
+            "audit1": appended - made,
+        }
+
+    async def create_teardown(self) -> Durations:
+        started = time.perf_counter()
+        run = await self.daemon.start_run(self.request())
+        created = time.perf_counter()
+        await self.daemon.end_run(run.run_id)
+        ended = time.perf_counter()
+        return {"create": ended - started, "start_run": created - started, "end_run": ended - created}
+
+    async def part_netns(self) -> Durations:
+        # Through a worker thread, as RunSandbox.open and close call them.
+        run_id = secrets.token_hex(16)
+        prefix = self.daemon.config.netns_prefix
+        started = time.perf_counter()
+        handle = await trio.to_thread.run_sync(lambda: create_run_netns(run_id, prefix=prefix))
+        created = time.perf_counter()
+        await trio.to_thread.run_sync(remove_run_netns, handle.name)
+        removed = time.perf_counter()
+        return {"netns_create": created - started, "netns_remove": removed - created}
+
+    async def part_lease(self) -> Durations:
+        user = self.daemon.uid_pool.acquire()
+        try:
+            started = time.perf_counter()
+            lease = await trio.to_thread.run_sync(lend, [self.lease_ws], user, self.lease_record)
+            lent = time.perf_counter()
+            await trio.to_thread.run_sync(give_back, lease)
+            returned = time.perf_counter()
+        finally:
+            self.daemon.uid_pool.release(user)
+        return {"lend": lent - started, "give_back": returned - lent}
+
+    async def part_uids(self) -> Durations:
+        # The pool scans /proc for busy uids; teardown scans it again for the uid's pids.
+        started = time.perf_counter()
+        user = self.daemon.uid_pool.acquire()
+        self.daemon.uid_pool.release(user)
+        pids_of_uid(user.uid)
+        return {"uids": time.perf_counter() - started}
+
+    async def part_registry(self) -> Durations:
+        # Request to run object: policy file loaded and bound, run directory made/removed.
+        started = time.perf_counter()
+        run = self.daemon.registry.create(self.request())
+        self.daemon.registry.remove(run)
+        return {"registry": time.perf_counter() - started}
+
+    async def part_audit(self) -> Durations:
+        # A run's two durable entries (run_created, run_ended).
+        started = time.perf_counter()
+        await self.daemon.audit.append("event", event="bench_probe")
+        await self.daemon.audit.append("event", event="bench_probe")
+        return {"audit2": time.perf_counter() - started}
+
+
+async def rounds(variants: dict[str, Variant], warmup: int, iterations: int) -> dict[str, list[float]]:
+    """Each variant once per round, the order rotated by one each round."""
+    names = list(variants)
+    samples: dict[str, list[float]] = {}
+    for i in range(warmup + iterations):
+        shift = i % len(names)
+        for name in names[shift:] + names[:shift]:
+            got = await variants[name]()
+            if i >= warmup:
+                for key, value in got.items():
+                    samples.setdefault(key, []).append(value)
+    return samples
+
+
+async def in_process(warmup: int, iterations: int) -> dict[str, list[float]]:
+    prefix, uids = bench_ids()
+    with bench_dir("cg-bsl-") as base:
+        policy = base / "policy.yaml"
+        policy.write_text(POLICY)
+        config = DaemonConfig(
+            state_dir=base / "state",
+            policy_dirs=(base,),
+            netns_prefix=prefix,
+            sandbox_uids=uids,
+        )
+        try:
+            async with open_daemon(config) as daemon:
+                if not daemon.support.available:
+                    raise RuntimeError(f"no OS sandbox here: {daemon.support.reason}")
+                run = await daemon.start_run(
+                    RunRequest(
+                        workspacePath=str(make_workspace(base / "ws-exec")),
+                        policy=str(policy),
+                        actorId="bench",
+                        tenantId="bench",
+                        grant=Grant(allowSandbox=True),
+                    )
+                )
+                sandbox = run.sandbox
+                if sandbox is None:
+                    raise RuntimeError(f"the run has no sandbox: {run.degraded}")
+                plan = sandbox.plan([TRUE], dict(os.environ))
+                with contextlib.ExitStack() as stack:
+                    data_fds, seccomp_fd = memfds(stack, plan)
+                    netns_fd = os.open(sandbox.netns.path, os.O_RDONLY | os.O_CLOEXEC)
+                    stack.callback(os.close, netns_fd)
+                    raw = RawBwrap(
+                        argv=sandbox_argv(
+                            plan,
+                            bwrap=sandbox.settings.bwrap,
+                            data_fds=data_fds,
+                            seccomp_fd=seccomp_fd,
+                        ),
+                        fds=(*data_fds.values(), seccomp_fd),
+                        netns_fd=netns_fd,
+                        user=sandbox.user,
+                        rlimit_table=rlimits(sandbox.limits.for_command(None)),
+                    )
+                    bench = InProcess(daemon, base, policy, sandbox, raw)
+                    return await rounds(bench.variants(), warmup, iterations)
+        finally:
+            # Only if interrupted mid-round could a namespace of ours be left.
+            remove_stale_netns(prefix)
+
+
+@contextlib.contextmanager
+def live_daemon() -> Iterator[tuple[Path, str]]:
+    """A real `gatewayd serve` with the OS sandbox and one run; yields (state dir, run id)."""
+    prefix, uids = bench_ids()
+    with bench_dir("cg-bsl-cli-") as base:
+        state = base / "state"
+        policy = base / "policy.yaml"
+        policy.write_text(POLICY)
+        ws = make_workspace(base / "ws")
+        log_path = base / "gatewayd.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    str(BIN / "gatewayd"),
+                    "serve",
+                    "--state-dir",
+                    str(state),
+                    "--netns-prefix",
+                    prefix,
+                    "--sandbox-uids",
+                    f"{uids.base}+{uids.count}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=SUBPROCESS_ENV,
+            )
+        try:
+            deadline = time.monotonic() + SERVE_START_S
+            while True:  # the socket file appears just before it listens
+                try:
+                    if control(state / "control.sock", "GET", "/v1/health")[0] == 200:
+                        break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gatewayd serve did not start:\n{log_path.read_text()}")
+                time.sleep(0.02)
+            status, data = control(
+                state / "control.sock",
+                "POST",
+                "/v1/runs",
+                {
+                    "workspacePath": str(ws),
+                    "policy": str(policy),
+                    "actorId": "bench",
+                    "tenantId": "bench",
+                    "grant": {"allowSandbox": True},
+                },
+            )
+            if status != 201:
+                raise RuntimeError(f"run creation failed: {status} {data}")
+            yield state, data["run"]["runId"]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def cli_path(warmup: int, iterations: int) -> dict[str, list[float]]:
+    python = os.path.realpath(sys.executable)  # the binary behind the venv's python
+    with live_daemon() as (state, run_id):
+        gatewayd = [str(BIN / "gatewayd"), "exec", "--state-dir", str(state)]
+        cases: dict[str, tuple[list[str], int]] = {
+            "cli_exec": ([*gatewayd, run_id, "--", TRUE], 0),
+            # Refused at the lookup: start-up, imports and one control request, no sandbox.
+            "cli_unknown": ([*gatewayd, "0" * 32, "--", TRUE], 1),
+            "python": ([python, "-I", "-S", "-c", "pass"], 0),
+        }
+        names = list(cases)
+        samples: dict[str, list[float]] = {name: [] for name in names}
+        for i in range(warmup + iterations):
+            shift = i % len(names)
+            for name in names[shift:] + names[:shift]:
+                cmd, expected = cases[name]
+                started = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, env=SUBPROCESS_ENV)
+                elapsed = time.perf_counter() - started
+                if proc.returncode != expected:
+                    raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr!r}")
+                if i >= warmup:
+                    samples[name].append(elapsed)
+        return samples
+
+
+def ms(values: list[float], p: float) -> float:
+    return percentile(values, p) * 1000
+
+
+def row(label: str, values: list[float], baseline: list[float] | None = None) -> str:
+    line = f"  {label:<58}{ms(values, 50):9.2f}{ms(values, 90):9.2f}"
+    if baseline is not None:
+        line += f"{statistics.median(values) / statistics.median(baseline):9.2f}x"
+    return line
+
+
+def report(s: dict[str, list[float]], cli: dict[str, list[float]] | None) -> None:
+    raw = s["raw"]
+    print(f"{'/bin/true started through':<60}{'median':>9}{'p90':>9}{'vs raw':>10}  (ms)")
+    print(row("gatewayd: Daemon.exec_in_run (the exec path)", s["exec"], raw))
+    print(row("  without its audit entry: RunSandbox.exec", s["session"], raw))
+    print(row("  without plan building too: run_in_sandbox", s["launcher"], raw))
+    print(row("raw bwrap: same argv, memfds, child setup", raw, raw))
+    print(row("plain /bin/true (subprocess.run)", s["plain"], raw))
+    print("  parts of exec, timed alone in the same rounds:")
+    print(row("  plan build + validate (RunSandbox.plan)", s["plan"]))
+    print(row("  memfds: plan data + seccomp filter", s["memfds"]))
+    print(row("  one durable audit append (exec_started)", s["audit1"]))
+
+    print(f"{'run create + teardown':<60}{'median':>9}{'p90':>9}")
+    print(row("Daemon.start_run + Daemon.end_run, fresh run", s["create"]))
+    print(row("  start_run", s["start_run"]))
+    print(row("  end_run", s["end_run"]))
+    print("  parts, timed alone in the same rounds:")
+    parts = {
+        "netns_create": "network namespace create (pyroute2, lo up, verify)",
+        "netns_remove": "network namespace remove",
+        "lend": "lease: lend the workspace (walk, chown, fsynced record)",
+        "give_back": "lease: give the workspace back (walk, chown)",
+        "uids": "uid pool acquire/release + pids_of_uid (/proc scans)",
+        "registry": "registry create/remove (policy load, run directory)",
+        "audit2": "two durable audit appends (run_created, run_ended)",
+    }
+    for key, label in parts.items():
+        print(row(f"  {label}", s[key]))
+    rest = statistics.median(s["create"]) - sum(statistics.median(s[key]) for key in parts)
+    print(
+        f"  {'  rest (median total minus part medians): listener, socket,':<58}"
+        f"{rest * 1000:9.2f}\n    run dir chown, thread hand-offs, trio scheduling"
+    )
+
+    ratio = statistics.median(s["exec"]) / statistics.median(raw)
+    ratio90 = percentile(s["exec"], 90) / percentile(raw, 90)
+    create_ms = ms(s["create"], 50)
+    print(
+        f"target exec <= {EXEC_TARGET_RATIO}x raw bwrap: "
+        f"{'MET' if ratio <= EXEC_TARGET_RATIO else 'NOT MET'} "
+        f"({ratio:.2f}x at the median, {ratio90:.2f}x at p90)"
+    )
+    print(
+        f"target run create + teardown < {CREATE_TARGET_MS:.0f} ms: "
+        f"{'MET' if create_ms < CREATE_TARGET_MS else 'NOT MET'} "
+        f"({create_ms:.1f} ms median, {ms(s['create'], 90):.1f} ms p90)"
+    )
+    if cli is None:
+        return
+    print(f"{'full CLI path (separate, live gatewayd serve)':<60}{'median':>9}{'p90':>9}")
+    print(row("gatewayd exec RUN -- /bin/true", cli["cli_exec"]))
+    print(row("gatewayd exec <unknown run> -- /bin/true (no sandbox)", cli["cli_unknown"]))
+    print(row("python3 -I -S -c pass", cli["python"]))
+    print(
+        "  the CLI is a new Python process: its start-up and one control request "
+        f"(the unknown-run row) are {ms(cli['cli_unknown'], 50) / ms(cli['cli_exec'], 50):.0%} "
+        "of the full path"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--iterations", type=int, default=200, help="measured rounds, in-process")
+    ap.add_argument("--warmup", type=int, default=10, help="unmeasured rounds first")
+    ap.add_argument(
+        "--cli-iterations", type=int, default=30, help="rounds of the CLI path (0: skip it)"
+    )
+    args = ap.parse_args()
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    if os.geteuid() != 0 or not os.path.exists(BWRAP) or not os.path.exists(TRUE):
+        print("sandbox_launch: needs root, /usr/bin/bwrap and /bin/true", file=sys.stderr)
+        return 2
+    version = subprocess.run([BWRAP, "--version"], capture_output=True, text=True).stdout.strip()
+    print(
+        f"sandbox_launch: {env_info()}; {version}; kernel {os.uname().release}; "
+        f"{args.iterations} rounds after {args.warmup} warm-up, order rotated; "
+        "durable audit on; no cgroups (the daemon passes none)"
+    )
+    samples = trio.run(in_process, args.warmup, args.iterations)
+    cli = None
+    if args.cli_iterations > 0:
+        cli = cli_path(min(args.warmup, 3), args.cli_iterations)
+    report(samples, cli)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
