@@ -5,21 +5,24 @@ baselines measured in the same process run (issue 3).
 
 Needs root, /usr/bin/bwrap and /bin/true. One in-process gatewayd with the OS sandbox on
 (its own network-namespace prefix and sandbox uid range, so it never touches another
-daemon's) runs every variant once per round, in an order rotated each round, so drift
-hits all of them alike:
+daemon's) runs every variant once per round, in a freshly shuffled order each round, so
+drift and after-effects (a cgroup or pid namespace still being torn down) hit all alike:
 
 - ``/bin/true`` through ``Daemon.exec_in_run`` in an existing run: the path
   ``gatewayd exec`` and the control socket take after HTTP parsing; then the same
-  without the audit entry (``RunSandbox.exec``) and without plan building
-  (``run_in_sandbox`` with a plan built once), to show what each layer costs;
+  without the audit entry (``RunSandbox.exec``), without plan building too
+  (``run_in_sandbox`` with a plan built once, the daemon's cgroups) and without the
+  command cgroup (``cgroups=None``: the rlimit fallback), to show what each layer costs;
 - raw bwrap: the launcher's exact argv (``sandbox_argv`` of the run's plan), the same
   seccomp filter and data on memfds made once (rewound before each start), the same
   child setup (setns into the run's netns, the same rlimits, setgroups/setresgid/
   setresuid to the run's uid, no_new_privs, parent-death signal), a new session, the
   empty environment and both output pipes read to the end, via ``subprocess.run`` in a
   worker thread. Not in it: audit entries, plan building and validation, making the
-  memfds and compiling nothing (the filter is cached), trio's supervision (pidfd,
-  pipe drains, the timeout scope);
+  memfds, the command's cgroup, trio's supervision (pidfd, pipe drains, timeout scope);
+- the same raw bwrap joining a fresh command cgroup (made with gatewayd's own
+  ``create_command_cgroup``), removed afterwards by polling ``rmdir`` every 0.2 ms: what
+  a cgroup costs when nothing waits longer than it must;
 - plain ``/bin/true`` via ``subprocess.run`` (no preexec_fn, so Python can vfork);
 - ``Daemon.start_run`` + ``Daemon.end_run`` of a fresh run (uid, network namespace,
   lease of a small workspace, run directory, socket, two durable audit entries), and
@@ -95,7 +98,7 @@ filesystem:
   paths:
     workspace: {root: ., mode: rw}
 limits: {calls_per_second: 1000000, burst: 1000000}
-sandbox: {timeout_s: 30, cpu_s: 20, max_processes: 48, max_output_bytes: 65536}
+sandbox: {timeout_s: 30, max_output_bytes: 65536}
 """
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -21,7 +21,7 @@ from gatewayd.errors import GatewayError, PolicyViolation
 from gatewayd.policy import PolicyError
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
-from gatewayd.sandbox.cgroup import probe_cgroups
+from gatewayd.sandbox.cgroup import probe_cgroups, remove_empty_leftovers
 from gatewayd.sandbox.launch import BWRAP, ExecResult
 from gatewayd.sandbox.netns import NETNS_PREFIX
 from gatewayd.sandbox.plan import probe_host_layout
@@ -125,6 +125,11 @@ class Daemon:
             cgroups = await trio.to_thread.run_sync(probe_cgroups)
             if not cgroups.available:
                 log.warning("cgroups_unavailable", reason=cgroups.reason, fallback="rlimits")
+            else:
+                swept = await trio.to_thread.run_sync(remove_empty_leftovers, cgroups)
+                if swept:
+                    log.warning("leftover_cgroups_removed", cgroups=swept)
+                    detail["leftoverCgroups"] = swept
             detail["cgroups"] = cgroups.available
             detail["cgroupsReason"] = cgroups.reason or None
             self.sandbox_settings = SandboxSettings(

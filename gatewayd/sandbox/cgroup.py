@@ -675,3 +675,28 @@ def _kill_members(directory: Path) -> None:
 
 def _pids(procs: Path) -> set[int]:
     return {int(line) for line in procs.read_text().split()}
+
+
+# --- leftovers ------------------------------------------------------------------------------
+
+_COMMAND_CGROUP_RE: Final = re.compile(re.escape(CGROUP_PREFIX) + r"[0-9a-f]{32}-[0-9a-f]{8}")
+
+
+def remove_empty_leftovers(support: CgroupSupport) -> list[str]:
+    """Remove command cgroups a crashed daemon left under ``support``'s parents; returns
+    their paths. Only *empty* ones go (rmdir refuses the others): a crashed daemon's
+    commands died with it (parent-death signal), while a command of another live daemon
+    sharing this parent still has processes, so it is never touched."""
+    removed: list[str] = []
+    parents = [p for p in (support.memory_parent, support.pids_parent) if p is not None]
+    for parent in dict.fromkeys(parents):
+        try:
+            names = [entry.name for entry in os.scandir(parent) if entry.is_dir()]
+        except OSError:
+            continue
+        for name in names:
+            if _COMMAND_CGROUP_RE.fullmatch(name):
+                with contextlib.suppress(OSError):
+                    (parent / name).rmdir()
+                    removed.append(str(parent / name))
+    return sorted(removed)
