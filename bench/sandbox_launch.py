@@ -40,7 +40,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import errno
+import logging
 import os
+import random
 import resource
 import secrets
 import shutil
@@ -63,10 +66,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import BIN, control, env_info, percentile
 
 from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.logs import configure_logging
 from gatewayd.runs import Grant, RunRequest
+from gatewayd.sandbox.cgroup import CgroupSupport, create_command_cgroup
 from gatewayd.sandbox.launch import BWRAP, CLONE_NEWNET, ExecResult, run_in_sandbox, sandbox_argv
 from gatewayd.sandbox.lease import give_back, lend
-from gatewayd.sandbox.limits import HostUser, rlimits
+from gatewayd.sandbox.limits import HostUser, SandboxLimits, rlimits
 from gatewayd.sandbox.netns import create_run_netns, remove_run_netns, remove_stale_netns
 from gatewayd.sandbox.plan import SandboxPlan
 from gatewayd.sandbox.seccomp import write_filter
@@ -83,11 +88,19 @@ UID_COUNT: Final = 64
 WORKSPACE_FILES: Final = 8
 EXEC_TARGET_RATIO: Final = 1.5  # issue 3: exec at most 1.5x raw bwrap
 CREATE_TARGET_MS: Final = 50.0  # issue 3: run create + teardown under 50 ms
+# A fixed seed: the shuffled orders are the same from run to run.
+ORDER_SEED: Final = 3
+# The raw cgroup variant retries rmdir this often: far below the launcher's 10 ms poll,
+# so it shows how long a cgroup really stays busy after its command ended.
+RMDIR_POLL_S: Final = 0.0002
 # litellm must never fetch its cost map at import (DESIGN.md), in any process we start.
 SUBPROCESS_ENV: Final = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 # Waiting for a live `gatewayd serve` to answer /v1/health.
 SERVE_START_S: Final = 30.0
 
+# The shipped default max_processes (256) on purpose: each bwrap start keeps one process
+# of the run's uid counted for about a second after it exits (its pid namespace is torn
+# down late), so a low RLIMIT_NPROC would make back-to-back starts fail with EAGAIN.
 POLICY: Final = """\
 version: 1
 name: bench-sandbox
@@ -148,8 +161,9 @@ class RawBwrap:
     user: HostUser
     rlimit_table: tuple[tuple[int, int, int], ...]
 
-    def start(self) -> float:
-        """Run it once; returns the wall time in seconds. Blocking: call from a thread."""
+    def start(self, procs_files: tuple[bytes, ...] = ()) -> float:
+        """Run it once, first joining the cgroups of ``procs_files``; returns the wall time
+        in seconds. Blocking: call it from a thread."""
         started = time.perf_counter()
         for fd in self.fds:
             os.lseek(fd, 0, os.SEEK_SET)  # bwrap reads each from the current offset
@@ -160,23 +174,32 @@ class RawBwrap:
             env={},
             pass_fds=self.fds,
             start_new_session=True,
-            preexec_fn=self._child_setup,  # noqa: PLW1509 (the child only makes system calls)
+            preexec_fn=self._child_setup(procs_files),  # noqa: PLW1509 (syscalls only)
         )
         elapsed = time.perf_counter() - started
         if proc.returncode != 0:
             raise RuntimeError(f"raw bwrap failed ({proc.returncode}): {proc.stderr!r}")
         return elapsed
 
-    def _child_setup(self) -> None:
-        if _libc.setns(self.netns_fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
-        for which, soft, hard in self.rlimit_table:
-            resource.setrlimit(which, (soft, hard))
-        os.setgroups([])
-        os.setresgid(self.user.gid, self.user.gid, self.user.gid)
-        os.setresuid(self.user.uid, self.user.uid, self.user.uid)
-        prctl.set_no_new_privs(1)
-        prctl.set_pdeathsig(signal.SIGKILL)
+    def _child_setup(self, procs_files: tuple[bytes, ...]) -> Callable[[], None]:
+        def setup() -> None:
+            for procs in procs_files:  # first, as root, as the launcher does
+                fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.write(fd, b"0")
+                finally:
+                    os.close(fd)
+            if _libc.setns(self.netns_fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
+            for which, soft, hard in self.rlimit_table:
+                resource.setrlimit(which, (soft, hard))
+            os.setgroups([])
+            os.setresgid(self.user.gid, self.user.gid, self.user.gid)
+            os.setresuid(self.user.uid, self.user.uid, self.user.uid)
+            prctl.set_no_new_privs(1)
+            prctl.set_pdeathsig(signal.SIGKILL)
+
+        return setup
 
 
 def memfds(stack: contextlib.ExitStack, plan: SandboxPlan) -> tuple[dict[str, int], int]:
@@ -198,6 +221,42 @@ def memfds(stack: contextlib.ExitStack, plan: SandboxPlan) -> tuple[dict[str, in
     return data, make("cogni-seccomp", None)
 
 
+def rmdir_when_empty(directory: Path) -> int:
+    """rmdir, retrying every ``RMDIR_POLL_S`` while the kernel says busy; returns the
+    number of busy answers."""
+    busy = 0
+    while True:
+        try:
+            directory.rmdir()
+            return busy
+        except OSError as exc:
+            if exc.errno != errno.EBUSY:
+                raise
+        busy += 1
+        time.sleep(RMDIR_POLL_S)
+
+
+def raw_in_cgroup(raw: RawBwrap, cgroups: CgroupSupport, run_id: str, limits: SandboxLimits) -> Durations:
+    """Raw bwrap in a fresh command cgroup, timed in three parts. Blocking."""
+    started = time.perf_counter()
+    cgroup = create_command_cgroup(
+        cgroups, run_id=run_id, memory_bytes=limits.memory_bytes, max_processes=limits.max_processes
+    )
+    made = time.perf_counter()
+    try:
+        raw.start(cgroup.procs_files)
+    finally:
+        ran = time.perf_counter()
+        busy = sum(rmdir_when_empty(directory) for directory in cgroup.dirs)
+    removed = time.perf_counter()
+    return {
+        "raw_cg": removed - started,
+        "cg_make": made - started,
+        "cg_remove": removed - ran,
+        "cg_busy": float(busy > 0),
+    }
+
+
 def plain_true() -> float:
     started = time.perf_counter()
     subprocess.run([TRUE], stdin=subprocess.DEVNULL, capture_output=True, check=True)
@@ -205,22 +264,21 @@ def plain_true() -> float:
 
 
 class InProcess:
-    """Every in-process variant, each one round's worth of work returning named times."""
+    """Every in-process variant: each does one round's worth and returns named times."""
 
     def __init__(
         self, daemon: Daemon, base: Path, policy: Path, sandbox: RunSandbox, raw: RawBwrap
     ) -> None:
         self.daemon = daemon
-        self.base = base
         self.policy = policy
         self.sandbox = sandbox
         self.raw = raw
+        self.limits = sandbox.limits.for_command(None)
         self.plan = sandbox.plan([TRUE], dict(os.environ))
         self.create_ws = make_workspace(base / "ws-create")
         self.lease_ws = make_workspace(base / "ws-lease")
         self.lease_record = base / "lease-record"
         self.lease_record.mkdir()
-        self.exec_run_id = sandbox.run_id
 
     def request(self) -> RunRequest:
         return RunRequest(
@@ -232,10 +290,10 @@ class InProcess:
         )
 
     def variants(self) -> dict[str, Variant]:
-        return {
+        found: dict[str, Variant] = {
             "exec": self.exec_daemon,
             "session": self.exec_session,
-            "launcher": self.exec_launcher,
+            "launcher": self.exec_launcher_no_cgroup,
             "raw": self.exec_raw,
             "plain": self.exec_plain,
             "parts_exec": self.parts_exec,
@@ -246,36 +304,49 @@ class InProcess:
             "registry": self.part_registry,
             "audit": self.part_audit,
         }
+        if self.sandbox.settings.cgroups is not None:
+            found["launcher_cg"] = self.exec_launcher
+            found["raw_cg"] = self.exec_raw_cgroup
+        return found
+
+    async def timed_exec(self, key: str, command: Awaitable[ExecResult]) -> Durations:
+        started = time.perf_counter()
+        result = await command
+        elapsed = time.perf_counter() - started
+        check(result)
+        return {key: elapsed}
 
     async def exec_daemon(self) -> Durations:
-        started = time.perf_counter()
-        result = await self.daemon.exec_in_run(self.exec_run_id, [TRUE])
-        elapsed = time.perf_counter() - started
-        check(result)
-        return {"exec": elapsed}
+        return await self.timed_exec("exec", self.daemon.exec_in_run(self.sandbox.run_id, [TRUE]))
 
     async def exec_session(self) -> Durations:
-        started = time.perf_counter()
-        result = await self.sandbox.exec([TRUE])
-        elapsed = time.perf_counter() - started
-        check(result)
-        return {"session": elapsed}
+        return await self.timed_exec("session", self.sandbox.exec([TRUE]))
 
-    async def exec_launcher(self) -> Durations:
-        started = time.perf_counter()
-        result = await run_in_sandbox(
+    def launch(self, cgroups: CgroupSupport | None) -> Awaitable[ExecResult]:
+        return run_in_sandbox(
             self.plan,
             netns=self.sandbox.netns.path,
-            limits=self.sandbox.limits.for_command(None),
+            limits=self.limits,
             host_user=self.sandbox.user,
             bwrap=self.sandbox.settings.bwrap,
+            cgroups=cgroups,
         )
-        elapsed = time.perf_counter() - started
-        check(result)
-        return {"launcher": elapsed}
+
+    async def exec_launcher(self) -> Durations:
+        return await self.timed_exec("launcher_cg", self.launch(self.sandbox.settings.cgroups))
+
+    async def exec_launcher_no_cgroup(self) -> Durations:
+        return await self.timed_exec("launcher", self.launch(None))
 
     async def exec_raw(self) -> Durations:
         return {"raw": await trio.to_thread.run_sync(self.raw.start)}
+
+    async def exec_raw_cgroup(self) -> Durations:
+        cgroups = self.sandbox.settings.cgroups
+        assert cgroups is not None  # only offered with cgroups
+        return await trio.to_thread.run_sync(
+            raw_in_cgroup, self.raw, cgroups, self.sandbox.run_id, self.limits
+        )
 
     async def exec_plain(self) -> Durations:
         return {"plain": await trio.to_thread.run_sync(plain_true)}
@@ -289,11 +360,7 @@ class InProcess:
         made = time.perf_counter()
         await self.daemon.audit.append("event", event="bench_probe")
         appended = time.perf_counter()
-        return {
-            "plan": planned - started,
-            "memfds": made - planned,
-            "audit1": appended - made,
-        }
+        return {"plan": planned - started, "memfds": made - planned, "audit1": appended - made}
 
     async def create_teardown(self) -> Durations:
         started = time.perf_counter()
@@ -301,7 +368,11 @@ class InProcess:
         created = time.perf_counter()
         await self.daemon.end_run(run.run_id)
         ended = time.perf_counter()
-        return {"create": ended - started, "start_run": created - started, "end_run": ended - created}
+        return {
+            "create": ended - started,
+            "start_run": created - started,
+            "end_run": ended - created,
+        }
 
     async def part_netns(self) -> Durations:
         # Through a worker thread, as RunSandbox.open and close call them.
@@ -349,13 +420,16 @@ class InProcess:
         return {"audit2": time.perf_counter() - started}
 
 
-async def rounds(variants: dict[str, Variant], warmup: int, iterations: int) -> dict[str, list[float]]:
-    """Each variant once per round, the order rotated by one each round."""
-    names = list(variants)
+async def rounds(
+    variants: dict[str, Variant], warmup: int, iterations: int
+) -> dict[str, list[float]]:
+    """Each variant once per round, in a new shuffled order each round."""
+    rng = random.Random(ORDER_SEED)
     samples: dict[str, list[float]] = {}
     for i in range(warmup + iterations):
-        shift = i % len(names)
-        for name in names[shift:] + names[:shift]:
+        order = list(variants)
+        rng.shuffle(order)
+        for name in order:
             got = await variants[name]()
             if i >= warmup:
                 for key, value in got.items():
@@ -363,7 +437,8 @@ async def rounds(variants: dict[str, Variant], warmup: int, iterations: int) -> 
     return samples
 
 
-async def in_process(warmup: int, iterations: int) -> dict[str, list[float]]:
+async def in_process(warmup: int, iterations: int) -> tuple[dict[str, list[float]], str]:
+    """Returns the samples and what the daemon said about cgroups."""
     prefix, uids = bench_ids()
     with bench_dir("cg-bsl-") as base:
         policy = base / "policy.yaml"
@@ -376,8 +451,14 @@ async def in_process(warmup: int, iterations: int) -> dict[str, list[float]]:
         )
         try:
             async with open_daemon(config) as daemon:
-                if not daemon.support.available:
+                if not daemon.support.available or daemon.sandbox_settings is None:
                     raise RuntimeError(f"no OS sandbox here: {daemon.support.reason}")
+                cgroups = daemon.sandbox_settings.cgroups
+                cgroup_note = (
+                    f"cgroup v{cgroups.version} command cgroups"
+                    if cgroups is not None and cgroups.version is not None
+                    else "no command cgroups (rlimits)"
+                )
                 run = await daemon.start_run(
                     RunRequest(
                         workspacePath=str(make_workspace(base / "ws-exec")),
@@ -405,195 +486,14 @@ async def in_process(warmup: int, iterations: int) -> dict[str, list[float]]:
                         fds=(*data_fds.values(), seccomp_fd),
                         netns_fd=netns_fd,
                         user=sandbox.user,
+                        # The launcher's table for this host: no RLIMIT_AS/NPROC where a
+                        # command cgroup limits those instead.
                         rlimit_table=rlimits(sandbox.limits.for_command(None)),
                     )
                     bench = InProcess(daemon, base, policy, sandbox, raw)
-                    return await rounds(bench.variants(), warmup, iterations)
+                    samples = await rounds(bench.variants(), warmup, iterations)
+                    return samples, cgroup_note
         finally:
             # Only if interrupted mid-round could a namespace of ours be left.
             remove_stale_netns(prefix)
-
-
-@contextlib.contextmanager
-def live_daemon() -> Iterator[tuple[Path, str]]:
-    """A real `gatewayd serve` with the OS sandbox and one run; yields (state dir, run id)."""
-    prefix, uids = bench_ids()
-    with bench_dir("cg-bsl-cli-") as base:
-        state = base / "state"
-        policy = base / "policy.yaml"
-        policy.write_text(POLICY)
-        ws = make_workspace(base / "ws")
-        log_path = base / "gatewayd.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(
-                [
-                    str(BIN / "gatewayd"),
-                    "serve",
-                    "--state-dir",
-                    str(state),
-                    "--netns-prefix",
-                    prefix,
-                    "--sandbox-uids",
-                    f"{uids.base}+{uids.count}",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=SUBPROCESS_ENV,
-            )
-        try:
-            deadline = time.monotonic() + SERVE_START_S
-            while True:  # the socket file appears just before it listens
-                try:
-                    if control(state / "control.sock", "GET", "/v1/health")[0] == 200:
-                        break
-                except OSError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gatewayd serve did not start:\n{log_path.read_text()}")
-                time.sleep(0.02)
-            status, data = control(
-                state / "control.sock",
-                "POST",
-                "/v1/runs",
-                {
-                    "workspacePath": str(ws),
-                    "policy": str(policy),
-                    "actorId": "bench",
-                    "tenantId": "bench",
-                    "grant": {"allowSandbox": True},
-                },
-            )
-            if status != 201:
-                raise RuntimeError(f"run creation failed: {status} {data}")
-            yield state, data["run"]["runId"]
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
-
-
-def cli_path(warmup: int, iterations: int) -> dict[str, list[float]]:
-    python = os.path.realpath(sys.executable)  # the binary behind the venv's python
-    with live_daemon() as (state, run_id):
-        gatewayd = [str(BIN / "gatewayd"), "exec", "--state-dir", str(state)]
-        cases: dict[str, tuple[list[str], int]] = {
-            "cli_exec": ([*gatewayd, run_id, "--", TRUE], 0),
-            # Refused at the lookup: start-up, imports and one control request, no sandbox.
-            "cli_unknown": ([*gatewayd, "0" * 32, "--", TRUE], 1),
-            "python": ([python, "-I", "-S", "-c", "pass"], 0),
-        }
-        names = list(cases)
-        samples: dict[str, list[float]] = {name: [] for name in names}
-        for i in range(warmup + iterations):
-            shift = i % len(names)
-            for name in names[shift:] + names[:shift]:
-                cmd, expected = cases[name]
-                started = time.perf_counter()
-                proc = subprocess.run(cmd, capture_output=True, env=SUBPROCESS_ENV)
-                elapsed = time.perf_counter() - started
-                if proc.returncode != expected:
-                    raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr!r}")
-                if i >= warmup:
-                    samples[name].append(elapsed)
-        return samples
-
-
-def ms(values: list[float], p: float) -> float:
-    return percentile(values, p) * 1000
-
-
-def row(label: str, values: list[float], baseline: list[float] | None = None) -> str:
-    line = f"  {label:<58}{ms(values, 50):9.2f}{ms(values, 90):9.2f}"
-    if baseline is not None:
-        line += f"{statistics.median(values) / statistics.median(baseline):9.2f}x"
-    return line
-
-
-def report(s: dict[str, list[float]], cli: dict[str, list[float]] | None) -> None:
-    raw = s["raw"]
-    print(f"{'/bin/true started through':<60}{'median':>9}{'p90':>9}{'vs raw':>10}  (ms)")
-    print(row("gatewayd: Daemon.exec_in_run (the exec path)", s["exec"], raw))
-    print(row("  without its audit entry: RunSandbox.exec", s["session"], raw))
-    print(row("  without plan building too: run_in_sandbox", s["launcher"], raw))
-    print(row("raw bwrap: same argv, memfds, child setup", raw, raw))
-    print(row("plain /bin/true (subprocess.run)", s["plain"], raw))
-    print("  parts of exec, timed alone in the same rounds:")
-    print(row("  plan build + validate (RunSandbox.plan)", s["plan"]))
-    print(row("  memfds: plan data + seccomp filter", s["memfds"]))
-    print(row("  one durable audit append (exec_started)", s["audit1"]))
-
-    print(f"{'run create + teardown':<60}{'median':>9}{'p90':>9}")
-    print(row("Daemon.start_run + Daemon.end_run, fresh run", s["create"]))
-    print(row("  start_run", s["start_run"]))
-    print(row("  end_run", s["end_run"]))
-    print("  parts, timed alone in the same rounds:")
-    parts = {
-        "netns_create": "network namespace create (pyroute2, lo up, verify)",
-        "netns_remove": "network namespace remove",
-        "lend": "lease: lend the workspace (walk, chown, fsynced record)",
-        "give_back": "lease: give the workspace back (walk, chown)",
-        "uids": "uid pool acquire/release + pids_of_uid (/proc scans)",
-        "registry": "registry create/remove (policy load, run directory)",
-        "audit2": "two durable audit appends (run_created, run_ended)",
-    }
-    for key, label in parts.items():
-        print(row(f"  {label}", s[key]))
-    rest = statistics.median(s["create"]) - sum(statistics.median(s[key]) for key in parts)
-    print(
-        f"  {'  rest (median total minus part medians): listener, socket,':<58}"
-        f"{rest * 1000:9.2f}\n    run dir chown, thread hand-offs, trio scheduling"
-    )
-
-    ratio = statistics.median(s["exec"]) / statistics.median(raw)
-    ratio90 = percentile(s["exec"], 90) / percentile(raw, 90)
-    create_ms = ms(s["create"], 50)
-    print(
-        f"target exec <= {EXEC_TARGET_RATIO}x raw bwrap: "
-        f"{'MET' if ratio <= EXEC_TARGET_RATIO else 'NOT MET'} "
-        f"({ratio:.2f}x at the median, {ratio90:.2f}x at p90)"
-    )
-    print(
-        f"target run create + teardown < {CREATE_TARGET_MS:.0f} ms: "
-        f"{'MET' if create_ms < CREATE_TARGET_MS else 'NOT MET'} "
-        f"({create_ms:.1f} ms median, {ms(s['create'], 90):.1f} ms p90)"
-    )
-    if cli is None:
-        return
-    print(f"{'full CLI path (separate, live gatewayd serve)':<60}{'median':>9}{'p90':>9}")
-    print(row("gatewayd exec RUN -- /bin/true", cli["cli_exec"]))
-    print(row("gatewayd exec <unknown run> -- /bin/true (no sandbox)", cli["cli_unknown"]))
-    print(row("python3 -I -S -c pass", cli["python"]))
-    print(
-        "  the CLI is a new Python process: its start-up and one control request "
-        f"(the unknown-run row) are {ms(cli['cli_unknown'], 50) / ms(cli['cli_exec'], 50):.0%} "
-        "of the full path"
-    )
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iterations", type=int, default=200, help="measured rounds, in-process")
-    ap.add_argument("--warmup", type=int, default=10, help="unmeasured rounds first")
-    ap.add_argument(
-        "--cli-iterations", type=int, default=30, help="rounds of the CLI path (0: skip it)"
-    )
-    args = ap.parse_args()
-    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
-    if os.geteuid() != 0 or not os.path.exists(BWRAP) or not os.path.exists(TRUE):
-        print("sandbox_launch: needs root, /usr/bin/bwrap and /bin/true", file=sys.stderr)
-        return 2
-    version = subprocess.run([BWRAP, "--version"], capture_output=True, text=True).stdout.strip()
-    print(
-        f"sandbox_launch: {env_info()}; {version}; kernel {os.uname().release}; "
-        f"{args.iterations} rounds after {args.warmup} warm-up, order rotated; "
-        "durable audit on; no cgroups (the daemon passes none)"
-    )
-    samples = trio.run(in_process, args.warmup, args.iterations)
-    cli = None
-    if args.cli_iterations > 0:
-        cli = cli_path(min(args.warmup, 3), args.cli_iterations)
-    report(samples, cli)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+@@REST@@

@@ -40,4 +40,15 @@ def summarize(policy: Policy, source: str) -> str:
         f"  rate: {limits.calls_per_second:g} calls/s, burst {limits.burst}",
         f"  concurrent calls: {limits.max_concurrent_calls}",
     ]
+    box = policy.sandbox
+    lines += [
+        "sandbox:",
+        "  OS sandbox: "
+        + ("required" if policy.require_os_sandbox else "optional (runs degraded without it)"),
+        "  host variables passed: "
+        + (", ".join(policy.env.allow) if policy.env.allow else "none (LANG, TERM only)"),
+        f"  per command: {box.timeout_s:g} s wall, {box.cpu_s} s CPU, {box.max_processes} "
+        f"processes, {box.max_file_mb} MiB per file, {box.max_open_files} open files, "
+        f"{box.max_output_bytes} bytes of output kept",
+    ]
     return "\n".join(lines)

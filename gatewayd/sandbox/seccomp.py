@@ -12,7 +12,7 @@ filter removes the kernel interfaces that are the usual first step of a namespac
 kernel exploit (ptrace, mount, namespaces, keyrings, BPF, perf, io_uring, userfaultfd, module
 and kexec loading) so that a bug behind them is out of reach. It is a denylist on purpose (the
 issue's "at least refuses"): an allowlist breaks arbitrary tools in ways that are hard to
-diagnose. The table below is the one source of truth; ``docs/sandbox-seccomp.md`` holds its
+diagnose. The table below is the one source of truth; ``docs/sandbox.md#seccomp`` holds its
 rendering (:func:`render_markdown_table`) and a test keeps the two equal.
 
 Architecture: the filter holds the native architecture only (x86_64 here). A system call made
@@ -451,7 +451,7 @@ def write_filter(fd: int) -> None:
 
 
 def render_markdown_table() -> str:
-    """The denylist as the markdown table in ``docs/sandbox-seccomp.md`` (a test keeps the
+    """The denylist as the markdown table in ``docs/sandbox.md`` (a test keeps the
     document equal to this)."""
     lines = ["| system call | answer | refused when | why |", "| --- | --- | --- | --- |"]
     for entry in DENIED_SYSCALLS:

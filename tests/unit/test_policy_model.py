@@ -77,6 +77,10 @@ def test_minimal_policy_gets_every_default_and_allows_nothing() -> None:
         max_concurrent_calls=DEFAULT_MAX_CONCURRENT_CALLS,
     )
     assert policy.limits.burst == 100
+    # The strict side of every sandbox setting: required, nothing passed, default limits.
+    assert policy.require_os_sandbox is True
+    assert policy.env.allow == ()
+    assert policy.sandbox.timeout_s == 600 and policy.sandbox.max_processes == 256
 
 
 def test_full_policy_keeps_every_field_and_normalizes_roots() -> None:
@@ -273,6 +277,35 @@ def test_every_bad_field_is_reported_at_once() -> None:
             "limits.max_concurrent_calls",
             "less than or equal to 1024",
         ),
+        ("version: 1\nname: p\nrequire_os_sandbox: 'no'", "require_os_sandbox", "valid boolean"),
+        ("version: 1\nname: p\nrequire_os_sandbox: 0", "require_os_sandbox", "valid boolean"),
+        ("version: 1\nname: p\nenv: {allow: [1BAD]}", "env.allow.0", "not an environment"),
+        ("version: 1\nname: p\nenv: {allow: ['A=B']}", "env.allow.0", "not an environment"),
+        ("version: 1\nname: p\nenv: {allow: [HOME]}", "env.allow.0", "reserved: PATH, HOME"),
+        (
+            "version: 1\nname: p\nenv: {allow: [COGNI_RUN_ID]}",
+            "env.allow.0",
+            "set by gatewayd in every sandbox",
+        ),
+        ("version: 1\nname: p\nenv: {pass: [X]}", "env.pass", "allowed fields: allow"),
+        ("version: 1\nname: p\nsandbox: {timeout_s: 0}", "sandbox.timeout_s", "greater than 0"),
+        (
+            "version: 1\nname: p\nsandbox: {timeout_s: 86401}",
+            "sandbox.timeout_s",
+            "less than or equal to 86400",
+        ),
+        (
+            "version: 1\nname: p\nsandbox: {max_processes: 3}",
+            "sandbox.max_processes",
+            "greater than or equal to 4",
+        ),
+        (
+            "version: 1\nname: p\nsandbox: {max_open_files: 8}",
+            "sandbox.max_open_files",
+            "greater than or equal to 16",
+        ),
+        ("version: 1\nname: p\nsandbox: {cpu_s: 1.5}", "sandbox.cpu_s", "valid integer"),
+        ("version: 1\nname: p\nsandbox: {memory_mb: 5}", "sandbox.memory_mb", "unknown field"),
     ],
 )
 def test_invalid_top_level_and_limit_fields_name_the_field(

@@ -17,7 +17,11 @@ def test_summary_of_an_empty_policy_says_it_denies_everything() -> None:
           call timeout: 30 s
           max output: 1048576 bytes per response value
           rate: 50 calls/s, burst 100
-          concurrent calls: 16""")
+          concurrent calls: 16
+        sandbox:
+          OS sandbox: required
+          host variables passed: none (LANG, TERM only)
+          per command: 600 s wall, 300 s CPU, 256 processes, 1024 MiB per file, 1024 open files, 1048576 bytes of output kept""")
 
 
 def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -> None:
@@ -35,6 +39,10 @@ def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -
                 docs: {root: /srv/docs, mode: ro, mount: /data/docs}
             limits: {call_timeout_s: 2.5, max_output_bytes: 4096, calls_per_second: 0.5,
                      max_concurrent_calls: 2}
+            require_os_sandbox: false
+            env: {allow: [TZ, PIP_INDEX_URL]}
+            sandbox: {timeout_s: 90, cpu_s: 60, max_processes: 32, max_file_mb: 10,
+                      max_open_files: 64, max_output_bytes: 2048}
         """),
         "mixed.yaml",
     )
@@ -53,4 +61,8 @@ def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -
           call timeout: 2.5 s
           max output: 4096 bytes per response value
           rate: 0.5 calls/s, burst 1
-          concurrent calls: 2""")
+          concurrent calls: 2
+        sandbox:
+          OS sandbox: optional (runs degraded without it)
+          host variables passed: TZ, PIP_INDEX_URL
+          per command: 90 s wall, 60 s CPU, 32 processes, 10 MiB per file, 64 open files, 2048 bytes of output kept""")
