@@ -71,7 +71,7 @@ from gatewayd.runs import Grant, RunRequest
 from gatewayd.sandbox.cgroup import CgroupSupport, create_command_cgroup
 from gatewayd.sandbox.launch import BWRAP, CLONE_NEWNET, ExecResult, run_in_sandbox, sandbox_argv
 from gatewayd.sandbox.lease import give_back, lend
-from gatewayd.sandbox.limits import HostUser, SandboxLimits, rlimits
+from gatewayd.sandbox.limits import HostUser, LimitMechanism, SandboxLimits, rlimits
 from gatewayd.sandbox.netns import create_run_netns, remove_run_netns, remove_stale_netns
 from gatewayd.sandbox.plan import SandboxPlan
 from gatewayd.sandbox.seccomp import write_filter
@@ -174,7 +174,8 @@ class RawBwrap:
             env={},
             pass_fds=self.fds,
             start_new_session=True,
-            preexec_fn=self._child_setup(procs_files),  # noqa: PLW1509 (syscalls only)
+            # Forked from a worker thread that waits for it; the child only makes syscalls.
+            preexec_fn=self._child_setup(procs_files),
         )
         elapsed = time.perf_counter() - started
         if proc.returncode != 0:
@@ -236,7 +237,9 @@ def rmdir_when_empty(directory: Path) -> int:
         time.sleep(RMDIR_POLL_S)
 
 
-def raw_in_cgroup(raw: RawBwrap, cgroups: CgroupSupport, run_id: str, limits: SandboxLimits) -> Durations:
+def raw_in_cgroup(
+    raw: RawBwrap, cgroups: CgroupSupport, run_id: str, limits: SandboxLimits
+) -> Durations:
     """Raw bwrap in a fresh command cgroup, timed in three parts. Blocking."""
     started = time.perf_counter()
     cgroup = create_command_cgroup(
@@ -255,6 +258,19 @@ def raw_in_cgroup(raw: RawBwrap, cgroups: CgroupSupport, run_id: str, limits: Sa
         "cg_remove": removed - ran,
         "cg_busy": float(busy > 0),
     }
+
+
+def launcher_rlimits(sandbox: RunSandbox) -> tuple[tuple[int, int, int], ...]:
+    """The launcher's rlimit table for this host: no RLIMIT_AS/RLIMIT_NPROC where the
+    command's cgroup limits memory/processes instead (as ``run_in_sandbox`` decides)."""
+    cgroups = sandbox.settings.cgroups
+    memory = LimitMechanism.RLIMIT if cgroups is None else LimitMechanism.CGROUP
+    pids = (
+        LimitMechanism.CGROUP
+        if cgroups is not None and cgroups.pids_parent is not None
+        else LimitMechanism.RLIMIT
+    )
+    return rlimits(sandbox.limits.for_command(None), memory=memory, processes=pids)
 
 
 def plain_true() -> float:
@@ -343,7 +359,8 @@ class InProcess:
 
     async def exec_raw_cgroup(self) -> Durations:
         cgroups = self.sandbox.settings.cgroups
-        assert cgroups is not None  # only offered with cgroups
+        if cgroups is None:  # only offered with cgroups
+            raise RuntimeError("no command cgroups on this host")
         return await trio.to_thread.run_sync(
             raw_in_cgroup, self.raw, cgroups, self.sandbox.run_id, self.limits
         )
@@ -486,9 +503,7 @@ async def in_process(warmup: int, iterations: int) -> tuple[dict[str, list[float
                         fds=(*data_fds.values(), seccomp_fd),
                         netns_fd=netns_fd,
                         user=sandbox.user,
-                        # The launcher's table for this host: no RLIMIT_AS/NPROC where a
-                        # command cgroup limits those instead.
-                        rlimit_table=rlimits(sandbox.limits.for_command(None)),
+                        rlimit_table=launcher_rlimits(sandbox),
                     )
                     bench = InProcess(daemon, base, policy, sandbox, raw)
                     samples = await rounds(bench.variants(), warmup, iterations)
@@ -496,4 +511,201 @@ async def in_process(warmup: int, iterations: int) -> tuple[dict[str, list[float
         finally:
             # Only if interrupted mid-round could a namespace of ours be left.
             remove_stale_netns(prefix)
-@@REST@@
+
+
+@contextlib.contextmanager
+def live_daemon() -> Iterator[tuple[Path, str]]:
+    """A real `gatewayd serve` with the OS sandbox and one run; yields (state dir, run id)."""
+    prefix, uids = bench_ids()
+    with bench_dir("cg-bsl-cli-") as base:
+        state = base / "state"
+        policy = base / "policy.yaml"
+        policy.write_text(POLICY)
+        ws = make_workspace(base / "ws")
+        log_path = base / "gatewayd.log"
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(
+                [
+                    str(BIN / "gatewayd"),
+                    "serve",
+                    "--state-dir",
+                    str(state),
+                    "--netns-prefix",
+                    prefix,
+                    "--sandbox-uids",
+                    f"{uids.base}+{uids.count}",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=SUBPROCESS_ENV,
+            )
+        try:
+            deadline = time.monotonic() + SERVE_START_S
+            while True:  # the socket file appears just before it listens
+                with contextlib.suppress(OSError):
+                    if control(state / "control.sock", "GET", "/v1/health")[0] == 200:
+                        break
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gatewayd serve did not start:\n{log_path.read_text()}")
+                time.sleep(0.02)
+            status, data = control(
+                state / "control.sock",
+                "POST",
+                "/v1/runs",
+                {
+                    "workspacePath": str(ws),
+                    "policy": str(policy),
+                    "actorId": "bench",
+                    "tenantId": "bench",
+                    "grant": {"allowSandbox": True},
+                },
+            )
+            if status != 201:
+                raise RuntimeError(f"run creation failed: {status} {data}")
+            yield state, data["run"]["runId"]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def cli_path(warmup: int, iterations: int) -> dict[str, list[float]]:
+    python = os.path.realpath(sys.executable)  # the binary behind the venv's python
+    with live_daemon() as (state, run_id):
+        gatewayd = [str(BIN / "gatewayd"), "exec", "--state-dir", str(state)]
+        cases: dict[str, tuple[list[str], int]] = {
+            "cli_exec": ([*gatewayd, run_id, "--", TRUE], 0),
+            # Refused at the lookup: start-up, imports and one control request, no sandbox.
+            "cli_unknown": ([*gatewayd, "0" * 32, "--", TRUE], 1),
+            "python": ([python, "-I", "-S", "-c", "pass"], 0),
+        }
+        rng = random.Random(ORDER_SEED)
+        samples: dict[str, list[float]] = {name: [] for name in cases}
+        for i in range(warmup + iterations):
+            order = list(cases)
+            rng.shuffle(order)
+            for name in order:
+                cmd, expected = cases[name]
+                started = time.perf_counter()
+                proc = subprocess.run(cmd, capture_output=True, env=SUBPROCESS_ENV)
+                elapsed = time.perf_counter() - started
+                if proc.returncode != expected:
+                    raise RuntimeError(f"{cmd} exited {proc.returncode}: {proc.stderr!r}")
+                if i >= warmup:
+                    samples[name].append(elapsed)
+        return samples
+
+
+def ms(values: list[float], p: float) -> float:
+    return percentile(values, p) * 1000
+
+
+def row(label: str, values: list[float] | None, baseline: list[float] | None = None) -> str:
+    if values is None:
+        return f"  {label:<60}{'n/a (no cgroups here)':>20}"
+    line = f"  {label:<60}{ms(values, 50):9.2f}{ms(values, 90):9.2f}"
+    if baseline is not None:
+        line += f"{statistics.median(values) / statistics.median(baseline):9.2f}x"
+    return line
+
+
+def report(s: dict[str, list[float]], cli: dict[str, list[float]] | None) -> None:
+    raw = s["raw"]
+    print(f"{'/bin/true started through':<62}{'median':>9}{'p90':>9}{'vs raw':>10}  (ms)")
+    print(row("gatewayd: Daemon.exec_in_run (the exec path)", s["exec"], raw))
+    print(row("  without its audit entry: RunSandbox.exec", s["session"], raw))
+    print(row("  without plan building too: run_in_sandbox", s.get("launcher_cg"), raw))
+    print(row("  without the command cgroup too: cgroups=None", s["launcher"], raw))
+    print(row("raw bwrap: same argv, memfds, child setup", raw, raw))
+    print(row("raw bwrap in a fresh command cgroup, rmdir polled at 0.2 ms", s.get("raw_cg"), raw))
+    print(row("plain /bin/true (subprocess.run)", s["plain"], raw))
+    print("  parts, timed alone in the same rounds:")
+    print(row("  plan build + validate (RunSandbox.plan)", s["plan"]))
+    print(row("  memfds: plan data + seccomp filter", s["memfds"]))
+    print(row("  one durable audit append (exec_started)", s["audit1"]))
+    print(row("  command cgroup: mkdir + limits", s.get("cg_make")))
+    print(row("  command cgroup: until rmdir succeeds after the command", s.get("cg_remove")))
+    if "cg_busy" in s:
+        busy = statistics.mean(s["cg_busy"])
+        print(f"    (rmdir answered EBUSY at first in {busy:.0%} of rounds; the launcher then")
+        print("     sleeps its 10 ms REMOVE_POLL_S before trying again)")
+
+    print(f"{'run create + teardown':<62}{'median':>9}{'p90':>9}  (ms)")
+    print(row("Daemon.start_run + Daemon.end_run, a fresh run", s["create"]))
+    print(row("  start_run", s["start_run"]))
+    print(row("  end_run", s["end_run"]))
+    print("  parts, timed alone in the same rounds:")
+    parts = {
+        "netns_create": "network namespace create (pyroute2, lo up, verify)",
+        "netns_remove": "network namespace remove",
+        "lend": "lease: lend the workspace (walk, chown, fsynced record)",
+        "give_back": "lease: give the workspace back (walk, chown)",
+        "uids": "uid pool acquire/release + pids_of_uid (/proc scans)",
+        "registry": "registry create/remove (policy load, run directory)",
+        "audit2": "two durable audit appends (run_created, run_ended)",
+    }
+    for key, label in parts.items():
+        print(row(f"  {label}", s[key]))
+    rest = statistics.median(s["create"]) - sum(statistics.median(s[key]) for key in parts)
+    print(
+        f"  {'  rest: total median minus part medians (listener, socket, chown,':<60}{rest * 1000:9.2f}"
+    )
+    print("    thread hand-offs, trio scheduling)")
+
+    ratio = statistics.median(s["exec"]) / statistics.median(raw)
+    ratio90 = percentile(s["exec"], 90) / percentile(raw, 90)
+    create_ms = ms(s["create"], 50)
+    print(
+        f"target exec <= {EXEC_TARGET_RATIO}x raw bwrap: "
+        f"{'MET' if ratio <= EXEC_TARGET_RATIO else 'NOT MET'} "
+        f"({ratio:.2f}x at the median, {ratio90:.2f}x at p90)"
+    )
+    print(
+        f"target run create + teardown < {CREATE_TARGET_MS:.0f} ms: "
+        f"{'MET' if create_ms < CREATE_TARGET_MS else 'NOT MET'} "
+        f"({create_ms:.1f} ms median, {ms(s['create'], 90):.1f} ms p90)"
+    )
+    if cli is None:
+        return
+    print(f"{'full CLI path, separately (a live gatewayd serve)':<62}{'median':>9}{'p90':>9}  (ms)")
+    print(row("gatewayd exec RUN -- /bin/true", cli["cli_exec"]))
+    print(row("gatewayd exec <unknown run> -- /bin/true (refused, no sandbox)", cli["cli_unknown"]))
+    print(row("python3 -I -S -c pass", cli["python"]))
+    share = statistics.median(cli["cli_unknown"]) / statistics.median(cli["cli_exec"])
+    print(
+        f"  the CLI is a new Python process: start-up, imports and one control request "
+        f"(the unknown-run row) are {share:.0%} of it"
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--iterations", type=int, default=200, help="measured rounds, in-process")
+    ap.add_argument("--warmup", type=int, default=10, help="unmeasured rounds first")
+    ap.add_argument(
+        "--cli-iterations", type=int, default=30, help="rounds of the CLI path (0: skip it)"
+    )
+    args = ap.parse_args()
+    os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
+    configure_logging(logging.WARNING)  # run_started/run_ended per round would drown it
+    if os.geteuid() != 0 or not os.path.exists(BWRAP) or not os.path.exists(TRUE):
+        print("sandbox_launch: needs root, /usr/bin/bwrap and /bin/true", file=sys.stderr)
+        return 2
+    version = subprocess.run([BWRAP, "--version"], capture_output=True, text=True).stdout.strip()
+    print(
+        f"sandbox_launch: {env_info()}; {version}; kernel {os.uname().release}; "
+        f"{args.iterations} rounds after {args.warmup} warm-up, shuffled order; "
+        "durable audit on"
+    )
+    samples, cgroup_note = trio.run(in_process, args.warmup, args.iterations)
+    print(f"  the daemon uses {cgroup_note}")
+    cli = None
+    if args.cli_iterations > 0:
+        cli = cli_path(min(args.warmup, 3), args.cli_iterations)
+    report(samples, cli)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -435,13 +436,16 @@ async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime:
     """The one-shot run's command, in the run's sandbox; returns gatewayd's exit status."""
     from gatewayd.errors import GatewayError
 
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The command's output is shown as it comes (all of it; the result keeps the cap).
+    echo = (_writer(sys.stdout.fileno()), _writer(sys.stderr.fileno()))
     try:
-        result = await daemon.exec_in_run(run.run_id, cmd, timeout_s=max_runtime)
+        result = await daemon.exec_in_run(run.run_id, cmd, timeout_s=max_runtime, echo=echo)
     except GatewayError as exc:
         print(f"gatewayd: the sandbox could not start: {exc}", file=sys.stderr)
         await _end_one_shot(daemon, run, "not started")
         return EXIT_FAILED
-    _write_output(result.stdout, result.stderr)
     status = _exec_status(result.exitCode, result.signal, _str_or_none(result.errorCode))
     outcome = _describe_exec(result.exitCode, result.signal, _str_or_none(result.errorCode))
     await _end_one_shot(daemon, run, outcome)
@@ -452,13 +456,20 @@ def _str_or_none(value: object) -> str | None:
     return None if value is None else str(value)
 
 
+def _writer(fd: int) -> Callable[[bytes], None]:
+    def write(data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+
+    return write
+
+
 def _write_output(stdout: bytes, stderr: bytes) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    for stream, data in ((sys.stdout, stdout), (sys.stderr, stderr)):
-        view = memoryview(data)
-        while view:
-            view = view[os.write(stream.fileno(), view) :]
+    _writer(sys.stdout.fileno())(stdout)
+    _writer(sys.stderr.fileno())(stderr)
 
 
 def _exec_status(exit_code: int | None, sig: int | None, error: str | None) -> int:

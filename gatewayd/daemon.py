@@ -22,7 +22,7 @@ from gatewayd.policy import PolicyError
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
 from gatewayd.sandbox.cgroup import probe_cgroups, remove_empty_leftovers
-from gatewayd.sandbox.launch import BWRAP, ExecResult
+from gatewayd.sandbox.launch import BWRAP, Echo, ExecResult
 from gatewayd.sandbox.netns import NETNS_PREFIX
 from gatewayd.sandbox.plan import probe_host_layout
 from gatewayd.sandbox.session import (
@@ -248,6 +248,7 @@ class Daemon:
         *,
         stdin: bytes | None = None,
         timeout_s: float | None = None,
+        echo: Echo | None = None,
     ) -> ExecResult:
         """Run ``command`` in the run's sandbox (host to sandbox, issue 3 item 8); audited
         before it starts and when it ends.
@@ -271,7 +272,7 @@ class Daemon:
             detail={"command": command[:64], "timeoutS": timeout_s},
         )
         try:
-            result = await run.sandbox.exec(command, stdin=stdin, timeout_s=timeout_s)
+            result = await run.sandbox.exec(command, stdin=stdin, timeout_s=timeout_s, echo=echo)
         except Exception as exc:
             self.audit.record(
                 "event",

@@ -78,6 +78,10 @@ EXIT_POLL_S: Final = 0.01
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+# Where a command's output goes as it arrives, besides the capture: (stdout, stderr).
+Echo = tuple[Callable[[bytes], None], Callable[[bytes], None]]
+
+
 class LaunchError(GatewayError):
     """The sandbox could not be started (gatewayd's or the host's fault, never the command's);
     the message names what failed."""
@@ -133,6 +137,7 @@ async def run_in_sandbox(
     stdin: bytes | None = None,
     bwrap: str = BWRAP,
     cgroups: CgroupSupport | None = None,
+    echo: Echo | None = None,
 ) -> ExecResult:
     """Run ``plan.command`` in the sandbox the plan describes, inside network namespace
     ``netns``, as ``host_user``, within ``limits``; return its :class:`ExecResult`.
@@ -142,7 +147,9 @@ async def run_in_sandbox(
     ``cgroups`` (from :func:`~gatewayd.sandbox.cgroup.probe_cgroups`, once per daemon):
     where available, memory and process count are limited by the command's own cgroup
     and an OOM kill is reported as ``oom_killed``; None or unavailable keeps RLIMIT_AS
-    and RLIMIT_NPROC.
+    and RLIMIT_NPROC. ``echo`` (stdout sink, stderr sink) is called with every chunk as it
+    arrives, all of it, not only the kept part: `gatewayd run` shows a long command's
+    progress this way. A sink must not block for long (the command waits meanwhile).
 
     Resource handling: the memfds and the netns descriptor are closed once bwrap runs; on
     timeout the tree gets SIGTERM, then SIGKILL after ``limits.kill_grace_s``; on
@@ -156,7 +163,9 @@ async def run_in_sandbox(
     """
     cgroup = _create_cgroup(plan.run_id, limits, cgroups)
     try:
-        return await _start_and_supervise(plan, netns, limits, host_user, stdin, bwrap, cgroup)
+        return await _start_and_supervise(
+            plan, netns, limits, host_user, stdin, bwrap, cgroup, echo
+        )
     finally:
         if cgroup is not None:
             with trio.CancelScope(shield=True):
@@ -190,6 +199,7 @@ async def _start_and_supervise(
     stdin: bytes | None,
     bwrap: str,
     cgroup: CommandCgroup | None,
+    echo: Echo | None,
 ) -> ExecResult:
     with contextlib.ExitStack() as fds:
         data_fds = {step.dest: _memfd(fds, "cogni-data", step.data) for step in plan.data_steps}
@@ -226,7 +236,7 @@ async def _start_and_supervise(
             for fd in child_ends:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-    return await _supervise(process, started, out_r, err_r, in_w, stdin, limits, cgroup)
+    return await _supervise(process, started, out_r, err_r, in_w, stdin, limits, cgroup, echo)
 
 
 def _memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
@@ -291,9 +301,10 @@ async def _supervise(
     stdin: bytes | None,
     limits: SandboxLimits,
     cgroup: CommandCgroup | None,
+    echo: Echo | None,
 ) -> ExecResult:
-    stdout = _Capture(limits.max_output_bytes)
-    stderr = _Capture(limits.max_output_bytes)
+    stdout = _Capture(limits.max_output_bytes, None if echo is None else echo[0])
+    stderr = _Capture(limits.max_output_bytes, None if echo is None else echo[1])
     timed_out = False
     pidfd = os.pidfd_open(process.pid)
     try:
@@ -344,8 +355,9 @@ class _Capture:
     """Keeps the first ``cap`` bytes of a pipe and reads (and drops) the rest to its end,
     so the command never blocks on a full pipe."""
 
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, sink: Callable[[bytes], None] | None = None) -> None:
         self.cap = cap
+        self.sink = sink
         self.data = bytearray()
         self.truncated = False
         self.done = trio.Event()
@@ -354,6 +366,8 @@ class _Capture:
         async with stream:
             try:
                 while chunk := await stream.receive_some(READ_CHUNK):
+                    if self.sink is not None:
+                        self.sink(chunk)
                     room = self.cap - len(self.data)
                     if len(chunk) > room:
                         self.truncated = True

@@ -35,7 +35,7 @@ from gatewayd.policy.paths import PathGrant, PathMode
 from gatewayd.protocol import ErrorCode
 from gatewayd.sandbox.cgroup import CgroupSupport
 from gatewayd.sandbox.image import ImageError, require_image
-from gatewayd.sandbox.launch import ExecResult, run_in_sandbox
+from gatewayd.sandbox.launch import Echo, ExecResult, run_in_sandbox
 from gatewayd.sandbox.lease import Lease, give_back, lend, read_lease
 from gatewayd.sandbox.limits import HostUser, SandboxLimits
 from gatewayd.sandbox.netns import (
@@ -242,6 +242,7 @@ class RunSandbox:
         stdin: bytes | None = None,
         timeout_s: float | None = None,
         env_values: Mapping[str, str] | None = None,
+        echo: Echo | None = None,
     ) -> ExecResult:
         """Run ``command`` in a fresh sandbox of this run and return what it did.
 
@@ -264,6 +265,7 @@ class RunSandbox:
                     stdin=stdin,
                     bwrap=self.settings.bwrap,
                     cgroups=self.settings.cgroups,
+                    echo=echo,
                 )
             finally:
                 self._running.discard(scope)

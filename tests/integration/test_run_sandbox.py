@@ -1073,3 +1073,40 @@ def test_an_image_that_cannot_be_a_root_refuses_the_run_with_every_problem(base:
     assert proc.returncode == 1
     assert "bad_request" in proc.stderr and "/usr/bin/python3" in proc.stderr
     assert "/workspace" in proc.stderr  # a missing mount point is named with its fix
+
+
+def test_gatewayd_run_shows_the_commands_output_as_it_comes(base: Path) -> None:
+    ws = base / "ws"
+    ws.mkdir()
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    from tests.livedaemon import sandbox_options
+
+    proc = subprocess.Popen(
+        [
+            str(Path(sys.executable).parent / "gatewayd"),
+            "run",
+            "--state-dir",
+            str(base / "state"),
+            *sandbox_options(),
+            "--workspace",
+            str(ws),
+            "--policy",
+            str(policy),
+            "--",
+            "sh",
+            "-c",
+            "echo first; sleep 1; echo second",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    assert proc.stdout is not None
+    try:
+        first = proc.stdout.readline()
+        still_running = proc.poll() is None  # the command is still sleeping
+        rest = proc.stdout.read()
+    finally:
+        proc.wait(timeout=30)
+    assert first == b"first\n" and still_running
+    assert rest == b"second\n"  # shown once, not again at the end
