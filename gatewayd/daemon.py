@@ -237,6 +237,7 @@ class Daemon:
                 max_file_mb=limits.max_file_mb,
                 max_open_files=limits.max_open_files,
                 max_output_bytes=limits.max_output_bytes,
+                tmp_mb=limits.tmp_mb,
             ),
             image_dir=None if image is None else Path(image),
         )

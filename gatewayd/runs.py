@@ -76,7 +76,8 @@ class Grant(_Strict):
 
 class RunLimits(_Strict):
     maxRuntimeSec: int = pydantic.Field(default=3600, gt=0, le=7 * 24 * 3600)
-    maxMemoryMb: int = pydantic.Field(default=2048, gt=0, le=1 << 20)
+    # At least 64 MiB: bwrap and the sandbox's init need that much to start at all.
+    maxMemoryMb: int = pydantic.Field(default=2048, ge=64, le=1 << 20)
 
 
 class RunRequest(_Strict):

@@ -328,6 +328,9 @@ DEFAULT_SANDBOX_MAX_PROCESSES: Final = 256
 DEFAULT_SANDBOX_MAX_FILE_MB: Final = 1024
 DEFAULT_SANDBOX_MAX_OPEN_FILES: Final = 1024
 DEFAULT_SANDBOX_MAX_OUTPUT_BYTES: Final = 1 << 20
+# /tmp and /dev/shm are memory: without a cap each could take half the host's RAM, and
+# RLIMIT_AS does not count it (a memory cgroup does).
+DEFAULT_SANDBOX_TMP_MB: Final = 512
 
 
 class SandboxSection(Section):
@@ -348,6 +351,7 @@ class SandboxSection(Section):
     max_output_bytes: Annotated[int, Field(strict=True, ge=0, le=64 << 20)] = (
         DEFAULT_SANDBOX_MAX_OUTPUT_BYTES
     )
+    tmp_mb: Annotated[int, Field(strict=True, ge=1, le=1 << 20)] = DEFAULT_SANDBOX_TMP_MB
 
 
 class Policy(Section):

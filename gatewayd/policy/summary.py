@@ -49,6 +49,7 @@ def summarize(policy: Policy, source: str) -> str:
         + (", ".join(policy.env.allow) if policy.env.allow else "none (LANG, TERM only)"),
         f"  per command: {box.timeout_s:g} s wall, {box.cpu_s} s CPU, {box.max_processes} "
         f"processes, {box.max_file_mb} MiB per file, {box.max_open_files} open files, "
-        f"{box.max_output_bytes} bytes of output kept",
+        f"{box.max_output_bytes} bytes of output kept, {box.tmp_mb} MiB each for /tmp "
+        "and /dev/shm",
     ]
     return "\n".join(lines)

@@ -72,6 +72,8 @@ READ_CHUNK: Final = 64 * 1024  # one pipe's worth per read
 # After the command is gone its pipes close at once (every writer was in its pid
 # namespace); this bounds the drain in case something still holds one.
 DRAIN_AFTER_EXIT_S: Final = 2.0
+# After SIGKILL, how long to wait for the kernel to finish off the namespace's processes.
+TREE_GONE_WAIT_S: Final = 2.0
 # How often the grace period checks whether the tree has gone.
 EXIT_POLL_S: Final = 0.01
 
@@ -387,12 +389,18 @@ async def _terminate_tree(process: subprocess.Popen[bytes], pidfd: int, grace_s:
     """SIGTERM every process in the sandbox but its init, wait ``grace_s`` for the command to
     end (its init then ends the namespace), then SIGKILL bwrap and the init: killing a pid
     namespace's init kills every process in it."""
+    namespaces = {_pid_namespace(pid) for pid in _children(process.pid)} - {None}
     _kill_tree(process.pid, signal.SIGTERM)
     with trio.move_on_after(grace_s):
         await trio.lowlevel.wait_readable(pidfd)
-        return
-    _kill_tree(process.pid, signal.SIGKILL)
-    await trio.lowlevel.wait_readable(pidfd)
+    if process.poll() is None:
+        _kill_tree(process.pid, signal.SIGKILL)
+        await trio.lowlevel.wait_readable(pidfd)
+    # SIGKILL takes effect asynchronously: the result says "timeout" only once no
+    # process of the sandbox's pid namespace is left running.
+    with trio.move_on_after(TREE_GONE_WAIT_S):
+        while any(_pid_namespace(pid) in namespaces for pid in _running_pids()):
+            await trio.sleep(EXIT_POLL_S)
 
 
 def _kill_tree(bwrap_pid: int, sig: signal.Signals) -> None:
@@ -410,6 +418,18 @@ def _kill_tree(bwrap_pid: int, sig: signal.Signals) -> None:
     for pid in targets:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
+
+
+def _running_pids() -> Iterator[int]:
+    """Every pid that is not a zombie (a zombie runs nothing; its parent reaps it)."""
+    for pid in _all_pids():
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                state = stat.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"Z", b"X"):
+            yield pid
 
 
 def _all_pids() -> Iterator[int]:

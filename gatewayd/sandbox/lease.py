@@ -12,6 +12,11 @@ Crash safety: the lease is written (atomically, fsynced) into the run's private
 directory before the first chown, so a daemon that dies mid-run leaves a record its
 successor uses to give everything back (:func:`read_lease`, then :func:`give_back`).
 
+Hard-linked files (more than one link) are not lent: another name of the inode may lie
+outside the tree (a workspace holding a link to /etc/passwd), and lending it would give
+the run a host file. The sandbox cannot make such links itself (link(2) fails across
+mounts, and nothing outside its workspace is writable).
+
 Safe against a hostile tree: the walk never follows a symlink (``os.fwalk`` with
 ``follow_symlinks=False`` opens each directory relative to its verified parent), and
 ownership changes use ``lchown`` semantics. Returning happens only once every process
@@ -117,7 +122,14 @@ def lend(trees: list[Path], user: HostUser, record_dir: Path) -> Lease:
     _write_record(record_dir / LEASE_FILE, lease.to_json())
     try:
         for tree in lease.trees:
-            _rechown(Path(tree.path), tree.owner_uid, tree.owner_gid, user.uid, user.gid)
+            _rechown(
+                Path(tree.path),
+                tree.owner_uid,
+                tree.owner_gid,
+                user.uid,
+                user.gid,
+                skip_hard_links=True,
+            )
     except OSError as exc:
         give_back(lease)
         raise LeaseError(f"cannot lend the workspace to the sandbox: {exc}") from exc
@@ -147,15 +159,27 @@ def read_lease(run_dir: Path) -> Lease | None:
         raise LeaseError(f"unreadable lease record {record}: {exc}") from exc
 
 
-def _rechown(root: Path, from_uid: int, from_gid: int, to_uid: int, to_gid: int) -> int:
+def _rechown(
+    root: Path,
+    from_uid: int,
+    from_gid: int,
+    to_uid: int,
+    to_gid: int,
+    *,
+    skip_hard_links: bool = False,
+) -> int:
     """chown every entry of ``root`` (root included) owned by ``from_uid`` to ``to_uid``;
-    its group becomes ``to_gid`` only where it was ``from_gid``."""
+    its group becomes ``to_gid`` only where it was ``from_gid``. ``skip_hard_links``
+    leaves files with more than one link alone (when lending: another name of the same
+    inode may lie outside the tree, e.g. /etc/passwd, and must never become the run's)."""
     changed = 0
 
     def move(name: str | Path, dir_fd: int | None) -> None:
         nonlocal changed
         st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         if st.st_uid != from_uid:
+            return
+        if skip_hard_links and st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
             return
         gid = to_gid if st.st_gid == from_gid else _KEEP
         os.chown(name, to_uid, gid, dir_fd=dir_fd, follow_symlinks=False)

@@ -45,6 +45,8 @@ SANDBOX_GID: Final = 1000
 SANDBOX_USER: Final = "sandbox"
 # The host's name says which machine this is; the sandbox does not need to know.
 SANDBOX_HOSTNAME: Final = "cogni-sandbox"
+# A tmpfs smaller than a page cannot hold a file.
+MIN_TMPFS_BYTES: Final = 4096
 
 # Options every plan gets, in this order (bubblewrap 0.8.0, Debian 12).
 ISOLATION_OPTIONS: Final[tuple[str, ...]] = (
@@ -167,7 +169,11 @@ class RoBindData:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tmpfs:
+    """A private tmpfs at ``dest``; ``size_bytes`` caps it (None: the kernel's default,
+    half of RAM, which RLIMIT_AS does not count)."""
+
     dest: str
+    size_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,6 +279,7 @@ def build_plan(
     netns_path: str,
     layout: HostLayout,
     image_dir: str | None = None,
+    tmpfs_bytes: int | None = None,
 ) -> SandboxPlan:
     """The plan for ``command`` in run ``run_id``; call :func:`validate` on it before use.
 
@@ -282,9 +289,14 @@ def build_plan(
     host's system directories; it must contain the mount points (/workspace, /run/cogni,
     /opt/cogni-tool, and the policy paths' parents), since bwrap cannot create them there.
 
+    ``tmpfs_bytes`` caps /tmp and /dev/shm each (None: the kernel's default).
+
     Error handling: raises :class:`PlanError` for an unusable run id, environment name or
-    value, a reserved extra name, or a system symlink pointing outside /usr.
+    value, a reserved extra name, a tmpfs size under one page, or a system symlink
+    pointing outside /usr.
     """
+    if tmpfs_bytes is not None and tmpfs_bytes < MIN_TMPFS_BYTES:
+        raise PlanError(f"tmpfs size {tmpfs_bytes} is under one page ({MIN_TMPFS_BYTES} bytes)")
     if not _RUN_ID.fullmatch(run_id):
         raise PlanError(f"run id {run_id!r} is not 1-64 characters of [A-Za-z0-9_-]")
     if not command:
@@ -304,7 +316,10 @@ def build_plan(
             RoBindData(data=_hosts(), dest="/etc/hosts"),
             Proc(dest="/proc"),
             Dev(dest="/dev"),
-            Tmpfs(dest="/tmp"),
+            # POSIX shared memory (multiprocessing, some databases) needs a writable
+            # /dev/shm; /dev itself is made read-only at the end.
+            Tmpfs(dest="/dev/shm", size_bytes=tmpfs_bytes),
+            Tmpfs(dest="/tmp", size_bytes=tmpfs_bytes),
             Bind(src=workspace_host, dest=WORKSPACE),
         )
     )
@@ -316,7 +331,9 @@ def build_plan(
     steps.append(RoBind(src=cogni_tool_host_dir, dest=COGNI_TOOL_VISIBLE_DIR))
     steps.append(RoBind(src=gateway_socket_host, dest=SANDBOX_SOCKET))
     # Last: the root tmpfs bwrap builds (and the directories it made for mount points) is
-    # writable otherwise; the mounts below it keep their own modes.
+    # writable otherwise, and so is the tmpfs --dev makes; the mounts below them keep
+    # their own modes (remounting is not recursive).
+    steps.append(RemountRo(dest="/dev"))
     steps.append(RemountRo(dest="/"))
     return SandboxPlan(
         run_id=run_id,
@@ -596,8 +613,10 @@ def _step_args(step: Step, *, fd: int | None) -> list[str]:
             return ["--bind", src, dest]
         case RoBindData(dest=dest):
             return ["--ro-bind-data", "FD" if fd is None else str(fd), dest]
-        case Tmpfs(dest=dest):
+        case Tmpfs(dest=dest, size_bytes=None):
             return ["--tmpfs", dest]
+        case Tmpfs(dest=dest, size_bytes=size):
+            return ["--size", str(size), "--tmpfs", dest]
         case Proc(dest=dest):
             return ["--proc", dest]
         case Dev(dest=dest):

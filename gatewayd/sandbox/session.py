@@ -41,6 +41,8 @@ from gatewayd.sandbox.limits import HostUser, SandboxLimits
 from gatewayd.sandbox.netns import (
     NetnsHandle,
     create_run_netns,
+    netns_name,
+    netns_path,
     remove_run_netns,
     remove_stale_netns,
 )
@@ -48,6 +50,7 @@ from gatewayd.sandbox.plan import (
     CLIENT_COPY_DIR,
     COGNI_TOOL_VISIBLE_DIR,
     HostLayout,
+    PlanError,
     PolicyMount,
     SandboxPlan,
     build_plan,
@@ -86,6 +89,13 @@ class ImageRefused(SandboxUnavailable):
     code = ErrorCode.BAD_REQUEST
 
 
+class UnsafeMounts(SandboxUnavailable):
+    """The workspace or a policy path would expose what no sandbox may see (the plan's
+    checks); nothing was lent or created."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
 class WorkspaceUnreachable(SandboxUnavailable):
     """A directory to bind cannot be reached by the sandbox's uid (the operator's choice
     of directory, not gatewayd's fault)."""
@@ -118,6 +128,7 @@ class CommandLimits:
     max_file_mb: int
     max_open_files: int
     max_output_bytes: int
+    tmp_mb: int  # /tmp and /dev/shm, each
 
     def for_command(self, timeout_s: float | None) -> SandboxLimits:
         """This run's limits, with a caller's shorter (never longer) timeout."""
@@ -184,6 +195,25 @@ class RunSandbox:
                     require_image(image_dir, policy_mount_points=[m.visible for m in mounts])
                 except ImageError as exc:
                     raise ImageRefused(str(exc)) from exc
+            # The whole plan is checked before anything is lent: a workspace or policy
+            # path at or above a host secret (/etc, /root, the state directory...) must
+            # be refused before gatewayd chowns a single file of it.
+            try:
+                _plan(
+                    run_id=run_id,
+                    settings=settings,
+                    workspace=workspace,
+                    mounts=mounts,
+                    socket_path=socket_path,
+                    netns_path=netns_path(netns_name(run_id, prefix=settings.netns_prefix)),
+                    env_names=env_names,
+                    image_dir=image_dir,
+                    limits=limits,
+                    command=["true"],
+                    env_values={},
+                )
+            except PlanError as exc:
+                raise UnsafeMounts(f"run refused: {exc}") from exc
             netns = await trio.to_thread.run_sync(
                 lambda: create_run_netns(run_id, prefix=settings.netns_prefix)
             )
@@ -218,22 +248,19 @@ class RunSandbox:
 
     def plan(self, command: Sequence[str], env_values: Mapping[str, str]) -> SandboxPlan:
         """The bwrap plan for ``command`` in this run (validated)."""
-        plan = build_plan(
+        return _plan(
             run_id=self.run_id,
-            workspace_host=str(self.workspace),
-            policy_paths=self.mounts,
-            gateway_socket_host=str(self.socket_path),
-            cogni_tool_host_dir=str(self.settings.cogni_tool_dir),
+            settings=self.settings,
+            workspace=self.workspace,
+            mounts=self.mounts,
+            socket_path=self.socket_path,
+            netns_path=self.netns.path,
+            env_names=self.env_names,
+            image_dir=self.image_dir,
+            limits=self.limits,
             command=command,
-            extra_env_names=self.env_names,
             env_values=env_values,
-            state_dir=str(self.settings.state_dir),
-            netns_path=str(self.netns.path),
-            layout=self.settings.layout,
-            image_dir=None if self.image_dir is None else str(self.image_dir),
         )
-        validate(plan)
-        return plan
 
     async def exec(
         self,
@@ -296,6 +323,39 @@ class RunSandbox:
         returned = give_back(self.lease)
         removed = remove_run_netns(self.netns.name)
         return {"processesKilled": killed, "entriesReturned": returned, "netnsRemoved": removed}
+
+
+def _plan(
+    *,
+    run_id: str,
+    settings: SandboxSettings,
+    workspace: Path,
+    mounts: Sequence[PolicyMount],
+    socket_path: Path,
+    netns_path: Path,
+    env_names: Sequence[str],
+    image_dir: Path | None,
+    limits: CommandLimits,
+    command: Sequence[str],
+    env_values: Mapping[str, str],
+) -> SandboxPlan:
+    plan = build_plan(
+        run_id=run_id,
+        workspace_host=str(workspace),
+        policy_paths=mounts,
+        gateway_socket_host=str(socket_path),
+        cogni_tool_host_dir=str(settings.cogni_tool_dir),
+        command=command,
+        extra_env_names=env_names,
+        env_values=env_values,
+        state_dir=str(settings.state_dir),
+        netns_path=str(netns_path),
+        layout=settings.layout,
+        image_dir=None if image_dir is None else str(image_dir),
+        tmpfs_bytes=limits.tmp_mb * _MIB,
+    )
+    validate(plan)
+    return plan
 
 
 def _kill_uid(uid: int) -> int:

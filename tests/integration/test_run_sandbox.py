@@ -10,8 +10,10 @@ fails inside, or by the host's audit log, never by reading our own configuration
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import json
 import os
+import pty
 import secrets
 import shutil
 import socket
@@ -32,7 +34,7 @@ from gatewayd.errors import AuthzDenied, PolicyViolation
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from gatewayd.sandbox.launch import ExecResult
 from gatewayd.sandbox.netns import NETNS_RUN_DIR
-from gatewayd.sandbox.session import WorkspaceUnreachable
+from gatewayd.sandbox.session import UnsafeMounts, WorkspaceUnreachable
 from gatewayd.sandbox.uids import UidRange, pids_of_uid
 from tests.conftest import frame, raw_exchange, read_frame
 
@@ -420,8 +422,11 @@ out = [
     attempt("write_usr", lambda: open("/usr/x", "w")),
     attempt("write_root", lambda: open("/x", "w")),
     attempt("write_opt", lambda: open("/opt/cogni-tool/x", "w")),
+    attempt("write_dev", lambda: open("/dev/x", "w")),
+    attempt("sys", lambda: os.listdir("/sys")),
     attempt("write_ws", lambda: open("/workspace/x", "w")),
     attempt("write_tmp", lambda: open("/tmp/x", "w")),
+    attempt("write_shm", lambda: open("/dev/shm/x", "w")),
 ]
 print(" ".join(out))
 """
@@ -446,8 +451,11 @@ async def test_host_secrets_and_other_trees_are_invisible_and_only_workspace_and
         "write_usr:EROFS",
         "write_root:EROFS",
         "write_opt:EROFS",
+        "write_dev:EROFS",
+        "sys:ENOENT",
         "write_ws:ok",
         "write_tmp:ok",
+        "write_shm:ok",  # private tmpfs, like /tmp (POSIX shared memory needs it)
     ], result.stderr
 
 
@@ -467,17 +475,25 @@ async def test_no_host_variable_or_secret_reaches_the_sandbox(sb: Sandboxed) -> 
                 blob += open(f"/proc/{pid}/environ", "rb").read()
             except OSError:
                 pass
-        print(blob.count(b"="))
+        import hashlib
+        # Every environment value in the sandbox, as digests: the host checks for its
+        # secret's digest without handing the secret in.
+        values = {item.split(b"=", 1)[-1] for item in blob.split(b"\\0") if item}
+        print(" ".join(sorted(hashlib.sha256(v).hexdigest() for v in values)))
         print(open("/proc/1/cmdline", "rb").read().split(b"\\0")[0].decode())
         """,
     )
-    names, count, init = result.stdout.decode().splitlines()
+    names, digests, init = result.stdout.decode().splitlines()
     passed = [name for name in ("LANG", "TERM") if name in os.environ]
     # PWD: bwrap sets it to the working directory (/workspace) after --chdir.
     expected = sorted(["PATH", "HOME", "PWD", "COGNI_GATEWAY_SOCK", "COGNI_RUN_ID", *passed])
     assert json.loads(names.replace("'", '"')) == expected
     assert secret.encode() not in result.stdout
-    assert int(count) > 0  # the environ files were readable: the secret is truly absent
+    seen = set(digests.split())
+    # The probe read real environments (its own /workspace is one of the values) ...
+    assert hashlib.sha256(b"/workspace").hexdigest() in seen
+    # ... and the host's secret is in none of them.
+    assert hashlib.sha256(secret.encode()).hexdigest() not in seen
     assert init == "/usr/bin/bwrap"  # /proc/1 inside is the sandbox's own init, not the host's
 
 
@@ -492,6 +508,102 @@ async def test_the_policy_env_allowlist_passes_exactly_the_named_variables(
         del os.environ["COGNI_TEST_ALLOWED"]
     assert "('COGNI_TEST_ALLOWED', 'visible')" in result.stdout.decode()
     assert SECRET_NAME.encode() not in result.stdout
+
+
+TTY_PROBE = r"""
+import fcntl, os, termios
+try:
+    fd = os.open("/dev/tty", os.O_RDWR)
+    fcntl.ioctl(fd, termios.TIOCSTI, b"x")
+    print("typed into the terminal")
+except OSError as e:
+    print("tty:", e.strerror)
+print("isatty:", any(os.isatty(n) for n in (0, 1, 2)))
+"""
+
+
+def test_a_sandbox_started_from_a_terminal_cannot_reach_that_terminal(base: Path) -> None:
+    # gatewayd run from an operator's terminal: the sandbox gets a new session and no
+    # controlling terminal, so it cannot type into the operator's shell (TIOCSTI).
+    ws = base / "ws"
+    ws.mkdir()
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    from tests.livedaemon import sandbox_options
+
+    argv = [str(Path(sys.executable).parent / "gatewayd"), "run"]
+    argv += ["--state-dir", str(base / "state"), *sandbox_options()]
+    argv += ["--workspace", str(ws), "--policy", str(policy), "--", PY, "-c", TTY_PROBE]
+    pid, terminal = pty.fork()
+    if pid == 0:  # the child: gatewayd with the pty as its controlling terminal
+        os.execv(argv[0], argv)
+    output = b""
+    try:
+        while True:
+            try:
+                chunk = os.read(terminal, 4096)
+            except OSError:  # EIO: the terminal's last user is gone
+                break
+            if not chunk:
+                break
+            output += chunk
+    finally:
+        os.close(terminal)
+        _, status = os.waitpid(pid, 0)
+    text = output.decode(errors="replace")
+    assert os.waitstatus_to_exitcode(status) == 0, text
+    assert "tty: No such device or address" in text
+    assert "isatty: False" in text
+    assert "typed into the terminal" not in text
+
+
+async def test_abstract_unix_sockets_of_the_host_are_out_of_reach(sb: Sandboxed) -> None:
+    # Abstract socket names live in the network namespace: a host service listening on
+    # one (X11, D-Bus, containerd do) is invisible from the run's namespace.
+    name = f"cogni-test-{secrets.token_hex(4)}"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    run = await sb.run()
+    try:
+        result = await sb.py(
+            run,
+            """
+            import socket, sys
+            s = socket.socket(socket.AF_UNIX)
+            try:
+                s.connect("\\0" + sys.argv[1]); print("connected")
+            except OSError as e:
+                print(type(e).__name__)
+            """,
+            name,
+        )
+        with socket.socket(socket.AF_UNIX) as host_side:  # it works from the host
+            host_side.connect("\0" + name)
+    finally:
+        listener.close()
+    assert result.stdout.strip() == b"ConnectionRefusedError", result.stderr
+
+
+async def test_tmp_and_dev_shm_are_capped_by_the_policy(sb: Sandboxed) -> None:
+    run = await sb.run(
+        POLICY.replace("max_output_bytes: 65536", "max_output_bytes: 65536, tmp_mb: 2")
+    )
+    result = await sb.py(
+        run,
+        """
+        import errno
+        for path in ("/tmp/fill", "/dev/shm/fill"):
+            try:
+                with open(path, "wb") as f:
+                    for _ in range(8):
+                        f.write(b"x" * (1 << 20))
+                print("filled")
+            except OSError as e:
+                print(errno.errorcode[e.errno])
+        """,
+    )
+    assert result.stdout.split() == [b"ENOSPC", b"ENOSPC"], result.stderr
 
 
 KERNEL_PROBE = r"""
@@ -1110,3 +1222,72 @@ def test_gatewayd_run_shows_the_commands_output_as_it_comes(base: Path) -> None:
         proc.wait(timeout=30)
     assert first == b"first\n" and still_running
     assert rest == b"second\n"  # shown once, not again at the end
+
+
+# --- the lease: what lending the workspace must never do -------------------------------
+
+
+async def test_a_workspace_that_would_expose_the_state_dir_is_refused_before_anything_is_lent(
+    sb: Sandboxed,
+) -> None:
+    # The base holds the state directory (every run's socket): as a workspace it is
+    # refused by the plan's checks, which run before a single file is chowned.
+    canary = sb.base / "canary.md"
+    canary.write_text("x")
+    with pytest.raises(UnsafeMounts, match=r"exposes .*state") as caught:
+        await sb.run(workspace=sb.base)
+    assert getattr(caught.value, "code", None) == "bad_request"
+    assert os.stat(canary).st_uid == 0 and os.stat(sb.base).st_uid == 0
+    assert sb.daemon.uid_pool.in_use == 0
+    assert not [
+        p for p in NETNS_RUN_DIR.iterdir() if p.name.startswith(sb.daemon.config.netns_prefix)
+    ]
+
+
+async def test_a_hard_link_in_the_workspace_is_not_lent_so_its_other_name_stays_safe(
+    sb: Sandboxed,
+) -> None:
+    outside = sb.base / "outside.txt"  # stands for /etc/passwd: a host file, one inode
+    outside.write_text("host data\n")
+    ws = sb.workspace()
+    os.link(outside, ws / "linked.txt")
+    run = await sb.run(workspace=ws)
+    assert os.stat(outside).st_uid == 0  # not lent
+    result = await sb.py(
+        run,
+        """
+        import errno
+        print(open("/workspace/linked.txt").read().strip())
+        try:
+            open("/workspace/linked.txt", "a").write("pwned")
+            print("written")
+        except OSError as e:
+            print(errno.errorcode[e.errno])
+        """,
+    )
+    assert result.stdout.split(b"\n")[:2] == [b"host data", b"EACCES"], result.stderr
+    await sb.daemon.end_run(run.run_id)
+    assert outside.read_text() == "host data\n" and os.stat(outside).st_uid == 0
+
+
+async def test_a_setuid_file_made_in_the_sandbox_comes_back_without_its_setuid_bit(
+    sb: Sandboxed,
+) -> None:
+    ws = sb.workspace()
+    run = await sb.run(workspace=ws)
+    result = await sb.py(
+        run,
+        """
+        import os, shutil
+        shutil.copy("/bin/true", "/workspace/suid")
+        os.chmod("/workspace/suid", 0o6755)
+        print(oct(os.stat("/workspace/suid").st_mode & 0o7777))
+        """,
+    )
+    assert result.stdout.strip() == b"0o6755", result.stderr
+    await sb.daemon.end_run(run.run_id)
+    st = os.stat(ws / "suid")
+    # Root owns it now; the kernel cleared set-user-ID and set-group-ID on the chown, so
+    # the sandbox cannot leave a setuid-root program behind on the host.
+    assert st.st_uid == 0
+    assert not st.st_mode & (stat.S_ISUID | stat.S_ISGID), oct(st.st_mode)

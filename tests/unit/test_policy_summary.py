@@ -9,7 +9,9 @@ from gatewayd.policy import load_policy_text, summarize
 
 def test_summary_of_an_empty_policy_says_it_denies_everything() -> None:
     policy = load_policy_text("version: 1\nname: nothing\n", "p.yaml")
-    assert summarize(policy, "policies/p.yaml") == textwrap.dedent("""\
+    assert (
+        summarize(policy, "policies/p.yaml")
+        == textwrap.dedent("""\
         policy nothing (version 1) from policies/p.yaml
         tools: none (deny all)
         paths: none (no file is reachable)
@@ -21,7 +23,8 @@ def test_summary_of_an_empty_policy_says_it_denies_everything() -> None:
         sandbox:
           OS sandbox: required
           host variables passed: none (LANG, TERM only)
-          per command: 600 s wall, 300 s CPU, 256 processes, 1024 MiB per file, 1024 open files, 1048576 bytes of output kept""")
+          per command: 600 s wall, 300 s CPU, 256 processes, 1024 MiB per file, 1024 open files, 1048576 bytes of output kept, 512 MiB each for /tmp and /dev/shm""")
+    )
 
 
 def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -> None:
@@ -42,11 +45,13 @@ def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -
             require_os_sandbox: false
             env: {allow: [TZ, PIP_INDEX_URL]}
             sandbox: {timeout_s: 90, cpu_s: 60, max_processes: 32, max_file_mb: 10,
-                      max_open_files: 64, max_output_bytes: 2048}
+                      max_open_files: 64, max_output_bytes: 2048, tmp_mb: 8}
         """),
         "mixed.yaml",
     )
-    assert summarize(policy, "mixed.yaml") == textwrap.dedent("""\
+    assert (
+        summarize(policy, "mixed.yaml")
+        == textwrap.dedent("""\
         policy mixed (version 1) from mixed.yaml
           Several rules.
         tools: fs.*, time.now
@@ -65,4 +70,5 @@ def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -
         sandbox:
           OS sandbox: optional (runs degraded without it)
           host variables passed: TZ, PIP_INDEX_URL
-          per command: 90 s wall, 60 s CPU, 32 processes, 10 MiB per file, 64 open files, 2048 bytes of output kept""")
+          per command: 90 s wall, 60 s CPU, 32 processes, 10 MiB per file, 64 open files, 2048 bytes of output kept, 8 MiB each for /tmp and /dev/shm""")
+    )

@@ -425,8 +425,10 @@ def test_argv_order_options_then_env_then_mounts_then_command() -> None:
     assert clearenv < min(setenvs) and max(setenvs) < first_mount
     assert argv.index("/workspace") < argv.index("/workspace/docs")
     remount = argv.index("--remount-ro")
-    assert argv[remount + 1] == "/"
-    assert argv[remount + 2 :] == ["--chdir", "/workspace", "--", *plan.command]
+    # /dev (the tmpfs --dev makes; /dev/shm, its own tmpfs, stays writable), then /.
+    assert argv[remount : remount + 4] == ["--remount-ro", "/dev", "--remount-ro", "/"]
+    assert argv[remount + 4 :] == ["--chdir", "/workspace", "--", *plan.command]
+    assert argv.index("/dev/shm") < remount
     for option in ("--ro-bind", "--bind", "--tmpfs", "--proc", "--dev", "--symlink"):
         assert max(i for i, a in enumerate(argv) if a == option) < remount
 
@@ -495,3 +497,25 @@ def test_any_policy_paths_validate_or_raise_plan_error_and_never_leak(
     for i, option in enumerate(argv):
         if option == "--bind":
             assert not any(within(argv[i + 2], s) for s in ("/usr", "/etc", "/proc", "/dev"))
+
+
+def test_tmp_and_dev_shm_get_the_size_cap_and_dev_is_made_read_only() -> None:
+    plan = make_plan(tmpfs_bytes=8 << 20)
+    argv = render_argv(plan, bwrap="/usr/bin/bwrap", data_fds=fds_for(plan))
+    tmpfs = [i for i, arg in enumerate(argv) if arg == "--tmpfs"]
+    assert sorted(argv[i + 1] for i in tmpfs) == ["/dev/shm", "/tmp"]
+    for at in tmpfs:
+        assert argv[at - 2 : at] == ["--size", str(8 << 20)], argv[at + 1]
+    assert (
+        argv.index("--dev")
+        < argv.index("/dev/shm")
+        < argv.index("/dev", argv.index("--remount-ro"))
+    )
+    uncapped = render_argv(make_plan(), bwrap="/usr/bin/bwrap", data_fds=fds_for(plan))
+    assert "--size" not in uncapped
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095])
+def test_a_tmpfs_under_one_page_is_refused(size: int) -> None:
+    with pytest.raises(PlanError, match="under one page"):
+        make_plan(tmpfs_bytes=size)

@@ -30,7 +30,7 @@ from gatewayd.sandbox.seccomp import (
     write_filter,
 )
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "sandbox-seccomp.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "sandbox.md"
 BY_NAME = {entry.name: entry for entry in DENIED_SYSCALLS}
 # What issue 3 ("Hardening") requires the filter to refuse at least.
 REQUIRED = [
