@@ -230,6 +230,10 @@ def rmdir_when_empty(directory: Path) -> int:
         try:
             directory.rmdir()
             return busy
+        except FileNotFoundError:
+            # Another daemon's start-up sweep removes empty command cgroups under the same
+            # parent; the launcher tolerates that too.
+            return busy
         except OSError as exc:
             if exc.errno != errno.EBUSY:
                 raise

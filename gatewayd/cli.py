@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-runtime",
         type=int,
         default=None,
-        help="seconds before the run and its command are stopped (default 3600)",
+        help="seconds before the run ends (default 3600); its command is also bounded by "
+        "the policy's sandbox.timeout_s (default 600), whichever is shorter",
     )
     run.add_argument(
         "--tool",
@@ -395,6 +396,15 @@ def _run(args: argparse.Namespace) -> int:
                 "its command runs on the host without isolation",
                 file=sys.stderr,
             )
+            # Audited like a sandboxed command, marked degraded: the reviewer sees what
+            # ran without isolation.
+            await daemon.audit.append(
+                "event",
+                event="exec_started",
+                runId=run.run_id,
+                detail={"command": cmd[:64], "timeoutS": max_runtime},
+                degraded=run.degraded,
+            )
             # Cancelling run_process stops the command (SIGTERM, then SIGKILL).
             with trio.move_on_after(max_runtime) as scope:
                 proc = await trio.run_process(
@@ -414,6 +424,17 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 rc = proc.returncode
                 status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
+            daemon.audit.record(
+                "event",
+                event="exec_ended",
+                runId=run.run_id,
+                detail={
+                    "exitCode": rc if rc >= 0 else None,
+                    "signal": -rc if rc < 0 and not scope.cancelled_caught else None,
+                    "errorCode": "timeout" if scope.cancelled_caught else None,
+                },
+                degraded=run.degraded,
+            )
             await _end_one_shot(daemon, run, f"exit {rc}")
 
     trio.run(one_shot)

@@ -111,7 +111,7 @@ class Daemon:
             probe_user = self.uid_pool.acquire()
             try:
                 self.support = await trio.to_thread.run_sync(
-                    probe_os_sandbox, config.bwrap, probe_user
+                    probe_os_sandbox, config.bwrap, probe_user, config.netns_prefix
                 )
             finally:
                 self.uid_pool.release(probe_user)

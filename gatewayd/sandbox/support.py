@@ -17,11 +17,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from gatewayd.errors import GatewayError
 from gatewayd.sandbox.limits import HostUser
+from gatewayd.sandbox.netns import NetnsError, create_run_netns, netns_name, remove_run_netns
+from gatewayd.sandbox.seccomp import build_filter
 
 USERNS_SYSCTL: Final = Path("/proc/sys/user/max_user_namespaces")
 # The probe is one tiny bwrap start; a host that takes longer is broken, not slow.
 PROBE_TIMEOUT_S: Final = 10.0
+# The probe's namespace: a run id no run gets (runs are random; this one is all zeros).
+PROBE_RUN_ID: Final = "0" * 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +37,11 @@ class SandboxSupport:
     reason: str = ""
 
 
-def probe_os_sandbox(bwrap: str, probe_user: HostUser) -> SandboxSupport:
+def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> SandboxSupport:
     """Check the pieces a run needs: root (network namespaces, uid switch), user
-    namespaces, and bwrap actually starting a sandbox as ``probe_user``. Blocking."""
+    namespaces, the seccomp filter (libseccomp), a network namespace (made and removed
+    under ``netns_prefix``), and bwrap actually starting a sandbox as ``probe_user``.
+    Blocking."""
     if os.geteuid() != 0:
         return SandboxSupport(
             False,
@@ -52,6 +59,15 @@ def probe_os_sandbox(bwrap: str, probe_user: HostUser) -> SandboxSupport:
         return SandboxSupport(
             False, f"bubblewrap is not installed at {bwrap} (Debian: apt-get install bubblewrap)"
         )
+    try:
+        build_filter()  # every command gets this filter: without libseccomp, none starts
+    except GatewayError as exc:
+        return SandboxSupport(False, f"the seccomp filter cannot be built: {exc}")
+    try:
+        create_run_netns(PROBE_RUN_ID, prefix=netns_prefix)
+        remove_run_netns(netns_name(PROBE_RUN_ID, prefix=netns_prefix))
+    except NetnsError as exc:
+        return SandboxSupport(False, f"a run's network namespace cannot be made: {exc}")
 
     def drop() -> None:
         os.setgroups([])

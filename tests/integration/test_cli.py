@@ -78,6 +78,26 @@ def test_gatewayd_run_serves_the_command_and_reports_the_audit_path(base: Path) 
     assert verify.returncode == 0 and verify.stdout.startswith("OK")
 
 
+def test_a_degraded_run_warns_and_audits_its_command_and_calls_as_degraded(base: Path) -> None:
+    # --no-os-sandbox stands for a host without bubblewrap; OPEN_POLICY allows that.
+    proc = gw_run(base, "cogni-tool", "exec", "time.now", "{}")
+    assert "WARNING" in proc.stderr and "NO OS sandbox" in proc.stderr
+    entries = [
+        json.loads(line) for line in (base / "state/audit/audit.jsonl").read_text().splitlines()
+    ]
+    marked = [e for e in entries if e.get("degraded")]
+    assert [e.get("event", e["kind"]) for e in marked] == ["exec_started", "call", "exec_ended"]
+    assert all("--no-os-sandbox" in e["degraded"] for e in marked)
+    assert marked[-1]["detail"]["exitCode"] == 0
+
+
+def test_a_run_requiring_the_os_sandbox_is_refused_on_a_host_without_it(base: Path) -> None:
+    strict = OPEN_POLICY.replace("require_os_sandbox: false\n", "")
+    proc = gw_run(base, "true", policy=strict)
+    assert proc.returncode == 1
+    assert "policy_denied" in proc.stderr and "require_os_sandbox: false" in proc.stderr
+
+
 def test_gatewayd_run_exits_with_the_commands_status(base: Path) -> None:
     assert gw_run(base, "sh", "-c", "exit 7").returncode == 7
     assert gw_run(base, "sh", "-c", "kill -TERM $$").returncode == 128 + 15
