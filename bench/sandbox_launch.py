@@ -21,8 +21,9 @@ drift and after-effects (a cgroup or pid namespace still being torn down) hit al
   worker thread. Not in it: audit entries, plan building and validation, making the
   memfds, the command's cgroup, trio's supervision (pidfd, pipe drains, timeout scope);
 - the same raw bwrap joining a fresh command cgroup (made with gatewayd's own
-  ``create_command_cgroup``), removed afterwards by polling ``rmdir`` every 0.2 ms: what
-  a cgroup costs when nothing waits longer than it must;
+  ``create_command_cgroup``; the child times its writes to ``cgroup.procs``), removed
+  afterwards by polling ``rmdir`` every 0.2 ms: what a cgroup costs when nothing waits
+  longer than it must;
 - plain ``/bin/true`` via ``subprocess.run`` (no preexec_fn, so Python can vfork);
 - ``Daemon.start_run`` + ``Daemon.end_run`` of a fresh run (uid, network namespace,
   lease of a small workspace, run directory, socket, two durable audit entries), and
@@ -49,6 +50,7 @@ import secrets
 import shutil
 import signal
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -69,7 +71,14 @@ from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
 from gatewayd.logs import configure_logging
 from gatewayd.runs import Grant, RunRequest
 from gatewayd.sandbox.cgroup import CgroupSupport, create_command_cgroup
-from gatewayd.sandbox.launch import BWRAP, CLONE_NEWNET, ExecResult, run_in_sandbox, sandbox_argv
+from gatewayd.sandbox.launch import (
+    BWRAP,
+    CLONE_NEWNET,
+    ExecResult,
+    LaunchError,
+    run_in_sandbox,
+    sandbox_argv,
+)
 from gatewayd.sandbox.lease import give_back, lend
 from gatewayd.sandbox.limits import HostUser, LimitMechanism, SandboxLimits, rlimits
 from gatewayd.sandbox.netns import create_run_netns, remove_run_netns, remove_stale_netns
@@ -93,6 +102,8 @@ ORDER_SEED: Final = 3
 # The raw cgroup variant retries rmdir this often: far below the launcher's 10 ms poll,
 # so it shows how long a cgroup really stays busy after its command ended.
 RMDIR_POLL_S: Final = 0.0002
+# The raw cgroup variant's child reports how long joining its cgroups took (seconds).
+JOIN_REPORT: Final = struct.Struct("d")
 # litellm must never fetch its cost map at import (DESIGN.md), in any process we start.
 SUBPROCESS_ENV: Final = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 # Waiting for a live `gatewayd serve` to answer /v1/health.
@@ -100,7 +111,8 @@ SERVE_START_S: Final = 30.0
 
 # The shipped default max_processes (256) on purpose: each bwrap start keeps one process
 # of the run's uid counted for about a second after it exits (its pid namespace is torn
-# down late), so a low RLIMIT_NPROC would make back-to-back starts fail with EAGAIN.
+# down late), so with the rlimit fallback (the cgroups=None variant) a low RLIMIT_NPROC
+# would make back-to-back starts fail with EAGAIN.
 POLICY: Final = """\
 version: 1
 name: bench-sandbox
@@ -145,10 +157,19 @@ def bench_dir(prefix: str) -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
+class StartFailed(Exception):
+    """/bin/true did not run to a clean exit; the round's time for it is not recorded."""
+
+
+# A start that fails is counted and reported, never timed (it would time the failure).
+# On a shared host another daemon's start-up sweep of empty command cgroups can remove a
+# cgroup between its mkdir and the child's join: the child's preexec then fails.
+START_FAILURES: Final = (StartFailed, LaunchError, subprocess.SubprocessError)
+
+
 def check(result: ExecResult) -> None:
-    """A failed start would time the failure, not the launch."""
     if result.exitCode != 0 or result.errorCode is not None:
-        raise RuntimeError(f"/bin/true in the sandbox failed: {result}")
+        raise StartFailed(f"/bin/true in the sandbox failed: {result}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -161,9 +182,28 @@ class RawBwrap:
     user: HostUser
     rlimit_table: tuple[tuple[int, int, int], ...]
 
-    def start(self, procs_files: tuple[bytes, ...] = ()) -> float:
-        """Run it once, first joining the cgroups of ``procs_files``; returns the wall time
-        in seconds. Blocking: call it from a thread."""
+    def start(self) -> float:
+        """Run it once; returns the wall time in seconds. Blocking: call it from a thread."""
+        return self._run((), -1)
+
+    def start_joining(self, procs_files: tuple[bytes, ...]) -> tuple[float, float]:
+        """Run it once, the child first joining the cgroups of ``procs_files`` as the
+        launcher's does; returns the wall time and the time the joins took (measured in
+        the child). Blocking."""
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        try:
+            elapsed = self._run(procs_files, write_end)
+            os.close(write_end)
+            write_end = -1
+            report = os.read(read_end, JOIN_REPORT.size)
+        finally:
+            os.close(read_end)
+            if write_end >= 0:
+                os.close(write_end)
+        (joined,) = JOIN_REPORT.unpack(report)
+        return elapsed, float(joined)
+
+    def _run(self, procs_files: tuple[bytes, ...], report_fd: int) -> float:
         started = time.perf_counter()
         for fd in self.fds:
             os.lseek(fd, 0, os.SEEK_SET)  # bwrap reads each from the current offset
@@ -175,21 +215,24 @@ class RawBwrap:
             pass_fds=self.fds,
             start_new_session=True,
             # Forked from a worker thread that waits for it; the child only makes syscalls.
-            preexec_fn=self._child_setup(procs_files),
+            preexec_fn=self._child_setup(procs_files, report_fd),
         )
         elapsed = time.perf_counter() - started
         if proc.returncode != 0:
-            raise RuntimeError(f"raw bwrap failed ({proc.returncode}): {proc.stderr!r}")
+            raise StartFailed(f"raw bwrap failed ({proc.returncode}): {proc.stderr!r}")
         return elapsed
 
-    def _child_setup(self, procs_files: tuple[bytes, ...]) -> Callable[[], None]:
+    def _child_setup(self, procs_files: tuple[bytes, ...], report_fd: int) -> Callable[[], None]:
         def setup() -> None:
+            started = time.perf_counter()
             for procs in procs_files:  # first, as root, as the launcher does
                 fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
                 try:
                     os.write(fd, b"0")
                 finally:
                     os.close(fd)
+            if report_fd >= 0:
+                os.write(report_fd, JOIN_REPORT.pack(time.perf_counter() - started))
             if _libc.setns(self.netns_fd, CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
             for which, soft, hard in self.rlimit_table:
@@ -251,7 +294,7 @@ def raw_in_cgroup(
     )
     made = time.perf_counter()
     try:
-        raw.start(cgroup.procs_files)
+        _, joined = raw.start_joining(cgroup.procs_files)
     finally:
         ran = time.perf_counter()
         busy = sum(rmdir_when_empty(directory) for directory in cgroup.dirs)
@@ -259,6 +302,7 @@ def raw_in_cgroup(
     return {
         "raw_cg": removed - started,
         "cg_make": made - started,
+        "cg_join": joined,
         "cg_remove": removed - ran,
         "cg_busy": float(busy > 0),
     }
@@ -441,24 +485,32 @@ class InProcess:
         return {"audit2": time.perf_counter() - started}
 
 
-async def rounds(
-    variants: dict[str, Variant], warmup: int, iterations: int
-) -> dict[str, list[float]]:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Samples:
+    times: dict[str, list[float]]  # seconds, by measurement
+    failures: dict[str, list[str]]  # the failed starts' messages, by variant
+
+
+async def rounds(variants: dict[str, Variant], warmup: int, iterations: int) -> Samples:
     """Each variant once per round, in a new shuffled order each round."""
     rng = random.Random(ORDER_SEED)
-    samples: dict[str, list[float]] = {}
+    samples = Samples(times={}, failures={})
     for i in range(warmup + iterations):
         order = list(variants)
         rng.shuffle(order)
         for name in order:
-            got = await variants[name]()
+            try:
+                got = await variants[name]()
+            except START_FAILURES as exc:
+                samples.failures.setdefault(name, []).append(f"{type(exc).__name__}: {exc}")
+                continue
             if i >= warmup:
                 for key, value in got.items():
-                    samples.setdefault(key, []).append(value)
+                    samples.times.setdefault(key, []).append(value)
     return samples
 
 
-async def in_process(warmup: int, iterations: int) -> tuple[dict[str, list[float]], str]:
+async def in_process(warmup: int, iterations: int) -> tuple[Samples, str]:
     """Returns the samples and what the daemon said about cgroups."""
     prefix, uids = bench_ids()
     with bench_dir("cg-bsl-") as base:
@@ -612,7 +664,8 @@ def row(label: str, values: list[float] | None, baseline: list[float] | None = N
     return line
 
 
-def report(s: dict[str, list[float]], cli: dict[str, list[float]] | None) -> None:
+def report(samples: Samples, cli: dict[str, list[float]] | None) -> None:
+    s = samples.times
     raw = s["raw"]
     print(f"{'/bin/true started through':<62}{'median':>9}{'p90':>9}{'vs raw':>10}  (ms)")
     print(row("gatewayd: Daemon.exec_in_run (the exec path)", s["exec"], raw))
@@ -620,13 +673,14 @@ def report(s: dict[str, list[float]], cli: dict[str, list[float]] | None) -> Non
     print(row("  without plan building too: run_in_sandbox", s.get("launcher_cg"), raw))
     print(row("  without the command cgroup too: cgroups=None", s["launcher"], raw))
     print(row("raw bwrap: same argv, memfds, child setup", raw, raw))
-    print(row("raw bwrap in a fresh command cgroup, rmdir polled at 0.2 ms", s.get("raw_cg"), raw))
+    print(row("raw bwrap in a fresh command cgroup (rmdir polled at 0.2 ms)", s.get("raw_cg"), raw))
     print(row("plain /bin/true (subprocess.run)", s["plain"], raw))
     print("  parts, timed alone in the same rounds:")
     print(row("  plan build + validate (RunSandbox.plan)", s["plan"]))
     print(row("  memfds: plan data + seccomp filter", s["memfds"]))
     print(row("  one durable audit append (exec_started)", s["audit1"]))
     print(row("  command cgroup: mkdir + limits", s.get("cg_make")))
+    print(row("  command cgroup: join (the child writes cgroup.procs)", s.get("cg_join")))
     print(row("  command cgroup: until rmdir succeeds after the command", s.get("cg_remove")))
     if "cg_busy" in s:
         busy = statistics.mean(s["cg_busy"])
@@ -650,10 +704,8 @@ def report(s: dict[str, list[float]], cli: dict[str, list[float]] | None) -> Non
     for key, label in parts.items():
         print(row(f"  {label}", s[key]))
     rest = statistics.median(s["create"]) - sum(statistics.median(s[key]) for key in parts)
-    print(
-        f"  {'  rest: total median minus part medians (listener, socket, chown,':<60}{rest * 1000:9.2f}"
-    )
-    print("    thread hand-offs, trio scheduling)")
+    label = "  rest: total minus parts (listener, socket, hand-offs)"
+    print(f"  {label:<60}{rest * 1000:9.2f}")
 
     ratio = statistics.median(s["exec"]) / statistics.median(raw)
     ratio90 = percentile(s["exec"], 90) / percentile(raw, 90)
@@ -668,11 +720,13 @@ def report(s: dict[str, list[float]], cli: dict[str, list[float]] | None) -> Non
         f"{'MET' if create_ms < CREATE_TARGET_MS else 'NOT MET'} "
         f"({create_ms:.1f} ms median, {ms(s['create'], 90):.1f} ms p90)"
     )
+    for name, messages in samples.failures.items():
+        print(f"failed starts of {name!r}: {len(messages)} (not timed); first: {messages[0]}")
     if cli is None:
         return
     print(f"{'full CLI path, separately (a live gatewayd serve)':<62}{'median':>9}{'p90':>9}  (ms)")
     print(row("gatewayd exec RUN -- /bin/true", cli["cli_exec"]))
-    print(row("gatewayd exec <unknown run> -- /bin/true (refused, no sandbox)", cli["cli_unknown"]))
+    print(row("gatewayd exec <unknown run> (refused before any sandbox)", cli["cli_unknown"]))
     print(row("python3 -I -S -c pass", cli["python"]))
     share = statistics.median(cli["cli_unknown"]) / statistics.median(cli["cli_exec"])
     print(

@@ -26,17 +26,22 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
-    ValidationInfo,
     field_validator,
     model_validator,
 )
 from pydantic_core import ErrorDetails
 
 from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode
-from gatewayd.protocol import MAX_ID_CHARS
+from gatewayd.policy.review_section import ReviewSection
+from gatewayd.policy.section import (
+    PositiveInt,
+    Section,
+    StrictBool,
+    StrictStr,
+    ToolPattern,
+)
 
 POLICY_VERSION: Final = 1
 
@@ -82,8 +87,6 @@ RESERVED_VISIBLE_ROOTS: Final = tuple(
 
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PATH_NAME_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
-# An exact tool name ("fs.read") or a family wildcard ("fs.*"); see decide.tool_matches.
-_TOOL_PATTERN_RE: Final = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*(\.\*)?")
 _SUFFIX_RE: Final = re.compile(r"(\.[A-Za-z0-9_+~-]+)+")
 
 
@@ -119,15 +122,6 @@ def _check_path_name(value: str) -> str:
     return value
 
 
-def _check_tool_pattern(value: str) -> str:
-    if len(value) > MAX_ID_CHARS or not _TOOL_PATTERN_RE.fullmatch(value):
-        raise ValueError(
-            f"{value!r} is neither an exact tool name such as 'fs.read' nor a family "
-            "wildcard such as 'fs.*' (lowercase, dotted)"
-        )
-    return value
-
-
 def _check_suffix(value: str) -> str:
     if not _SUFFIX_RE.fullmatch(value):
         raise ValueError(
@@ -145,33 +139,12 @@ def _plain_parts(value: str, what: str) -> list[str]:
     return parts
 
 
-StrictStr = Annotated[str, Field(strict=True)]
-StrictBool = Annotated[bool, Field(strict=True)]
 PolicyName = Annotated[StrictStr, AfterValidator(_check_name)]
 PathRuleName = Annotated[StrictStr, AfterValidator(_check_path_name)]
-ToolPattern = Annotated[StrictStr, AfterValidator(_check_tool_pattern)]
 Suffix = Annotated[StrictStr, AfterValidator(_check_suffix)]
-PositiveInt = Annotated[int, Field(strict=True, ge=1)]
 
 
 # --- models ---------------------------------------------------------------------------
-
-
-class Section(BaseModel):
-    """Base of every policy model: frozen, unknown keys refused, empty keys default."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _empty_means_default(cls, value: Any, info: ValidationInfo) -> Any:
-        # In YAML "allow:" with nothing after it is null; for an optional field that
-        # reads as "not set", so it takes its default (never a looser one).
-        if value is None and info.field_name is not None:
-            field = cls.model_fields[info.field_name]
-            if not field.is_required():
-                return field.get_default(call_default_factory=True)
-        return value
 
 
 class ToolsSection(Section):
@@ -368,6 +341,7 @@ class Policy(Section):
     require_os_sandbox: StrictBool = True
     env: EnvSection = Field(default_factory=EnvSection)
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
+    review: ReviewSection = Field(default_factory=ReviewSection)
 
     @field_validator("version")
     @classmethod

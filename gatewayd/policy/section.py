@@ -1,0 +1,49 @@
+"""The base of every policy model and the field types several sections share.
+
+Kept apart from :mod:`.model` so that sections living in their own modules (the review
+section) use the same base without an import cycle.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Final
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from gatewayd.protocol import MAX_ID_CHARS
+
+# An exact tool name ("fs.read") or a family wildcard ("fs.*"); see decide.tool_matches.
+_TOOL_PATTERN_RE: Final = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*(\.\*)?")
+
+
+def _check_tool_pattern(value: str) -> str:
+    if len(value) > MAX_ID_CHARS or not _TOOL_PATTERN_RE.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is neither an exact tool name such as 'fs.read' nor a family "
+            "wildcard such as 'fs.*' (lowercase, dotted)"
+        )
+    return value
+
+
+StrictStr = Annotated[str, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
+ToolPattern = Annotated[StrictStr, AfterValidator(_check_tool_pattern)]
+PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+
+
+class Section(BaseModel):
+    """Base of every policy model: frozen, unknown keys refused, empty keys default."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _empty_means_default(cls, value: Any, info: ValidationInfo) -> Any:
+        # In YAML "allow:" with nothing after it is null; for an optional field that
+        # reads as "not set", so it takes its default (never a looser one).
+        if value is None and info.field_name is not None:
+            field = cls.model_fields[info.field_name]
+            if not field.is_required():
+                return field.get_default(call_default_factory=True)
+        return value
