@@ -61,6 +61,7 @@ bench: setup
 	$(PY) bench/gateway_rtt.py
 	$(PY) bench/cli_cold.py
 	$(PY) bench/audit_cost.py
+	$(PY) bench/sandbox_launch.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -126,7 +126,9 @@ class Daemon:
             if not cgroups.available:
                 log.warning("cgroups_unavailable", reason=cgroups.reason, fallback="rlimits")
             else:
-                swept = await trio.to_thread.run_sync(remove_empty_leftovers, cgroups)
+                swept = await trio.to_thread.run_sync(
+                    remove_empty_leftovers, cgroups, leftovers.get("runDirs", [])
+                )
                 if swept:
                     log.warning("leftover_cgroups_removed", cgroups=swept)
                     detail["leftoverCgroups"] = swept

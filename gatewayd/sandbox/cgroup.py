@@ -34,7 +34,7 @@ import os
 import re
 import secrets
 import signal
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -58,6 +58,9 @@ SUFFIX_BYTES: Final = 4
 # how long removal waits for a straggler before it reports the leak.
 REMOVE_TIMEOUT_S: Final = 2.0
 REMOVE_POLL_S: Final = 0.01
+# The last exiting task usually leaves the cgroup within half a millisecond: start the
+# retries that fast (every exec waits for this), then back off to REMOVE_POLL_S.
+REMOVE_FIRST_POLL_S: Final = 0.0005
 # systemd marks the cgroups it delegated with this xattr ("1"); unprivileged managers
 # use the user. namespace.
 DELEGATE_XATTRS: Final = ("trusted.delegate", "user.delegate")
@@ -575,10 +578,12 @@ class CommandCgroup:
         """
         with trio.move_on_after(REMOVE_TIMEOUT_S):
             pending = list(self.dirs)
+            pause = REMOVE_FIRST_POLL_S
             while pending:
                 pending = [directory for directory in pending if not _try_remove(directory)]
                 if pending:
-                    await trio.sleep(REMOVE_POLL_S)
+                    await trio.sleep(pause)
+                    pause = min(pause * 2, REMOVE_POLL_S)
             return
         raise CgroupError(
             f"cgroup {pending[0]} still has processes {REMOVE_TIMEOUT_S} s after SIGKILL; "
@@ -679,14 +684,16 @@ def _pids(procs: Path) -> set[int]:
 
 # --- leftovers ------------------------------------------------------------------------------
 
-_COMMAND_CGROUP_RE: Final = re.compile(re.escape(CGROUP_PREFIX) + r"[0-9a-f]{32}-[0-9a-f]{8}")
+_COMMAND_CGROUP_RE: Final = re.compile(re.escape(CGROUP_PREFIX) + r"([0-9a-f]{32})-[0-9a-f]{8}")
 
 
-def remove_empty_leftovers(support: CgroupSupport) -> list[str]:
-    """Remove command cgroups a crashed daemon left under ``support``'s parents; returns
-    their paths. Only *empty* ones go (rmdir refuses the others): a crashed daemon's
-    commands died with it (parent-death signal), while a command of another live daemon
-    sharing this parent still has processes, so it is never touched."""
+def remove_empty_leftovers(support: CgroupSupport, run_ids: Collection[str]) -> list[str]:
+    """Remove the command cgroups a crashed daemon left for ``run_ids`` (the runs whose
+    directories it left in this daemon's state directory) under ``support``'s parents;
+    returns their paths. Only those runs' cgroups are considered: another live daemon
+    sharing the parent has empty cgroups of its own for a moment (between mkdir and its
+    child joining), and they must never be touched. Only *empty* ones go (rmdir refuses
+    the others; a crashed daemon's commands died with it)."""
     removed: list[str] = []
     parents = [p for p in (support.memory_parent, support.pids_parent) if p is not None]
     for parent in dict.fromkeys(parents):
@@ -695,7 +702,8 @@ def remove_empty_leftovers(support: CgroupSupport) -> list[str]:
         except OSError:
             continue
         for name in names:
-            if _COMMAND_CGROUP_RE.fullmatch(name):
+            match = _COMMAND_CGROUP_RE.fullmatch(name)
+            if match and match.group(1) in run_ids:
                 with contextlib.suppress(OSError):
                     (parent / name).rmdir()
                     removed.append(str(parent / name))

@@ -72,6 +72,8 @@ READ_CHUNK: Final = 64 * 1024  # one pipe's worth per read
 # After the command is gone its pipes close at once (every writer was in its pid
 # namespace); this bounds the drain in case something still holds one.
 DRAIN_AFTER_EXIT_S: Final = 2.0
+# The child's own account of a failed set-up step: one short line.
+PREEXEC_ERROR_BYTES: Final = 512
 # After SIGKILL, how long to wait for the kernel to finish off the namespace's processes.
 TREE_GONE_WAIT_S: Final = 2.0
 # How often the grace period checks whether the tree has gone.
@@ -230,10 +232,14 @@ async def _start_and_supervise(
                 preexec_fn=_child_setup(netns_fd, host_user, limits, cgroup),  # noqa: PLW1509
             )
         except (OSError, subprocess.SubprocessError) as exc:
+            detail = _preexec_failure(err_r)
             for fd in (out_r, err_r, in_w, *child_ends):
                 if fd >= 0:
                     os.close(fd)
-            raise LaunchError(f"cannot start {bwrap} for run {plan.run_id}: {exc}") from exc
+            raise LaunchError(
+                f"cannot start {bwrap} for run {plan.run_id}: {exc}"
+                + (f" (could not {detail})" if detail else "")
+            ) from exc
         finally:
             for fd in child_ends:
                 with contextlib.suppress(OSError):
@@ -264,24 +270,44 @@ def _child_setup(
     table = rlimits(limits, memory=_memory_mechanism(cgroup), processes=_pids_mechanism(cgroup))
 
     def setup() -> None:
-        for procs in procs_files:
-            fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
-            try:
-                os.write(fd, b"0")  # "0" is the writer itself, in v1 and v2
-            finally:
-                os.close(fd)
-        if _libc.setns(netns_fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
-        for which, soft, hard in table:
-            resource.setrlimit(which, (soft, hard))
-        os.setgroups([])
-        os.setresgid(user.gid, user.gid, user.gid)
-        os.setresuid(user.uid, user.uid, user.uid)
-        prctl.set_no_new_privs(1)
-        # After setresuid: a credential change clears the parent-death signal.
-        prctl.set_pdeathsig(signal.SIGKILL)
+        step = "join the command's cgroup"
+        try:
+            for procs in procs_files:
+                fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.write(fd, b"0")  # "0" is the writer itself, in v1 and v2
+                finally:
+                    os.close(fd)
+            step = "join the run's network namespace"
+            if _libc.setns(netns_fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            step = "set the rlimits"
+            for which, soft, hard in table:
+                resource.setrlimit(which, (soft, hard))
+            step = "drop to the run's uid"
+            os.setgroups([])
+            os.setresgid(user.gid, user.gid, user.gid)
+            os.setresuid(user.uid, user.uid, user.uid)
+            step = "set no_new_privs and the parent-death signal"
+            prctl.set_no_new_privs(1)
+            # After setresuid: a credential change clears the parent-death signal.
+            prctl.set_pdeathsig(signal.SIGKILL)
+        except BaseException as exc:
+            # Popen only says "Exception occurred in preexec_fn"; fd 2 is already the
+            # stderr pipe, which the parent reads to say which step failed and why.
+            os.write(2, f"{step}: {exc}".encode(errors="replace")[:PREEXEC_ERROR_BYTES])
+            raise
 
     return setup
+
+
+def _preexec_failure(err_r: int) -> str:
+    """What the child wrote to its stderr before its set-up failed (empty if nothing)."""
+    os.set_blocking(err_r, False)
+    try:
+        return os.read(err_r, PREEXEC_ERROR_BYTES).decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _memory_mechanism(cgroup: CommandCgroup | None) -> LimitMechanism:
