@@ -242,6 +242,12 @@ class Daemon:
                 tmp_mb=limits.tmp_mb,
             ),
             image_dir=None if image is None else Path(image),
+            busy_trees=[
+                tree
+                for other in self.registry.all()
+                if other.sandbox
+                for tree in other.sandbox.trees
+            ],
         )
 
     async def exec_in_run(

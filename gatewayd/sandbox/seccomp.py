@@ -79,6 +79,26 @@ PERSONALITY_QUERY: Final = 0xFFFFFFFF
 PERSONALITY_ALLOWED: Final[tuple[int, ...]] = (PER_LINUX, PERSONALITY_QUERY)
 _WORD_BITS: Final = 32
 
+# <linux/stat.h>: the bits that make an executable run as its owner or group.
+S_ISUID: Final = 0o4000
+S_ISGID: Final = 0o2000
+SUID_SGID_BITS: Final[tuple[int, ...]] = (S_ISUID, S_ISGID)
+SUID_REASON: Final = "would make a set-user/group-ID file in a host directory (the workspace)"
+# Every call that sets a file's mode, with the position of its mode argument (x86_64).
+SUID_MODE_ARGS: Final[tuple[tuple[str, int], ...]] = (
+    ("chmod", 1),
+    ("fchmod", 1),
+    ("fchmodat", 2),
+    ("fchmodat2", 2),
+    ("creat", 1),
+    ("open", 2),
+    ("openat", 3),
+    ("mkdir", 1),
+    ("mkdirat", 2),
+    ("mknod", 1),
+    ("mknodat", 2),
+)
+
 
 def _any_bit_of(flags: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """Argument tests (mask, value) matching a value that holds any of ``flags``."""
@@ -108,15 +128,17 @@ class SeccompError(GatewayError):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DeniedSyscall:
     """One row of the denylist: ``name`` answers ``errno``; ``when`` says in words which
-    calls, ``arg0_tests`` in (mask, value) pairs: refused if ``arg0 & mask == value`` for any
-    pair, or always when there are none. ``arch_specific`` names exist only on some
-    architectures and are skipped where the kernel has no such call."""
+    calls, ``arg_tests`` on argument ``arg_index`` in (mask, value) pairs: refused if
+    ``arg & mask == value`` for any pair, or always when there are none. ``arch_specific``
+    names exist only on some architectures and are skipped where the kernel has no such
+    call."""
 
     name: str
     reason: str
     errno: int = errno.EPERM
     when: str = "always"
-    arg0_tests: tuple[tuple[int, int], ...] = ()
+    arg_tests: tuple[tuple[int, int], ...] = ()
+    arg_index: int = 0
     arch_specific: bool = False
 
     def __post_init__(self) -> None:
@@ -129,9 +151,10 @@ class DeniedSyscall:
                 "errno such as EPERM or ENOSYS"
             )
 
-    def refuses(self, arg0: int) -> bool:
-        """Whether a call with first argument ``arg0`` is refused (the rule, in Python)."""
-        return not self.arg0_tests or any(arg0 & mask == value for mask, value in self.arg0_tests)
+    def refuses(self, arg: int) -> bool:
+        """Whether a call whose argument ``arg_index`` is ``arg`` is refused (the rule, in
+        Python)."""
+        return not self.arg_tests or any(arg & mask == value for mask, value in self.arg_tests)
 
 
 DENIED_SYSCALLS: Final[tuple[DeniedSyscall, ...]] = (
@@ -177,7 +200,7 @@ DENIED_SYSCALLS: Final[tuple[DeniedSyscall, ...]] = (
         name="clone",
         reason="creates namespaces like unshare; plain fork and threads stay allowed",
         when="flags hold any CLONE_NEW* bit",
-        arg0_tests=_any_bit_of(CLONE_NAMESPACE_FLAGS),
+        arg_tests=_any_bit_of(CLONE_NAMESPACE_FLAGS),
     ),
     DeniedSyscall(
         name="clone3",
@@ -224,7 +247,7 @@ DENIED_SYSCALLS: Final[tuple[DeniedSyscall, ...]] = (
         name="personality",
         reason="other personas turn ASLR off or make memory executable",
         when="argument is neither 0 (PER_LINUX) nor 0xffffffff (query)",
-        arg0_tests=_neither_all_zeros_nor_all_ones(),
+        arg_tests=_neither_all_zeros_nor_all_ones(),
     ),
     DeniedSyscall(
         name="modify_ldt",
@@ -258,6 +281,26 @@ DENIED_SYSCALLS: Final[tuple[DeniedSyscall, ...]] = (
     ),
     DeniedSyscall(name="iopl", reason="raw I/O port access", arch_specific=True),
     DeniedSyscall(name="ioperm", reason="raw I/O port access", arch_specific=True),
+    # --- set-user-ID and set-group-ID files: no_new_privs makes them harmless inside, but
+    #     the workspace is a host directory, and a host user running a setuid file the run's
+    #     uid owns becomes that uid (and could outlive the run). As systemd's
+    #     RestrictSUIDSGID=: no mode with S_ISUID or S_ISGID, whatever call sets it.
+    *(
+        DeniedSyscall(
+            name=name,
+            reason=SUID_REASON,
+            when=f"mode (argument {index}) holds S_ISUID or S_ISGID",
+            arg_tests=_any_bit_of(SUID_SGID_BITS),
+            arg_index=index,
+        )
+        for name, index in SUID_MODE_ARGS
+    ),
+    DeniedSyscall(
+        name="openat2",
+        reason="its mode sits in memory, out of seccomp's reach (so a setuid file could be "
+        "made); ENOSYS makes callers fall back to openat, which is filtered by mode",
+        errno=errno.ENOSYS,
+    ),
 )
 
 # Calls left allowed on purpose, with the reason (rendered into the docs too).
@@ -378,7 +421,7 @@ def compile_filter(entries: Sequence[DeniedSyscall]) -> bytes:
         # libseccomp would keep one of two conflicting rules without a word.
         raise SeccompError(
             f"the denylist names {', '.join(twice)} more than once; give each system call "
-            "one entry (its arg0_tests hold all its cases)"
+            "one entry (its arg_tests hold all its cases)"
         )
     lib = _libseccomp()
     ctx = lib.init(SCMP_ACT_ALLOW)
@@ -393,11 +436,13 @@ def compile_filter(entries: Sequence[DeniedSyscall]) -> bytes:
                     "architecture; every name in the denylist must resolve here or be "
                     "marked arch_specific"
                 )
-            tests = entry.arg0_tests or (None,)
+            tests = entry.arg_tests or (None,)
             for test in tests:
                 args = (_ScmpArgCmp * 1)()
                 if test is not None:
-                    args[0] = _ScmpArgCmp(0, SCMP_CMP_MASKED_EQ, test[0], test[1])
+                    args[0] = _ScmpArgCmp(
+                        entry.arg_index, SCMP_CMP_MASKED_EQ, test[0], test[1]
+                    )
                 count = 0 if test is None else 1
                 rc = lib.rule_add_array(ctx, scmp_act_errno(entry.errno), number, count, args)
                 if rc < 0:

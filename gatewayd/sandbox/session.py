@@ -96,6 +96,12 @@ class UnsafeMounts(SandboxUnavailable):
     code = ErrorCode.BAD_REQUEST
 
 
+class WorkspaceInUse(SandboxUnavailable):
+    """Another live run holds this workspace or a directory overlapping it."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
 class WorkspaceUnreachable(SandboxUnavailable):
     """A directory to bind cannot be reached by the sandbox's uid (the operator's choice
     of directory, not gatewayd's fault)."""
@@ -178,8 +184,10 @@ class RunSandbox:
         env_names: Sequence[str],
         limits: CommandLimits,
         image_dir: Path | None = None,
+        busy_trees: Sequence[Path] = (),
     ) -> RunSandbox:
         """Make the run's sandbox resources; on any failure, undo what was made.
+        ``busy_trees`` are the trees other live runs hold: overlapping one is refused.
 
         Error handling: :class:`SandboxUnavailable` naming the step and the cause.
         """
@@ -214,12 +222,22 @@ class RunSandbox:
                 )
             except PlanError as exc:
                 raise UnsafeMounts(f"run refused: {exc}") from exc
+            writable = [workspace, *(Path(m.host) for m in mounts if m.mode is PathMode.RW)]
+            _check_not_in_use(writable, busy_trees)
             netns = await trio.to_thread.run_sync(
                 lambda: create_run_netns(run_id, prefix=settings.netns_prefix)
             )
             info = os.stat(netns.path)
-            writable = [workspace, *(Path(m.host) for m in mounts if m.mode is PathMode.RW)]
-            lease = await trio.to_thread.run_sync(lend, writable, user, run_dir)
+            read_only = [Path(m.host) for m in mounts if m.mode is PathMode.RO]
+            lease = await trio.to_thread.run_sync(
+                lambda: lend(
+                    writable,
+                    user,
+                    run_dir,
+                    keep=read_only,
+                    sandbox_owned=lambda uid: uid in pool.range,
+                )
+            )
         except BaseException as exc:
             with trio.CancelScope(shield=True):
                 if netns is not None:
@@ -299,6 +317,11 @@ class RunSandbox:
                 if not self._running:
                     self._idle.set()
         raise SandboxUnavailable(f"run {self.run_id} ended while the command ran; it was stopped")
+
+    @property
+    def trees(self) -> tuple[Path, ...]:
+        """The host trees this run holds (lent to its uid)."""
+        return tuple(Path(tree.path) for tree in self.lease.trees)
 
     def owns_peer(self, pid: int) -> bool:
         """Does process ``pid`` live in this run's network namespace (item 6)?"""
@@ -395,6 +418,19 @@ def _open_run_dir(run_dir: Path, user: HostUser) -> None:
     its socket (bwrap resolves the bind source as that uid), nobody else may enter."""
     os.chown(run_dir, 0, user.gid)
     os.chmod(run_dir, RUN_DIR_MODE)
+
+
+def _check_not_in_use(trees: Sequence[Path], busy: Sequence[Path]) -> None:
+    """One tree serves one run at a time: two runs in one workspace would each see (and
+    could rewrite) the other's work, and their leases would record each other's uid."""
+    for tree in trees:
+        for held in busy:
+            if tree == held or held in tree.parents or tree in held.parents:
+                raise WorkspaceInUse(
+                    f"{tree} overlaps {held}, which a live run holds; one workspace (or "
+                    "rw policy path) serves one run at a time: end that run or use another "
+                    "directory"
+                )
 
 
 def _check_reachable(user: HostUser, paths: Sequence[Path]) -> None:

@@ -86,33 +86,38 @@ class UidPool:
 
 
 def uids_with_processes() -> frozenset[int]:
-    """The real uids of every process on the host (from /proc)."""
-    return frozenset(_process_uids())
+    """Every uid and gid any process on the host holds (real, effective, saved or
+    filesystem), from /proc."""
+    held: set[int] = set()
+    for _, ids in _process_ids():
+        held |= ids
+    return frozenset(held)
 
 
 def pids_of_uid(uid: int) -> list[int]:
-    """Every process whose real uid is ``uid``."""
-    return [pid for pid, owner in _process_owners() if owner == uid]
+    """Every process holding ``uid`` as any of its user or group ids (real, effective,
+    saved, filesystem): a host user who runs a set-user-ID file the run's uid owns has it
+    only as its effective and saved uid, and must count as the run's too."""
+    return [pid for pid, ids in _process_ids() if uid in ids]
 
 
-def _process_uids() -> Iterator[int]:
-    for _, uid in _process_owners():
-        yield uid
-
-
-def _process_owners() -> Iterator[tuple[int, int]]:
+def _process_ids() -> Iterator[tuple[int, frozenset[int]]]:
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            # The owner of /proc/PID is the process's effective uid; status has the real
-            # one. Zombies are skipped: they run nothing and hold no resource but a pid.
             with open(f"/proc/{entry}/status", "rb") as status:
+                ids: set[int] = set()
+                zombie = False
                 for line in status:
-                    if line.startswith(b"State:") and line.split()[1] == b"Z":
-                        break
-                    if line.startswith(b"Uid:"):
-                        yield int(entry), int(line.split()[1])
-                        break
-        except (OSError, ValueError, IndexError):
+                    if line.startswith(b"State:"):
+                        # A zombie runs nothing and holds no resource but a pid.
+                        zombie = line.split()[1] == b"Z"
+                    elif line.startswith((b"Uid:", b"Gid:")):
+                        ids.update(int(field) for field in line.split()[1:5])
+                        if line.startswith(b"Gid:"):
+                            break
+        except (OSError, ValueError):
             continue  # it ended while we looked
+        if not zombie:
+            yield int(entry), frozenset(ids)

@@ -34,7 +34,12 @@ from gatewayd.errors import AuthzDenied, PolicyViolation
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from gatewayd.sandbox.launch import ExecResult
 from gatewayd.sandbox.netns import NETNS_RUN_DIR
-from gatewayd.sandbox.session import UnsafeMounts, WorkspaceUnreachable
+from gatewayd.sandbox.session import (
+    SandboxUnavailable,
+    UnsafeMounts,
+    WorkspaceInUse,
+    WorkspaceUnreachable,
+)
 from gatewayd.sandbox.uids import UidRange, pids_of_uid
 from tests.conftest import frame, raw_exchange, read_frame
 
@@ -1270,24 +1275,187 @@ async def test_a_hard_link_in_the_workspace_is_not_lent_so_its_other_name_stays_
     assert outside.read_text() == "host data\n" and os.stat(outside).st_uid == 0
 
 
-async def test_a_setuid_file_made_in_the_sandbox_comes_back_without_its_setuid_bit(
+SUID_PROBE = r"""
+import ctypes, errno, os, shutil
+libc = ctypes.CDLL(None, use_errno=True)
+shutil.copy("/bin/true", "/workspace/plain")
+def attempt(what, fn):
+    try:
+        fn(); return f"{what}:ok"
+    except OSError as e:
+        return f"{what}:{errno.errorcode[e.errno]}"
+def syscall(number, *args):
+    if libc.syscall(number, *args) < 0:
+        raise OSError(ctypes.get_errno(), "")
+out = [
+    attempt("chmod", lambda: os.chmod("/workspace/plain", 0o4755)),
+    attempt("chmod_sgid", lambda: os.chmod("/workspace/plain", 0o2755)),
+    attempt("fchmod", lambda: os.fchmod(os.open("/workspace/plain", os.O_RDONLY), 0o6755)),
+    attempt("fchmodat2", lambda: syscall(452, -100, b"/workspace/plain", 0o4755, 0)),
+    attempt("open_creat", lambda: os.open("/workspace/a", os.O_CREAT | os.O_WRONLY, 0o4755)),
+    attempt("creat", lambda: syscall(85, b"/workspace/b", 0o4755)),
+    attempt("mkdir_sgid", lambda: os.mkdir("/workspace/d", 0o2755)),
+    attempt("mknod", lambda: os.mknod("/workspace/f", 0o104755)),
+    attempt("openat2", lambda: syscall(437, -100, b"/workspace/c", 0, 0)),
+    attempt("chmod_plain", lambda: os.chmod("/workspace/plain", 0o755)),
+]
+print(" ".join(out))
+print(oct(os.stat("/workspace/plain").st_mode & 0o7777))
+"""
+
+
+async def test_the_sandbox_cannot_make_a_setuid_or_setgid_file_by_any_call(
     sb: Sandboxed,
 ) -> None:
+    # A setuid file the run's uid owns, in a host directory, would let a host user who
+    # runs it become that uid (and outlive the run). Every mode-setting call is refused
+    # such a mode; ordinary modes still work.
+    ws = sb.workspace()
+    run = await sb.run(workspace=ws)
+    result = await sb.py(run, SUID_PROBE)
+    lines = result.stdout.decode().splitlines()
+    assert lines[0].split() == [
+        "chmod:EPERM",
+        "chmod_sgid:EPERM",
+        "fchmod:EPERM",
+        "fchmodat2:EPERM",
+        "open_creat:EPERM",
+        "creat:EPERM",
+        "mkdir_sgid:EPERM",
+        "mknod:EPERM",
+        "openat2:ENOSYS",
+        "chmod_plain:ok",
+    ], result.stderr
+    assert lines[1] == "0o755"
+    for path in ws.rglob("*"):  # nothing on the host carries the bits, during the run
+        assert not path.lstat().st_mode & (stat.S_ISUID | stat.S_ISGID), path
+    await sb.daemon.end_run(run.run_id)
+
+
+async def test_a_process_holding_the_runs_uid_only_as_effective_uid_is_killed_at_run_end(
+    sb: Sandboxed,
+) -> None:
+    # What a host user running a setuid file of the run's uid would be (the seccomp rule
+    # above stops the file; this is the second line): real uid nobody, effective uid the
+    # run's. The run's end must find and kill it, and the uid must not be handed out.
+    run = await sb.run()
+    assert run.sandbox is not None
+    uid = run.sandbox.user.uid
+    survivor = subprocess.Popen(
+        [
+            "setpriv",
+            "--ruid=65534",
+            f"--euid={uid}",
+            "--rgid=65534",
+            "--clear-groups",
+            "sleep",
+            "300",
+        ],
+    )
+    try:
+        with trio.fail_after(10):
+            while survivor.pid not in pids_of_uid(uid):
+                await trio.sleep(0.01)
+        await sb.daemon.end_run(run.run_id)
+        assert survivor.wait(timeout=10) == -9  # SIGKILL
+    finally:
+        survivor.kill()
+        survivor.wait()
+
+
+async def test_a_workspace_another_live_run_holds_is_refused(sb: Sandboxed) -> None:
+    outer = sb.base / "outer"
+    outer.mkdir()
+    ws = outer / "ws"
+    ws.mkdir()
+    (ws / "notes.md").write_text("hello\n")
+    first = await sb.run(workspace=ws)
+    nested = ws / "sub"
+    with pytest.raises(WorkspaceInUse, match="live run holds"):
+        await sb.run(workspace=ws)
+    nested.mkdir()
+    with pytest.raises(WorkspaceInUse, match="overlaps"):
+        await sb.run(workspace=nested)
+    with pytest.raises(WorkspaceInUse, match="overlaps"):
+        await sb.run(workspace=outer)  # a parent of the held one
+    await sb.daemon.end_run(first.run_id)
+    second = await sb.run(workspace=ws)  # free again
+    await sb.daemon.end_run(second.run_id)
+    assert os.stat(ws).st_uid == 0 and os.stat(ws / "notes.md").st_uid == 0
+
+
+async def test_a_workspace_owned_by_a_sandbox_uid_is_refused_not_lent_again(sb: Sandboxed) -> None:
+    ws = sb.workspace()
+    stray = sb.daemon.config.sandbox_uids.base + 5  # a lost lease's owner, say
+    os.chown(ws, stray, stray)
+    with pytest.raises(SandboxUnavailable, match=f"owned by sandbox uid {stray}"):
+        await sb.run(workspace=ws)
+    refused = [e for e in await sb.entries() if e.get("event") == "run_refused"][-1]
+    assert "one workspace serves one run at a time" in refused["safeMessage"]
+    assert os.stat(ws).st_uid == stray  # untouched
+    assert sb.daemon.uid_pool.in_use == 0
+
+
+async def test_a_tree_thousands_of_levels_deep_is_lent_and_given_back(sb: Sandboxed) -> None:
     ws = sb.workspace()
     run = await sb.run(workspace=ws)
     result = await sb.py(
         run,
         """
-        import os, shutil
-        shutil.copy("/bin/true", "/workspace/suid")
-        os.chmod("/workspace/suid", 0o6755)
-        print(oct(os.stat("/workspace/suid").st_mode & 0o7777))
+        import os
+        fd = os.open("/workspace", os.O_RDONLY)
+        for _ in range(3000):
+            os.mkdir("d", dir_fd=fd)
+            child = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        open("leaf", "w", opener=lambda p, f: os.open(p, f, 0o644, dir_fd=fd)).write("x")
+        print("made")
         """,
     )
-    assert result.stdout.strip() == b"0o6755", result.stderr
+    assert result.stdout.strip() == b"made", result.stderr
     await sb.daemon.end_run(run.run_id)
-    st = os.stat(ws / "suid")
-    # Root owns it now; the kernel cleared set-user-ID and set-group-ID on the chown, so
-    # the sandbox cannot leave a setuid-root program behind on the host.
-    assert st.st_uid == 0
-    assert not st.st_mode & (stat.S_ISUID | stat.S_ISGID), oct(st.st_mode)
+    ended = [e for e in await sb.entries() if e.get("event") == "run_ended"][-1]
+    assert "cleanupFailed" not in ended["detail"], ended
+    assert ended["detail"]["entriesReturned"] >= 3001
+    fd = os.open(ws, os.O_RDONLY)
+    try:
+        for _ in range(3000):
+            assert os.stat("d", dir_fd=fd, follow_symlinks=False).st_uid == 0
+            child = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        assert os.stat("leaf", dir_fd=fd).st_uid == 0
+    finally:
+        os.close(fd)
+    subprocess.run(["rm", "-rf", str(ws / "d")], check=True)  # deeper than rmtree recurses
+
+
+async def test_a_read_only_grant_inside_the_workspace_is_not_lent_and_stays_unwritable(
+    sb: Sandboxed,
+) -> None:
+    ws = sb.workspace()
+    (ws / "docs" / "ref").mkdir(parents=True)
+    (ws / "docs" / "ref" / "spec.md").write_text("the spec\n")
+    policy = POLICY.replace(
+        "workspace: {root: ., mode: rw}",
+        "workspace: {root: ., mode: rw}\n    ref: {root: docs/ref, mode: ro}",
+    )
+    run = await sb.run(policy, workspace=ws)
+    assert os.stat(ws / "docs" / "ref" / "spec.md").st_uid == 0  # kept, not lent
+    # The review's attack: rename the parent, so the grant's files have another name
+    # that no read-only mount covers, then write through it.
+    result = await sb.py(
+        run,
+        """
+        import errno, os
+        os.rename("/workspace/docs", "/workspace/docs_old")
+        try:
+            open("/workspace/docs_old/ref/spec.md", "a").write("REWRITTEN")
+            print("written")
+        except OSError as e:
+            print(errno.errorcode[e.errno])
+        """,
+    )
+    assert result.stdout.strip() == b"EACCES", result.stderr
+    assert (ws / "docs_old" / "ref" / "spec.md").read_text() == "the spec\n"

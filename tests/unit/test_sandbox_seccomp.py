@@ -83,9 +83,40 @@ def test_every_name_resolves_on_this_architecture() -> None:
 
 def test_only_feature_probes_answer_enosys_and_everything_else_eperm() -> None:
     enosys = {entry.name for entry in DENIED_SYSCALLS if entry.errno == errno.ENOSYS}
-    assert enosys == {"clone3", "io_uring_setup", "io_uring_enter", "io_uring_register"}
+    assert enosys == {
+        "clone3",
+        "io_uring_setup",
+        "io_uring_enter",
+        "io_uring_register",
+        "openat2",
+    }
     others = {entry.errno for entry in DENIED_SYSCALLS if entry.name not in enosys}
     assert others == {errno.EPERM}
+
+
+@pytest.mark.parametrize(
+    ("name", "index"),
+    [
+        ("chmod", 1),
+        ("fchmod", 1),
+        ("fchmodat", 2),
+        ("fchmodat2", 2),
+        ("creat", 1),
+        ("open", 2),
+        ("openat", 3),
+        ("mkdir", 1),
+        ("mkdirat", 2),
+        ("mknod", 1),
+        ("mknodat", 2),
+    ],
+)
+def test_every_mode_setting_call_refuses_setuid_and_setgid_bits_only(name: str, index: int) -> None:
+    entry = BY_NAME[name]
+    assert entry.arg_index == index
+    for mode in (0o4755, 0o2755, 0o6755, 0o4000, 0o2000, 0o104755):
+        assert entry.refuses(mode), oct(mode)
+    for mode in (0o755, 0o644, 0o1777, 0o777, 0o100644, 0):
+        assert not entry.refuses(mode), oct(mode)
 
 
 def test_clone_is_refused_with_any_namespace_flag_but_not_for_fork_or_threads() -> None:
