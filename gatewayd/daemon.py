@@ -5,6 +5,8 @@ every run's listener. Used by `gatewayd serve` (with the control socket) and by
 
 from __future__ import annotations
 
+import contextlib
+import resource
 import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -373,6 +375,18 @@ class Daemon:
             await self.end_run(run.run_id, reason="daemon_stopping")
 
 
+def raise_open_file_limit() -> int:
+    """Lift the soft descriptor limit to the hard one (systemd's default soft limit is 1024):
+    every connection, run socket, pinned directory and sandbox pipe is a descriptor, and
+    running out would refuse every run at once. Returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return soft
+
+
 def _clean_leftovers_quietly(runs_dir: Path, prefix: str | None) -> dict[str, list[str]]:
     try:
         return clean_leftovers(runs_dir, prefix)
@@ -429,6 +443,7 @@ async def open_daemon(
     ``tools`` replaces the built-in tool table (tests add deliberately slow or
     failing tools to reach the timeout and internal paths).
     """
+    raise_open_file_limit()
     async with (
         open_audit_log(config.resolved_audit_path, fsync=config.audit_fsync) as audit,
         trio.open_nursery() as nursery,

@@ -59,6 +59,11 @@ LINGER_MAX_BYTES: Final = 4 << 20
 # Pause after a failed accept (e.g. EMFILE) so a full fd table does not spin the loop.
 ACCEPT_RETRY_S: Final = 0.05
 LISTEN_BACKLOG: Final = 128
+# Refused connections of one run: one audit entry per error code per second at most (the
+# next counts those left out), and this many may linger for their client to read the
+# error, so a connect loop can neither fill the audit disk nor the descriptor table.
+REFUSAL_AUDIT_INTERVAL_S: Final = 1.0
+MAX_LINGERING_REFUSALS: Final = 8
 # A sandboxed run's socket: root-owned, the run's group (its uid's) may connect.
 RUN_SOCKET_MODE: Final = 0o660
 
@@ -181,40 +186,64 @@ class Connection:
             partial_frame=partial_since is not None,
         )
 
-    async def refuse_over_limit(self) -> None:
+    async def refuse_over_limit(self, throttle: RefusalThrottle) -> None:
         """Answer a connection over the run's limit with one error frame, then close it."""
         await self.refuse(
+            throttle,
             ErrorCode.RATE_LIMITED,
             f"this run already has {MAX_CONNECTIONS_PER_RUN} open connections to gatewayd; "
             "reuse a connection (cogni-tool's Client keeps one) or close idle ones",
         )
 
-    async def refuse_outsider(self) -> None:
+    async def refuse_outsider(self, throttle: RefusalThrottle) -> None:
         """Answer a peer outside the run's sandbox (issue 3 item 6) and close."""
         await self.refuse(
+            throttle,
             ErrorCode.AUTHZ_DENIED,
             "this socket serves only processes inside its run's sandbox (its network "
             "namespace); start the command with `gatewayd exec RUN -- CMD` instead",
         )
 
-    async def refuse(self, code: ErrorCode, message: str) -> None:
-        """Audit a refused connection, answer it with one error frame, then close it."""
-        log.warning(
-            "connection_refused", run_id=self.run.run_id, peer_pid=self.peer.pid, code=str(code)
-        )
-        self.dispatcher.audit.record(
-            "event",
-            event="connection_refused",
-            runId=self.run.run_id,
-            errorCode=str(code),
-            safeMessage=message,
-            peer=self.peer,
-        )
+    async def refuse(self, throttle: RefusalThrottle, code: ErrorCode, message: str) -> None:
+        """Audit a refused connection, answer it with one error frame, then close it.
+
+        A flood of refused connections (a sandbox connecting in a loop) must neither fill
+        the audit log nor hold the daemon's descriptors: ``throttle`` audits at most one
+        refusal per code per second per run (the next entry counts the ones left out),
+        and lets only a few refused connections linger for their client to read the
+        error; the rest are answered and closed at once.
+        """
+        now = trio.current_time()
+        suppressed = throttle.admit(str(code), now)
+        if suppressed is not None:
+            log.warning(
+                "connection_refused",
+                run_id=self.run.run_id,
+                peer_pid=self.peer.pid,
+                code=str(code),
+                suppressed=suppressed,
+            )
+            self.dispatcher.audit.record(
+                "event",
+                event="connection_refused",
+                runId=self.run.run_id,
+                errorCode=str(code),
+                safeMessage=message,
+                peer=self.peer,
+                detail={"suppressedSinceLast": suppressed} if suppressed else None,
+            )
+        lingering = throttle.lingering < MAX_LINGERING_REFUSALS
+        throttle.lingering += lingering
         try:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await self._send(error_response(None, code, message))
-                await self._linger()
+            with contextlib.suppress(
+                trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError
+            ):
+                with trio.fail_after(LINGER_S):
+                    await self._send(error_response(None, code, message))
+                if lingering:
+                    await self._linger()
         finally:
+            throttle.lingering -= lingering
             await trio.aclose_forcefully(self.stream)
 
     async def _linger(self) -> None:
@@ -284,6 +313,25 @@ class Connection:
             await trio.aclose_forcefully(self.stream)
 
 
+class RefusalThrottle:
+    """Per run: when a refused connection is audited, and how many may linger."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+        self.lingering = 0
+
+    def admit(self, code: str, now: float) -> int | None:
+        """None: leave this refusal out of the audit (it is counted); else audit it, with
+        how many were left out since the last audited one."""
+        last = self._last.get(code)
+        if last is not None and now - last < REFUSAL_AUDIT_INTERVAL_S:
+            self._suppressed[code] = self._suppressed.get(code, 0) + 1
+            return None
+        self._last[code] = now
+        return self._suppressed.pop(code, 0)
+
+
 async def serve_run(
     run: Run,
     dispatcher: Dispatcher,
@@ -304,6 +352,7 @@ async def serve_run(
             run.socket_path, mode=RUN_SOCKET_MODE, group=sandbox.user.gid
         )
     open_connections = 0
+    throttle = RefusalThrottle()
 
     async def serve_one(conn: Connection) -> None:
         nonlocal open_connections
@@ -330,9 +379,9 @@ async def serve_run(
                     await trio.aclose_forcefully(stream)
                     continue
                 if sandbox is not None and not sandbox.owns_peer(conn.peer.pid):
-                    connections.start_soon(conn.refuse_outsider)
+                    connections.start_soon(conn.refuse_outsider, throttle)
                     continue
                 if open_connections >= MAX_CONNECTIONS_PER_RUN:
-                    connections.start_soon(conn.refuse_over_limit)
+                    connections.start_soon(conn.refuse_over_limit, throttle)
                     continue
                 connections.start_soon(serve_one, conn)

@@ -39,7 +39,7 @@ import resource
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -80,6 +80,26 @@ TREE_GONE_WAIT_S: Final = 2.0
 EXIT_POLL_S: Final = 0.01
 
 _libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = (
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+)
+_libc.syscall.restype = ctypes.c_long
+CLONE_NEWNS: Final = 0x00020000  # <linux/sched.h>
+# <linux/mount.h>, <fcntl.h>; the new mount API's system call numbers (x86_64)
+MS_REC: Final = 0x4000
+MS_SLAVE: Final = 0x80000
+SYS_OPEN_TREE: Final = 428
+SYS_MOVE_MOUNT: Final = 429
+AT_FDCWD: Final = -100
+AT_EMPTY_PATH: Final = 0x1000
+AT_RECURSIVE: Final = 0x8000
+OPEN_TREE_CLONE: Final = 1
+OPEN_TREE_FLAGS: Final = OPEN_TREE_CLONE | os.O_CLOEXEC | AT_EMPTY_PATH | AT_RECURSIVE
+MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
 
 
 # Where a command's output goes as it arrives, besides the capture: (stdout, stderr).
@@ -142,6 +162,7 @@ async def run_in_sandbox(
     bwrap: str = BWRAP,
     cgroups: CgroupSupport | None = None,
     echo: Echo | None = None,
+    pins: Sequence[tuple[int, str]] = (),
 ) -> ExecResult:
     """Run ``plan.command`` in the sandbox the plan describes, inside network namespace
     ``netns``, as ``host_user``, within ``limits``; return its :class:`ExecResult`.
@@ -154,6 +175,10 @@ async def run_in_sandbox(
     and RLIMIT_NPROC. ``echo`` (stdout sink, stderr sink) is called with every chunk as it
     arrives, all of it, not only the kept part: `gatewayd run` shows a long command's
     progress this way. A sink must not block for long (the command waits meanwhile).
+    ``pins`` are (descriptor, mount point): before dropping privileges the child makes
+    itself a private mount namespace and attaches each pinned directory there, by its
+    descriptor, so bwrap binds exactly the directories opened at run start
+    (:attr:`~gatewayd.sandbox.plan.Bind.via`), whatever their paths have become.
 
     Resource handling: the memfds and the netns descriptor are closed once bwrap runs; on
     timeout the tree gets SIGTERM, then SIGKILL after ``limits.kill_grace_s``; on
@@ -168,7 +193,7 @@ async def run_in_sandbox(
     cgroup = _create_cgroup(plan.run_id, limits, cgroups)
     try:
         return await _start_and_supervise(
-            plan, netns, limits, host_user, stdin, bwrap, cgroup, echo
+            plan, netns, limits, host_user, stdin, bwrap, cgroup, echo, pins
         )
     finally:
         if cgroup is not None:
@@ -204,6 +229,7 @@ async def _start_and_supervise(
     bwrap: str,
     cgroup: CommandCgroup | None,
     echo: Echo | None,
+    pins: Sequence[tuple[int, str]],
 ) -> ExecResult:
     with contextlib.ExitStack() as fds:
         data_fds = {step.dest: _memfd(fds, "cogni-data", step.data) for step in plan.data_steps}
@@ -229,7 +255,7 @@ async def _start_and_supervise(
                 pass_fds=(*data_fds.values(), seccomp_fd),
                 start_new_session=True,
                 # Safe here: forked from the trio thread; the child only makes system calls.
-                preexec_fn=_child_setup(netns_fd, host_user, limits, cgroup),  # noqa: PLW1509
+                preexec_fn=_child_setup(netns_fd, host_user, limits, cgroup, pins),  # noqa: PLW1509
             )
         except (OSError, subprocess.SubprocessError) as exc:
             detail = _preexec_failure(err_r)
@@ -261,12 +287,18 @@ def _memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
 
 
 def _child_setup(
-    netns_fd: int, user: HostUser, limits: SandboxLimits, cgroup: CommandCgroup | None
+    netns_fd: int,
+    user: HostUser,
+    limits: SandboxLimits,
+    cgroup: CommandCgroup | None,
+    pins: Sequence[tuple[int, str]] = (),
 ) -> Callable[[], None]:
     """The ``preexec_fn``: runs in the forked child, before exec; order matters (module doc).
     An exception here makes Popen raise in the parent, so nothing starts half-configured.
     Everything is computed here, in the parent: the child only makes system calls."""
     procs_files = cgroup.procs_files if cgroup is not None else ()
+    # The descriptors are inherited by the fork (still open until exec, CLOEXEC or not).
+    points = tuple(os.fsencode(point) for _, point in pins)
     table = rlimits(limits, memory=_memory_mechanism(cgroup), processes=_pids_mechanism(cgroup))
 
     def setup() -> None:
@@ -281,6 +313,29 @@ def _child_setup(
             step = "join the run's network namespace"
             if _libc.setns(netns_fd, CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            if pins:
+                step = "attach the pinned directories"
+                # A detached copy of each pinned directory's mount, made while still in
+                # the daemon's mount namespace (a plain bind of /proc/self/fd/N from a
+                # new namespace is refused: the source mount is not in it) ...
+                trees = []
+                for fd, _ in pins:
+                    tree = _libc.syscall(SYS_OPEN_TREE, fd, b"", OPEN_TREE_FLAGS)
+                    if tree < 0:
+                        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                    trees.append(tree)
+                # ... then a private namespace, where nothing mounted reaches the host ...
+                if _libc.unshare(CLONE_NEWNS) != 0:
+                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                if _libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
+                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                # ... and each copy attached at its run-private mount point.
+                for tree, point in zip(trees, points, strict=True):
+                    moved = _libc.syscall(
+                        SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, point, MOVE_MOUNT_F_EMPTY_PATH
+                    )
+                    if moved < 0:
+                        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
             step = "set the rlimits"
             for which, soft, hard in table:
                 resource.setrlimit(which, (soft, hard))

@@ -34,6 +34,9 @@ COGNI_TOOL_VISIBLE_DIR: Final = "/opt/cogni-tool"
 # gatewayd's copy of the client inside its state directory (the only state-directory
 # path besides the run's socket that a plan may bind).
 CLIENT_COPY_DIR: Final = "cogni-tool"
+# In a run's directory: the mount points its pinned directories are attached to, in the
+# launcher child's private mount namespace (never in the daemon's).
+PIN_DIR: Final = "mnt"
 # HOME is the private tmpfs: tools write dotfiles (~/.cache, ~/.npm) there and they vanish
 # with the run, instead of landing in the workspace (which may be committed) or needing a
 # /home that the acceptance tests require to be absent.
@@ -145,18 +148,26 @@ class PlanError(GatewayError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RoBind:
-    """Bind host ``src`` read-only at ``dest``."""
+    """Bind host ``src`` read-only at ``dest``; from ``via`` when set (see ``Bind``)."""
 
     src: str
     dest: str
+    via: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Bind:
-    """Bind host ``src`` read-write at ``dest``."""
+    """Bind host ``src`` read-write at ``dest``.
+
+    ``via``: the run-private mount point the launcher attached ``src``'s pinned directory
+    to (``STATE/runs/<id>/mnt/<n>``). bwrap binds from there: a path inside the workspace
+    can be renamed or replaced by a symlink by the sandbox between two commands, the
+    pinned directory cannot. ``src`` stays the host path, for the checks and messages.
+    """
 
     src: str
     dest: str
+    via: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -280,6 +291,7 @@ def build_plan(
     layout: HostLayout,
     image_dir: str | None = None,
     tmpfs_bytes: int | None = None,
+    pinned: Mapping[str, str] | None = None,
 ) -> SandboxPlan:
     """The plan for ``command`` in run ``run_id``; call :func:`validate` on it before use.
 
@@ -290,11 +302,14 @@ def build_plan(
     /opt/cogni-tool, and the policy paths' parents), since bwrap cannot create them there.
 
     ``tmpfs_bytes`` caps /tmp and /dev/shm each (None: the kernel's default).
+    ``pinned`` maps a workspace or policy path to the run-private mount point bwrap binds
+    it from (see :class:`Bind`).
 
     Error handling: raises :class:`PlanError` for an unusable run id, environment name or
     value, a reserved extra name, a tmpfs size under one page, or a system symlink
     pointing outside /usr.
     """
+    pinned = dict(pinned or {})
     if tmpfs_bytes is not None and tmpfs_bytes < MIN_TMPFS_BYTES:
         raise PlanError(f"tmpfs size {tmpfs_bytes} is under one page ({MIN_TMPFS_BYTES} bytes)")
     if not _RUN_ID.fullmatch(run_id):
@@ -320,14 +335,14 @@ def build_plan(
             # /dev/shm; /dev itself is made read-only at the end.
             Tmpfs(dest="/dev/shm", size_bytes=tmpfs_bytes),
             Tmpfs(dest="/tmp", size_bytes=tmpfs_bytes),
-            Bind(src=workspace_host, dest=WORKSPACE),
+            Bind(src=workspace_host, dest=WORKSPACE, via=pinned.get(workspace_host)),
         )
     )
     # Parents before children: a policy path under /workspace (or under another policy
     # path) must be mounted after it, or the later parent mount would hide it.
     for mount in sorted(policy_paths, key=lambda m: (m.visible.count("/"), m.visible)):
         kind = Bind if mount.mode is PathMode.RW else RoBind
-        steps.append(kind(src=mount.host, dest=mount.visible))
+        steps.append(kind(src=mount.host, dest=mount.visible, via=pinned.get(mount.host)))
     steps.append(RoBind(src=cogni_tool_host_dir, dest=COGNI_TOOL_VISIBLE_DIR))
     steps.append(RoBind(src=gateway_socket_host, dest=SANDBOX_SOCKET))
     # Last: the root tmpfs bwrap builds (and the directories it made for mount points) is
@@ -470,6 +485,8 @@ def validate(plan: SandboxPlan) -> None:
             continue  # gatewayd's own read-only copy of cogni-tool, in the state directory
         if isinstance(step, RoBind | Bind):
             _check_source(plan, name, step.src)
+            if step.via is not None:
+                _check_via(plan, name, step.via)
     if sockets != 1:
         raise PlanError(
             f"the plan mounts the run's socket {sockets} times; it must mount it once, "
@@ -510,6 +527,16 @@ def _is_client_copy(plan: SandboxPlan, step: RoBind) -> bool:
     return step.dest == COGNI_TOOL_VISIBLE_DIR and step.src == posixpath.join(
         plan.state_dir, CLIENT_COPY_DIR
     )
+
+
+def _check_via(plan: SandboxPlan, name: str, via: str) -> None:
+    """A pinned source is one of this run's own mount points, nothing else."""
+    parent = posixpath.join(plan.state_dir, "runs", plan.run_id, PIN_DIR)
+    if posixpath.dirname(via) != parent or not posixpath.basename(via).isdigit():
+        raise PlanError(
+            f"{name} binds from {via}; a pinned source must be one of this run's mount "
+            f"points {parent}/<n>"
+        )
 
 
 def _check_source(plan: SandboxPlan, name: str, src: str) -> None:
@@ -607,10 +634,10 @@ def render_argv(
 
 def _step_args(step: Step, *, fd: int | None) -> list[str]:
     match step:
-        case RoBind(src=src, dest=dest):
-            return ["--ro-bind", src, dest]
-        case Bind(src=src, dest=dest):
-            return ["--bind", src, dest]
+        case RoBind(src=src, dest=dest, via=via):
+            return ["--ro-bind", via or src, dest]
+        case Bind(src=src, dest=dest, via=via):
+            return ["--bind", via or src, dest]
         case RoBindData(dest=dest):
             return ["--ro-bind-data", "FD" if fd is None else str(fd), dest]
         case Tmpfs(dest=dest, size_bytes=None):

@@ -440,9 +440,7 @@ def compile_filter(entries: Sequence[DeniedSyscall]) -> bytes:
             for test in tests:
                 args = (_ScmpArgCmp * 1)()
                 if test is not None:
-                    args[0] = _ScmpArgCmp(
-                        entry.arg_index, SCMP_CMP_MASKED_EQ, test[0], test[1]
-                    )
+                    args[0] = _ScmpArgCmp(entry.arg_index, SCMP_CMP_MASKED_EQ, test[0], test[1])
                 count = 0 if test is None else 1
                 rc = lib.rule_add_array(ctx, scmp_act_errno(entry.errno), number, count, args)
                 if rc < 0:

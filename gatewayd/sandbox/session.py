@@ -20,7 +20,6 @@ import contextlib
 import os
 import shutil
 import signal
-import stat
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from gatewayd.sandbox.netns import (
 from gatewayd.sandbox.plan import (
     CLIENT_COPY_DIR,
     COGNI_TOOL_VISIBLE_DIR,
+    PIN_DIR,
     HostLayout,
     PlanError,
     PolicyMount,
@@ -98,13 +98,6 @@ class UnsafeMounts(SandboxUnavailable):
 
 class WorkspaceInUse(SandboxUnavailable):
     """Another live run holds this workspace or a directory overlapping it."""
-
-    code = ErrorCode.BAD_REQUEST
-
-
-class WorkspaceUnreachable(SandboxUnavailable):
-    """A directory to bind cannot be reached by the sandbox's uid (the operator's choice
-    of directory, not gatewayd's fault)."""
 
     code = ErrorCode.BAD_REQUEST
 
@@ -166,6 +159,10 @@ class RunSandbox:
     env_names: tuple[str, ...]
     limits: CommandLimits
     image_dir: Path | None = None
+    # The bind sources, opened once at run start: (descriptor, run-private mount point),
+    # and host path -> mount point for the plan (see plan.Bind.via).
+    pins: tuple[tuple[int, str], ...] = ()
+    pinned: dict[str, str] = field(default_factory=dict)
     _running: set[trio.CancelScope] = field(default_factory=set)
     _idle: trio.Event = field(default_factory=trio.Event)
     _closed: bool = False
@@ -194,10 +191,11 @@ class RunSandbox:
         user = pool.acquire()
         netns: NetnsHandle | None = None
         lease: Lease | None = None
+        pins: list[tuple[int, str]] = []
+        pinned: dict[str, str] = {}
         try:
             _open_run_dir(run_dir, user)
             mounts = _policy_mounts(grants, workspace)
-            _check_reachable(user, [workspace, *(Path(m.host) for m in mounts)])
             if image_dir is not None:
                 try:
                     require_image(image_dir, policy_mount_points=[m.visible for m in mounts])
@@ -222,6 +220,8 @@ class RunSandbox:
                 )
             except PlanError as exc:
                 raise UnsafeMounts(f"run refused: {exc}") from exc
+            sources = [workspace, *(Path(m.host) for m in mounts)]
+            pins, pinned = _pin_sources(run_dir, user, sources, grants)
             writable = [workspace, *(Path(m.host) for m in mounts if m.mode is PathMode.RW)]
             _check_not_in_use(writable, busy_trees)
             netns = await trio.to_thread.run_sync(
@@ -239,6 +239,8 @@ class RunSandbox:
                 )
             )
         except BaseException as exc:
+            for fd, _ in pins:
+                os.close(fd)
             with trio.CancelScope(shield=True):
                 if netns is not None:
                     name = netns.name
@@ -262,6 +264,8 @@ class RunSandbox:
             env_names=tuple(env_names),
             limits=limits,
             image_dir=image_dir,
+            pins=tuple(pins),
+            pinned=pinned,
         )
 
     def plan(self, command: Sequence[str], env_values: Mapping[str, str]) -> SandboxPlan:
@@ -278,6 +282,7 @@ class RunSandbox:
             limits=self.limits,
             command=command,
             env_values=env_values,
+            pinned=self.pinned,
         )
 
     async def exec(
@@ -311,6 +316,7 @@ class RunSandbox:
                     bwrap=self.settings.bwrap,
                     cgroups=self.settings.cgroups,
                     echo=echo,
+                    pins=self.pins,
                 )
             finally:
                 self._running.discard(scope)
@@ -342,6 +348,10 @@ class RunSandbox:
         return await trio.to_thread.run_sync(self._release)
 
     def _release(self) -> dict[str, int]:
+        for fd, _ in self.pins:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.pins = ()
         killed = _kill_uid(self.user.uid)
         returned = give_back(self.lease)
         removed = remove_run_netns(self.netns.name)
@@ -361,6 +371,7 @@ def _plan(
     limits: CommandLimits,
     command: Sequence[str],
     env_values: Mapping[str, str],
+    pinned: Mapping[str, str] | None = None,
 ) -> SandboxPlan:
     plan = build_plan(
         run_id=run_id,
@@ -376,9 +387,47 @@ def _plan(
         layout=settings.layout,
         image_dir=None if image_dir is None else str(image_dir),
         tmpfs_bytes=limits.tmp_mb * _MIB,
+        pinned=pinned,
     )
     validate(plan)
     return plan
+
+
+def _pin_sources(
+    run_dir: Path, user: HostUser, sources: Sequence[Path], grants: Sequence[PathGrant]
+) -> tuple[list[tuple[int, str]], dict[str, str]]:
+    """Open every bind source once, now, and give each a run-private mount point.
+
+    A grant's directory must still be the one the run was created with (its device and
+    inode, pinned by the policy binding); the sandbox can rename a nested grant's path
+    or put a symlink there before a later command, but bwrap then binds the directory
+    opened here, never what the path has become.
+    """
+    expected = {grant.host_root: grant.root_id for grant in grants}
+    points = run_dir / PIN_DIR
+    points.mkdir(mode=0o700)
+    os.chown(points, 0, user.gid)
+    os.chmod(points, RUN_DIR_MODE)  # bwrap, as the run's uid, passes through to them
+    pins: list[tuple[int, str]] = []
+    pinned: dict[str, str] = {}
+    try:
+        for index, source in enumerate(sources):
+            fd = os.open(source, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            pins.append((fd, str(points / str(index))))
+            st = os.fstat(fd)
+            want = expected.get(source)
+            if want is not None and (st.st_dev, st.st_ino) != want:
+                raise UnsafeMounts(
+                    f"{source} is no longer the directory the run was created with; "
+                    "refusing to bind whatever is there now"
+                )
+            (points / str(index)).mkdir(mode=0o700)
+            pinned[str(source)] = str(points / str(index))
+    except BaseException:
+        for fd, _ in pins:
+            os.close(fd)
+        raise
+    return pins, pinned
 
 
 def _kill_uid(uid: int) -> int:
@@ -430,22 +479,6 @@ def _check_not_in_use(trees: Sequence[Path], busy: Sequence[Path]) -> None:
                     f"{tree} overlaps {held}, which a live run holds; one workspace (or "
                     "rw policy path) serves one run at a time: end that run or use another "
                     "directory"
-                )
-
-
-def _check_reachable(user: HostUser, paths: Sequence[Path]) -> None:
-    """bwrap runs as the run's uid and resolves every bind source on the host, so each
-    parent directory must let others pass (o+x). Refuse the run early, naming the
-    directory, rather than let bwrap fail with a bare "Permission denied"."""
-    for path in paths:
-        for parent in path.parents:
-            st = os.stat(parent)
-            if not st.st_mode & stat.S_IXOTH and st.st_uid != user.uid:
-                raise WorkspaceUnreachable(
-                    f"{path} cannot be given to the sandbox: its parent {parent} (mode "
-                    f"{stat.S_IMODE(st.st_mode):04o}) does not let other users pass through "
-                    "(o+x), and the sandbox runs as an unprivileged uid of its own; keep "
-                    f"workspaces under a directory such as /srv/cogni (chmod o+x {parent})"
                 )
 
 

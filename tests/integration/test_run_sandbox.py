@@ -9,7 +9,6 @@ fails inside, or by the host's audit log, never by reading our own configuration
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import json
 import os
@@ -38,7 +37,6 @@ from gatewayd.sandbox.session import (
     SandboxUnavailable,
     UnsafeMounts,
     WorkspaceInUse,
-    WorkspaceUnreachable,
 )
 from gatewayd.sandbox.uids import UidRange, pids_of_uid
 from tests.conftest import frame, raw_exchange, read_frame
@@ -46,7 +44,6 @@ from tests.conftest import frame, raw_exchange, read_frame
 PY = "/usr/bin/python3"
 OUTSIDE_V4 = "198.51.100.1"  # TEST-NET-2 (RFC 5737): never routed anywhere
 SECRET_NAME = "COGNI_TEST_HOST_SECRET"
-CLONE_NEWNET = 0x40000000  # <linux/sched.h>
 
 POLICY = """
 version: 1
@@ -356,44 +353,40 @@ async def test_a_connection_from_outside_the_runs_namespace_is_refused_and_audit
     assert not [e for e in await sb.entries() if e["kind"] == "call"]
 
 
-async def test_a_process_of_another_runs_sandbox_is_refused_even_with_the_socket(
+CONNECT_PROBE = r"""
+import json, socket, struct, sys
+s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1])
+body = json.dumps({"v": 1, "runId": sys.argv[2], "toolCallId": "c", "tool": "time.now",
+                   "args": {}}).encode()
+s.sendall(struct.pack(">I", len(body)) + body)
+n = struct.unpack(">I", s.recv(4))[0]
+print(json.loads(s.recv(n)).get("errorCode"))
+"""
+
+
+async def test_a_process_of_another_runs_namespace_is_refused_even_with_the_socket(
     sb: Sandboxed,
 ) -> None:
-    # Give b's sandbox a's socket path by hand (root connects it in b's namespace: the
-    # socket file is reachable, the namespace is not a's), as a leaked fd would.
+    # A whole process (not a thread: /proc/PID/ns/net is the main thread's) living in
+    # run b's network namespace, as root so it can reach a's socket file on the host.
     a = await sb.run(workspace=sb.workspace("a"))
     b = await sb.run(workspace=sb.workspace("b"))
-    assert b.sandbox is not None
-    fd = os.open(b.sandbox.netns.path, os.O_RDONLY)
-    original = os.open("/proc/self/ns/net", os.O_RDONLY)
-    libc = ctypes.CDLL(None, use_errno=True)
+    assert a.sandbox is not None and b.sandbox is not None
 
-    def setns(ns_fd: int) -> None:  # os.setns arrives with Python 3.12
-        if libc.setns(ns_fd, CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), "setns")
+    def connect_from(netns: str) -> str:
+        done = subprocess.run(
+            ["ip", "netns", "exec", netns, PY, "-c", CONNECT_PROBE, str(a.socket_path), a.run_id],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return done.stdout.strip() or done.stderr
 
-    def connect_from_b() -> bytes:
-        # A thread of our own joins b's namespace, connects to a's socket, comes back.
-        setns(fd)
-        try:
-            s = socket.socket(socket.AF_UNIX)
-            s.connect(str(a.socket_path))
-        finally:
-            setns(original)
-        body = json.dumps(
-            {"v": 1, "runId": a.run_id, "toolCallId": "c", "tool": "time.now", "args": {}}
-        ).encode()
-        s.sendall(len(body).to_bytes(4, "big") + body)
-        s.settimeout(10)
-        n = int.from_bytes(s.recv(4), "big")
-        return s.recv(n)
-
-    try:
-        answer = json.loads(await trio.to_thread.run_sync(connect_from_b))
-    finally:
-        os.close(fd)
-        os.close(original)
-    assert answer["errorCode"] == "authz_denied"
+    from_b = await trio.to_thread.run_sync(connect_from, b.sandbox.netns.name)
+    from_a = await trio.to_thread.run_sync(connect_from, a.sandbox.netns.name)
+    assert from_b == "authz_denied"
+    # The control: the same process in a's own namespace is served (ok: no error code).
+    assert from_a == "None"
 
 
 async def test_a_run_without_the_grant_is_refused_with_authz_denied(sb: Sandboxed) -> None:
@@ -681,7 +674,11 @@ async def test_fork_and_memory_bombs_are_contained_while_other_runs_are_served(
 
     async def keep_calling() -> None:
         for _ in range(5):
-            result = await sb.daemon.exec_in_run(other.run_id, ["cogni-tool", "exec", "time.now"])
+            # Served meanwhile, promptly: a bomb in one run must not stall another.
+            with trio.fail_after(10):
+                result = await sb.daemon.exec_in_run(
+                    other.run_id, ["cogni-tool", "exec", "time.now"]
+                )
             answers.append(result.stdout)
 
     async with trio.open_nursery() as nursery:
@@ -726,19 +723,61 @@ async def test_a_caller_timeout_can_shorten_but_never_lengthen_the_policys(sb: S
 # --- refusals at run start -------------------------------------------------------------
 
 
-async def test_a_workspace_the_sandbox_uid_cannot_reach_refuses_the_run_naming_the_parent(
+async def test_a_workspace_under_a_private_directory_works_since_its_source_is_pinned(
     sb: Sandboxed,
 ) -> None:
+    # bwrap runs as the run's uid, but it binds the run-private mount point the launcher
+    # attached the pinned workspace to: the operator's 0700 parent needs no o+x.
     hidden = sb.base / "private"
     hidden.mkdir(mode=0o700)
     ws = hidden / "ws"
     ws.mkdir()
-    with pytest.raises(WorkspaceUnreachable, match=f"{hidden}.*o\\+x"):
-        await sb.run(workspace=ws)
-    refused = [e for e in await sb.entries() if e.get("event") == "run_refused"][-1]
-    assert refused["errorCode"] == "bad_request"
-    assert sb.daemon.uid_pool.in_use == 0  # the uid went back to the pool
-    assert os.stat(ws).st_uid == 0  # nothing was lent
+    (ws / "notes.md").write_text("hello\n")
+    run = await sb.run(workspace=ws)
+    result = await sb.py(run, "print(open('/workspace/notes.md').read().strip())")
+    assert result.stdout.strip() == b"hello", result.stderr
+    await sb.daemon.end_run(run.run_id)
+    assert os.stat(ws / "notes.md").st_uid == 0
+
+
+async def test_a_nested_grant_swapped_between_commands_still_binds_the_pinned_directory(
+    sb: Sandboxed,
+) -> None:
+    # The review's attack: between two commands the sandbox renames a nested read-only
+    # grant's parent and puts something else at its path. bwrap must bind the directory
+    # pinned at run start, never what the host path has become.
+    ws = sb.workspace()
+    (ws / "docs" / "ref").mkdir(parents=True)
+    (ws / "docs" / "ref" / "spec.md").write_text("the spec\n")
+    policy = POLICY.replace(
+        "workspace: {root: ., mode: rw}",
+        "workspace: {root: ., mode: rw}\n    ref: {root: docs/ref, mode: ro}",
+    )
+    run = await sb.run(policy, workspace=ws)
+    swap = await sb.py(
+        run,
+        """
+        import os
+        os.rename("/workspace/docs", "/workspace/docs_old")
+        os.makedirs("/workspace/docs/ref")
+        open("/workspace/docs/ref/decoy.md", "w").write("decoy")
+        print("swapped")
+        """,
+    )
+    assert swap.stdout.strip() == b"swapped", swap.stderr
+    look = await sb.py(run, "import os; print(sorted(os.listdir('/workspace/docs/ref')))")
+    assert look.stdout.strip() == b"['spec.md']", look.stderr  # the pinned one, read-only
+    # A symlink to a host directory in its place: bwrap never resolves the host path, and
+    # the sandbox's own broken layout only stops its next command.
+    relink = await sb.py(
+        run,
+        "import os; os.rename('/workspace/docs', '/workspace/docs2'); "
+        "os.mkdir('/workspace/docs'); os.symlink('/etc', '/workspace/docs/ref'); print('ok')",
+    )
+    assert relink.stdout.strip() == b"ok", relink.stderr
+    broken = await sb.py(run, "import os; print(sorted(os.listdir('/workspace/docs/ref')))")
+    assert broken.exitCode != 0 and b"Can't bind mount" in broken.stderr
+    assert b"passwd" not in broken.stdout and b"ssh" not in broken.stdout
 
 
 async def test_exec_in_an_ended_or_unknown_run_is_refused(sb: Sandboxed) -> None:

@@ -252,6 +252,34 @@ async def test_connections_over_the_runs_limit_are_refused_with_a_reason(
         assert len(refused) == 1
 
 
+async def test_a_flood_of_refused_connections_is_audited_sparingly_and_answered_fast(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, TOOLS) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        held = [
+            await trio.open_unix_socket(str(run.socket_path))
+            for _ in range(server.MAX_CONNECTIONS_PER_RUN)
+        ]
+        await trio.sleep(0.2)
+        started = trio.current_time()
+        answers = []
+        for _ in range(200):  # a connect loop, as a hostile sandbox would run
+            [resp] = await raw_exchange(run.socket_path, frame(request(run, "time.now")))
+            answers.append(resp["errorCode"])
+        elapsed = trio.current_time() - started
+        for s in held:
+            await s.aclose()
+        assert answers == ["rate_limited"] * 200  # every one still gets its reason
+        refused = [e for e in await gw.audit_entries() if e.get("event") == "connection_refused"]
+        # One entry per second of flood (plus the first), each counting those left out.
+        assert 1 <= len(refused) <= elapsed / server.REFUSAL_AUDIT_INTERVAL_S + 2
+        counted = len(refused) + sum(
+            e.get("detail", {}).get("suppressedSinceLast", 0) for e in refused
+        )
+        assert counted <= 200 and (len(refused) == 1 or counted > len(refused))
+
+
 async def test_garbage_frames_spend_the_runs_budget_and_then_close_the_connection(
     short_tmp: Path, workspace: Path
 ) -> None:
