@@ -1,0 +1,443 @@
+"""gatewayd's one way to call a model: one chat completion through litellm.
+
+The rule reviewer uses it now and the ``model.chat`` tool will later. A
+:class:`~gatewayd.config.ModelAlias` says where to go; :func:`complete` goes there once
+(no retries: the caller decides, and a review must fail closed fast) and returns a
+:class:`Completion` or raises :class:`ModelCallError`.
+
+litellm takes seconds to import, so it is imported lazily, never when gatewayd is
+imported: :func:`preload` pays for it once at daemon start (run it in a thread), and
+:func:`complete` imports it on first use otherwise. Before the import, the environment
+is set so litellm never fetches anything at import or call time and never reads a
+``.env`` file; after it, every logging callback is cleared so nothing but the call
+itself leaves the host.
+
+Secrets: the key is read from ``os.environ[alias.api_key_env]`` at each call, handed to
+litellm for that call only, and scrubbed from every error message. litellm itself keeps
+its HTTP clients (and so the key) in an in-memory cache between calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+import importlib
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import urlsplit, urlunsplit
+
+import trio
+
+from gatewayd.config import ModelAlias
+from gatewayd.errors import GatewayError
+from gatewayd.protocol import ErrorCode
+
+# trio waits this long past litellm's own timeout before abandoning the call: litellm's
+# timeout bounds each connect and each read, not the whole answer, so a provider that
+# trickles its answer needs an outer bound; the grace lets litellm's cleaner error win.
+TIMEOUT_GRACE_S: Final = 1.0
+# Provider text quoted in an error is cut to this: enough to say what was wrong, and
+# the message may reach the sandbox, so never a dump of the provider's answer.
+MAX_PROVIDER_TEXT_CHARS: Final = 300
+# What a key looks like in any message that quoted it back.
+REDACTED: Final = "[redacted]"
+# The key sent when an alias names no key variable (keyless local endpoints). Without an
+# explicit key litellm falls back to ambient variables such as OPENAI_API_KEY, and would
+# send the host's key to whatever api_base the alias names.
+KEYLESS_PLACEHOLDER: Final = "no-key"
+# Bound on the __cause__/__context__ chain walked to classify an error.
+MAX_CAUSE_CHAIN: Final = 32
+
+# Set before litellm is imported; each stops a fetch or a file read we did not ask for.
+_LITELLM_ENV: Final = {
+    "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # the price map from GitHub, at import
+    "LITELLM_LOCAL_ANTHROPIC_BETA_HEADERS": "True",  # a header map from GitHub, per call
+    "LITELLM_LOCAL_BLOG_POSTS": "True",  # an RSS feed (proxy UI; set for completeness)
+    "LITELLM_MODE": "PRODUCTION",  # DEV (the default) loads a .env found above its install
+}
+# litellm's loggers print request headers and prompts at DEBUG; a daemon-wide DEBUG
+# level must not turn that on.
+_LITELLM_LOGGERS: Final = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
+# What litellm 1.x imports lazily on its first OpenAI-style call (~0.8 s, measured with
+# litellm 1.106): imported by preload() too, so the first review does not pay for it.
+_FIRST_CALL_MODULES: Final = (
+    "openai.resources",
+    "httpcore",
+    "litellm.proxy.openai_files_endpoints.common_utils",
+)
+_LITELLM_CALLBACK_LISTS: Final = (
+    "callbacks",
+    "input_callback",
+    "success_callback",
+    "failure_callback",
+    "service_callback",
+)
+# "litellm.RateLimitError: RateLimitError: OpenAIException - " before the provider's text.
+_LITELLM_PREFIX_RE: Final = re.compile(
+    r"^(?:litellm\.\w+:\s*)?(?:\w+Error:\s*)?(?:\w+Exception\s*-\s*)?"
+)
+
+
+class ModelCallKind(enum.StrEnum):
+    """What went wrong with a model call, for callers that act on it (and for the log)."""
+
+    TIMEOUT = "timeout"  # no complete answer in time
+    CONNECTION = "connection"  # refused, unreachable, or the connection broke
+    AUTH = "auth"  # HTTP 401/403: the key was refused
+    RATE_LIMITED = "rate_limited"  # HTTP 429
+    BAD_REQUEST = "bad_request"  # other 4xx, or litellm refused the request before sending
+    PROVIDER_ERROR = "provider_error"  # 5xx, or litellm failed in a way we do not know
+    MALFORMED = "malformed"  # an answer came back but is not a readable chat completion
+    MISSING_KEY = "missing_key"  # the alias's key variable is not set in gatewayd's env
+
+
+class ModelCallError(GatewayError):
+    """A model call failed; ``kind`` says how, ``str(exc)`` is safe to show anyone.
+
+    The message names the alias and endpoint and says what to do; it never contains
+    the key (it is scrubbed from any provider text quoted) nor an endpoint's userinfo.
+    """
+
+    code = ErrorCode.TOOL_FAILED
+
+    def __init__(self, kind: ModelCallKind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Completion:
+    """One model answer.
+
+    ``prompt_tokens`` and ``completion_tokens`` are None when the provider reported no
+    usage (litellm reports a missing usage as zeros, so zeros read as None too).
+    ``latency_ms`` is the call itself, not litellm's import.
+    """
+
+    text: str
+    model: str
+    prompt_tokens: int | None
+    completion_tokens: int | None
+    latency_ms: float
+
+
+class _LiteLLM:
+    """litellm, imported and configured once, on first use, by whichever thread asks."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._module: Any = None
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._module is None:
+                self._module = _import_litellm()
+            return self._module
+
+
+def _import_litellm() -> Any:
+    os.environ.update(_LITELLM_ENV)
+    litellm: Any = importlib.import_module("litellm")
+    litellm.telemetry = False  # older releases phone home; newer ones ignore the name
+    litellm.suppress_debug_info = True  # no "Give Feedback / Get Help" prints on errors
+    litellm.turn_off_message_logging = True  # prompts stay out of any logging payload
+    for name in _LITELLM_CALLBACK_LISTS:
+        setattr(litellm, name, [])  # no logging integration sends anything anywhere
+    for name in _LITELLM_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for name in _FIRST_CALL_MODULES:
+        with contextlib.suppress(ImportError):  # another litellm release: merely slower
+            importlib.import_module(name)
+    return litellm
+
+
+_LITELLM: Final = _LiteLLM()
+
+
+def preload() -> None:
+    """Import and configure litellm now (seconds, once per process).
+
+    Blocking: run it in a thread at daemon start (``trio.to_thread.run_sync(preload)``)
+    so the first review does not pay for the import. :func:`complete` works without it.
+    """
+    _LITELLM.get()
+
+
+async def complete(
+    alias: ModelAlias,
+    messages: Sequence[Mapping[str, str]],
+    *,
+    timeout_s: float,
+    max_tokens: int | None = None,
+    temperature: float | None = 0,
+    alias_name: str | None = None,
+) -> Completion:
+    """Ask ``alias`` for one chat completion of ``messages``, once.
+
+    The call may take ``min(timeout_s, alias.timeout_s)``: litellm is given that
+    timeout, and trio abandons the call shortly after it in any case. ``temperature``
+    or ``max_tokens`` None leaves the provider's default. ``alias_name`` (the alias's
+    name in the configuration) is only used to name the alias in errors.
+
+    Resource handling: litellm's blocking call runs in a worker thread; if the caller
+    is cancelled or the outer deadline passes, the thread is abandoned and ends at
+    litellm's own timeout. The first call imports litellm (in a thread, not counted
+    against the timeout) unless :func:`preload` ran.
+
+    Error handling: :class:`ModelCallError` for every failure of the call, with a
+    ``kind`` and a message that is safe to show and free of the key. ValueError for a
+    timeout that is not a positive number (a caller's bug).
+    """
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}")
+    where = _describe(alias, alias_name)
+    key = _read_key(alias, where)
+    limit_s = min(timeout_s, alias.timeout_s)
+    request: dict[str, Any] = {
+        "model": alias.litellm_model,
+        "messages": [dict(message) for message in messages],
+        "api_key": key,
+        "timeout": limit_s,
+        "num_retries": 0,  # litellm's own retry loop
+        "max_retries": 0,  # the OpenAI SDK's (it retries twice by default)
+    }
+    if alias.api_base is not None:
+        request["api_base"] = alias.api_base
+    if max_tokens is not None:
+        request["max_tokens"] = max_tokens
+    if temperature is not None:
+        request["temperature"] = temperature
+
+    litellm = await trio.to_thread.run_sync(_LITELLM.get)
+    started = time.perf_counter()
+    try:
+        with trio.fail_after(limit_s + TIMEOUT_GRACE_S):
+            response = await trio.to_thread.run_sync(
+                functools.partial(litellm.completion, **request), abandon_on_cancel=True
+            )
+    except trio.TooSlowError:
+        raise ModelCallError(ModelCallKind.TIMEOUT, _timeout_message(where, limit_s)) from None
+    except Exception as exc:  # anything litellm raises becomes one safe, keyless error
+        kind, message = _explain(litellm, exc, alias, where, limit_s)
+        # from None: the original's text may hold the key, and tracebacks print it.
+        raise ModelCallError(kind, _scrub(message, key)) from None
+    latency_ms = (time.perf_counter() - started) * 1000.0
+    return _read_completion(response, alias, where, latency_ms)
+
+
+# --- inputs --------------------------------------------------------------------------
+
+
+def _describe(alias: ModelAlias, alias_name: str | None) -> str:
+    """How errors name the alias: model, endpoint without userinfo or query."""
+    if alias.api_base is None:
+        endpoint = f"{alias.provider}'s default endpoint"
+    else:
+        parts = urlsplit(alias.api_base)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"  # an IPv6 literal
+        netloc = f"{host}:{parts.port}" if parts.port is not None else host
+        endpoint = urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+    described = f"{alias.litellm_model} at {endpoint}"
+    return f"model alias {alias_name!r} ({described})" if alias_name else f"model {described}"
+
+
+def _read_key(alias: ModelAlias, where: str) -> str:
+    if alias.api_key_env is None:
+        return KEYLESS_PLACEHOLDER
+    key = os.environ.get(alias.api_key_env, "")
+    if not key:
+        raise ModelCallError(
+            ModelCallKind.MISSING_KEY,
+            f"{where}: the environment variable {alias.api_key_env} that holds its key is "
+            "not set (or empty) in gatewayd's environment; set it where the gatewayd "
+            "service gets its environment (for example a systemd EnvironmentFile)",
+        )
+    return key
+
+
+def _scrub(text: str, key: str) -> str:
+    return text.replace(key, REDACTED) if key != KEYLESS_PLACEHOLDER else text
+
+
+def _cap(text: str) -> str:
+    text = " ".join(text.split())
+    if len(text) <= MAX_PROVIDER_TEXT_CHARS:
+        return text
+    return text[: MAX_PROVIDER_TEXT_CHARS - 3] + "..."
+
+
+# --- the answer ----------------------------------------------------------------------
+
+
+def _read_completion(response: Any, alias: ModelAlias, where: str, latency_ms: float) -> Completion:
+    try:
+        choice = response.choices[0]
+        content = choice.message.content
+    except (AttributeError, IndexError, TypeError):
+        content = None
+        choice = None
+    if not isinstance(content, str):
+        reason = getattr(choice, "finish_reason", None)
+        raise ModelCallError(
+            ModelCallKind.MALFORMED,
+            f"{where}: the answer has no text content (finish_reason {reason!r}); "
+            "the model gave no text, or the endpoint is not a chat completion API",
+        )
+    usage = getattr(response, "usage", None)
+    prompt_tokens = _tokens(usage, "prompt_tokens")
+    completion_tokens = _tokens(usage, "completion_tokens")
+    if not prompt_tokens and not completion_tokens:
+        prompt_tokens = completion_tokens = None  # litellm's stand-in for "not reported"
+    model = getattr(response, "model", None)
+    return Completion(
+        text=content,
+        model=model if isinstance(model, str) and model else alias.model,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        latency_ms=latency_ms,
+    )
+
+
+def _tokens(usage: Any, field: str) -> int | None:
+    value = getattr(usage, field, None)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+# --- errors --------------------------------------------------------------------------
+
+
+def _timeout_message(where: str, limit_s: float) -> str:
+    return (
+        f"{where}: no answer within {limit_s:g} s; the provider is slow or overloaded. "
+        "Retry later, or raise the timeout if it is too tight for this model"
+    )
+
+
+def _explain(
+    litellm: Any, exc: Exception, alias: ModelAlias, where: str, limit_s: float
+) -> tuple[ModelCallKind, str]:
+    """The kind of ``exc`` and the sentence for it (not yet scrubbed)."""
+    kind, status, detail = _classify(litellm, exc)
+    http = f"HTTP {status}" if status is not None else "no HTTP status"
+    quoted = f"{http}: {detail}" if detail else http
+    match kind:
+        case ModelCallKind.TIMEOUT:
+            return kind, _timeout_message(where, limit_s)
+        case ModelCallKind.CONNECTION:
+            return kind, (
+                f"{where}: could not reach the provider ({detail}); check that the "
+                "endpoint is up and reachable from the gatewayd host"
+            )
+        case ModelCallKind.AUTH:
+            # The provider's text is left out: some quote a masked part of the key.
+            source = (
+                f"the environment variable {alias.api_key_env} holds a valid key"
+                if alias.api_key_env
+                else "the alias needs a key: set api_key_env in gatewayd's configuration"
+            )
+            return kind, f"{where}: the provider refused the key ({http}); check that {source}"
+        case ModelCallKind.RATE_LIMITED:
+            return kind, (
+                f"{where}: the provider is rate limiting ({quoted}); wait before calling again"
+            )
+        case ModelCallKind.BAD_REQUEST:
+            return kind, (
+                f"{where}: the provider refused the request ({quoted}); check the alias's "
+                "model name and the request's size and parameters"
+            )
+        case ModelCallKind.MALFORMED:
+            return kind, (
+                f"{where}: the answer is not a readable chat completion ({detail}); check "
+                "that the endpoint speaks the OpenAI-compatible chat API"
+            )
+        case _:
+            return kind, f"{where}: the provider failed ({quoted}); retry later"
+
+
+def _classify(litellm: Any, exc: Exception) -> tuple[ModelCallKind, int | None, str]:
+    """Kind, HTTP status and provider detail, from the evidence in the cause chain.
+
+    litellm's own exception classes are not reliable here (it reports an HTTP 500 as
+    BadRequestError, and a dropped connection as InternalServerError), so the chain is
+    searched for what actually happened: a timeout, an HTTP status, a broken transport,
+    an unparsable body - in that order.
+    """
+    import httpx
+
+    openai: Any = importlib.import_module("openai")
+    links = _cause_chain(exc)
+    timeouts = (litellm.Timeout, openai.APITimeoutError, httpx.TimeoutException, TimeoutError)
+    if any(isinstance(link, timeouts) for link in links):
+        return ModelCallKind.TIMEOUT, None, ""
+    for link in links:
+        if isinstance(link, httpx.HTTPStatusError):
+            status = link.response.status_code
+            return _kind_for_status(status), status, _provider_text(link.response)
+    broken = [
+        link
+        for link in links
+        if isinstance(link, (openai.APIConnectionError, httpx.TransportError, OSError))
+    ]
+    if broken:
+        return ModelCallKind.CONNECTION, None, _cap(str(broken[-1]) or type(broken[-1]).__name__)
+    for link in links:
+        if isinstance(link, json.JSONDecodeError):
+            return ModelCallKind.MALFORMED, None, f"not JSON: {link.msg} at character {link.pos}"
+    readers = (litellm.InternalServerError, litellm.APIError, litellm.APIResponseValidationError)
+    if isinstance(exc, readers):  # litellm wraps "could not read the answer" like this
+        return ModelCallKind.MALFORMED, None, _litellm_text(exc)
+    reported = getattr(exc, "status_code", None)
+    if isinstance(reported, int) and isinstance(exc, openai.OpenAIError):
+        return _kind_for_status(reported), reported, _litellm_text(exc)
+    return ModelCallKind.PROVIDER_ERROR, None, f"{type(exc).__name__}: {_litellm_text(exc)}"
+
+
+def _kind_for_status(status: int) -> ModelCallKind:
+    if status in {401, 403}:
+        return ModelCallKind.AUTH
+    if status == 429:
+        return ModelCallKind.RATE_LIMITED
+    if status == 408:
+        return ModelCallKind.TIMEOUT
+    if 400 <= status < 500:
+        return ModelCallKind.BAD_REQUEST
+    return ModelCallKind.PROVIDER_ERROR
+
+
+def _cause_chain(exc: BaseException) -> list[BaseException]:
+    links: list[BaseException] = []
+    link: BaseException | None = exc
+    while link is not None and len(links) < MAX_CAUSE_CHAIN and link not in links:
+        links.append(link)
+        link = link.__cause__ or link.__context__
+    return links
+
+
+def _provider_text(response: Any) -> str:
+    """The ``error.message`` of an OpenAI-style error body, else the body's start."""
+    try:
+        text = str(response.text)
+    except Exception:  # a streamed body not read: say nothing rather than fail
+        return ""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return _cap(text)
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else error
+    return _cap(message if isinstance(message, str) else text)
+
+
+def _litellm_text(exc: BaseException) -> str:
+    return _cap(_LITELLM_PREFIX_RE.sub("", str(exc), count=1))
