@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
+    from gatewayd.config import GatewaydConfig
     from gatewayd.daemon import Daemon, DaemonConfig
     from gatewayd.runs import Run, RunRequest
 
@@ -54,6 +55,13 @@ def _add_daemon_options(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         help="directory searched for policies named without a path (repeatable)",
+    )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="gatewayd's configuration file (model aliases); default $GATEWAYD_CONFIG, "
+        "else /etc/gatewayd/gatewayd.yaml when it exists",
     )
     p.add_argument(
         "--no-os-sandbox",
@@ -273,7 +281,9 @@ def _config(args: argparse.Namespace) -> DaemonConfig:
         uids = UidRange(*args.sandbox_uids) if args.sandbox_uids else UidRange()
     except ValueError as exc:
         raise SystemExit(f"gatewayd: --sandbox-uids: {exc}") from None
+    settings = load_settings(args.config)
     return DaemonConfig(
+        models=settings.models,
         state_dir=args.state_dir.absolute(),
         audit_path=args.audit.absolute() if args.audit else None,
         policy_dirs=policy_dirs,
@@ -282,6 +292,25 @@ def _config(args: argparse.Namespace) -> DaemonConfig:
         netns_prefix=args.netns_prefix,
         sandbox_uids=uids,
     )
+
+
+def load_settings(path: Path | None) -> GatewaydConfig:
+    """gatewayd's configuration: ``path``, else $GATEWAYD_CONFIG, else the default file
+    when it exists, else an empty configuration. A named file that is missing or invalid
+    ends the command with the problems listed."""
+    from gatewayd.config import DEFAULT_CONFIG_PATH, ConfigError, GatewaydConfig, load_config
+
+    named = path or (
+        Path(os.environ["GATEWAYD_CONFIG"]) if os.environ.get("GATEWAYD_CONFIG") else None
+    )
+    if named is None:
+        if not DEFAULT_CONFIG_PATH.exists():
+            return GatewaydConfig()
+        named = DEFAULT_CONFIG_PATH
+    try:
+        return load_config(named)
+    except ConfigError as exc:
+        raise SystemExit(f"gatewayd: bad configuration: {exc}") from None
 
 
 def _serve(args: argparse.Namespace) -> int:

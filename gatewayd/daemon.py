@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,11 +17,15 @@ from typing import Any
 import structlog
 import trio
 
+from gatewayd import model_client
 from gatewayd.audit import AuditLog, AuditWriteError, open_audit_log
+from gatewayd.config import ModelAlias
 from gatewayd.dispatch import Dispatcher
 from gatewayd.errors import GatewayError, PolicyViolation
 from gatewayd.policy import PolicyError
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
+from gatewayd.review.reviewer import Reviewer
+from gatewayd.review.rulebook import RuleBook
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
 from gatewayd.sandbox.cgroup import probe_cgroups, remove_empty_leftovers
 from gatewayd.sandbox.launch import BWRAP, Echo, ExecResult
@@ -64,6 +68,8 @@ class DaemonConfig:
     # namespaces with its prefix at start, and hands out the uids of its range.
     netns_prefix: str = NETNS_PREFIX
     sandbox_uids: UidRange = field(default_factory=UidRange)
+    # Model aliases (gatewayd's configuration file): the review model, later model.chat.
+    models: Mapping[str, ModelAlias] = field(default_factory=dict)
 
     @property
     def resolved_audit_path(self) -> Path:
@@ -86,7 +92,14 @@ class Daemon:
         self.registry = RunRegistry(
             config.state_dir, policy_loader=PolicyLoader(config.policy_dirs)
         )
-        self.dispatcher = Dispatcher(audit, builtin_tools() if tools is None else tools)
+        self.reviewer = Reviewer(config.models)
+        self.rules = RuleBook()
+        self.dispatcher = Dispatcher(
+            audit,
+            builtin_tools() if tools is None else tools,
+            reviewer=self.reviewer,
+            rules=self.rules,
+        )
         self._nursery = nursery
         self.uid_pool = UidPool(config.sandbox_uids)
         self.support = SandboxSupport(False, "not probed yet")
@@ -375,6 +388,13 @@ class Daemon:
             await self.end_run(run.run_id, reason="daemon_stopping")
 
 
+async def _preload_models() -> None:
+    try:
+        await trio.to_thread.run_sync(model_client.preload)
+    except Exception:  # the first call will say what is wrong
+        log.exception("model_client_preload_failed")
+
+
 def raise_open_file_limit() -> int:
     """Lift the soft descriptor limit to the hard one (systemd's default soft limit is 1024):
     every connection, run socket, pinned directory and sandbox pipe is a descriptor, and
@@ -449,6 +469,10 @@ async def open_daemon(
         trio.open_nursery() as nursery,
     ):
         daemon = Daemon(config, audit, nursery, tools=tools)
+        if config.models:
+            # litellm takes seconds to import: pay it now, beside the start, not in the
+            # first review's time budget (model_client imports it on demand otherwise).
+            nursery.start_soon(_preload_models)
         await daemon.prepare_sandbox()
         try:
             yield daemon

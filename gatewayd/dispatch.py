@@ -33,6 +33,9 @@ from gatewayd.protocol import (
     error_response,
     ok_response,
 )
+from gatewayd.review.reviewer import Reviewer, ReviewOutcome, Source
+from gatewayd.review.rulebook import RuleBook
+from gatewayd.review.ruleset import RuleSet
 from gatewayd.runs import Run
 from gatewayd.tools.registry import ToolContext, ToolSpec
 
@@ -61,10 +64,14 @@ class Dispatcher:
         tools: dict[str, ToolSpec[Any]],
         *,
         clock: Callable[[], float] = time.monotonic,
+        reviewer: Reviewer | None = None,
+        rules: RuleBook | None = None,
     ) -> None:
         self.audit = audit
         self.tools = tools
         self.clock = clock
+        self.reviewer = reviewer
+        self.rules = rules
 
     # -- frames that never became requests -------------------------------------
 
@@ -135,6 +142,20 @@ class Dispatcher:
             spec, args = self._admit(run, req)
         except _Refusal as refusal:
             return self._deny(run, req, peer, refusal, started)
+        review: dict[str, Any] | None = None
+        if spec is not None and self.reviewer is not None:
+            try:
+                outcome = await self._review(run, req, args[0])
+            except trio.Cancelled:
+                # No write-ahead entry yet: the call still gets its pair of entries.
+                stopped = _Refusal(ErrorCode.INTERNAL, CANCELLED_MESSAGE)
+                self._deny(run, req, peer, stopped, started)
+                raise
+            if outcome is not None:
+                review = outcome.audit()
+                if not outcome.allowed:
+                    denied = _Refusal(ErrorCode.REVIEW_DENIED, _review_message(outcome))
+                    return self._deny(run, req, peer, denied, started, review=review)
 
         call_seq = self.audit.record(
             "call",
@@ -145,6 +166,7 @@ class Dispatcher:
             argsSummary=summarize(req.args),
             decision="allow",
             peer=peer,
+            review=review,
             degraded=run.degraded,
         )
         # Write-ahead: the entry is durable before the call has any effect. The result
@@ -313,6 +335,20 @@ class Dispatcher:
             "(limits.call_timeout_s) and was stopped",
         )
 
+    async def _review(self, run: Run, req: Request, args: Any) -> ReviewOutcome | None:
+        """Step 7: the rule review, if the run's (live) review rules cover this call."""
+        assert self.reviewer is not None
+        section = run.spec.policy.review
+        if self.rules is not None:
+            section, rules = self.rules.current(run.spec.policy_source, section)
+        else:
+            rules = RuleSet.from_section(section)
+        if not self.reviewer.applies(section, req.tool):
+            return None
+        # The arguments as the tool will use them, defaults filled in: an fs.list without
+        # a path lists /workspace, and a path rule must see that.
+        return await self.reviewer.review(req.tool, msgspec.to_builtins(args), section, rules)
+
     def _deny(
         self,
         run: Run,
@@ -320,6 +356,8 @@ class Dispatcher:
         peer: Peer,
         refusal: _Refusal,
         started: float,
+        *,
+        review: dict[str, Any] | None = None,
     ) -> Response:
         common: dict[str, Any] = {
             "runId": run.run_id,
@@ -335,6 +373,7 @@ class Dispatcher:
             errorCode=str(refusal.code),
             safeMessage=refusal.message,
             peer=peer,
+            review=review,
             degraded=run.degraded,
         )
         self.audit.record(
@@ -345,3 +384,11 @@ class Dispatcher:
         )
         run.count(str(refusal.code))
         return error_response(req.toolCallId, refusal.code, refusal.message)
+
+
+def _review_message(outcome: ReviewOutcome) -> str:
+    """What the agent reads: the reviewer's own reason, so it can adapt; a failed review
+    says it failed (the call may be fine), never that a rule said no."""
+    if outcome.source is Source.FAILED:
+        return outcome.reason
+    return f"the rule review denied this call: {outcome.reason or 'no reason given'}"

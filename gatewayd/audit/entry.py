@@ -109,6 +109,9 @@ class AuditEntry(
     peer: Peer | None = None
     event: EventName | None = None
     detail: dict[str, Any] | None = None
+    # The rule review of a call: verdict, source (structured, cache, model, failed),
+    # reason, model, latency, tokens, cache hit.
+    review: dict[str, Any] | None = None
     # Set on every call of a run without the OS sandbox (require_os_sandbox: false):
     # why it has none. A reviewer filters on it.
     degraded: Annotated[str, msgspec.Meta(min_length=1, max_length=500)] | None = None
@@ -132,6 +135,7 @@ class EntryFields(TypedDict, total=False):
     peer: Peer | Mapping[str, int] | None
     event: str | None
     detail: Mapping[str, Any] | None
+    review: Mapping[str, Any] | None
     degraded: str | None
 
 

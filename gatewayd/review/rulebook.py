@@ -1,0 +1,239 @@
+"""Live review rules, and changing them with the asymmetry of reference note 000.
+
+| change | takes effect |
+| --- | --- |
+| add a deny rule, remove an allow rule (tightening) | at once |
+| add an allow rule, remove a deny rule (loosening) | only once confirmed on the control socket |
+
+Invariant LOOSENING_NEEDS_CONFIRMATION: a loosening change returns a pending confirmation
+(its id and the exact change); nothing changes until ``confirm`` is called with that id.
+Only the control socket (root, never a sandbox) reaches this module.
+
+Every applied change is written to the policy file atomically (a temporary file, fsync,
+rename, fsync of the directory), validated as a whole policy before it replaces the old
+one, and becomes the rules of every live run of that policy for its next call: a new
+rule-set hash, so no cached verdict of the old rules is used again. The file is
+rewritten from its parsed form: comments and key order in it are not kept.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import yaml
+
+from gatewayd.errors import GatewayError
+from gatewayd.policy import PolicyError, load_policy_text
+from gatewayd.policy.review_section import ReviewSection
+from gatewayd.protocol import ErrorCode
+from gatewayd.review.ruleset import RuleSet
+
+# A confirmation id: unguessable, so only who was shown it can confirm it.
+CONFIRMATION_ID_BYTES: Final = 16
+# Loosening changes nobody confirms do not pile up forever.
+MAX_PENDING: Final = 100
+
+
+class RuleAction(enum.StrEnum):
+    ADD_DENY = "add_deny"
+    REMOVE_ALLOW = "remove_allow"
+    ADD_ALLOW = "add_allow"
+    REMOVE_DENY = "remove_deny"
+
+    @property
+    def loosens(self) -> bool:
+        return self in (RuleAction.ADD_ALLOW, RuleAction.REMOVE_DENY)
+
+    @property
+    def side(self) -> str:
+        return "deny" if self in (RuleAction.ADD_DENY, RuleAction.REMOVE_DENY) else "allow"
+
+    @property
+    def adds(self) -> bool:
+        return self in (RuleAction.ADD_DENY, RuleAction.ADD_ALLOW)
+
+
+class RuleChangeError(GatewayError):
+    """A rule change that cannot be made (no such rule, already there, bad policy)."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RuleChange:
+    """One change to one policy's plain-language review rules."""
+
+    policy: str  # the policy file's path, as runs name it (their policySource)
+    action: RuleAction
+    text: str
+    added_by: str | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "policy": self.policy,
+            "action": str(self.action),
+            "rule": self.text,
+            "addedBy": self.added_by,
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Applied:
+    change: RuleChange
+    before: str  # rule-set hashes
+    after: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pending:
+    confirmation_id: str
+    change: RuleChange
+
+
+class RuleBook:
+    """The live review section of every policy file this daemon's runs use."""
+
+    def __init__(self) -> None:
+        self._live: dict[str, tuple[ReviewSection, RuleSet]] = {}
+        self._pending: dict[str, RuleChange] = {}
+
+    def current(self, policy: str, loaded: ReviewSection) -> tuple[ReviewSection, RuleSet]:
+        """The rules a run of ``policy`` is under now: the last applied change, else what
+        the run loaded."""
+        live = self._live.get(policy)
+        if live is None:
+            live = (loaded, RuleSet.from_section(loaded))
+            self._live[policy] = live
+        return live
+
+    def request(self, change: RuleChange) -> Applied | Pending:
+        """Apply a tightening change now; park a loosening one for confirmation.
+
+        Error handling: :class:`RuleChangeError` when the rule to remove is not there,
+        the rule to add already is, or the policy cannot be read, changed or written.
+        """
+        self._check(change)
+        if change.action.loosens:
+            if len(self._pending) >= MAX_PENDING:
+                raise RuleChangeError(
+                    f"{MAX_PENDING} rule changes already wait for confirmation; confirm or "
+                    "cancel some first"
+                )
+            confirmation_id = secrets.token_hex(CONFIRMATION_ID_BYTES)
+            self._pending[confirmation_id] = change
+            return Pending(confirmation_id=confirmation_id, change=change)
+        return self._apply(change)
+
+    def confirm(self, confirmation_id: str) -> Applied:
+        """Apply a pending loosening change.
+
+        Error handling: :class:`RuleChangeError` for an unknown id, or as ``request``.
+        """
+        change = self._pending.pop(confirmation_id, None)
+        if change is None:
+            raise RuleChangeError(
+                f"no pending rule change {confirmation_id!r}; list them with GET /v1/rules/pending"
+            )
+        return self._apply(change)
+
+    def cancel(self, confirmation_id: str) -> RuleChange:
+        change = self._pending.pop(confirmation_id, None)
+        if change is None:
+            raise RuleChangeError(f"no pending rule change {confirmation_id!r}")
+        return change
+
+    def pending(self) -> dict[str, RuleChange]:
+        return dict(self._pending)
+
+    def _check(self, change: RuleChange) -> None:
+        section = _review_of(_read_policy(change.policy))
+        rules = section.rules.deny if change.action.side == "deny" else section.rules.allow
+        present = any(rule.text == change.text.strip() for rule in rules)
+        if change.action.adds and present:
+            raise RuleChangeError(
+                f"the {change.action.side} rule is already there: {change.text!r}"
+            )
+        if not change.action.adds and not present:
+            texts = "; ".join(repr(rule.text) for rule in rules) or "none"
+            raise RuleChangeError(
+                f"no {change.action.side} rule {change.text!r} in {change.policy}; its "
+                f"{change.action.side} rules: {texts}"
+            )
+
+    def _apply(self, change: RuleChange) -> Applied:
+        raw = _read_policy(change.policy)
+        before = RuleSet.from_section(_review_of(raw)).digest
+        edited = _edited(raw, change)
+        text = yaml.safe_dump(edited, sort_keys=False, allow_unicode=True)
+        try:
+            policy = load_policy_text(text, change.policy)
+        except PolicyError as exc:
+            raise RuleChangeError(f"the changed policy would not load: {exc}") from None
+        _write_atomically(Path(change.policy), text)
+        section = policy.review
+        ruleset = RuleSet.from_section(section)
+        self._live[change.policy] = (section, ruleset)
+        return Applied(change=change, before=before, after=ruleset.digest)
+
+
+def _read_policy(path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise RuleChangeError(f"cannot read policy {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise RuleChangeError(f"policy {path} is not a mapping")
+    return data
+
+
+def _review_of(raw: Mapping[str, Any]) -> ReviewSection:
+    try:
+        return ReviewSection.model_validate(raw.get("review") or {})
+    except ValueError as exc:
+        raise RuleChangeError(f"the policy's review section is invalid: {exc}") from None
+
+
+def _edited(raw: dict[str, Any], change: RuleChange) -> dict[str, Any]:
+    review = dict(raw.get("review") or {})
+    rules = dict(review.get("rules") or {})
+    side = list(rules.get(change.action.side) or [])
+    text = change.text.strip()
+    if change.action.adds:
+        entry: Any = {"text": text, "addedBy": change.added_by} if change.added_by else text
+        side.append(entry)
+    else:
+        side = [rule for rule in side if _rule_text(rule) != text]
+    rules[change.action.side] = side
+    review["rules"] = rules
+    return {**raw, "review": review}
+
+
+def _rule_text(rule: Any) -> str:
+    if isinstance(rule, str):
+        return rule.strip()
+    if isinstance(rule, dict):
+        return str(rule.get("text", "")).strip()
+    return ""
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    mode = path.stat().st_mode & 0o777
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
