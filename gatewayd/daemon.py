@@ -22,7 +22,7 @@ from gatewayd.audit import AuditLog, AuditWriteError, open_audit_log
 from gatewayd.config import ModelAlias
 from gatewayd.dispatch import Dispatcher
 from gatewayd.errors import GatewayError, PolicyViolation
-from gatewayd.policy import PolicyError
+from gatewayd.policy import PolicyError, SandboxSection
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.review.reviewer import Reviewer
 from gatewayd.review.rulebook import RuleBook
@@ -92,6 +92,12 @@ class Daemon:
         self.registry = RunRegistry(
             config.state_dir, policy_loader=PolicyLoader(config.policy_dirs)
         )
+        # Sandboxes are made one at a time: the check that no live run holds a workspace
+        # and the lease that then takes it must not interleave with another start.
+        self._isolating = trio.Lock()
+        # Trees of runs whose give-back failed: still (partly) a sandbox uid's, so no
+        # other run may take them until the next start returns them.
+        self._stuck_trees: list[Path] = []
         self.reviewer = Reviewer(config.models)
         self.rules = RuleBook()
         self.dispatcher = Dispatcher(
@@ -237,6 +243,15 @@ class Daemon:
             return
         limits = policy.sandbox
         image = run.spec.request.sandboxImage
+        async with self._isolating:
+            await self._open_sandbox(run, limits, image)
+
+    async def _open_sandbox(self, run: Run, limits: SandboxSection, image: str | None) -> None:
+        assert self.sandbox_settings is not None
+        busy = [*self._stuck_trees]
+        busy += [
+            tree for other in self.registry.all() if other.sandbox for tree in other.sandbox.trees
+        ]
         run.sandbox = await RunSandbox.open(
             run_id=run.run_id,
             settings=self.sandbox_settings,
@@ -245,7 +260,7 @@ class Daemon:
             socket_path=run.socket_path,
             workspace=run.spec.workspace,
             grants=run.spec.grants,
-            env_names=policy.env.allow,
+            env_names=run.spec.policy.env.allow,
             limits=CommandLimits(
                 timeout_s=limits.timeout_s,
                 cpu_s=limits.cpu_s,
@@ -257,12 +272,7 @@ class Daemon:
                 tmp_mb=limits.tmp_mb,
             ),
             image_dir=None if image is None else Path(image),
-            busy_trees=[
-                tree
-                for other in self.registry.all()
-                if other.sandbox
-                for tree in other.sandbox.trees
-            ],
+            busy_trees=busy,
         )
 
     async def exec_in_run(
@@ -362,6 +372,7 @@ class Daemon:
             except Exception as exc:  # keep the lease record: the next start returns it
                 log.exception("sandbox_cleanup_failed", run_id=run.run_id)
                 cleanup = {"cleanupFailed": str(exc)}
+                self._stuck_trees.extend(run.sandbox.trees)
             else:
                 self.uid_pool.release(run.sandbox.user)
         if "cleanupFailed" not in cleanup:

@@ -14,7 +14,7 @@ import os
 import socket
 import struct
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import structlog
 import trio
@@ -32,6 +32,9 @@ from gatewayd.protocol import (
     error_response,
 )
 from gatewayd.runs import Run, RunState
+
+if TYPE_CHECKING:
+    from gatewayd.sandbox.session import RunSandbox
 
 log = structlog.get_logger("gatewayd.server")
 
@@ -316,6 +319,10 @@ class Connection:
 class RefusalThrottle:
     """Per run: when a refused connection is audited, and how many may linger."""
 
+    def leftover(self) -> dict[str, int]:
+        """Refusals left out of the audit and not yet counted in an entry."""
+        return {code: count for code, count in self._suppressed.items() if count}
+
     def __init__(self) -> None:
         self._last: dict[str, float] = {}
         self._suppressed: dict[str, int] = {}
@@ -351,8 +358,35 @@ async def serve_run(
         listener = await open_unix_listener(
             run.socket_path, mode=RUN_SOCKET_MODE, group=sandbox.user.gid
         )
-    open_connections = 0
     throttle = RefusalThrottle()
+    try:
+        with run.cancel_scope:
+            await _accept_loop(
+                run, dispatcher, listener, sandbox, throttle, max_frame_bytes, task_status
+            )
+    finally:
+        # Refusals left out of the audit since the last entry are counted, not lost.
+        for code, count in throttle.leftover().items():
+            dispatcher.audit.record(
+                "event",
+                event="connection_refused",
+                runId=run.run_id,
+                errorCode=code,
+                safeMessage=f"{count} more refused connections, not audited one by one",
+                detail={"suppressedSinceLast": count},
+            )
+
+
+async def _accept_loop(
+    run: Run,
+    dispatcher: Dispatcher,
+    listener: trio.SocketListener,
+    sandbox: RunSandbox | None,
+    throttle: RefusalThrottle,
+    max_frame_bytes: int,
+    task_status: trio.TaskStatus[None],
+) -> None:
+    open_connections = 0
 
     async def serve_one(conn: Connection) -> None:
         nonlocal open_connections
@@ -362,26 +396,25 @@ async def serve_run(
         finally:
             open_connections -= 1
 
-    with run.cancel_scope:
-        async with listener, trio.open_nursery() as connections:
-            run.move_to(RunState.SERVING)
-            task_status.started()
-            while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as exc:  # e.g. EMFILE: keep serving the others
-                    log.warning("accept_failed", run_id=run.run_id, error=str(exc))
-                    await trio.sleep(ACCEPT_RETRY_S)
-                    continue
-                try:
-                    conn = Connection(stream, run, dispatcher, max_frame_bytes=max_frame_bytes)
-                except OSError:
-                    await trio.aclose_forcefully(stream)
-                    continue
-                if sandbox is not None and not sandbox.owns_peer(conn.peer.pid):
-                    connections.start_soon(conn.refuse_outsider, throttle)
-                    continue
-                if open_connections >= MAX_CONNECTIONS_PER_RUN:
-                    connections.start_soon(conn.refuse_over_limit, throttle)
-                    continue
-                connections.start_soon(serve_one, conn)
+    async with listener, trio.open_nursery() as connections:
+        run.move_to(RunState.SERVING)
+        task_status.started()
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # e.g. EMFILE: keep serving the others
+                log.warning("accept_failed", run_id=run.run_id, error=str(exc))
+                await trio.sleep(ACCEPT_RETRY_S)
+                continue
+            try:
+                conn = Connection(stream, run, dispatcher, max_frame_bytes=max_frame_bytes)
+            except OSError:
+                await trio.aclose_forcefully(stream)
+                continue
+            if sandbox is not None and not sandbox.owns_peer(conn.peer.pid):
+                connections.start_soon(conn.refuse_outsider, throttle)
+                continue
+            if open_connections >= MAX_CONNECTIONS_PER_RUN:
+                connections.start_soon(conn.refuse_over_limit, throttle)
+                continue
+            connections.start_soon(serve_one, conn)

@@ -410,8 +410,10 @@ async def _supervise(
         # Cancelled from outside (or a bug): nothing may outlive the call.
         with trio.CancelScope(shield=True):
             if process.poll() is None:
+                namespaces = _namespaces_of(process.pid)
                 _kill_tree(process.pid, signal.SIGKILL)
                 await trio.lowlevel.wait_readable(pidfd)
+                await _until_gone(namespaces)
             process.wait()
             os.close(pidfd)
     try:
@@ -470,17 +472,26 @@ async def _terminate_tree(process: subprocess.Popen[bytes], pidfd: int, grace_s:
     """SIGTERM every process in the sandbox but its init, wait ``grace_s`` for the command to
     end (its init then ends the namespace), then SIGKILL bwrap and the init: killing a pid
     namespace's init kills every process in it."""
-    namespaces = {_pid_namespace(pid) for pid in _children(process.pid)} - {None}
+    namespaces = _namespaces_of(process.pid)
     _kill_tree(process.pid, signal.SIGTERM)
     with trio.move_on_after(grace_s):
         await trio.lowlevel.wait_readable(pidfd)
     if process.poll() is None:
         _kill_tree(process.pid, signal.SIGKILL)
         await trio.lowlevel.wait_readable(pidfd)
-    # SIGKILL takes effect asynchronously: the result says "timeout" only once no
-    # process of the sandbox's pid namespace is left running.
+    await _until_gone(namespaces)
+
+
+def _namespaces_of(bwrap_pid: int) -> set[tuple[int, int]]:
+    """The pid namespace(s) of the sandbox bwrap ``bwrap_pid`` started."""
+    return {ns for ns in map(_pid_namespace, _children(bwrap_pid)) if ns is not None}
+
+
+async def _until_gone(namespaces: set[tuple[int, int]]) -> None:
+    """SIGKILL takes effect asynchronously: return once no process of ``namespaces`` is
+    left running (bounded), so a result or a cancellation means the tree is gone."""
     with trio.move_on_after(TREE_GONE_WAIT_S):
-        while any(_pid_namespace(pid) in namespaces for pid in _running_pids()):
+        while namespaces and any(_pid_namespace(pid) in namespaces for pid in _running_pids()):
             await trio.sleep(EXIT_POLL_S)
 
 

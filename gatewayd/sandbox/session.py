@@ -35,9 +35,10 @@ from gatewayd.protocol import ErrorCode
 from gatewayd.sandbox.cgroup import CgroupSupport
 from gatewayd.sandbox.image import ImageError, require_image
 from gatewayd.sandbox.launch import Echo, ExecResult, run_in_sandbox
-from gatewayd.sandbox.lease import Lease, give_back, lend, read_lease
+from gatewayd.sandbox.lease import Lease, LeaseError, give_back, lend, read_lease
 from gatewayd.sandbox.limits import HostUser, SandboxLimits
 from gatewayd.sandbox.netns import (
+    NetnsError,
     NetnsHandle,
     create_run_netns,
     netns_name,
@@ -248,6 +249,8 @@ class RunSandbox:
                 pool.release(user)
             if isinstance(exc, SandboxUnavailable):
                 raise
+            if isinstance(exc, LeaseError):  # the workspace's state, not gatewayd's fault
+                raise WorkspaceInUse(f"cannot lend run {run_id}'s workspace: {exc}") from exc
             if isinstance(exc, GatewayError | OSError | ValueError):
                 raise SandboxUnavailable(f"cannot make run {run_id}'s sandbox: {exc}") from exc
             raise
@@ -524,15 +527,31 @@ def clean_leftovers(runs_dir: Path, netns_prefix: str | None) -> dict[str, list[
     namespaces, so it leaves them alone). Call before any run starts. Blocking."""
     returned: list[str] = []
     removed_dirs: list[str] = []
+    failed: list[str] = []
     if runs_dir.is_dir():
         for entry in sorted(runs_dir.iterdir()):
-            if entry.is_dir() and not entry.is_symlink():
+            if not entry.is_dir() or entry.is_symlink():
+                continue
+            try:
                 lease = read_lease(entry)
                 if lease is not None:
                     _kill_uid(lease.uid)  # none should be left (pdeathsig); make sure
                     give_back(lease)
                     returned.extend(tree.path for tree in lease.trees)
-                shutil.rmtree(entry, ignore_errors=True)
-                removed_dirs.append(entry.name)
-    namespaces = [] if netns_prefix is None else remove_stale_netns(netns_prefix)
-    return {"leasesReturned": returned, "runDirs": removed_dirs, "netns": namespaces}
+            except Exception as exc:
+                # One bad leftover must not stop the rest; its record stays, so the
+                # next start tries again.
+                failed.append(f"{entry.name}: {exc}")
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+            removed_dirs.append(entry.name)
+    namespaces: list[str] = []
+    if netns_prefix is not None:
+        try:
+            namespaces = remove_stale_netns(netns_prefix)
+        except NetnsError as exc:
+            failed.append(str(exc))
+    result = {"leasesReturned": returned, "runDirs": removed_dirs, "netns": namespaces}
+    if failed:
+        result["failed"] = failed
+    return result

@@ -11,6 +11,8 @@ reason, instead of as the first run's failure.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import subprocess
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Final
 
 from gatewayd.errors import GatewayError
+from gatewayd.sandbox.launch import AT_FDCWD, OPEN_TREE_CLONE, SYS_MOVE_MOUNT, SYS_OPEN_TREE
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.netns import NetnsError, create_run_netns, netns_name, remove_run_netns
 from gatewayd.sandbox.seccomp import build_filter
@@ -63,6 +66,9 @@ def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> San
         build_filter()  # every command gets this filter: without libseccomp, none starts
     except GatewayError as exc:
         return SandboxSupport(False, f"the seccomp filter cannot be built: {exc}")
+    missing = _mount_api_missing()
+    if missing:
+        return SandboxSupport(False, missing)
     try:
         create_run_netns(PROBE_RUN_ID, prefix=netns_prefix)
         remove_run_netns(netns_name(PROBE_RUN_ID, prefix=netns_prefix))
@@ -95,3 +101,19 @@ def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> San
             "unprivileged user namespaces allowed? kernel.unprivileged_userns_clone)",
         )
     return SandboxSupport(True)
+
+
+def _mount_api_missing() -> str:
+    """Why the new mount API the launcher attaches pinned directories with is unusable
+    here ('' when it works): open_tree (Linux 5.2) cloning a mount, and move_mount."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    tree = libc.syscall(SYS_OPEN_TREE, AT_FDCWD, b"/", OPEN_TREE_CLONE | os.O_CLOEXEC)
+    if tree < 0:
+        err = ctypes.get_errno()
+        return f"open_tree cannot clone a mount ({os.strerror(err)}); Linux 5.2 or later is needed"
+    os.close(tree)  # a detached copy, never attached: closing it frees it
+    # Invalid on purpose: any answer but ENOSYS says the call exists.
+    if libc.syscall(SYS_MOVE_MOUNT, -1, b"", -1, b"", 0) < 0 and ctypes.get_errno() == errno.ENOSYS:
+        return "move_mount is not available; Linux 5.2 or later is needed"
+    return ""
