@@ -1,4 +1,4 @@
-"""`gatewayd` command line: serve, run, exec, image check, policy check, audit verify/show.
+"""`gatewayd` command line: serve, run, exec, rules, image check, policy check, audit.
 
 Heavy imports (trio, the daemon) happen inside the commands that need them, so
 `gatewayd audit verify` and `gatewayd policy check` start fast.
@@ -184,6 +184,34 @@ def build_parser() -> argparse.ArgumentParser:
     execute.add_argument("run_id", metavar="RUN", help="the run id (32 hex digits)")
     execute.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
+    rules = sub.add_parser(
+        "rules", help="review rules of a policy, through gatewayd serve's control socket"
+    ).add_subparsers(dest="rules_command", required=True)
+    for name, helptext in (
+        ("show", "print a policy's allow and deny rules"),
+        ("add-deny", "add a deny rule (takes effect at once)"),
+        ("remove-allow", "remove an allow rule (takes effect at once)"),
+        ("add-allow", "add an allow rule (pending until confirmed)"),
+        ("remove-deny", "remove a deny rule (pending until confirmed)"),
+        ("pending", "list changes waiting for confirmation"),
+        ("confirm", "apply a pending change"),
+        ("cancel", "drop a pending change"),
+    ):
+        cmd = rules.add_parser(name, help=helptext)
+        cmd.add_argument(
+            "--state-dir",
+            type=Path,
+            default=Path(os.environ.get("GATEWAYD_STATE_DIR", "/var/lib/gatewayd")),
+        )
+        cmd.add_argument("--control-socket", type=Path, default=None)
+        if name in ("confirm", "cancel"):
+            cmd.add_argument("confirmation_id", metavar="ID")
+        elif name != "pending":
+            cmd.add_argument("--policy", required=True, help="policy name or file")
+            if name != "show":
+                cmd.add_argument("rule", help="the rule's text, in quotes")
+                cmd.add_argument("--by", default=os.environ.get("USER"), help="who adds it")
+
     image = sub.add_parser("image", help="sandbox root filesystem images").add_subparsers(
         dest="image_command", required=True
     )
@@ -224,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         return _exec(args)
     if args.command == "image":
         return _image_check(args.dir)
+    if args.command == "rules":
+        return _rules(args)
     return EXIT_USAGE  # pragma: no cover (argparse enforces the choices)
 
 
@@ -243,6 +273,68 @@ def _policy_check(path: Path) -> int:
             f"warning: tools.allow entry {pattern!r} matches no tool this gatewayd has",
             file=sys.stderr,
         )
+    return EXIT_OK
+
+
+def _rules(args: argparse.Namespace) -> int:
+    """`gatewayd rules ...`: one request to the control socket, its answer in words."""
+    from urllib.parse import quote
+
+    control = args.control_socket or args.state_dir / "control.sock"
+    command = args.rules_command
+    try:
+        if command == "show":
+            status, answer = control_request(
+                control, "GET", f"/v1/rules?policy={quote(args.policy, safe='')}"
+            )
+        elif command == "pending":
+            status, answer = control_request(control, "GET", "/v1/rules/pending")
+        elif command == "confirm":
+            target = f"/v1/rules/pending/{args.confirmation_id}/confirm"
+            status, answer = control_request(control, "POST", target, {})
+        elif command == "cancel":
+            target = f"/v1/rules/pending/{args.confirmation_id}"
+            status, answer = control_request(control, "DELETE", target)
+        else:
+            body = {
+                "policy": args.policy,
+                "action": command.replace("-", "_"),
+                "rule": args.rule,
+                "addedBy": args.by,
+            }
+            status, answer = control_request(control, "POST", "/v1/rules", body)
+    except OSError as exc:
+        print(f"gatewayd rules: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if not answer.get("ok"):
+        print(
+            f"gatewayd rules: {answer.get('errorCode', status)}: {answer.get('message')}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    if "pending" in answer and isinstance(answer["pending"], dict):
+        pending = answer["pending"]
+        print(
+            f"PENDING {pending['confirmationId']}: {pending['change']['action']} "
+            f"{pending['change']['rule']!r} waits for confirmation; apply it with "
+            f"`gatewayd rules confirm {pending['confirmationId']}`"
+        )
+    elif "applied" in answer:
+        applied = answer["applied"]
+        print(f"APPLIED {applied['action']} {applied['rule']!r} to {applied['policy']}")
+    elif "pending" in answer:
+        for item in answer["pending"]:
+            change = item["change"]
+            where = change["policy"]
+            print(f"{item['confirmationId']}  {change['action']}  {change['rule']!r}  ({where})")
+    elif "cancelled" in answer:
+        print(f"CANCELLED {answer['cancelled']['action']} {answer['cancelled']['rule']!r}")
+    else:
+        print(f"policy {answer['policy']} (rule set {answer['ruleset'][:12]})")
+        for side in ("allow", "deny"):
+            print(f"{side}:")
+            for number, text in enumerate(answer[side], 1):
+                print(f"  {number}. {text}")
     return EXIT_OK
 
 

@@ -18,7 +18,8 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal, TypeVar
+from urllib.parse import parse_qs
 
 import h11
 import pydantic
@@ -29,6 +30,7 @@ from gatewayd.daemon import Daemon
 from gatewayd.errors import GatewayError
 from gatewayd.policy import PolicyError
 from gatewayd.protocol import ErrorCode
+from gatewayd.review.rulebook import Applied, Pending, RuleAction, RuleChangeError
 from gatewayd.runs import RunRequest, format_validation_error
 from gatewayd.sandbox.launch import ExecResult
 from gatewayd.sandbox.session import SandboxUnavailable
@@ -44,6 +46,7 @@ RECV_CHUNK: Final = 64 * 1024
 _RUN_PATH: Final = re.compile(r"/v1/runs/([0-9a-f]{32})")
 _EXEC_PATH: Final = re.compile(r"/v1/runs/([0-9a-f]{32})/exec")
 # HTTP status of a refused request, by whose fault the error code says it was.
+_M = TypeVar("_M", bound=pydantic.BaseModel)
 _STATUS: Final = {
     ErrorCode.BAD_REQUEST: 400,
     ErrorCode.AUTHZ_DENIED: 403,
@@ -52,6 +55,37 @@ _STATUS: Final = {
 }
 # The longest argv an exec may carry (ARG_MAX-like; more is not a command but a payload).
 MAX_EXEC_ARGS: Final = 4096
+
+
+_PENDING_PATH: Final = re.compile(r"/v1/rules/pending/([0-9a-f]{32})(/confirm)?")
+
+
+class RuleRequest(pydantic.BaseModel):
+    """``POST /v1/rules``: one change to a policy's plain-language review rules."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+
+    policy: str = pydantic.Field(min_length=1)
+    action: Literal["add_deny", "remove_allow", "add_allow", "remove_deny"]
+    rule: str = pydantic.Field(min_length=1, max_length=2000)
+    addedBy: str | None = pydantic.Field(default=None, max_length=200)
+
+
+def _parse(model: type[_M], body: bytes) -> _M:
+    try:
+        return model.model_validate_json(body or b"null")
+    except pydantic.ValidationError as exc:
+        raise HttpError(
+            400, ErrorCode.BAD_REQUEST, f"bad request: {format_validation_error(exc)}"
+        ) from None
+
+
+def _applied(applied: Applied) -> dict[str, Any]:
+    return {
+        **applied.change.describe(),
+        "rulesetBefore": applied.before,
+        "rulesetAfter": applied.after,
+    }
 
 
 class ExecRequest(pydantic.BaseModel):
@@ -210,6 +244,8 @@ class ControlServer:
                 return 200, {"ok": True, "runs": [r.summary() for r in self.daemon.registry.all()]}
             if target == "/v1/runs" and method == "POST":
                 return await self._create(body)
+            if target.startswith("/v1/rules"):
+                return await self._rules(method, target, request, body)
             exec_match = _EXEC_PATH.fullmatch(target)
             if exec_match and method == "POST":
                 return await self._exec(exec_match.group(1), body)
@@ -228,7 +264,9 @@ class ControlServer:
                 404,
                 ErrorCode.BAD_REQUEST,
                 f"no route {method} {target}; routes: GET /v1/health, GET|POST /v1/runs, "
-                "GET|DELETE /v1/runs/{runId}, POST /v1/runs/{runId}/exec",
+                "GET|DELETE /v1/runs/{runId}, POST /v1/runs/{runId}/exec, GET|POST /v1/rules, "
+                "GET /v1/rules/pending, POST /v1/rules/pending/{id}/confirm, "
+                "DELETE /v1/rules/pending/{id}",
             )
         except HttpError as exc:
             return exc.status, _error_body(exc.code, exc.message)
@@ -256,6 +294,63 @@ class ControlServer:
                 500, ErrorCode.INTERNAL, f"gatewayd could not create the run: {exc.strerror}"
             ) from None
         return 201, {"ok": True, "run": run.summary()}
+
+    async def _rules(
+        self, method: str, target: str, request: h11.Request, body: bytes
+    ) -> tuple[int, Any]:
+        """Review rules: read them, change them (tightening at once, loosening pending),
+        confirm or cancel a pending change. Only here: no run socket reaches rules."""
+        daemon = self.daemon
+        try:
+            if target == "/v1/rules" and method == "GET":
+                query = parse_qs(request.target.decode().partition("?")[2])
+                ref = (query.get("policy") or [""])[0]
+                if not ref:
+                    raise HttpError(400, ErrorCode.BAD_REQUEST, "name the policy: ?policy=NAME")
+                policy, source = daemon.registry.load_policy(ref)
+                section, rules = daemon.rules.current(source, policy.review)
+                return 200, {
+                    "ok": True,
+                    "policy": source,
+                    "allow": [rule.text for rule in section.rules.allow],
+                    "deny": [rule.text for rule in section.rules.deny],
+                    "ruleset": rules.digest,
+                }
+            if target == "/v1/rules" and method == "POST":
+                asked = _parse(RuleRequest, body)
+                outcome = await daemon.change_rule(
+                    asked.policy, RuleAction(asked.action), asked.rule, asked.addedBy
+                )
+                if isinstance(outcome, Pending):
+                    return 202, {
+                        "ok": True,
+                        "pending": {
+                            "confirmationId": outcome.confirmation_id,
+                            "change": outcome.change.describe(),
+                            "confirm": f"POST /v1/rules/pending/{outcome.confirmation_id}/confirm",
+                        },
+                    }
+                return 200, {"ok": True, "applied": _applied(outcome)}
+            if target == "/v1/rules/pending" and method == "GET":
+                return 200, {
+                    "ok": True,
+                    "pending": [
+                        {"confirmationId": cid, "change": change.describe()}
+                        for cid, change in daemon.rules.pending().items()
+                    ],
+                }
+            match = _PENDING_PATH.fullmatch(target)
+            if match and match.group(2) == "/confirm" and method == "POST":
+                return 200, {
+                    "ok": True,
+                    "applied": _applied(await daemon.confirm_rule(match.group(1))),
+                }
+            if match and not match.group(2) and method == "DELETE":
+                cancelled = await daemon.cancel_rule(match.group(1))
+                return 200, {"ok": True, "cancelled": cancelled.describe()}
+        except (RuleChangeError, PolicyError) as exc:
+            raise HttpError(400, ErrorCode.BAD_REQUEST, str(exc)) from None
+        raise HttpError(404, ErrorCode.BAD_REQUEST, f"no route {method} {target}")
 
     async def _exec(self, run_id: str, body: bytes) -> tuple[int, Any]:
         try:

@@ -25,7 +25,7 @@ from gatewayd.errors import GatewayError, PolicyViolation
 from gatewayd.policy import PolicyError, SandboxSection
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.review.reviewer import Reviewer
-from gatewayd.review.rulebook import RuleBook
+from gatewayd.review.rulebook import Applied, Pending, RuleAction, RuleBook, RuleChange
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
 from gatewayd.sandbox.cgroup import probe_cgroups, remove_empty_leftovers
 from gatewayd.sandbox.launch import BWRAP, Echo, ExecResult
@@ -274,6 +274,55 @@ class Daemon:
             image_dir=None if image is None else Path(image),
             busy_trees=busy,
         )
+
+    # -- review rules (control socket only: no run socket reaches these) ---------------
+
+    async def change_rule(
+        self, policy_ref: str, action: RuleAction, text: str, added_by: str | None
+    ) -> Applied | Pending:
+        """Tighten at once, or park a loosening change for confirmation; audited.
+
+        Error handling: PolicyError for an unknown policy; RuleChangeError for a change
+        that cannot be made (the message says why and what the rules are).
+        """
+        _, source = self.registry.load_policy(policy_ref)
+        change = RuleChange(policy=source, action=action, text=text, added_by=added_by)
+        outcome = self.rules.request(change)
+        if isinstance(outcome, Pending):
+            await self.audit.append(
+                "event",
+                event="rule_change_pending",
+                detail={"confirmationId": outcome.confirmation_id, **change.describe()},
+            )
+        else:
+            await self._audit_applied(outcome, confirmation_id=None)
+        return outcome
+
+    async def confirm_rule(self, confirmation_id: str) -> Applied:
+        """Apply a pending loosening change (the confirmation from outside the sandbox)."""
+        applied = self.rules.confirm(confirmation_id)
+        await self._audit_applied(applied, confirmation_id=confirmation_id)
+        return applied
+
+    async def cancel_rule(self, confirmation_id: str) -> RuleChange:
+        change = self.rules.cancel(confirmation_id)
+        await self.audit.append(
+            "event",
+            event="rule_change_cancelled",
+            detail={"confirmationId": confirmation_id, **change.describe()},
+        )
+        return change
+
+    async def _audit_applied(self, applied: Applied, *, confirmation_id: str | None) -> None:
+        detail: dict[str, Any] = {
+            **applied.change.describe(),
+            "rulesetBefore": applied.before,
+            "rulesetAfter": applied.after,
+        }
+        if confirmation_id is not None:
+            detail["confirmationId"] = confirmation_id
+        await self.audit.append("event", event="rule_changed", detail=detail)
+        log.info("rule_changed", **applied.change.describe())
 
     async def exec_in_run(
         self,

@@ -217,6 +217,10 @@ class RunRegistry:
         make_private_dir(state_dir, PASS_THROUGH_DIR_MODE)
         make_private_dir(self.runs_dir, PASS_THROUGH_DIR_MODE)
 
+    def load_policy(self, ref: str) -> tuple[Policy, str]:
+        """A policy by name or path, as runs load it: (policy, source path)."""
+        return self._load_policy(ref)
+
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
 
