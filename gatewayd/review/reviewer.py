@@ -19,7 +19,7 @@ from typing import Any, Final
 import trio
 
 from gatewayd.config import ModelAlias
-from gatewayd.model_client import ModelCallError, complete
+from gatewayd.model_client import ModelCallError, complete, preload
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.review.cache import DecisionCache, cache_key
 from gatewayd.review.prompt import build_review_prompt
@@ -103,9 +103,11 @@ class Reviewer:
 
     async def review(
         self, tool: str, args: Mapping[str, Any], section: ReviewSection, rules: RuleSet
-    ) -> ReviewOutcome:
-        """The verdict on one call under ``section``/``rules``. Never raises for a review
-        that goes wrong: that is a deny with the reason "the rule review failed (...)"."""
+    ) -> ReviewOutcome | None:
+        """The verdict on one call under ``section``/``rules``; None when nothing reviews
+        it (no structured rule matches and the model does not review this tool). Never
+        raises for a review that goes wrong: that is a deny with the reason "the rule
+        review failed (...)"."""
         started = self.clock()
         decided = decide_structured(tool, args, rules.structured_compiled)
         if decided is not None and (decided.effect == "deny" or decided.skip_model):
@@ -118,7 +120,7 @@ class Reviewer:
                 latency_ms=(self.clock() - started) * 1000,
             )
         if not section.reviews(tool):
-            return ReviewOutcome(allowed=True, reason="", source=Source.STRUCTURED)
+            return None
         key = cache_key(rules.digest, tool, args) if section.cache.max_entries else None
         if key is not None:
             hit = self.cache.get(key, self.clock())
@@ -155,6 +157,9 @@ class Reviewer:
                 f"no model alias {alias_name!r} in gatewayd's configuration (known: {known})",
             )
         prompt = build_review_prompt(tool, args, rules)
+        # litellm's import (seconds, once per process) is not the reviewer's slowness: it
+        # is paid before the review's own time starts.
+        await trio.to_thread.run_sync(preload)
         try:
             with trio.fail_after(section.timeout_s):
                 completion = await complete(

@@ -352,3 +352,48 @@ def test_a_command_over_max_runtime_is_stopped_and_reported(base: Path) -> None:
         text=True,
     )
     assert "max_runtime_exceeded" in show.stdout
+
+
+def test_gatewayd_rules_tightens_at_once_and_loosens_only_when_confirmed(base: Path) -> None:
+    policy = write_policy(
+        base,
+        OPEN_POLICY + "review:\n  rules:\n    allow: [Reading notes]\n    deny: [Writing keys]\n",
+        name="reviewed.yaml",
+    )
+    daemon = start_daemon(base / "state")
+    state = ["--state-dir", str(base / "state")]
+
+    def rules(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [GATEWAYD, "rules", args[0], *state, *args[1:]], capture_output=True, text=True, env=ENV
+        )
+
+    try:
+        shown = rules("show", "--policy", str(policy))
+        assert shown.returncode == 0, shown.stderr
+        assert "1. Reading notes" in shown.stdout and "1. Writing keys" in shown.stdout
+        tightened = rules("add-deny", "--policy", str(policy), "Deleting files", "--by", "ops")
+        assert tightened.returncode == 0 and tightened.stdout.startswith("APPLIED add_deny")
+        assert "Deleting files" in policy.read_text()
+        loosened = rules("add-allow", "--policy", str(policy), "Writing anything")
+        assert loosened.returncode == 0 and loosened.stdout.startswith("PENDING ")
+        confirmation = loosened.stdout.split()[1].rstrip(":")
+        assert "Writing anything" not in policy.read_text()
+        listed = rules("pending")
+        assert confirmation in listed.stdout and "add_allow" in listed.stdout
+        confirmed = rules("confirm", confirmation)
+        assert confirmed.returncode == 0 and confirmed.stdout.startswith("APPLIED add_allow")
+        assert "Writing anything" in policy.read_text()
+        missing = rules("remove-allow", "--policy", str(policy), "No such rule")
+        assert missing.returncode == 1 and "no allow rule 'No such rule'" in missing.stderr
+        unknown = rules("confirm", "0" * 32)
+        assert unknown.returncode == 1 and "no pending rule change" in unknown.stderr
+    finally:
+        daemon.stop()
+    entries = [json.loads(line) for line in daemon.audit_path.read_text().splitlines()]
+    changed = [e["detail"] for e in entries if e.get("event") == "rule_changed"]
+    assert [(d["action"], d["rule"]) for d in changed] == [
+        ("add_deny", "Deleting files"),
+        ("add_allow", "Writing anything"),
+    ]
+    assert changed[1]["confirmationId"] == confirmation

@@ -1498,3 +1498,42 @@ async def test_a_read_only_grant_inside_the_workspace_is_not_lent_and_stays_unwr
     )
     assert result.stdout.strip() == b"EACCES", result.stderr
     assert (ws / "docs_old" / "ref" / "spec.md").read_text() == "the spec\n"
+
+
+async def test_a_sandboxed_process_cannot_change_review_rules(sb: Sandboxed) -> None:
+    # Rules change only on the control socket (root, the state directory): from inside,
+    # there is no tool for it and no way to the control socket.
+    policy = POLICY + textwrap.dedent(
+        """
+        review:
+          rules:
+            deny: [Writing anything at all]
+        """
+    )
+    run = await sb.run(policy)
+    result = await sb.py(
+        run,
+        """
+        import os, socket, subprocess, sys
+        for tool in ("rules.add_allow", "rules.remove_deny", "review.confirm"):
+            done = subprocess.run(["cogni-tool", "exec", tool, '{"rule": "Anything"}'],
+                                  capture_output=True, text=True)
+            print(tool, done.returncode, "unknown_tool" in done.stderr)
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(sys.argv[1]); print("control: connected")
+        except OSError as e:
+            print("control:", type(e).__name__)
+        """,
+        str(sb.daemon.config.state_dir / "control.sock"),
+    )
+    lines = result.stdout.decode().splitlines()
+    assert lines[:3] == [
+        "rules.add_allow 14 True",
+        "rules.remove_deny 14 True",
+        "review.confirm 14 True",
+    ], result.stderr
+    assert lines[3] == "control: FileNotFoundError"
+    section, _ = sb.daemon.rules.current(run.spec.policy_source, run.spec.policy.review)
+    assert [rule.text for rule in section.rules.deny] == ["Writing anything at all"]
+    assert [rule.text for rule in section.rules.allow] == []
