@@ -52,4 +52,18 @@ def summarize(policy: Policy, source: str) -> str:
         f"{box.max_output_bytes} bytes of output kept, {box.tmp_mb} MiB each for /tmp "
         "and /dev/shm",
     ]
+    review = policy.review
+    if review.mode == "off" and not review.structured:
+        lines.append("review: off")
+    else:
+        tools = ", ".join(review.tools) if review.tools is not None else "every tool"
+        if review.mode != "llm":
+            tools = "none (structured rules only)"
+        model = f" by model {review.model}, {review.timeout_s:g} s timeout" if review.model else ""
+        lines += [
+            f"review: {review.mode}{model}",
+            f"  reviewed tools: {tools}",
+            f"  rules: {len(review.rules.allow)} allow, {len(review.rules.deny)} deny, "
+            f"{len(review.structured)} structured",
+        ]
     return "\n".join(lines)

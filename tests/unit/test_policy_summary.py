@@ -23,7 +23,8 @@ def test_summary_of_an_empty_policy_says_it_denies_everything() -> None:
         sandbox:
           OS sandbox: required
           host variables passed: none (LANG, TERM only)
-          per command: 600 s wall, 300 s CPU, 256 processes, 1024 MiB per file, 1024 open files, 1048576 bytes of output kept, 512 MiB each for /tmp and /dev/shm""")
+          per command: 600 s wall, 300 s CPU, 256 processes, 1024 MiB per file, 1024 open files, 1048576 bytes of output kept, 512 MiB each for /tmp and /dev/shm
+        review: off""")
     )
 
 
@@ -46,6 +47,12 @@ def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -
             env: {allow: [TZ, PIP_INDEX_URL]}
             sandbox: {timeout_s: 90, cpu_s: 60, max_processes: 32, max_file_mb: 10,
                       max_open_files: 64, max_output_bytes: 2048, tmp_mb: 8}
+            review:
+              mode: llm
+              model: reviewer
+              tools: ["fs.*"]
+              rules: {allow: [Reading notes], deny: [No keys, No deletes]}
+              structured: [{effect: deny, tool: "fs.*", path: "/workspace/.git/**"}]
         """),
         "mixed.yaml",
     )
@@ -70,5 +77,8 @@ def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -
         sandbox:
           OS sandbox: optional (runs degraded without it)
           host variables passed: TZ, PIP_INDEX_URL
-          per command: 90 s wall, 60 s CPU, 32 processes, 10 MiB per file, 64 open files, 2048 bytes of output kept, 8 MiB each for /tmp and /dev/shm""")
+          per command: 90 s wall, 60 s CPU, 32 processes, 10 MiB per file, 64 open files, 2048 bytes of output kept, 8 MiB each for /tmp and /dev/shm
+        review: llm by model reviewer, 15 s timeout
+          reviewed tools: fs.*
+          rules: 1 allow, 2 deny, 1 structured""")
     )
