@@ -19,7 +19,6 @@ rewritten from its parsed form: comments and key order in it are not kept.
 from __future__ import annotations
 
 import enum
-import os
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ from typing import Any, Final
 
 import yaml
 
+from gatewayd.atomicfile import write_atomically
 from gatewayd.errors import GatewayError
 from gatewayd.policy import PolicyError, load_policy_text
 from gatewayd.policy.review_section import ReviewSection
@@ -175,7 +175,8 @@ class RuleBook:
             policy = load_policy_text(text, change.policy)
         except PolicyError as exc:
             raise RuleChangeError(f"the changed policy would not load: {exc}") from None
-        _write_atomically(Path(change.policy), text)
+        path = Path(change.policy)
+        write_atomically(path, text.encode(), path.stat().st_mode & 0o777)
         section = policy.review
         ruleset = RuleSet.from_section(section)
         self._live[change.policy] = (section, ruleset)
@@ -220,20 +221,3 @@ def _rule_text(rule: Any) -> str:
     if isinstance(rule, dict):
         return str(rule.get("text", "")).strip()
     return ""
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    mode = path.stat().st_mode & 0o777
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

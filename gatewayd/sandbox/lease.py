@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from gatewayd.atomicfile import write_atomically
 from gatewayd.errors import GatewayError
 from gatewayd.sandbox.limits import HostUser
 
@@ -134,7 +135,7 @@ def lend(
             )
         lent.append(LentTree(path=str(path), owner_uid=st.st_uid, owner_gid=st.st_gid))
     lease = Lease(uid=user.uid, gid=user.gid, trees=tuple(lent))
-    _write_record(record_dir / LEASE_FILE, lease.to_json())
+    write_atomically(record_dir / LEASE_FILE, lease.to_json().encode())
     skip = {str(path) for path in keep}
     try:
         for tree in lease.trees:
@@ -305,19 +306,3 @@ def _unescape(field: str) -> str:
         .replace("\\012", "\n")
         .replace("\\134", "\\")
     )
-
-
-def _write_record(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, text.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -523,15 +523,7 @@ print("isatty:", any(os.isatty(n) for n in (0, 1, 2)))
 def test_a_sandbox_started_from_a_terminal_cannot_reach_that_terminal(base: Path) -> None:
     # gatewayd run from an operator's terminal: the sandbox gets a new session and no
     # controlling terminal, so it cannot type into the operator's shell (TIOCSTI).
-    ws = base / "ws"
-    ws.mkdir()
-    policy = base / "policy.yaml"
-    policy.write_text(textwrap.dedent(POLICY))
-    from tests.livedaemon import sandbox_options
-
-    argv = [str(Path(sys.executable).parent / "gatewayd"), "run"]
-    argv += ["--state-dir", str(base / "state"), *sandbox_options()]
-    argv += ["--workspace", str(ws), "--policy", str(policy), "--", PY, "-c", TTY_PROBE]
+    argv = one_shot_argv(base, PY, "-c", TTY_PROBE)
     pid, terminal = pty.fork()
     if pid == 0:  # the child: gatewayd with the pty as its controlling terminal
         os.execv(argv[0], argv)
@@ -1082,29 +1074,35 @@ async def test_gatewayd_exec_runs_in_the_runs_sandbox_and_passes_status_and_outp
     assert ended[0]["detail"]["exitCode"] == 3
 
 
-def test_gatewayd_run_runs_its_command_in_the_sandbox(base: Path) -> None:
-    ws = base / "ws"
-    ws.mkdir()
-    policy = base / "policy.yaml"
-    policy.write_text(textwrap.dedent(POLICY))
+def one_shot_argv(base: Path, *command: str, extra: tuple[str, ...] = ()) -> list[str]:
+    """`gatewayd run` in ``base`` (a fresh workspace and POLICY there) with a sandbox of
+    its own prefix and uids, running ``command``."""
     from tests.livedaemon import sandbox_options
 
+    ws = base / "ws"
+    ws.mkdir(exist_ok=True)
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    gatewayd = str(Path(sys.executable).parent / "gatewayd")
+    return [
+        gatewayd,
+        "run",
+        "--state-dir",
+        str(base / "state"),
+        *sandbox_options(),
+        "--workspace",
+        str(ws),
+        "--policy",
+        str(policy),
+        *extra,
+        "--",
+        *command,
+    ]
+
+
+def test_gatewayd_run_runs_its_command_in_the_sandbox(base: Path) -> None:
     proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "gatewayd"),
-            "run",
-            "--state-dir",
-            str(base / "state"),
-            *sandbox_options(),
-            "--workspace",
-            str(ws),
-            "--policy",
-            str(policy),
-            "--",
-            "sh",
-            "-c",
-            "cogni-tool exec time.now >/dev/null && ls / && exit 4",
-        ],
+        one_shot_argv(base, "sh", "-c", "cogni-tool exec time.now >/dev/null && ls / && exit 4"),
         capture_output=True,
         text=True,
         timeout=60,
@@ -1158,33 +1156,12 @@ def test_gatewayd_run_with_an_image_sees_the_images_root_and_still_reaches_the_g
 ) -> None:
     image = base / "image"
     make_python_image(image)
-    ws = base / "ws"
-    ws.mkdir()
-    policy = base / "policy.yaml"
-    policy.write_text(textwrap.dedent(POLICY))
-    from tests.livedaemon import sandbox_options
-
     gatewayd = str(Path(sys.executable).parent / "gatewayd")
     check = subprocess.run([gatewayd, "image", "check", str(image)], capture_output=True, text=True)
     assert check.returncode == 0, check.stdout
+    probe = "cogni-tool exec time.now && ls /usr/lib && cat /etc/os-release; id -u"
     proc = subprocess.run(
-        [
-            gatewayd,
-            "run",
-            "--state-dir",
-            str(base / "state"),
-            *sandbox_options(),
-            "--workspace",
-            str(ws),
-            "--policy",
-            str(policy),
-            "--image",
-            str(image),
-            "--",
-            "sh",
-            "-c",
-            "cogni-tool exec time.now && ls /usr/lib && cat /etc/os-release; id -u",
-        ],
+        one_shot_argv(base, "sh", "-c", probe, extra=("--image", str(image))),
         capture_output=True,
         text=True,
         timeout=60,
@@ -1200,28 +1177,8 @@ def test_gatewayd_run_with_an_image_sees_the_images_root_and_still_reaches_the_g
 def test_an_image_that_cannot_be_a_root_refuses_the_run_with_every_problem(base: Path) -> None:
     image = base / "image"
     (image / "usr").mkdir(parents=True)
-    ws = base / "ws"
-    ws.mkdir()
-    policy = base / "policy.yaml"
-    policy.write_text(textwrap.dedent(POLICY))
-    from tests.livedaemon import sandbox_options
-
     proc = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "gatewayd"),
-            "run",
-            "--state-dir",
-            str(base / "state"),
-            *sandbox_options(),
-            "--workspace",
-            str(ws),
-            "--policy",
-            str(policy),
-            "--image",
-            str(image),
-            "--",
-            "true",
-        ],
+        one_shot_argv(base, "true", extra=("--image", str(image))),
         capture_output=True,
         text=True,
         timeout=60,
@@ -1232,28 +1189,8 @@ def test_an_image_that_cannot_be_a_root_refuses_the_run_with_every_problem(base:
 
 
 def test_gatewayd_run_shows_the_commands_output_as_it_comes(base: Path) -> None:
-    ws = base / "ws"
-    ws.mkdir()
-    policy = base / "policy.yaml"
-    policy.write_text(textwrap.dedent(POLICY))
-    from tests.livedaemon import sandbox_options
-
     proc = subprocess.Popen(
-        [
-            str(Path(sys.executable).parent / "gatewayd"),
-            "run",
-            "--state-dir",
-            str(base / "state"),
-            *sandbox_options(),
-            "--workspace",
-            str(ws),
-            "--policy",
-            str(policy),
-            "--",
-            "sh",
-            "-c",
-            "echo first; sleep 1; echo second",
-        ],
+        one_shot_argv(base, "sh", "-c", "echo first; sleep 1; echo second"),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
