@@ -25,7 +25,15 @@ from gatewayd.errors import GatewayError, PolicyViolation
 from gatewayd.policy import PolicyError, SandboxSection
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.review.reviewer import Reviewer
-from gatewayd.review.rulebook import Applied, Pending, RuleAction, RuleBook, RuleChange
+from gatewayd.review.rulebook import (
+    Applied,
+    Pending,
+    Planned,
+    RuleAction,
+    RuleBook,
+    RuleChange,
+    RuleChangeError,
+)
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
 from gatewayd.sandbox.cgroup import probe_cgroups, remove_empty_leftovers
 from gatewayd.sandbox.launch import BWRAP, Echo, ExecResult
@@ -280,7 +288,8 @@ class Daemon:
     async def change_rule(
         self, policy_ref: str, action: RuleAction, text: str, added_by: str | None
     ) -> Applied | Pending:
-        """Tighten at once, or park a loosening change for confirmation; audited.
+        """Tighten at once, or park a loosening change for confirmation; audited, and
+        the audit entry is durable before the change takes effect.
 
         Error handling: PolicyError for an unknown policy; RuleChangeError for a change
         that cannot be made (the message says why and what the rules are).
@@ -292,16 +301,37 @@ class Daemon:
             await self.audit.append(
                 "event",
                 event="rule_change_pending",
-                detail={"confirmationId": outcome.confirmation_id, **change.describe()},
+                detail={"confirmationId": outcome.confirmation_id, **outcome.change.describe()},
             )
-        else:
-            await self._audit_applied(outcome, confirmation_id=None)
-        return outcome
+            return outcome
+        return await self._commit_rule(outcome, confirmation_id=None)
 
     async def confirm_rule(self, confirmation_id: str) -> Applied:
         """Apply a pending loosening change (the confirmation from outside the sandbox)."""
-        applied = self.rules.confirm(confirmation_id)
-        await self._audit_applied(applied, confirmation_id=confirmation_id)
+        planned = self.rules.confirm(confirmation_id)
+        return await self._commit_rule(planned, confirmation_id=confirmation_id)
+
+    async def _commit_rule(self, planned: Planned, *, confirmation_id: str | None) -> Applied:
+        detail: dict[str, Any] = {
+            **planned.change.describe(),
+            "rulesetBefore": planned.before,
+            "rulesetAfter": planned.after,
+        }
+        if confirmation_id is not None:
+            detail["confirmationId"] = confirmation_id
+        await self.audit.append("event", event="rule_changed", detail=detail)
+        try:
+            applied = self.rules.commit(planned)
+        except RuleChangeError as exc:
+            await self.audit.append(
+                "event",
+                event="rule_change_failed",
+                errorCode=str(ErrorCode.BAD_REQUEST),
+                safeMessage=str(exc),
+                detail=planned.change.describe(),
+            )
+            raise
+        log.info("rule_changed", **planned.change.describe())
         return applied
 
     async def cancel_rule(self, confirmation_id: str) -> RuleChange:
@@ -312,17 +342,6 @@ class Daemon:
             detail={"confirmationId": confirmation_id, **change.describe()},
         )
         return change
-
-    async def _audit_applied(self, applied: Applied, *, confirmation_id: str | None) -> None:
-        detail: dict[str, Any] = {
-            **applied.change.describe(),
-            "rulesetBefore": applied.before,
-            "rulesetAfter": applied.after,
-        }
-        if confirmation_id is not None:
-            detail["confirmationId"] = confirmation_id
-        await self.audit.append("event", event="rule_changed", detail=detail)
-        log.info("rule_changed", **applied.change.describe())
 
     async def exec_in_run(
         self,

@@ -145,14 +145,14 @@ class Dispatcher:
         review: dict[str, Any] | None = None
         if spec is not None and self.reviewer is not None:
             try:
-                outcome = await self._review(run, req, args[0])
+                outcome, ruleset = await self._review(run, req, args[0])
             except trio.Cancelled:
                 # No write-ahead entry yet: the call still gets its pair of entries.
                 stopped = _Refusal(ErrorCode.INTERNAL, CANCELLED_MESSAGE)
                 self._deny(run, req, peer, stopped, started)
                 raise
             if outcome is not None:
-                review = outcome.audit()
+                review = {**outcome.audit(), "ruleset": ruleset}
                 if not outcome.allowed:
                     denied = _Refusal(ErrorCode.REVIEW_DENIED, _review_message(outcome))
                     return self._deny(run, req, peer, denied, started, review=review)
@@ -335,7 +335,7 @@ class Dispatcher:
             "(limits.call_timeout_s) and was stopped",
         )
 
-    async def _review(self, run: Run, req: Request, args: Any) -> ReviewOutcome | None:
+    async def _review(self, run: Run, req: Request, args: Any) -> tuple[ReviewOutcome | None, str]:
         """Step 7: the rule review, if the run's (live) review rules cover this call."""
         assert self.reviewer is not None
         section = run.spec.policy.review
@@ -344,10 +344,15 @@ class Dispatcher:
         else:
             rules = RuleSet.from_section(section)
         if not self.reviewer.applies(section, req.tool):
-            return None
+            return None, rules.digest
         # The arguments as the tool will use them, defaults filled in: an fs.list without
-        # a path lists /workspace, and a path rule must see that.
-        return await self.reviewer.review(req.tool, msgspec.to_builtins(args), section, rules)
+        # a path lists /workspace, and a path rule must see that. A review counts against
+        # the run's concurrent calls like the call itself.
+        async with run.limiter:
+            outcome = await self.reviewer.review(
+                req.tool, msgspec.to_builtins(args), section, rules
+            )
+        return outcome, rules.digest
 
     def _deny(
         self,

@@ -180,13 +180,15 @@ async def complete(
     max_tokens: int | None = None,
     temperature: float | None = 0,
     alias_name: str | None = None,
+    limiter: trio.CapacityLimiter | None = None,
 ) -> Completion:
     """Ask ``alias`` for one chat completion of ``messages``, once.
 
     The call may take ``min(timeout_s, alias.timeout_s)``: litellm is given that
     timeout, and trio abandons the call shortly after it in any case. ``temperature``
     or ``max_tokens`` None leaves the provider's default. ``alias_name`` (the alias's
-    name in the configuration) is only used to name the alias in errors.
+    name in the configuration) is only used to name the alias in errors. ``limiter``:
+    the worker-thread pool the call runs in (default: trio's shared one).
 
     Resource handling: litellm's blocking call runs in a worker thread; if the caller
     is cancelled or the outer deadline passes, the thread is abandoned and ends at
@@ -222,7 +224,9 @@ async def complete(
     try:
         with trio.fail_after(limit_s + TIMEOUT_GRACE_S):
             response = await trio.to_thread.run_sync(
-                functools.partial(litellm.completion, **request), abandon_on_cancel=True
+                functools.partial(litellm.completion, **request),
+                abandon_on_cancel=True,
+                limiter=limiter,
             )
     except trio.TooSlowError:
         raise ModelCallError(ModelCallKind.TIMEOUT, _timeout_message(where, limit_s)) from None

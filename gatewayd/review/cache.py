@@ -94,14 +94,13 @@ class DecisionCache:
         self._entries.move_to_end(key)
         return entry
 
-    def put(self, key: CacheKey, verdict: Verdict, now: float) -> None:
-        """Remember ``verdict`` under ``key`` from ``now``; the least recently used
-        entries go when the cache is full."""
+    def put(self, key: CacheKey, verdict: Verdict, now: float, ttl_s: float | None = None) -> None:
+        """Remember ``verdict`` under ``key`` from ``now`` for ``ttl_s`` (default: the
+        cache's, and never longer); the least recently used entries go when full."""
         if self.max_entries == 0:
             return
-        self._entries[key] = CachedVerdict(
-            verdict=verdict, stored_at=now, expires_at=now + self.ttl_s
-        )
+        keep = self.ttl_s if ttl_s is None else min(ttl_s, self.ttl_s)
+        self._entries[key] = CachedVerdict(verdict=verdict, stored_at=now, expires_at=now + keep)
         self._entries.move_to_end(key)
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)

@@ -29,6 +29,8 @@ from gatewayd.review.verdict import UNPARSEABLE_REASON, Verdict, parse_verdict
 
 # A verdict is one word or one line: the model needs no room to ramble.
 REVIEW_MAX_TOKENS: Final = 200
+# Model calls in flight at once (each holds a worker thread for the whole call).
+MODEL_THREADS: Final = 32
 
 
 class Source(enum.StrEnum):
@@ -47,7 +49,8 @@ class ReviewOutcome:
     allowed: bool
     reason: str
     source: Source
-    model: str | None = None
+    model: str | None = None  # the policy's alias
+    provider_model: str | None = None  # the model the provider says answered
     latency_ms: float = 0.0
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -66,6 +69,7 @@ class ReviewOutcome:
             record["reason"] = self.reason
         for name, value in (
             ("model", self.model),
+            ("providerModel", self.provider_model),
             ("promptTokens", self.prompt_tokens),
             ("completionTokens", self.completion_tokens),
             ("ruleIndex", self.rule_index),
@@ -76,9 +80,25 @@ class ReviewOutcome:
         return record
 
 
-def review_failed_reason(detail: str) -> str:
-    """The reason a failed review gives: it says the review failed, not the rules."""
-    return f"the rule review failed ({detail}), so the call is denied; try again later"
+def review_failed_reason(what: str, *, transient: bool) -> str:
+    """What the agent reads when the review failed: that it failed (not that a rule said
+    no), in words that name no host detail (endpoint, model, key variable: those are in
+    the audit entry's ``failure``), and whether trying again can help."""
+    advice = "try again later" if transient else "gatewayd's operator must fix it"
+    return f"the rule review failed ({what}), so the call is denied; {advice}"
+
+
+# What the agent reads for each kind of model failure, and whether a retry can help.
+_FAILURE_WORDS: Final = {
+    "timeout": ("the reviewer did not answer in time", True),
+    "connection": ("the reviewer could not be reached", True),
+    "rate_limited": ("the reviewer is busy", True),
+    "provider_error": ("the reviewer's provider failed", True),
+    "malformed": ("the reviewer's answer could not be read", True),
+    "auth": ("the reviewer is not configured correctly", False),
+    "missing_key": ("the reviewer is not configured correctly", False),
+    "bad_request": ("the reviewer refused the request", False),
+}
 
 
 class Reviewer:
@@ -96,6 +116,9 @@ class Reviewer:
         self.models = dict(models)
         self.cache = DecisionCache(cache_entries, cache_ttl_s)
         self.clock = clock
+        # Model calls run in worker threads: their own pool, so reviews neither starve
+        # nor are starved by the file tools' threads (trio's default pool is shared).
+        self._threads: trio.CapacityLimiter | None = None
 
     def applies(self, section: ReviewSection, tool: str) -> bool:
         """Does this call get a review step at all (structured rules or the model)?"""
@@ -136,7 +159,7 @@ class Reviewer:
         if key is not None and outcome.source is Source.MODEL:
             # Only real answers are remembered: a failure or an unparseable answer is
             # asked again next time.
-            self.cache.put(key, _as_verdict(outcome), self.clock())
+            self.cache.put(key, _as_verdict(outcome), self.clock(), section.cache.ttl_s)
         return outcome
 
     async def _ask_model(
@@ -155,11 +178,14 @@ class Reviewer:
                 started,
                 alias_name,
                 f"no model alias {alias_name!r} in gatewayd's configuration (known: {known})",
+                ("the reviewer is not configured", False),
             )
         prompt = build_review_prompt(tool, args, rules)
         # litellm's import (seconds, once per process) is not the reviewer's slowness: it
         # is paid before the review's own time starts.
         await trio.to_thread.run_sync(preload)
+        if self._threads is None:
+            self._threads = trio.CapacityLimiter(MODEL_THREADS)
         try:
             with trio.fail_after(section.timeout_s):
                 completion = await complete(
@@ -169,19 +195,27 @@ class Reviewer:
                     max_tokens=REVIEW_MAX_TOKENS,
                     temperature=0,
                     alias_name=alias_name,
+                    limiter=self._threads,
                 )
         except trio.TooSlowError:
-            return self._failed(started, alias_name, f"no answer within {section.timeout_s:g} s")
+            return self._failed(
+                started,
+                alias_name,
+                f"no answer within {section.timeout_s:g} s",
+                _FAILURE_WORDS["timeout"],
+            )
         except ModelCallError as exc:
-            return self._failed(started, alias_name, f"{exc.kind}: {exc}")
+            words = _FAILURE_WORDS.get(str(exc.kind), ("the reviewer failed", True))
+            return self._failed(started, alias_name, f"{exc.kind}: {exc}", words)
         verdict = parse_verdict(completion.text)
         latency = (self.clock() - started) * 1000
         if not verdict.parse_ok:
             return ReviewOutcome(
                 allowed=False,
-                reason=review_failed_reason(UNPARSEABLE_REASON),
+                reason=review_failed_reason(UNPARSEABLE_REASON, transient=True),
                 source=Source.FAILED,
-                model=completion.model or alias_name,
+                model=alias_name,
+                provider_model=completion.model or None,
                 latency_ms=latency,
                 prompt_tokens=completion.prompt_tokens,
                 completion_tokens=completion.completion_tokens,
@@ -191,16 +225,19 @@ class Reviewer:
             allowed=verdict.allowed,
             reason=verdict.reason,
             source=Source.MODEL,
-            model=completion.model or alias_name,
+            model=alias_name,
+            provider_model=completion.model or None,
             latency_ms=latency,
             prompt_tokens=completion.prompt_tokens,
             completion_tokens=completion.completion_tokens,
         )
 
-    def _failed(self, started: float, model: str, detail: str) -> ReviewOutcome:
+    def _failed(
+        self, started: float, model: str, detail: str, words: tuple[str, bool]
+    ) -> ReviewOutcome:
         return ReviewOutcome(
             allowed=False,
-            reason=review_failed_reason(detail),
+            reason=review_failed_reason(words[0], transient=words[1]),
             source=Source.FAILED,
             model=model or None,
             latency_ms=(self.clock() - started) * 1000,

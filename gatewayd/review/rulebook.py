@@ -19,9 +19,10 @@ rewritten from its parsed form: comments and key order in it are not kept.
 from __future__ import annotations
 
 import enum
+import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -100,26 +101,31 @@ class RuleBook:
     """The live review section of every policy file this daemon's runs use."""
 
     def __init__(self) -> None:
-        self._live: dict[str, tuple[ReviewSection, RuleSet]] = {}
+        # Per policy file (its real path): the rules a change made live, and the file's
+        # identity right after that write. A file edited by hand since is not ours to
+        # override: runs then keep what they loaded.
+        self._live: dict[str, tuple[ReviewSection, RuleSet, tuple[int, int, int]]] = {}
         self._pending: dict[str, RuleChange] = {}
 
     def current(self, policy: str, loaded: ReviewSection) -> tuple[ReviewSection, RuleSet]:
-        """The rules a run of ``policy`` is under now: the last applied change, else what
-        the run loaded."""
-        live = self._live.get(policy)
-        if live is None:
-            live = (loaded, RuleSet.from_section(loaded))
-            self._live[policy] = live
-        return live
+        """The rules a run of ``policy`` is under now: the last change made through this
+        book (while the file is still as that change left it), else what the run loaded."""
+        key = _key(policy)
+        live = self._live.get(key)
+        if live is not None and live[2] == _identity(key):
+            return live[0], live[1]
+        return loaded, _ruleset(loaded)
 
-    def request(self, change: RuleChange) -> Applied | Pending:
-        """Apply a tightening change now; park a loosening one for confirmation.
+    def request(self, change: RuleChange) -> Planned | Pending:
+        """Plan a tightening change (apply it with :meth:`commit`, once audited); park a
+        loosening one for confirmation.
 
         Error handling: :class:`RuleChangeError` when the rule to remove is not there,
-        the rule to add already is, or the policy cannot be read, changed or written.
+        the rule to add already is, or the policy cannot be read or changed.
         """
-        self._check(change)
+        change = replace(change, policy=_key(change.policy), text=change.text.strip())
         if change.action.loosens:
+            self._check(change)
             if len(self._pending) >= MAX_PENDING:
                 raise RuleChangeError(
                     f"{MAX_PENDING} rule changes already wait for confirmation; confirm or "
@@ -128,10 +134,11 @@ class RuleBook:
             confirmation_id = secrets.token_hex(CONFIRMATION_ID_BYTES)
             self._pending[confirmation_id] = change
             return Pending(confirmation_id=confirmation_id, change=change)
-        return self._apply(change)
+        return self._plan(change)
 
-    def confirm(self, confirmation_id: str) -> Applied:
-        """Apply a pending loosening change.
+    def confirm(self, confirmation_id: str) -> Planned:
+        """Plan a pending loosening change (checked again: the rules may have moved on);
+        apply it with :meth:`commit`.
 
         Error handling: :class:`RuleChangeError` for an unknown id, or as ``request``.
         """
@@ -140,7 +147,7 @@ class RuleBook:
             raise RuleChangeError(
                 f"no pending rule change {confirmation_id!r}; list them with GET /v1/rules/pending"
             )
-        return self._apply(change)
+        return self._plan(change)
 
     def cancel(self, confirmation_id: str) -> RuleChange:
         change = self._pending.pop(confirmation_id, None)
@@ -151,10 +158,35 @@ class RuleBook:
     def pending(self) -> dict[str, RuleChange]:
         return dict(self._pending)
 
-    def _check(self, change: RuleChange) -> None:
-        section = _review_of(_read_policy(change.policy))
+    def commit(self, planned: Planned) -> Applied:
+        """Write the planned policy file and make its rules live. Call it once the change
+        is audited (durable before its effect).
+
+        Error handling: :class:`RuleChangeError` when the file cannot be written (or was
+        changed since the plan); the old file and rules stay then.
+        """
+        path = Path(planned.change.policy)
+        if _identity(planned.change.policy) != planned.file_identity:
+            raise RuleChangeError(
+                f"{path} changed since this rule change was planned; ask for it again"
+            )
+        try:
+            write_atomically(path, planned.text.encode(), path.stat().st_mode & 0o777)
+        except OSError as exc:
+            raise RuleChangeError(f"cannot write {path}: {exc.strerror}") from None
+        ruleset = _ruleset(planned.section)
+        self._live[planned.change.policy] = (
+            planned.section,
+            ruleset,
+            _identity(planned.change.policy),
+        )
+        return Applied(change=planned.change, before=planned.before, after=ruleset.digest)
+
+    def _check(self, change: RuleChange) -> dict[str, Any]:
+        raw = _read_policy(change.policy)
+        section = _review_of(raw)
         rules = section.rules.deny if change.action.side == "deny" else section.rules.allow
-        present = any(rule.text == change.text.strip() for rule in rules)
+        present = any(rule.text == change.text for rule in rules)
         if change.action.adds and present:
             raise RuleChangeError(
                 f"the {change.action.side} rule is already there: {change.text!r}"
@@ -165,22 +197,55 @@ class RuleBook:
                 f"no {change.action.side} rule {change.text!r} in {change.policy}; its "
                 f"{change.action.side} rules: {texts}"
             )
+        return raw
 
-    def _apply(self, change: RuleChange) -> Applied:
-        raw = _read_policy(change.policy)
-        before = RuleSet.from_section(_review_of(raw)).digest
-        edited = _edited(raw, change)
-        text = yaml.safe_dump(edited, sort_keys=False, allow_unicode=True)
+    def _plan(self, change: RuleChange) -> Planned:
+        identity = _identity(change.policy)
+        raw = self._check(change)
+        before = _ruleset(_review_of(raw)).digest
+        text = yaml.safe_dump(_edited(raw, change), sort_keys=False, allow_unicode=True)
         try:
             policy = load_policy_text(text, change.policy)
         except PolicyError as exc:
             raise RuleChangeError(f"the changed policy would not load: {exc}") from None
-        path = Path(change.policy)
-        write_atomically(path, text.encode(), path.stat().st_mode & 0o777)
-        section = policy.review
-        ruleset = RuleSet.from_section(section)
-        self._live[change.policy] = (section, ruleset)
-        return Applied(change=change, before=before, after=ruleset.digest)
+        after = _ruleset(policy.review).digest
+        return Planned(
+            change=change,
+            text=text,
+            section=policy.review,
+            before=before,
+            after=after,
+            file_identity=identity,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Planned:
+    """A change checked and rendered, not yet written: audit it, then commit it."""
+
+    change: RuleChange
+    text: str
+    section: ReviewSection
+    before: str
+    after: str
+    file_identity: tuple[int, int, int]
+
+
+def _key(policy: str) -> str:
+    """One name per policy file, however it was spelled (relative, with symlinks)."""
+    return os.path.realpath(policy)
+
+
+def _identity(path: str) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return (0, 0, 0)
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _ruleset(section: ReviewSection) -> RuleSet:
+    return RuleSet.from_section(section)
 
 
 def _read_policy(path: str) -> dict[str, Any]:

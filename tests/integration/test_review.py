@@ -125,7 +125,8 @@ async def test_an_allow_lets_the_call_run_and_the_review_is_in_the_call_entry(
     review = entry["review"]
     assert review["verdict"] == "allow" and review["source"] == "model"
     assert review["cacheHit"] is False and review["promptTokens"] == 120
-    assert review["model"] and review["latencyMs"] > 0
+    assert review["model"] == "reviewer" and review["providerModel"] == "fake-reviewer"
+    assert review["latencyMs"] > 0 and len(review["ruleset"]) == 64
     assert fake.chat_requests[0].authorization == f"Bearer {KEY}"
 
 
@@ -144,28 +145,31 @@ async def test_a_deny_answers_review_denied_with_the_reviewers_reason(
 
 
 @pytest.mark.parametrize(
-    ("reply", "failure"),
+    ("reply", "failure", "agent_reads"),
     [
-        (HttpError(status=500, message="upstream broke"), "provider_error"),
-        (HttpError(status=401, message="bad key"), "auth"),
-        (Malformed(body=b"{not json", status=200), "malformed"),
-        (Text(content="Sure, ALLOW it"), "unparseable review"),
-        (Text(content="ALLOW\nDENY: wait"), "unparseable review"),
-        (Text(content=""), "unparseable review"),
+        (HttpError(status=500, message="upstream broke"), "provider_error", "provider failed"),
+        (HttpError(status=401, message="bad key"), "auth", "not configured correctly"),
+        (Malformed(body=b"{not json", status=200), "malformed", "could not be read"),
+        (Text(content="Sure, ALLOW it"), "unparseable review", "unparseable review"),
+        (Text(content="ALLOW\nDENY: wait"), "unparseable review", "unparseable review"),
+        (Text(content=""), "unparseable review", "unparseable review"),
     ],
 )
 async def test_a_review_that_fails_denies_and_says_the_review_failed(
-    gw: Gateway, ws: Path, fake: FakeProvider, reply: Any, failure: str
+    gw: Gateway, ws: Path, fake: FakeProvider, reply: Any, failure: str, agent_reads: str
 ) -> None:
     fake.script(reply)
     run = await gw.create_run(ws, REVIEWED)
     answer = await call(run, "fs.read", {"path": "notes.md"})
     assert answer["errorCode"] == "review_denied"
-    assert answer["safeMessage"].startswith("the rule review failed (")
-    assert failure in answer["safeMessage"]
-    assert KEY not in answer["safeMessage"]
+    message = answer["safeMessage"]
+    assert message.startswith("the rule review failed (") and agent_reads in message
+    # No host detail reaches the sandbox: endpoint, alias, provider model, key variable.
+    for secret in (KEY, KEY_ENV, fake.api_base, "127.0.0.1", "fake-reviewer"):
+        assert secret not in message
     review = (await calls_of(gw, "c1"))[0]["review"]
     assert review["source"] == "failed" and failure in review["failure"]
+    assert review["model"] == "reviewer"
 
 
 async def test_a_review_slower_than_its_timeout_denies(
@@ -180,16 +184,16 @@ async def test_a_review_slower_than_its_timeout_denies(
     assert "the rule review failed" in answer["safeMessage"]
 
 
-async def test_a_missing_model_alias_fails_closed_and_names_the_known_ones(
+async def test_a_missing_model_alias_fails_closed_and_the_audit_names_the_known_ones(
     gw: Gateway, ws: Path, fake: FakeProvider
 ) -> None:
     run = await gw.create_run(ws, REVIEWED.replace("model: reviewer", "model: nobody"))
     answer = await call(run, "fs.read", {"path": "notes.md"})
     assert answer["errorCode"] == "review_denied"
-    assert (
-        "no model alias 'nobody'" in answer["safeMessage"] and "reviewer" in answer["safeMessage"]
-    )
+    assert "not configured" in answer["safeMessage"] and "operator" in answer["safeMessage"]
     assert fake.chat_requests == []
+    review = (await calls_of(gw, "c1"))[0]["review"]
+    assert "no model alias 'nobody'" in review["failure"] and "reviewer" in review["failure"]
 
 
 # --- deterministic rules first -------------------------------------------------------------
@@ -362,9 +366,50 @@ def test_policy_file_after_changes_still_loads_and_keeps_its_other_sections(
     path = tmp_path / "p.yaml"
     path.write_text(textwrap.dedent(REVIEWED))
     book = RuleBook()
-    book.request(RuleChange(policy=str(path), action=RuleAction.ADD_DENY, text="Deny X"))
+    planned = book.request(RuleChange(policy=str(path), action=RuleAction.ADD_DENY, text="Deny X"))
+    assert not isinstance(planned, Pending)
+    assert "Deny X" not in path.read_text()  # planned, not yet written: audit comes first
+    book.commit(planned)
     policy = load_policy(path)
     assert [r.text for r in policy.review.rules.deny][-1] == "Deny X"
     assert policy.filesystem.paths["workspace"].mode == "rw"
     assert policy.review.structured[0].reason == "secrets stay put"
     assert json.dumps(policy.tools.allow)
+
+
+def test_a_change_through_another_spelling_of_the_path_reaches_the_same_runs(
+    tmp_path: Path,
+) -> None:
+    from gatewayd.policy import load_policy
+    from gatewayd.review.rulebook import RuleBook, RuleChange
+
+    path = tmp_path / "p.yaml"
+    path.write_text(textwrap.dedent(REVIEWED))
+    link = tmp_path / "link.yaml"
+    link.symlink_to(path)
+    loaded = load_policy(path).review
+    book = RuleBook()
+    planned = book.request(RuleChange(policy=str(link), action=RuleAction.ADD_DENY, text="Y"))
+    assert not isinstance(planned, Pending)
+    book.commit(planned)
+    section, _ = book.current(str(path), loaded)  # a run that named the real path
+    assert [r.text for r in section.rules.deny][-1] == "Y"
+    # A hand edit afterwards is the operator's: runs keep what they loaded, the book's
+    # copy no longer overrides.
+    path.write_text(path.read_text() + "\n# edited by hand\n")
+    section, _ = book.current(str(path), loaded)
+    assert section == loaded
+
+
+def test_a_planned_change_is_not_written_over_a_file_edited_since(tmp_path: Path) -> None:
+    from gatewayd.review.rulebook import RuleBook, RuleChange
+
+    path = tmp_path / "p.yaml"
+    path.write_text(textwrap.dedent(REVIEWED))
+    book = RuleBook()
+    planned = book.request(RuleChange(policy=str(path), action=RuleAction.ADD_DENY, text="Z"))
+    assert not isinstance(planned, Pending)
+    path.write_text(path.read_text() + "\n# someone else's edit\n")
+    with pytest.raises(RuleChangeError, match="changed since this rule change was planned"):
+        book.commit(planned)
+    assert "someone else's edit" in path.read_text() and "- Z" not in path.read_text()

@@ -9,9 +9,7 @@ from gatewayd.policy import load_policy_text, summarize
 
 def test_summary_of_an_empty_policy_says_it_denies_everything() -> None:
     policy = load_policy_text("version: 1\nname: nothing\n", "p.yaml")
-    assert (
-        summarize(policy, "policies/p.yaml")
-        == textwrap.dedent("""\
+    assert summarize(policy, "policies/p.yaml") == textwrap.dedent("""\
         policy nothing (version 1) from policies/p.yaml
         tools: none (deny all)
         paths: none (no file is reachable)
@@ -25,7 +23,6 @@ def test_summary_of_an_empty_policy_says_it_denies_everything() -> None:
           host variables passed: none (LANG, TERM only)
           per command: 600 s wall, 300 s CPU, 256 processes, 1024 MiB per file, 1024 open files, 1048576 bytes of output kept, 512 MiB each for /tmp and /dev/shm
         review: off""")
-    )
 
 
 def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -> None:
@@ -56,9 +53,7 @@ def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -
         """),
         "mixed.yaml",
     )
-    assert (
-        summarize(policy, "mixed.yaml")
-        == textwrap.dedent("""\
+    assert summarize(policy, "mixed.yaml") == textwrap.dedent("""\
         policy mixed (version 1) from mixed.yaml
           Several rules.
         tools: fs.*, time.now
@@ -81,4 +76,3 @@ def test_summary_shows_tools_each_path_with_host_and_sandbox_view_and_limits() -
         review: llm by model reviewer, 15 s timeout
           reviewed tools: fs.*
           rules: 1 allow, 2 deny, 1 structured""")
-    )
