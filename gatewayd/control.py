@@ -311,7 +311,7 @@ class ControlServer:
                 section, rules = daemon.rules.current(source, policy.review)
                 return 200, {
                     "ok": True,
-                    "policy": source,
+                    "policy": os.path.realpath(source),
                     "allow": [rule.text for rule in section.rules.allow],
                     "deny": [rule.text for rule in section.rules.deny],
                     "ruleset": rules.digest,

@@ -308,7 +308,19 @@ class Daemon:
 
     async def confirm_rule(self, confirmation_id: str) -> Applied:
         """Apply a pending loosening change (the confirmation from outside the sandbox)."""
-        planned = self.rules.confirm(confirmation_id)
+        change = self.rules.pending().get(confirmation_id)
+        try:
+            planned = self.rules.confirm(confirmation_id)
+        except RuleChangeError as exc:
+            if change is not None:  # it was pending: its end is on the record
+                await self.audit.append(
+                    "event",
+                    event="rule_change_failed",
+                    errorCode=str(ErrorCode.BAD_REQUEST),
+                    safeMessage=str(exc),
+                    detail={"confirmationId": confirmation_id, **change.describe()},
+                )
+            raise
         return await self._commit_rule(planned, confirmation_id=confirmation_id)
 
     async def _commit_rule(self, planned: Planned, *, confirmation_id: str | None) -> Applied:
@@ -328,7 +340,7 @@ class Daemon:
                 event="rule_change_failed",
                 errorCode=str(ErrorCode.BAD_REQUEST),
                 safeMessage=str(exc),
-                detail=planned.change.describe(),
+                detail=detail,
             )
             raise
         log.info("rule_changed", **planned.change.describe())

@@ -146,6 +146,8 @@ class Dispatcher:
         if spec is not None and self.reviewer is not None:
             try:
                 outcome, ruleset = await self._review(run, req, args[0])
+            except _Refusal as refusal:
+                return self._deny(run, req, peer, refusal, started)
             except trio.Cancelled:
                 # No write-ahead entry yet: the call still gets its pair of entries.
                 stopped = _Refusal(ErrorCode.INTERNAL, CANCELLED_MESSAGE)
@@ -348,10 +350,23 @@ class Dispatcher:
         # The arguments as the tool will use them, defaults filled in: an fs.list without
         # a path lists /workspace, and a path rule must see that. A review counts against
         # the run's concurrent calls like the call itself.
-        async with run.limiter:
+        # Waiting for a slot is bounded like the call itself.
+        wait = run.spec.policy.limits.call_timeout_s
+        try:
+            with trio.fail_after(wait):
+                await run.limiter.acquire()
+        except trio.TooSlowError:
+            raise _Refusal(
+                ErrorCode.TIMEOUT,
+                f"no free call slot within {wait:g} s (limits.max_concurrent_calls); "
+                "try again when fewer calls are in flight",
+            ) from None
+        try:
             outcome = await self.reviewer.review(
                 req.tool, msgspec.to_builtins(args), section, rules
             )
+        finally:
+            run.limiter.release()
         return outcome, rules.digest
 
     def _deny(

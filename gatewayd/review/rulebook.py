@@ -101,20 +101,31 @@ class RuleBook:
     """The live review section of every policy file this daemon's runs use."""
 
     def __init__(self) -> None:
-        # Per policy file (its real path): the rules a change made live, and the file's
-        # identity right after that write. A file edited by hand since is not ours to
-        # override: runs then keep what they loaded.
+        # Per policy file (its real path): its review rules as last read, and the file's
+        # identity then. Review rules are live: a change through gatewayd or an edit by
+        # hand reaches every run of the policy at its next reviewed call.
         self._live: dict[str, tuple[ReviewSection, RuleSet, tuple[int, int, int]]] = {}
+        self._real: dict[str, str] = {}
         self._pending: dict[str, RuleChange] = {}
 
     def current(self, policy: str, loaded: ReviewSection) -> tuple[ReviewSection, RuleSet]:
-        """The rules a run of ``policy`` is under now: the last change made through this
-        book (while the file is still as that change left it), else what the run loaded."""
-        key = _key(policy)
+        """The review rules of ``policy`` now: the file's, re-read when it changed (one
+        stat per call otherwise). A file that cannot be read or no longer validates keeps
+        the rules last read (or, never read, those the run ``loaded``)."""
+        key = self._real.get(policy)
+        if key is None:
+            key = self._real.setdefault(policy, _key(policy))
+        identity = _identity(key)
         live = self._live.get(key)
-        if live is not None and live[2] == _identity(key):
+        if live is not None and live[2] == identity:
             return live[0], live[1]
-        return loaded, _ruleset(loaded)
+        try:
+            section = _review_of(_read_policy(key))
+        except RuleChangeError:
+            return (live[0], live[1]) if live is not None else (loaded, _ruleset(loaded))
+        ruleset = _ruleset(section)
+        self._live[key] = (section, ruleset, identity)
+        return section, ruleset
 
     def request(self, change: RuleChange) -> Planned | Pending:
         """Plan a tightening change (apply it with :meth:`commit`, once audited); park a

@@ -377,7 +377,7 @@ def test_policy_file_after_changes_still_loads_and_keeps_its_other_sections(
     assert json.dumps(policy.tools.allow)
 
 
-def test_a_change_through_another_spelling_of_the_path_reaches_the_same_runs(
+def test_review_rules_are_live_per_file_however_the_path_is_spelled(
     tmp_path: Path,
 ) -> None:
     from gatewayd.policy import load_policy
@@ -394,11 +394,16 @@ def test_a_change_through_another_spelling_of_the_path_reaches_the_same_runs(
     book.commit(planned)
     section, _ = book.current(str(path), loaded)  # a run that named the real path
     assert [r.text for r in section.rules.deny][-1] == "Y"
-    # A hand edit afterwards is the operator's: runs keep what they loaded, the book's
-    # copy no longer overrides.
-    path.write_text(path.read_text() + "\n# edited by hand\n")
+    # Review rules are live per file: an edit by hand reaches the same runs too.
+    path.write_text(
+        path.read_text().replace("- Y\n", "- Y\n    - Deleting anything (added by hand)\n")
+    )
     section, _ = book.current(str(path), loaded)
-    assert section == loaded
+    assert [r.text for r in section.rules.deny][-2:] == ["Y", "Deleting anything (added by hand)"]
+    # A broken hand edit does not drop the rules in force.
+    path.write_text("review: [this is not a mapping")
+    broken, _ = book.current(str(path), loaded)
+    assert broken == section
 
 
 def test_a_planned_change_is_not_written_over_a_file_edited_since(tmp_path: Path) -> None:
@@ -413,3 +418,27 @@ def test_a_planned_change_is_not_written_over_a_file_edited_since(tmp_path: Path
     with pytest.raises(RuleChangeError, match="changed since this rule change was planned"):
         book.commit(planned)
     assert "someone else's edit" in path.read_text() and "- Z" not in path.read_text()
+
+
+async def test_a_review_waits_for_a_call_slot_no_longer_than_the_call_timeout(
+    gw: Gateway, ws: Path, fake: FakeProvider
+) -> None:
+    fake.script(Text(content="ALLOW", delay_s=2))
+    policy = REVIEWED.replace(
+        "limits: {calls_per_second: 1000, burst: 1000, call_timeout_s: 20}",
+        "limits: {calls_per_second: 1000, burst: 1000, call_timeout_s: 0.5, "
+        "max_concurrent_calls: 1}",
+    )
+    run = await gw.create_run(ws, policy)
+    answers: dict[str, dict[str, Any]] = {}
+
+    async def one(tcid: str, path: str) -> None:
+        answers[tcid] = await call(run, "fs.read", {"path": path}, tcid)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, "slow", "notes.md")
+        await trio.sleep(0.2)  # the slow review holds the run's only slot
+        nursery.start_soon(one, "waiting", "docs/guide.md")
+    assert answers["waiting"]["errorCode"] == "timeout"
+    assert "no free call slot within 0.5 s" in answers["waiting"]["safeMessage"]
+    assert answers["slow"]["ok"], answers["slow"]
