@@ -137,6 +137,11 @@ class _LiteLLM:
         self._lock = threading.Lock()
         self._module: Any = None
 
+    @property
+    def loaded(self) -> Any:
+        """The module once imported, else None (no lock, no thread hop: the hot path)."""
+        return self._module
+
     def get(self) -> Any:
         with self._lock:
             if self._module is None:
@@ -161,6 +166,11 @@ def _import_litellm() -> Any:
 
 
 _LITELLM: Final = _LiteLLM()
+
+
+def is_loaded() -> bool:
+    """Whether litellm is imported already (then :func:`preload` is a no-op)."""
+    return _LITELLM.loaded is not None
 
 
 def preload() -> None:
@@ -219,7 +229,7 @@ async def complete(
     if temperature is not None:
         request["temperature"] = temperature
 
-    litellm = await trio.to_thread.run_sync(_LITELLM.get)
+    litellm = _LITELLM.loaded or await trio.to_thread.run_sync(_LITELLM.get)
     started = time.perf_counter()
     try:
         with trio.fail_after(limit_s + TIMEOUT_GRACE_S):

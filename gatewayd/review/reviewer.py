@@ -19,7 +19,7 @@ from typing import Any, Final
 import trio
 
 from gatewayd.config import ModelAlias
-from gatewayd.model_client import ModelCallError, complete, preload
+from gatewayd.model_client import ModelCallError, complete, is_loaded, preload
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.review.cache import DecisionCache, cache_key
 from gatewayd.review.prompt import build_review_prompt
@@ -183,7 +183,8 @@ class Reviewer:
         prompt = build_review_prompt(tool, args, rules)
         # litellm's import (seconds, once per process) is not the reviewer's slowness: it
         # is paid before the review's own time starts.
-        await trio.to_thread.run_sync(preload)
+        if not is_loaded():
+            await trio.to_thread.run_sync(preload)
         if self._threads is None:
             self._threads = trio.CapacityLimiter(MODEL_THREADS)
         try:
