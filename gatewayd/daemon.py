@@ -113,6 +113,7 @@ class Daemon:
             builtin_tools() if tools is None else tools,
             reviewer=self.reviewer,
             rules=self.rules,
+            models=config.models,
         )
         self._nursery = nursery
         self.uid_pool = UidPool(config.sandbox_uids)

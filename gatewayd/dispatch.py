@@ -11,7 +11,7 @@ that says what is allowed; exceptions never reach the socket.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -22,6 +22,7 @@ from gatewayd.argsummary import args_digest, sha256_digest, summarize
 
 # Who is on the other end of a connection (SO_PEERCRED at accept), as the audit records it.
 from gatewayd.audit import AuditLog, AuditWriteError, Peer
+from gatewayd.config import ModelAlias
 from gatewayd.errors import GatewayError
 from gatewayd.policy import Allow, allowed_tools, decide, tool_allowed
 from gatewayd.protocol import (
@@ -66,12 +67,14 @@ class Dispatcher:
         clock: Callable[[], float] = time.monotonic,
         reviewer: Reviewer | None = None,
         rules: RuleBook | None = None,
+        models: Mapping[str, ModelAlias] | None = None,
     ) -> None:
         self.audit = audit
         self.tools = tools
         self.clock = clock
         self.reviewer = reviewer
         self.rules = rules
+        self.models: Mapping[str, ModelAlias] = models or {}
 
     # -- frames that never became requests -------------------------------------
 
@@ -306,6 +309,9 @@ class Dispatcher:
             run_id=run.run_id,
             grants=run.spec.grants,
             max_output_bytes=limits.max_output_bytes,
+            models=self.models,
+            model_access=run.spec.policy.model_access.models,
+            model_budget=run.model_budget,
         )
         # The time limit covers waiting for a slot too: a saturated run fails fast.
         limiter = run.limiter

@@ -133,6 +133,24 @@ class RunSpec:
 
 
 @dataclass(eq=False, kw_only=True)
+class ModelBudget:
+    """What a run's model.chat calls have spent, against its policy's limits."""
+
+    max_requests: int
+    max_tokens: int
+    requests: int = 0
+    tokens: int = 0
+
+    def spent(self) -> str | None:
+        """Why no further request may be made, or None."""
+        if self.requests >= self.max_requests:
+            return f"this run's {self.max_requests} model requests are spent"
+        if self.tokens >= self.max_tokens:
+            return f"this run's {self.max_tokens} model tokens are spent"
+        return None
+
+
+@dataclass(eq=False, kw_only=True)
 class Run:
     """A live run: its spec, its directory and socket, and what it has done so far."""
 
@@ -149,6 +167,9 @@ class Run:
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     finished: trio.Event = field(default_factory=trio.Event)
     end_reason: str = "ended"
+    model_budget: ModelBudget = field(
+        default_factory=lambda: ModelBudget(max_requests=0, max_tokens=0)
+    )
     # The run's OS sandbox; None when the run is degraded (see ``degraded``).
     sandbox: RunSandbox | None = None
     # Why the run has no OS sandbox (its policy allowed that); None when it has one.
@@ -274,6 +295,10 @@ class RunRegistry:
             directory=directory,
             socket_path=socket_path,
             bucket=TokenBucket(rate=limits.calls_per_second, burst=limits.burst),
+            model_budget=ModelBudget(
+                max_requests=policy.model_access.max_requests,
+                max_tokens=policy.model_access.max_tokens,
+            ),
             limiter=trio.CapacityLimiter(limits.max_concurrent_calls),
         )
         self._runs[run_id] = run

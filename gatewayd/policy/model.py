@@ -304,6 +304,10 @@ DEFAULT_SANDBOX_MAX_OUTPUT_BYTES: Final = 1 << 20
 # /tmp and /dev/shm are memory: without a cap each could take half the host's RAM, and
 # RLIMIT_AS does not count it (a memory cgroup does).
 DEFAULT_SANDBOX_TMP_MB: Final = 512
+# A run's model budget: enough for an agent's working session, small enough that a loop
+# calling the model cannot run up a provider bill unnoticed.
+DEFAULT_MODEL_REQUESTS: Final = 200
+DEFAULT_MODEL_TOKENS: Final = 1_000_000
 
 
 class SandboxSection(Section):
@@ -327,6 +331,28 @@ class SandboxSection(Section):
     tmp_mb: Annotated[int, Field(strict=True, ge=1, le=1 << 20)] = DEFAULT_SANDBOX_TMP_MB
 
 
+_ALIAS_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _model_alias(value: str) -> str:
+    if not _ALIAS_NAME_RE.fullmatch(value):
+        raise ValueError(f"model alias {value!r} must be 1-64 letters, digits and ._-")
+    return value
+
+
+ModelAliasName = Annotated[StrictStr, AfterValidator(_model_alias)]
+
+
+class ModelAccessSection(Section):
+    """Which of gatewayd's model aliases the run's ``model.chat`` may use, and the run's
+    budget for them (reference note 001's ``model_access``). Empty: no model."""
+
+    models: tuple[ModelAliasName, ...] = ()
+    # Per run, over all its model.chat calls: spent means rate_limited.
+    max_requests: Annotated[int, Field(strict=True, ge=1)] = DEFAULT_MODEL_REQUESTS
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] = DEFAULT_MODEL_TOKENS
+
+
 class Policy(Section):
     """A whole policy file. Only ``version`` and ``name`` are required."""
 
@@ -342,6 +368,7 @@ class Policy(Section):
     env: EnvSection = Field(default_factory=EnvSection)
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
     review: ReviewSection = Field(default_factory=ReviewSection)
+    model_access: ModelAccessSection = Field(default_factory=ModelAccessSection)
 
     @field_validator("version")
     @classmethod

@@ -6,10 +6,19 @@ from typing import Any
 
 from gatewayd.tools.clock import TIME_NOW
 from gatewayd.tools.fs import FS_EDIT, FS_LIST, FS_READ, FS_STAT, FS_WRITE
+from gatewayd.tools.model import MODEL_CHAT
 from gatewayd.tools.registry import ToolSpec
 
 
 def builtin_tools() -> dict[str, ToolSpec[Any]]:
-    """The built-in host tools by name: time.now and the fs.* file tools."""
-    specs: tuple[ToolSpec[Any], ...] = (TIME_NOW, FS_READ, FS_WRITE, FS_EDIT, FS_LIST, FS_STAT)
+    """The built-in host tools by name: time.now, the fs.* file tools, model.chat."""
+    specs: tuple[ToolSpec[Any], ...] = (
+        TIME_NOW,
+        FS_READ,
+        FS_WRITE,
+        FS_EDIT,
+        FS_LIST,
+        FS_STAT,
+        MODEL_CHAT,
+    )
     return {spec.name: spec for spec in specs}

@@ -8,13 +8,17 @@ and only then awaits ``run(args, ctx, resolved)``. Runners raise the exceptions 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import msgspec
 
+from gatewayd.config import ModelAlias
 from gatewayd.policy.paths import PathAccess, PathGrant, ResolvedPath
+
+if TYPE_CHECKING:
+    from gatewayd.runs import ModelBudget
 
 A = TypeVar("A", bound=msgspec.Struct)
 
@@ -26,6 +30,10 @@ class ToolContext:
     run_id: str
     grants: tuple[PathGrant, ...]
     max_output_bytes: int
+    # model.chat: gatewayd's aliases, the ones this run's policy grants, its budget.
+    models: Mapping[str, ModelAlias] = field(default_factory=dict)
+    model_access: tuple[str, ...] = ()
+    model_budget: ModelBudget | None = None
 
 
 def no_paths(_args: Any) -> tuple[PathAccess, ...]:

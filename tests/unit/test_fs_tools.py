@@ -108,8 +108,16 @@ def tree(root: Path) -> list[str]:
 # --- the registry -------------------------------------------------------------------
 
 
-def test_builtin_tools_are_exactly_the_six() -> None:
-    assert set(TOOLS) == {"time.now", "fs.read", "fs.write", "fs.edit", "fs.list", "fs.stat"}
+def test_builtin_tools_are_exactly_these() -> None:
+    assert set(TOOLS) == {
+        "time.now",
+        "fs.read",
+        "fs.write",
+        "fs.edit",
+        "fs.list",
+        "fs.stat",
+        "model.chat",
+    }
     assert all(name == spec.name for name, spec in TOOLS.items())
 
 
