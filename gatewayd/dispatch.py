@@ -312,6 +312,7 @@ class Dispatcher:
             models=self.models,
             model_access=run.spec.policy.model_access.models,
             model_budget=run.model_budget,
+            network=run.spec.policy.network,
         )
         # The time limit covers waiting for a slot too: a saturated run fails fast.
         limiter = run.limiter

@@ -14,6 +14,7 @@ is pure.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import math
 import re
 import stat
@@ -34,7 +35,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode
-from gatewayd.policy.review_section import ReviewSection
+from gatewayd.policy.review_section import Domain, ReviewSection
 from gatewayd.policy.section import (
     PositiveInt,
     Section,
@@ -353,6 +354,60 @@ class ModelAccessSection(Section):
     max_tokens: Annotated[int, Field(strict=True, ge=1)] = DEFAULT_MODEL_TOKENS
 
 
+# http.fetch: a page or an API answer, not a download; the result travels back in one
+# frame (limits.max_output_bytes), so larger bodies would be refused there anyway.
+DEFAULT_MAX_REQUEST_BYTES: Final = 1 << 20
+DEFAULT_MAX_RESPONSE_BYTES: Final = 5 << 20
+# Past 64 MiB one fetch makes the daemon hold too much memory for one run.
+MAX_MAX_BODY_BYTES: Final = 64 << 20
+# A slow site still answers within half a minute; a stuck one frees the slot.
+DEFAULT_FETCH_TIMEOUT_S: Final = 30.0
+# Enough for http->https and a login bounce; a longer chain is a loop or a maze.
+DEFAULT_MAX_REDIRECTS: Final = 5
+MAX_MAX_REDIRECTS: Final = 20
+HttpMethod = Literal["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+def _check_private_entry(value: str) -> str:
+    """A host name (exact or ``*.`` wildcard) or an IP network such as ``10.0.0.0/8``."""
+    try:
+        return str(ipaddress.ip_network(value, strict=False))
+    except ValueError:
+        pass
+    if not re.fullmatch(r"(\*\.)?[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", value):
+        raise ValueError(
+            f"allow_private entry {value!r} must be a lowercase host name ('localhost', "
+            "'*.corp.internal') or an IP network ('10.0.0.0/8', '127.0.0.1')"
+        )
+    return value
+
+
+PrivateEntry = Annotated[StrictStr, AfterValidator(_check_private_entry)]
+
+
+class NetworkSection(Section):
+    """What the run's ``http.fetch`` may reach. Empty ``allow_domains``: nothing
+    (NETWORK_DEFAULT_DENY). ``allow_private`` names hosts or networks that may resolve to
+    private, loopback or link-local addresses (the SSRF guard refuses them otherwise)."""
+
+    allow_domains: tuple[Domain, ...] = ()
+    schemes: tuple[Literal["http", "https"], ...] = ("https",)
+    methods: tuple[HttpMethod, ...] = ("GET", "HEAD")
+    max_request_bytes: Annotated[int, Field(strict=True, ge=0, le=MAX_MAX_BODY_BYTES)] = (
+        DEFAULT_MAX_REQUEST_BYTES
+    )
+    max_response_bytes: Annotated[int, Field(strict=True, ge=1, le=MAX_MAX_BODY_BYTES)] = (
+        DEFAULT_MAX_RESPONSE_BYTES
+    )
+    timeout_s: Annotated[
+        float, Field(strict=True, gt=0, le=MAX_CALL_TIMEOUT_S, allow_inf_nan=False)
+    ] = DEFAULT_FETCH_TIMEOUT_S
+    max_redirects: Annotated[int, Field(strict=True, ge=0, le=MAX_MAX_REDIRECTS)] = (
+        DEFAULT_MAX_REDIRECTS
+    )
+    allow_private: tuple[PrivateEntry, ...] = ()
+
+
 class Policy(Section):
     """A whole policy file. Only ``version`` and ``name`` are required."""
 
@@ -369,6 +424,7 @@ class Policy(Section):
     sandbox: SandboxSection = Field(default_factory=SandboxSection)
     review: ReviewSection = Field(default_factory=ReviewSection)
     model_access: ModelAccessSection = Field(default_factory=ModelAccessSection)
+    network: NetworkSection = Field(default_factory=NetworkSection)
 
     @field_validator("version")
     @classmethod

@@ -18,6 +18,7 @@ from gatewayd.config import ModelAlias
 from gatewayd.policy.paths import PathAccess, PathGrant, ResolvedPath
 
 if TYPE_CHECKING:
+    from gatewayd.policy.model import NetworkSection
     from gatewayd.runs import ModelBudget
 
 A = TypeVar("A", bound=msgspec.Struct)
@@ -34,6 +35,8 @@ class ToolContext:
     models: Mapping[str, ModelAlias] = field(default_factory=dict)
     model_access: tuple[str, ...] = ()
     model_budget: ModelBudget | None = None
+    # http.fetch: the run's policy network section (None: no network at all).
+    network: NetworkSection | None = None
 
 
 def no_paths(_args: Any) -> tuple[PathAccess, ...]:

@@ -117,6 +117,7 @@ def test_builtin_tools_are_exactly_these() -> None:
         "fs.list",
         "fs.stat",
         "model.chat",
+        "http.fetch",
     }
     assert all(name == spec.name for name, spec in TOOLS.items())
 
