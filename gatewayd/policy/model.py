@@ -19,7 +19,7 @@ import math
 import re
 import stat
 import typing
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Final, Literal
 
@@ -468,6 +468,15 @@ def load_policy(path: Path) -> Policy:
     Error handling: every failure (unreadable, too large, not UTF-8, bad YAML, invalid
     fields) is a :class:`PolicyError` whose source is ``str(path)``.
     """
+    return validate_policy(read_policy_mapping(path), str(path))
+
+
+def read_policy_mapping(path: Path) -> dict[str, Any]:
+    """The policy file at ``path`` parsed, not yet validated: size-capped, UTF-8, strict
+    YAML (no duplicate keys), a mapping at the top. For tools that edit a policy.
+
+    Error handling: :class:`PolicyError` whose source is ``str(path)``.
+    """
     source = str(path)
     try:
         with path.open("rb") as f:
@@ -484,11 +493,16 @@ def load_policy(path: Path) -> Policy:
         raise PolicyError(
             source, [f"policy file is not UTF-8 text (bad byte at offset {exc.start})"]
         ) from None
-    return load_policy_text(text, source)
+    return parse_policy_text(text, source)
 
 
 def load_policy_text(text: str, source: str) -> Policy:
     """Parse and validate policy YAML; ``source`` names it in errors (usually the path)."""
+    return validate_policy(parse_policy_text(text, source), source)
+
+
+def parse_policy_text(text: str, source: str) -> dict[str, Any]:
+    """Policy YAML parsed strictly into its top-level mapping (not validated)."""
     try:
         # A SafeLoader subclass: only plain data types are ever constructed.
         data = yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506
@@ -506,6 +520,11 @@ def load_policy_text(text: str, source: str) -> Policy:
                 f"not a {_yaml_kind(data)}"
             ],
         )
+    return data
+
+
+def validate_policy(data: Mapping[str, Any], source: str) -> Policy:
+    """A parsed policy mapping validated into a :class:`Policy`."""
     try:
         return Policy.model_validate(data)
     except ValidationError as exc:

@@ -31,6 +31,7 @@ import yaml
 from gatewayd.atomicfile import write_atomically
 from gatewayd.errors import GatewayError
 from gatewayd.policy import PolicyError, load_policy_text
+from gatewayd.policy.model import read_policy_mapping, validate_policy
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.protocol import ErrorCode
 from gatewayd.review.ruleset import RuleSet
@@ -120,7 +121,7 @@ class RuleBook:
         if live is not None and live[2] == identity:
             return live[0], live[1]
         try:
-            section = _review_of(_read_policy(key))
+            section = _review_of(_read_policy(key), key)
         except RuleChangeError:
             return (live[0], live[1]) if live is not None else (loaded, _ruleset(loaded))
         ruleset = _ruleset(section)
@@ -195,7 +196,7 @@ class RuleBook:
 
     def _check(self, change: RuleChange) -> dict[str, Any]:
         raw = _read_policy(change.policy)
-        section = _review_of(raw)
+        section = _review_of(raw, change.policy)
         rules = section.rules.deny if change.action.side == "deny" else section.rules.allow
         present = any(rule.text == change.text for rule in rules)
         if change.action.adds and present:
@@ -213,7 +214,7 @@ class RuleBook:
     def _plan(self, change: RuleChange) -> Planned:
         identity = _identity(change.policy)
         raw = self._check(change)
-        before = _ruleset(_review_of(raw)).digest
+        before = _ruleset(_review_of(raw, change.policy)).digest
         text = yaml.safe_dump(_edited(raw, change), sort_keys=False, allow_unicode=True)
         try:
             policy = load_policy_text(text, change.policy)
@@ -260,20 +261,20 @@ def _ruleset(section: ReviewSection) -> RuleSet:
 
 
 def _read_policy(path: str) -> dict[str, Any]:
+    """The policy file parsed as gatewayd loads policies (size cap, strict YAML)."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
+        return read_policy_mapping(Path(path))
+    except PolicyError as exc:
         raise RuleChangeError(f"cannot read policy {path}: {exc}") from None
-    if not isinstance(data, dict):
-        raise RuleChangeError(f"policy {path} is not a mapping")
-    return data
 
 
-def _review_of(raw: Mapping[str, Any]) -> ReviewSection:
+def _review_of(raw: Mapping[str, Any], source: str) -> ReviewSection:
+    """The review section of a parsed policy, validated as part of the whole policy: a
+    file that would not load as a policy gives no rules either."""
     try:
-        return ReviewSection.model_validate(raw.get("review") or {})
-    except ValueError as exc:
-        raise RuleChangeError(f"the policy's review section is invalid: {exc}") from None
+        return validate_policy(raw, source).review
+    except PolicyError as exc:
+        raise RuleChangeError(f"the policy does not validate: {exc}") from None
 
 
 def _edited(raw: dict[str, Any], change: RuleChange) -> dict[str, Any]:
