@@ -32,7 +32,7 @@ HEADER_BYTES: Final = HEADER.size
 # printable so a hostile caller cannot smuggle control characters or megabytes there.
 MAX_ID_CHARS: Final = 128
 _ID_RE: Final = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
-_TOOL_RE: Final = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*")
+TOOL_NAME_RE: Final = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*")
 
 
 class ErrorCode(enum.StrEnum):
@@ -68,7 +68,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ValueError("toolCallId must be 1-128 characters of letters, digits and ._:@/+=-")
         if not _ID_RE.fullmatch(self.runId):
             raise ValueError("runId must be 1-128 characters of letters, digits and ._:@/+=-")
-        if len(self.tool) > MAX_ID_CHARS or not _TOOL_RE.fullmatch(self.tool):
+        if len(self.tool) > MAX_ID_CHARS or not TOOL_NAME_RE.fullmatch(self.tool):
             raise ValueError(
                 "tool must be a dotted lowercase name such as 'fs.read' (at most 128 chars)"
             )

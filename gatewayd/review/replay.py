@@ -43,6 +43,7 @@ from gatewayd.argsummary import summarize
 from gatewayd.config import ModelAlias
 from gatewayd.errors import GatewayError
 from gatewayd.policy.review_section import ReviewSection
+from gatewayd.protocol import TOOL_NAME_RE
 from gatewayd.review.reviewer import Reviewer, ReviewOutcome, Source
 from gatewayd.review.ruleset import RuleSet
 
@@ -67,8 +68,6 @@ MAX_ID_CHARS: Final = 128
 MAX_NOTE_CHARS: Final = 500
 # The summary's lines naming a call are cut to this: a call, not its arguments in full.
 LISTING_WIDTH: Final = 160
-# The names a request may carry (gatewayd.protocol checks the same on the wire).
-_TOOL_RE: Final = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*")
 MAX_TOOL_CHARS: Final = 128
 _KNOWN_KEYS: Final = ("tool", "args", "expect", "id", "note")
 # Shown in place of any character that could move a terminal's cursor or colour it.
@@ -307,7 +306,7 @@ def _parse_line(text: str, number: int, tools: Mapping[str, ToolSpec[Any]] | Non
             f"unknown key {', '.join(map(repr, unknown))}; a call has {', '.join(_KNOWN_KEYS)}"
         )
     tool = data.get("tool")
-    if not isinstance(tool, str) or len(tool) > MAX_TOOL_CHARS or not _TOOL_RE.fullmatch(tool):
+    if not isinstance(tool, str) or len(tool) > MAX_TOOL_CHARS or not TOOL_NAME_RE.fullmatch(tool):
         raise ValueError("'tool' must be a dotted lowercase tool name such as 'fs.read'")
     if "args" not in data:
         raise ValueError("'args' is missing; give the call's arguments, {} for none")

@@ -232,8 +232,8 @@ async def _start_and_supervise(
     pins: Sequence[tuple[int, str]],
 ) -> ExecResult:
     with contextlib.ExitStack() as fds:
-        data_fds = {step.dest: _memfd(fds, "cogni-data", step.data) for step in plan.data_steps}
-        seccomp_fd = _memfd(fds, "cogni-seccomp", None)
+        data_fds = {step.dest: memfd(fds, "cogni-data", step.data) for step in plan.data_steps}
+        seccomp_fd = memfd(fds, "cogni-seccomp", None)
         argv = sandbox_argv(plan, bwrap=bwrap, data_fds=data_fds, seccomp_fd=seccomp_fd)
         try:
             netns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
@@ -273,7 +273,9 @@ async def _start_and_supervise(
     return await _supervise(process, started, out_r, err_r, in_w, stdin, limits, cgroup, echo)
 
 
-def _memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
+def memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
+    """A memfd holding ``data`` (None: the seccomp filter), rewound for bwrap, closed
+    with ``stack``."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC)  # pass_fds clears CLOEXEC in the child
     stack.callback(os.close, fd)
     if data is None:
