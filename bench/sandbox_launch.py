@@ -56,7 +56,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
@@ -76,6 +76,7 @@ from gatewayd.sandbox.launch import (
     CLONE_NEWNET,
     ExecResult,
     LaunchError,
+    memfd,
     run_in_sandbox,
     sandbox_argv,
 )
@@ -83,7 +84,6 @@ from gatewayd.sandbox.lease import give_back, lend
 from gatewayd.sandbox.limits import HostUser, LimitMechanism, SandboxLimits, rlimits
 from gatewayd.sandbox.netns import create_run_netns, remove_run_netns, remove_stale_netns
 from gatewayd.sandbox.plan import SandboxPlan
-from gatewayd.sandbox.seccomp import write_filter
 from gatewayd.sandbox.session import RunSandbox
 from gatewayd.sandbox.uids import UidRange, pids_of_uid
 
@@ -249,20 +249,8 @@ class RawBwrap:
 def memfds(stack: contextlib.ExitStack, plan: SandboxPlan) -> tuple[dict[str, int], int]:
     """The plan's data and the seccomp filter on memfds, as the launcher makes them."""
 
-    def make(name: str, data: bytes | None) -> int:
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        stack.callback(os.close, fd)
-        if data is None:
-            write_filter(fd)
-        else:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-        os.lseek(fd, 0, os.SEEK_SET)
-        return fd
-
-    data = {step.dest: make("cogni-data", step.data) for step in plan.data_steps}
-    return data, make("cogni-seccomp", None)
+    data = {step.dest: memfd(stack, "cogni-data", step.data) for step in plan.data_steps}
+    return data, memfd(stack, "cogni-seccomp", None)
 
 
 def rmdir_when_empty(directory: Path) -> int:
@@ -394,6 +382,7 @@ class InProcess:
             host_user=self.sandbox.user,
             bwrap=self.sandbox.settings.bwrap,
             cgroups=cgroups,
+            pins=self.sandbox.pins,
         )
 
     async def exec_launcher(self) -> Durations:
@@ -544,7 +533,9 @@ async def in_process(warmup: int, iterations: int) -> tuple[Samples, str]:
                 sandbox = run.sandbox
                 if sandbox is None:
                     raise RuntimeError(f"the run has no sandbox: {run.degraded}")
-                plan = sandbox.plan([TRUE], dict(os.environ))
+                # Raw bwrap binds the host paths itself, as bwrap used alone does; gatewayd
+                # first attaches the directories it pinned at run start (its own cost).
+                plan = replace(sandbox, pinned={}).plan([TRUE], dict(os.environ))
                 with contextlib.ExitStack() as stack:
                     data_fds, seccomp_fd = memfds(stack, plan)
                     netns_fd = os.open(sandbox.netns.path, os.O_RDONLY | os.O_CLOEXEC)
