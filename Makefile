@@ -63,6 +63,7 @@ bench: setup
 	$(PY) bench/audit_cost.py
 	$(PY) bench/sandbox_launch.py
 	$(PY) bench/review_overhead.py
+	$(PY) bench/model_overhead.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -50,14 +50,27 @@ def wait_for(path: Path, timeout: float = 20.0) -> None:
 
 
 @contextmanager
-def gatewayd_run(policy: Path) -> Iterator[tuple[str, str]]:
-    """A real `gatewayd serve` with one run; yields (socket path, run id)."""
+def gatewayd_run(
+    policy: Path, *, serve_args: Sequence[str] = (), launcher: Sequence[str] | None = None
+) -> Iterator[tuple[str, str]]:
+    """A real `gatewayd serve` with one run; yields (socket path, run id).
+
+    ``serve_args`` are more `gatewayd serve` options (``--config``, ``--no-os-sandbox``);
+    ``launcher`` replaces the `gatewayd` console script (a diagnostic wrapper that takes
+    the same arguments).
+    """
     base = Path(tempfile.mkdtemp(prefix="cogni-bench-"))
     ws = base / "ws"
     ws.mkdir()
     state = base / "state"
     ctl = state / "control.sock"
-    cmd = [str(BIN / "gatewayd"), "serve", "--state-dir", str(state)]
+    program = list(launcher) if launcher is not None else [str(BIN / "gatewayd")]
+    # The load comes from this host process, not from inside a sandbox (a sandboxed
+    # run's socket refuses peers outside its network namespace): these benches measure
+    # the gateway, bench/sandbox_launch.py the sandbox. Also, a daemon with the sandbox
+    # removes every namespace of its prefix at start, other daemons' included.
+    extra = [] if "--no-os-sandbox" in serve_args else ["--no-os-sandbox"]
+    cmd = [*program, "serve", "--state-dir", str(state), *extra, *serve_args]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     try:
         wait_for(ctl)

@@ -39,6 +39,7 @@ commands:
   exec <tool> [args]  call <tool>; args is a JSON object (default {}), or - to read it
                       from stdin. Prints the tool's JSON result on one line.
   list                print the tools this run may call, one per line: name  summary
+  serve ...           (started by gatewayd) the run's OpenAI endpoint and egress bridge
 
 options:
   --pretty            indent the JSON output
@@ -275,6 +276,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(words: list[str]) -> int:
+    if words[:1] == ["serve"]:  # gatewayd starts it in the sandbox; its own parser
+        from cogni_tool.serve import main as serve
+
+        return serve(words[1:])
     if _wants_help(words):
         sys.stdout.write(USAGE)
         return 0

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from gatewayd.config import GatewaydConfig
     from gatewayd.daemon import Daemon, DaemonConfig
     from gatewayd.runs import Run, RunRequest
+    from gatewayd.secrets import Scrubber
 
 # Exit codes of gatewayd itself (a one-shot run exits with its command's status).
 EXIT_OK: Final = 0
@@ -418,11 +419,13 @@ def _review_replay(args: argparse.Namespace) -> int:
             f"policy {policy.name} reviews with model alias {section.model!r}, which "
             f"gatewayd's configuration does not define (known: {known}); give --config"
         )
-    if alias.api_key_env is not None and not os.environ.get(alias.api_key_env):
-        return usage(
-            f"model alias {section.model!r} reads its key from ${alias.api_key_env}, "
-            "which is not set in this environment"
-        )
+    if alias.api_key_env is not None:
+        from gatewayd.secrets import SecretError, read_secret
+
+        try:  # where the daemon looks: the variable, then the systemd credential
+            read_secret(alias.api_key_env, holds="its key")
+        except SecretError as exc:
+            return usage(f"model alias {section.model!r} has no key here: {exc}")
     try:
         calls = replay.load_calls(args.calls, tools=builtin_tools())
     except replay.CallsFileError as exc:
@@ -508,6 +511,7 @@ def _config(args: argparse.Namespace) -> DaemonConfig:
     settings = load_settings(args.config)
     return DaemonConfig(
         models=settings.models,
+        secret_env=settings.secret_env,
         state_dir=args.state_dir.absolute(),
         audit_path=args.audit.absolute() if args.audit else None,
         policy_dirs=policy_dirs,
@@ -516,6 +520,13 @@ def _config(args: argparse.Namespace) -> DaemonConfig:
         netns_prefix=args.netns_prefix,
         sandbox_uids=uids,
     )
+
+
+def _log_scrubber(config: DaemonConfig) -> Scrubber:
+    """The log's own scrubber of the daemon's secrets (the daemon's warns for both)."""
+    from gatewayd.secrets import Scrubber
+
+    return Scrubber.for_config(config.models, config.secret_env, warn=False)
 
 
 def load_settings(path: Path | None) -> GatewaydConfig:
@@ -544,8 +555,8 @@ def _serve(args: argparse.Namespace) -> int:
     from gatewayd.daemon import open_daemon
     from gatewayd.logs import configure_logging
 
-    configure_logging(logging.INFO)
     config = _config(args)
+    configure_logging(logging.INFO, scrubber=_log_scrubber(config))
     control_path = args.control_socket or config.state_dir / "control.sock"
 
     async def serve() -> None:
@@ -614,7 +625,6 @@ def _run(args: argparse.Namespace) -> int:
     from gatewayd.logs import configure_logging
     from gatewayd.policy import PolicyError
 
-    configure_logging(logging.WARNING)
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -623,6 +633,7 @@ def _run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     request = _run_request(args)
     config = _config(args)
+    configure_logging(logging.WARNING, scrubber=_log_scrubber(config))
     status = EXIT_FAILED
 
     async def one_shot() -> None:

@@ -12,7 +12,12 @@ models:
     api_base: http://127.0.0.1:11434/v1   # optional: a local or proxy endpoint
     api_key_env: OPENAI_API_KEY           # optional: where gatewayd finds the key
     timeout_s: 60
+secret_env: [FORGE_TOKEN]               # optional: more secrets to scrub from all output
 ```
+
+Every alias's ``api_key_env`` and every ``secret_env`` name is looked up in gatewayd's
+environment, else as a systemd credential (gatewayd/secrets.py), and its value is
+scrubbed from tool output, error messages, the audit log and gatewayd's own log.
 """
 
 from __future__ import annotations
@@ -23,7 +28,9 @@ from typing import Annotated, Any, Final
 
 import pydantic
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from gatewayd.secrets import NAME_RE as SECRET_NAME_RE
 
 DEFAULT_CONFIG_PATH: Final = Path("/etc/gatewayd/gatewayd.yaml")
 # One model call; the reviewer's own (shorter) timeout comes from the policy.
@@ -31,7 +38,7 @@ DEFAULT_MODEL_TIMEOUT_S: Final = 60.0
 MAX_CONFIG_BYTES: Final = 1 << 20
 _ALIAS_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PROVIDER_RE: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")
-_ENV_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_ENV_RE: Final = SECRET_NAME_RE  # a variable name, and so a safe credential file name
 
 
 class ConfigError(Exception):
@@ -76,12 +83,39 @@ class ModelAlias(_Strict):
 
 
 Alias = Annotated[str, Field(strict=True), _check(_ALIAS_RE, "model alias")]
+SecretName = Annotated[str, Field(strict=True), _check(_ENV_RE, "secret_env name")]
+# A few tokens, not a vault: a longer list is a mistake (or a pasted file).
+MAX_SECRET_NAMES: Final = 64
+
+
+def _check_list(value: Any) -> Any:
+    if not isinstance(value, list | tuple):
+        raise ValueError(  # noqa: TRY004 - pydantic reports ValueError, not TypeError
+            f"must be a list of environment variable names, e.g. [FORGE_TOKEN], "
+            f"not {type(value).__name__}"
+        )
+    return value
+
+
+def _check_unique(names: tuple[str, ...]) -> tuple[str, ...]:
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"names a secret more than once: {', '.join(repeated)}")
+    return names
 
 
 class GatewaydConfig(_Strict):
     """The whole file; every section has a default, so an empty file is valid."""
 
     models: dict[Alias, ModelAlias] = Field(default_factory=dict)
+    # Names of further secrets (environment variables or systemd credentials) whose
+    # values are scrubbed like the aliases' keys; the values are never in this file.
+    secret_env: Annotated[
+        tuple[SecretName, ...],
+        BeforeValidator(_check_list),
+        Field(max_length=MAX_SECRET_NAMES),
+        AfterValidator(_check_unique),
+    ] = ()
 
 
 def load_config(path: Path) -> GatewaydConfig:

@@ -6,6 +6,7 @@ every run's listener. Used by `gatewayd serve` (with the control socket) and by
 from __future__ import annotations
 
 import contextlib
+import functools
 import resource
 import stat
 from collections.abc import AsyncIterator, Mapping
@@ -21,8 +22,9 @@ from gatewayd import model_client
 from gatewayd.audit import AuditLog, AuditWriteError, open_audit_log
 from gatewayd.config import ModelAlias
 from gatewayd.dispatch import Dispatcher
+from gatewayd.egress import EgressProxy, serve_egress
 from gatewayd.errors import GatewayError, PolicyViolation
-from gatewayd.policy import PolicyError, SandboxSection
+from gatewayd.policy import PolicyError, SandboxSection, tool_allowed
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.review.reviewer import Reviewer
 from gatewayd.review.rulebook import (
@@ -38,7 +40,15 @@ from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
 from gatewayd.sandbox.cgroup import probe_cgroups, remove_empty_leftovers
 from gatewayd.sandbox.launch import BWRAP, Echo, ExecResult
 from gatewayd.sandbox.netns import NETNS_PREFIX
-from gatewayd.sandbox.plan import probe_host_layout
+from gatewayd.sandbox.plan import (
+    COGNI_TOOL_VISIBLE_DIR,
+    EGRESS_PROXY_PORT,
+    EGRESS_SOCKET_NAME,
+    MODEL_ENDPOINT_PORT,
+    SANDBOX_EGRESS_SOCKET,
+    Services,
+    probe_host_layout,
+)
 from gatewayd.sandbox.session import (
     CommandLimits,
     RunSandbox,
@@ -49,11 +59,19 @@ from gatewayd.sandbox.session import (
 )
 from gatewayd.sandbox.support import SandboxSupport, probe_os_sandbox
 from gatewayd.sandbox.uids import UidPool, UidRange
+from gatewayd.secrets import Scrubber
 from gatewayd.server import serve_run
 from gatewayd.tools import builtin_tools
+from gatewayd.tools.http import Resolver, resolve_host
 from gatewayd.tools.registry import ToolSpec
 
 log = structlog.get_logger("gatewayd.daemon")
+
+# cogni-tool serve: how long its start may take (a cold python3 and two listeners), and
+# how long it outlives the run's maximum runtime (the run's end stops it first anyway).
+SERVICE_READY_TIMEOUT_S = 10.0
+SERVICE_GRACE_S = 60.0
+SANDBOX_COGNI_TOOL = f"{COGNI_TOOL_VISIBLE_DIR}/cogni-tool"
 
 DEFAULT_STATE_DIR = Path("/var/lib/gatewayd")
 # Shipped policies, next to the package in a source checkout.
@@ -78,6 +96,11 @@ class DaemonConfig:
     sandbox_uids: UidRange = field(default_factory=UidRange)
     # Model aliases (gatewayd's configuration file): the review model, later model.chat.
     models: Mapping[str, ModelAlias] = field(default_factory=dict)
+    # Further secrets to scrub from all output (the configuration file's secret_env).
+    secret_env: tuple[str, ...] = ()
+    # How http.fetch and the egress proxy resolve names (tests map names to loopback);
+    # None: the host's resolver.
+    resolver: Resolver | None = None
 
     @property
     def resolved_audit_path(self) -> Path:
@@ -94,6 +117,7 @@ class Daemon:
         nursery: trio.Nursery,
         *,
         tools: dict[str, ToolSpec[Any]] | None = None,
+        scrubber: Scrubber | None = None,
     ) -> None:
         self.config = config
         self.audit = audit
@@ -114,6 +138,8 @@ class Daemon:
             reviewer=self.reviewer,
             rules=self.rules,
             models=config.models,
+            scrubber=scrubber or Scrubber.for_config(config.models, config.secret_env),
+            resolve=config.resolver,
         )
         self._nursery = nursery
         self.uid_pool = UidPool(config.sandbox_uids)
@@ -222,8 +248,10 @@ class Daemon:
         try:
             await self._nursery.start(self._serve, run)
         except BaseException:
-            run.move_to(RunState.FAILED)
-            self.registry.remove(run)
+            # _serve's own cleanup (_finish) has ended the run already, sandbox and all.
+            if run.state is not RunState.ENDED:
+                run.move_to(RunState.FAILED)
+                self.registry.remove(run)
             raise
         log.info("run_started", run_id=run.run_id, policy=run.spec.policy.name)
         return run
@@ -235,6 +263,15 @@ class Daemon:
         cannot give; SandboxUnavailable when making it failed.
         """
         policy = run.spec.policy
+        held = sorted(set(policy.env.allow) & self._secret_env_names())
+        if held:
+            raise PolicyViolation(
+                f"policy {policy.name!r} passes {held[0]} into the sandbox (env.allow), and "
+                "gatewayd holds a secret in that variable (a model key or secret_env); secrets "
+                "never enter "
+                "a sandbox: remove it from env.allow (model.chat and the in-sandbox endpoint "
+                "use the key on the host)"
+            )
         if self.sandbox_settings is None:
             if policy.require_os_sandbox:
                 raise PolicyViolation(
@@ -282,6 +319,24 @@ class Daemon:
             ),
             image_dir=None if image is None else Path(image),
             busy_trees=busy,
+            services=self._services_for(run),
+        )
+
+    def _secret_env_names(self) -> set[str]:
+        """Variables whose values gatewayd holds as secrets (model keys, secret_env)."""
+        return set(self.dispatcher.scrubber.names)
+
+    def _services_for(self, run: Run) -> Services:
+        """Which in-sandbox services the run gets: the OpenAI endpoint when it may call
+        model.chat with at least one alias, the egress proxy when its policy turns the
+        proxy on and allows at least one domain."""
+        policy = run.spec.policy
+        network = policy.network
+        return Services(
+            model_endpoint=bool(policy.model_access.models)
+            and tool_allowed("model.chat", run.spec.rules)
+            and "model.chat" in self.dispatcher.tools,
+            egress_proxy=network.proxy_enabled,
         )
 
     # -- review rules (control socket only: no run socket reaches these) ---------------
@@ -420,18 +475,133 @@ class Daemon:
         max_runtime = run.spec.request.limits.maxRuntimeSec
         try:
             with trio.move_on_after(max_runtime) as scope:
-                await serve_run(
-                    run,
-                    self.dispatcher,
-                    max_frame_bytes=self.config.max_frame_bytes,
-                    task_status=task_status,
-                )
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self._serve_socket, run, nursery.cancel_scope)
+                    await self._start_services(run, nursery, max_runtime)
+                    task_status.started()
             if scope.cancelled_caught:
                 run.end_reason = "max_runtime_exceeded"
                 log.warning("run_max_runtime", run_id=run.run_id, seconds=max_runtime)
         finally:
             with trio.CancelScope(shield=True):
                 await self._finish(run)
+
+    async def _serve_socket(
+        self,
+        run: Run,
+        services: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[None],
+    ) -> None:
+        """The run's socket; when it stops (the run ends), so do the run's services."""
+        try:
+            await serve_run(
+                run,
+                self.dispatcher,
+                max_frame_bytes=self.config.max_frame_bytes,
+                task_status=task_status,
+            )
+        finally:
+            services.cancel()
+
+    async def _start_services(self, run: Run, nursery: trio.Nursery, lifetime_s: float) -> None:
+        """Start the run's egress proxy socket and its ``cogni-tool serve``, and wait
+        until that listens: the run's first command finds its endpoints up.
+
+        Error handling: SandboxUnavailable when the services do not come up (the run
+        then ends: a run without the endpoints its policy promises is not started).
+        """
+        sandbox = run.sandbox
+        if sandbox is None or sandbox.services == Services():
+            return
+        services = sandbox.services
+        command = [f"{SANDBOX_COGNI_TOOL}", "serve"]
+        if services.egress_proxy:
+            proxy = EgressProxy(
+                run_id=run.run_id,
+                network=run.spec.policy.network,
+                audit=self.audit,
+                resolve=self.config.resolver or resolve_host,
+            )
+            await nursery.start(
+                functools.partial(
+                    serve_egress,
+                    run.directory / EGRESS_SOCKET_NAME,
+                    proxy,
+                    group=sandbox.user.gid,
+                    owns_peer=sandbox.owns_peer,
+                )
+            )
+            command += ["--proxy-port", str(EGRESS_PROXY_PORT)]
+            command += ["--egress-socket", SANDBOX_EGRESS_SOCKET]
+        if services.model_endpoint:
+            granted = [m for m in run.spec.policy.model_access.models if m in self.config.models]
+            command += ["--openai-port", str(MODEL_ENDPOINT_PORT), "--models", ",".join(granted)]
+        ready = trio.Event()
+        lines = bytearray()
+
+        def out(data: bytes) -> None:
+            if len(lines) < 64:  # it says one word; anything more is not read
+                lines.extend(data[:64])
+            if b"ready\n" in lines:
+                ready.set()
+
+        def err(data: bytes) -> None:
+            log.warning(
+                "sandbox_services_stderr",
+                run_id=run.run_id,
+                text=data[:2048].decode("utf-8", "replace"),
+            )
+
+        outcome: list[ExecResult | BaseException] = []
+
+        async def keep_serving() -> None:
+            try:
+                result = await sandbox.exec(
+                    command,
+                    echo=(out, err),
+                    limits=sandbox.limits.for_services(lifetime_s + SERVICE_GRACE_S),
+                )
+            except Exception as exc:
+                outcome.append(exc)
+                ready.set()
+                return
+            outcome.append(result)
+            ready.set()
+            if not run.cancel_scope.cancel_called:
+                # Killed from inside (the run's own uid can) or crashed: the endpoints
+                # are gone for the rest of the run; said once, loudly.
+                detail = {"exitCode": result.exitCode, "signal": result.signal}
+                log.warning("sandbox_services_exited", run_id=run.run_id, **detail)
+                await self.audit.append(
+                    "event", event="services_exited", runId=run.run_id, detail=detail
+                )
+
+        nursery.start_soon(keep_serving)
+        with trio.move_on_after(SERVICE_READY_TIMEOUT_S):
+            await ready.wait()
+        if outcome or not ready.is_set():
+            why = (
+                f"it did not say ready within {SERVICE_READY_TIMEOUT_S:.0f} s"
+                if not outcome
+                else _service_failure(outcome[0])
+            )
+            run.end_reason = "services_failed"
+            raise SandboxUnavailable(
+                f"run {run.run_id}'s in-sandbox services (cogni-tool serve: "
+                f"{_describe_services(services)}) did not start: {why}"
+            )
+        await self.audit.append(
+            "event",
+            event="services_started",
+            runId=run.run_id,
+            detail={
+                "modelEndpoint": f"127.0.0.1:{MODEL_ENDPOINT_PORT}"
+                if services.model_endpoint
+                else None,
+                "egressProxy": f"127.0.0.1:{EGRESS_PROXY_PORT}" if services.egress_proxy else None,
+            },
+        )
 
     async def end_run(self, run_id: str, reason: str = "ended") -> dict[str, Any] | None:
         """Stop serving a run and remove its socket; returns its final summary."""
@@ -522,6 +692,25 @@ def _state_dir_reachable(state_dir: Path) -> SandboxSupport:
     return SandboxSupport(True)
 
 
+def _service_failure(outcome: ExecResult | BaseException) -> str:
+    if isinstance(outcome, BaseException):
+        return str(outcome)
+    text = outcome.stderr[-1024:].decode("utf-8", "replace").strip()
+    return f"it exited ({outcome.exitCode or outcome.signal}): {text or 'no message'}"
+
+
+def _describe_services(services: Services) -> str:
+    names = [
+        name
+        for name, on in (
+            ("the OpenAI endpoint", services.model_endpoint),
+            ("the egress bridge", services.egress_proxy),
+        )
+        if on
+    ]
+    return " and ".join(names)
+
+
 def _sandbox_detail(run: Run) -> dict[str, Any]:
     if run.sandbox is None:
         return {"os": False, "degraded": run.degraded}
@@ -556,11 +745,14 @@ async def open_daemon(
     failing tools to reach the timeout and internal paths).
     """
     raise_open_file_limit()
+    scrubber = Scrubber.for_config(config.models, config.secret_env)
     async with (
-        open_audit_log(config.resolved_audit_path, fsync=config.audit_fsync) as audit,
+        open_audit_log(
+            config.resolved_audit_path, fsync=config.audit_fsync, scrubber=scrubber
+        ) as audit,
         trio.open_nursery() as nursery,
     ):
-        daemon = Daemon(config, audit, nursery, tools=tools)
+        daemon = Daemon(config, audit, nursery, tools=tools, scrubber=scrubber)
         if config.models:
             # litellm takes seconds to import: pay it now, beside the start, not in the
             # first review's time budget (model_client imports it on demand otherwise).

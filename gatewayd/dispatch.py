@@ -1,17 +1,22 @@
 """Steps 3-12 of a tool call, in one place (DESIGN.md, "Data flow of one tool call").
 
 identify -> authorize -> rate -> validate -> policy -> audit (write-ahead, durable)
--> run (with the call's time limit) -> cap output -> audit result -> respond.
+-> run (with the call's time limit) -> scrub secrets -> cap output -> audit result
+-> respond.
 
 Every call, allowed or not, leaves a ``call`` entry and a ``result`` entry in the
 audit log. Errors are values: each refusal maps to one ErrorCode with a message
 that says what is allowed; exceptions never reach the socket.
+
+Secrets: every value on its way out (a tool's output, every error message) passes the
+scrubber here, so no configured secret (gatewayd/secrets.py) reaches the sandbox even if
+a provider or tool echoes it; the audit log scrubs each entry again on its own.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import msgspec
@@ -38,6 +43,7 @@ from gatewayd.review.reviewer import Reviewer, ReviewOutcome, Source
 from gatewayd.review.rulebook import RuleBook
 from gatewayd.review.ruleset import RuleSet
 from gatewayd.runs import Run
+from gatewayd.secrets import Scrubber, UnscrubbableError
 from gatewayd.tools.registry import ToolContext, ToolSpec
 
 log = structlog.get_logger("gatewayd.dispatch")
@@ -68,6 +74,8 @@ class Dispatcher:
         reviewer: Reviewer | None = None,
         rules: RuleBook | None = None,
         models: Mapping[str, ModelAlias] | None = None,
+        scrubber: Scrubber | None = None,
+        resolve: Callable[[str, int], Awaitable[tuple[Any, ...]]] | None = None,
     ) -> None:
         self.audit = audit
         self.tools = tools
@@ -75,6 +83,9 @@ class Dispatcher:
         self.reviewer = reviewer
         self.rules = rules
         self.models: Mapping[str, ModelAlias] = models or {}
+        self.resolve = resolve
+        # Default: the keys of the models given (none given: a scrubber that does nothing).
+        self.scrubber = scrubber if scrubber is not None else Scrubber.for_config(self.models)
 
     # -- frames that never became requests -------------------------------------
 
@@ -96,6 +107,7 @@ class Dispatcher:
                 fatal=True,
                 raw=err.raw,
             )
+        message = self.scrubber.text(err.message)
         detail: dict[str, Any] = {"frameBytes": len(err.raw)}
         if err.raw:
             detail["frameDigest"] = sha256_digest(err.raw)
@@ -105,7 +117,7 @@ class Dispatcher:
             toolCallId=err.tool_call_id,
             decision="deny",
             errorCode=str(err.code),
-            safeMessage=err.message,
+            safeMessage=message,
             peer=peer,
             detail=detail,
             degraded=run.degraded,
@@ -118,7 +130,7 @@ class Dispatcher:
             durationMs=0.0,
         )
         run.count(str(err.code))
-        return error_response(err.tool_call_id, err.code, err.message)
+        return error_response(err.tool_call_id, err.code, message)
 
     # -- requests --------------------------------------------------------------
 
@@ -180,7 +192,7 @@ class Dispatcher:
         try:
             await self.audit.durable(call_seq)
             value = await self._run(run, spec, args)
-            payload = encode_json(value)
+            payload = self._scrub_output(encode_json(value), req.tool)
             limit = run.spec.policy.limits.max_output_bytes
             if len(payload) > limit:
                 raise _Refusal(
@@ -191,17 +203,18 @@ class Dispatcher:
                 )
         except _Refusal as refusal:
             code = str(refusal.code)
+            message = self.scrubber.text(refusal.message)
             self.audit.record(
                 "result",
                 runId=run.run_id,
                 toolCallId=req.toolCallId,
                 tool=req.tool,
                 errorCode=code,
-                safeMessage=refusal.message,
+                safeMessage=message,
                 durationMs=round((self.clock() - started) * 1000, 3),
             )
             run.count(code)
-            return error_response(req.toolCallId, refusal.code, refusal.message)
+            return error_response(req.toolCallId, refusal.code, message)
         except trio.Cancelled:
             # The run or the daemon is ending under this call: its write-ahead entry
             # still gets a result (record() never awaits, so this cannot be cancelled).
@@ -229,6 +242,19 @@ class Dispatcher:
         run.count(None)
         # The value goes out as the bytes just measured and digested: encoded once.
         return ok_response(req.toolCallId, msgspec.Raw(payload))
+
+    def _scrub_output(self, payload: bytes, tool: str) -> bytes:
+        """Step 10: the output with every configured secret replaced; withheld (a
+        ``tool_failed``) when a secret cannot be taken out string by string."""
+        try:
+            return self.scrubber.json(payload)
+        except UnscrubbableError:
+            log.error("output_withheld", tool=tool, reason="a secret spans its JSON syntax")
+            raise _Refusal(
+                ErrorCode.TOOL_FAILED,
+                f"the output of {tool} held a secret of gatewayd's that could not be "
+                "removed, so it is withheld; the operator's log says so",
+            ) from None
 
     def _admit(self, run: Run, req: Request) -> tuple[ToolSpec[Any] | None, Any]:
         """Steps 3-6: identify, authorize, rate, validate, policy. Raises _Refusal."""
@@ -313,6 +339,7 @@ class Dispatcher:
             model_access=run.spec.policy.model_access.models,
             model_budget=run.model_budget,
             network=run.spec.policy.network,
+            resolve=self.resolve,
         )
         # The time limit covers waiting for a slot too: a saturated run fails fast.
         limiter = run.limiter
@@ -390,6 +417,7 @@ class Dispatcher:
         *,
         review: dict[str, Any] | None = None,
     ) -> Response:
+        message = self.scrubber.text(refusal.message)
         common: dict[str, Any] = {
             "runId": run.run_id,
             "toolCallId": req.toolCallId,
@@ -402,7 +430,7 @@ class Dispatcher:
             argsSummary=summarize(req.args),
             decision="deny",
             errorCode=str(refusal.code),
-            safeMessage=refusal.message,
+            safeMessage=message,
             peer=peer,
             review=review,
             degraded=run.degraded,
@@ -414,7 +442,7 @@ class Dispatcher:
             durationMs=round((self.clock() - started) * 1000, 3),
         )
         run.count(str(refusal.code))
-        return error_response(req.toolCallId, refusal.code, refusal.message)
+        return error_response(req.toolCallId, refusal.code, message)
 
 
 def _review_message(outcome: ReviewOutcome) -> str:

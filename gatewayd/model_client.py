@@ -12,14 +12,17 @@ is set so litellm never fetches anything at import or call time and never reads 
 ``.env`` file; after it, every logging callback is cleared so nothing but the call
 itself leaves the host.
 
-Secrets: the key is read from ``os.environ[alias.api_key_env]`` at each call, handed to
-litellm for that call only, and scrubbed from every error message. litellm itself keeps
-its HTTP clients (and so the key) in an in-memory cache between calls.
+Secrets: the key is read at each call from the environment variable ``alias.api_key_env``,
+else from the systemd credential of that name (gatewayd/secrets.py), handed to litellm for
+that call only, and scrubbed (in every encoding gatewayd.secrets covers) from every error
+message and from the answer's text. litellm itself keeps its HTTP clients (and so the
+key) in an in-memory cache between calls.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import importlib
@@ -40,6 +43,7 @@ import trio
 from gatewayd.config import ModelAlias
 from gatewayd.errors import GatewayError
 from gatewayd.protocol import ErrorCode
+from gatewayd.secrets import MIN_SCRUB_CHARS, REDACTION_PREFIX, SecretError, read_secret, redact
 
 # trio waits this long past litellm's own timeout before abandoning the call: litellm's
 # timeout bounds each connect and each read, not the whole answer, so a provider that
@@ -48,8 +52,8 @@ TIMEOUT_GRACE_S: Final = 1.0
 # Provider text quoted in an error is cut to this: enough to say what was wrong, and
 # the message may reach the sandbox, so never a dump of the provider's answer.
 MAX_PROVIDER_TEXT_CHARS: Final = 300
-# What a key looks like in any message that quoted it back.
-REDACTED: Final = "[redacted]"
+# What a key quoted back in a message starts with: "[REDACTED:<its variable>]".
+REDACTED: Final = REDACTION_PREFIX
 # The key sent when an alias names no key variable (keyless local endpoints). Without an
 # explicit key litellm falls back to ambient variables such as OPENAI_API_KEY, and would
 # send the host's key to whatever api_base the alias names.
@@ -97,7 +101,7 @@ class ModelCallKind(enum.StrEnum):
     BAD_REQUEST = "bad_request"  # other 4xx, or litellm refused the request before sending
     PROVIDER_ERROR = "provider_error"  # 5xx, or litellm failed in a way we do not know
     MALFORMED = "malformed"  # an answer came back but is not a readable chat completion
-    MISSING_KEY = "missing_key"  # the alias's key variable is not set in gatewayd's env
+    MISSING_KEY = "missing_key"  # the alias's key is in neither gatewayd's env nor a credential
 
 
 class ModelCallError(GatewayError):
@@ -168,6 +172,36 @@ def _import_litellm() -> Any:
 _LITELLM: Final = _LiteLLM()
 
 
+def _completion_without_success_logging(litellm: Any, request: dict[str, Any]) -> Any:
+    """``litellm.completion(**request)``, minus the success logging it hands to a
+    background thread as it returns (cost maps, payload building: about 1 ms of Python
+    that holds the GIL just when the trio thread wants it back; bench/model_overhead.py
+    measured it as most of the gateway's added latency). gatewayd has no litellm
+    callbacks (see _import_litellm), so that logging goes nowhere anyway.
+
+    litellm skips it for its own internal calls, marked by a context variable; trio runs
+    this in a copy of the caller's context, so the mark ends with the call. A litellm
+    without that variable logs as before: correct, merely slower.
+    """
+    internal = _internal_call_marker()
+    if internal is None:
+        return litellm.completion(**request)
+    token = internal.set(True)
+    try:
+        return litellm.completion(**request)
+    finally:
+        internal.reset(token)
+
+
+@functools.cache
+def _internal_call_marker() -> Any:
+    try:
+        module = importlib.import_module("litellm._internal_context")
+    except ImportError:
+        return None
+    return getattr(module, "is_internal_call", None)
+
+
 def is_loaded() -> bool:
     """Whether litellm is imported already (then :func:`preload` is a no-op)."""
     return _LITELLM.loaded is not None
@@ -234,7 +268,7 @@ async def complete(
     try:
         with trio.fail_after(limit_s + TIMEOUT_GRACE_S):
             response = await trio.to_thread.run_sync(
-                functools.partial(litellm.completion, **request),
+                functools.partial(_completion_without_success_logging, litellm, request),
                 abandon_on_cancel=True,
                 limiter=limiter,
             )
@@ -243,9 +277,16 @@ async def complete(
     except Exception as exc:  # anything litellm raises becomes one safe, keyless error
         kind, message = _explain(litellm, exc, alias, where, limit_s)
         # from None: the original's text may hold the key, and tracebacks print it.
-        raise ModelCallError(kind, _scrub(message, key)) from None
+        raise ModelCallError(kind, _scrub(message, key, alias.api_key_env)) from None
     latency_ms = (time.perf_counter() - started) * 1000.0
-    return _read_completion(response, alias, where, latency_ms)
+    completion = _read_completion(response, alias, where, latency_ms)
+    if alias.api_key_env is not None and len(key) >= MIN_SCRUB_CHARS:
+        # The key this call sent, out of its answer: the daemon's scrubber re-reads
+        # keys once a second, and a key rotated within that second must not leak.
+        text = redact(completion.text, alias.api_key_env, key)
+        if text is not completion.text:
+            completion = dataclasses.replace(completion, text=text)
+    return completion
 
 
 # --- inputs --------------------------------------------------------------------------
@@ -269,19 +310,21 @@ def _describe(alias: ModelAlias, alias_name: str | None) -> str:
 def _read_key(alias: ModelAlias, where: str) -> str:
     if alias.api_key_env is None:
         return KEYLESS_PLACEHOLDER
-    key = os.environ.get(alias.api_key_env, "")
-    if not key:
-        raise ModelCallError(
-            ModelCallKind.MISSING_KEY,
-            f"{where}: the environment variable {alias.api_key_env} that holds its key is "
-            "not set (or empty) in gatewayd's environment; set it where the gatewayd "
-            "service gets its environment (for example a systemd EnvironmentFile)",
-        )
-    return key
+    try:
+        return read_secret(alias.api_key_env, holds="its key").value
+    except SecretError as exc:  # names the variable and the credential file, never a value
+        raise ModelCallError(ModelCallKind.MISSING_KEY, f"{where}: {exc}") from None
 
 
-def _scrub(text: str, key: str) -> str:
-    return text.replace(key, REDACTED) if key != KEYLESS_PLACEHOLDER else text
+def _scrub(text: str, key: str, name: str | None) -> str:
+    """``text`` without the key just sent, in any encoding gatewayd.secrets covers.
+
+    The exact key of this call is scrubbed whatever its length (unlike the daemon-wide
+    scrubber's minimum): this message is about that key, so every mention of it goes.
+    """
+    if name is None or key == KEYLESS_PLACEHOLDER:
+        return text
+    return redact(text, name, key)
 
 
 def _cap(text: str) -> str:
@@ -356,7 +399,8 @@ def _explain(
         case ModelCallKind.AUTH:
             # The provider's text is left out: some quote a masked part of the key.
             source = (
-                f"the environment variable {alias.api_key_env} holds a valid key"
+                f"the environment variable {alias.api_key_env} (or the systemd credential "
+                "of that name) holds a valid key"
                 if alias.api_key_env
                 else "the alias needs a key: set api_key_env in gatewayd's configuration"
             )

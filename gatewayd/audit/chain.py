@@ -14,9 +14,34 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gatewayd.audit.entry import AuditEntry, EntryFormatError, build_body, decode_body, format_time
+from gatewayd.audit.entry import (
+    MAX_DEGRADED_CHARS,
+    AuditEntry,
+    AuditEvent,
+    EntryFormatError,
+    EntryKind,
+    build_body,
+    decode_body,
+    format_time,
+)
 from gatewayd.audit.line import GENESIS_HASH, LineFormatError, body_hash, hashes_equal, seal
 from gatewayd.audit.line import unseal as _unseal
+from gatewayd.protocol import MAX_ID_CHARS
+from gatewayd.secrets import Scrubber
+
+NO_SECRETS: Final = Scrubber()
+# What an entry says when a secret could not be scrubbed out of its fields.
+WITHHELD_REASON: Final = (
+    "this entry's fields held a configured secret that could not be scrubbed field by "
+    "field, so they are withheld"
+)
+# Free-text fields with a length limit in the schema: a scrubbed value is cut to fit.
+_BOUNDED_TEXT: Final = {
+    "runId": MAX_ID_CHARS,
+    "toolCallId": MAX_ID_CHARS,
+    "tool": MAX_ID_CHARS,
+    "degraded": MAX_DEGRADED_CHARS,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +109,25 @@ class Chain:
 
     Sans-IO: it returns the line to write and never writes it. ``clock`` returns
     nanoseconds since the epoch (``time.time_ns`` unless a test fixes it).
+
+    Secrets: the last line of defence. Every encoded body is checked for the values of
+    ``scrubber``'s secrets (a substring test per form, ~0.1 µs); a body that holds one is
+    rebuilt from its fields with every string scrubbed, so the hash is taken over the
+    scrubbed bytes and ``gatewayd audit verify`` passes. Should a secret survive that
+    (it spans JSON syntax, or a scrubbed id no longer fits), the entry is written with
+    its fields withheld instead: never with the secret, never not at all.
     """
 
     def __init__(
-        self, after: ChainPosition = GENESIS, clock: Callable[[], int] = time.time_ns
+        self,
+        after: ChainPosition = GENESIS,
+        clock: Callable[[], int] = time.time_ns,
+        scrubber: Scrubber = NO_SECRETS,
     ) -> None:
         self._seq = after.seq
         self._hash = after.hash
         self._clock = clock
+        self._scrubber = scrubber
 
     @property
     def position(self) -> ChainPosition:
@@ -103,8 +139,28 @@ class Chain:
         Raises ValueError for a bad field (see ``build_body``); the chain is then unchanged.
         """
         seq = self._seq + 1
-        body = build_body(seq, format_time(self._clock()), kind, fields, self._hash)
+        when = format_time(self._clock())
+        body = build_body(seq, when, kind, fields, self._hash)
+        if self._scrubber.found_in(body):
+            body = self._scrubbed_body(seq, when, kind, fields)
         line, digest = seal(body)
         self._seq = seq
         self._hash = digest
         return seq, digest, line
+
+    def _scrubbed_body(self, seq: int, when: str, kind: str, fields: Mapping[str, Any]) -> bytes:
+        scrubbed: dict[str, Any] = self._scrubber.value(dict(fields))
+        for name, limit in _BOUNDED_TEXT.items():
+            value = scrubbed.get(name)
+            if isinstance(value, str) and len(value) > limit:
+                scrubbed[name] = value[:limit]  # a replacement longer than the secret
+        try:
+            body = build_body(seq, when, kind, scrubbed, self._hash)
+        except ValueError:
+            body = None
+        if body is None or self._scrubber.found_in(body):
+            withheld: dict[str, Any] = {"detail": {"withheld": WITHHELD_REASON}}
+            if kind == EntryKind.EVENT:
+                withheld["event"] = AuditEvent.ENTRY_WITHHELD
+            body = build_body(seq, when, kind, withheld, self._hash)
+        return body

@@ -35,6 +35,8 @@ MAX_SAFE_MESSAGE_CHARS: Final = 500
 MAX_ARGS_SUMMARY_BYTES: Final = 8 * 1024
 # Event details (run specs, recovery facts) are small; anything larger is a bug.
 MAX_DETAIL_BYTES: Final = 16 * 1024
+# Why a run has no OS sandbox: one sentence.
+MAX_DEGRADED_CHARS: Final = 500
 # Event names are identifiers a reviewer filters on, not free text.
 MAX_EVENT_CHARS: Final = 64
 # A duration past ~31 years is a clock bug; NaN and infinity would not read back.
@@ -77,6 +79,8 @@ class AuditEvent(enum.StrEnum):
     RUN_REFUSED = "run_refused"
     RUN_ENDED = "run_ended"
     CONNECTION_REFUSED = "connection_refused"
+    # An entry whose fields held a configured secret that could not be scrubbed.
+    ENTRY_WITHHELD = "entry_withheld"
 
 
 class Peer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -114,7 +118,9 @@ class AuditEntry(
     review: dict[str, Any] | None = None
     # Set on every call of a run without the OS sandbox (require_os_sandbox: false):
     # why it has none. A reviewer filters on it.
-    degraded: Annotated[str, msgspec.Meta(min_length=1, max_length=500)] | None = None
+    degraded: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_DEGRADED_CHARS)] | None = (
+        None
+    )
     prev: HashHex
 
 

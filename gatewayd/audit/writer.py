@@ -57,7 +57,7 @@ from typing import Final, Unpack
 
 import trio
 
-from gatewayd.audit.chain import GENESIS, Chain
+from gatewayd.audit.chain import GENESIS, NO_SECRETS, Chain
 from gatewayd.audit.entry import MAX_LINE_BYTES, AuditEvent, EntryFields, EntryKind
 from gatewayd.audit.head import (
     HeadFormatError,
@@ -69,6 +69,7 @@ from gatewayd.audit.head import (
 from gatewayd.audit.tail import ChainEnd, TailError, TailWindow, anchor_at_head, last_valid, walk
 from gatewayd.errors import GatewayError
 from gatewayd.protocol import ErrorCode
+from gatewayd.secrets import Scrubber
 
 # One flush writes at most this much, so a crash mid-write tears at most one batch;
 # that bounds how far back ``open_audit_log`` must look for the end of the chain.
@@ -137,6 +138,7 @@ class AuditLog:
         fsync: bool,
         clock: Callable[[], int],
         sync_delay_s: float = RESULT_SYNC_DELAY_S,
+        scrubber: Scrubber = NO_SECRETS,
     ) -> None:
         self.path = path
         self.fsync_count = 0  # fdatasync calls made, for tests and benchmarks
@@ -144,7 +146,7 @@ class AuditLog:
         self._head_fd = opened.head_fd
         self._fsync = fsync
         self._sync_delay_s = sync_delay_s
-        self._chain = Chain(opened.chain_end.position, clock)
+        self._chain = Chain(opened.chain_end.position, clock, scrubber)
         # -- trio's: changed on the trio thread only --
         self._durable_seq = opened.chain_end.position.seq
         self._queued_seq = self._durable_seq  # last seq handed to the flusher
@@ -562,6 +564,7 @@ async def open_audit_log(
     fsync: bool = True,
     clock: Callable[[], int] = time.time_ns,
     sync_delay_s: float = RESULT_SYNC_DELAY_S,
+    scrubber: Scrubber = NO_SECRETS,
 ) -> AsyncIterator[AuditLog]:
     """Open (or create) the audit log at ``path`` and continue its chain.
 
@@ -574,6 +577,8 @@ async def open_audit_log(
     files are closed. ``fsync=False`` writes without syncing (tests and benchmarks
     only). ``clock`` returns ns since the epoch. ``sync_delay_s`` is how long an entry
     nobody waits for may stay queued (tests stretch it to make flushes predictable).
+    ``scrubber``: the secrets no entry may hold, in any field (see ``Chain``); the
+    default scrubs nothing.
 
     Error handling: AuditOpenError when the log is locked by another process, shorter
     than its head file says, rewritten, or not an audit log (the message says what to
@@ -586,7 +591,9 @@ async def open_audit_log(
             f"sync_delay_s must be 0 to {threading.TIMEOUT_MAX:g} seconds, not {sync_delay_s}"
         )
     opened = await trio.to_thread.run_sync(_open_files, path, fsync)
-    log = AuditLog(path, opened, fsync=fsync, clock=clock, sync_delay_s=sync_delay_s)
+    log = AuditLog(
+        path, opened, fsync=fsync, clock=clock, sync_delay_s=sync_delay_s, scrubber=scrubber
+    )
     try:
         log._start_flusher()
         if opened.chain_end.torn:

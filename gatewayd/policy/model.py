@@ -383,11 +383,48 @@ def _check_private_entry(value: str) -> str:
 
 
 PrivateEntry = Annotated[StrictStr, AfterValidator(_check_private_entry)]
+Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
+
+# The standard web ports: what package indexes and APIs listen on. Anything else (a
+# database, an SSH server, an internal admin port) must be named by the policy.
+DEFAULT_PORTS: Final = (80, 443)
+# Egress proxy (docs/egress.md). A package manager opens a handful of parallel
+# downloads; 32 leaves room for that while one run cannot hold hundreds of sockets.
+DEFAULT_PROXY_MAX_CONNECTIONS: Final = 32
+# Past this one run could exhaust the daemon's descriptor limit (two per connection).
+MAX_PROXY_MAX_CONNECTIONS: Final = 1024
+# A client keeps an idle pooled connection for about a minute; a tunnel silent for
+# longer is abandoned and gives its slot and sockets back.
+DEFAULT_PROXY_IDLE_TIMEOUT_S: Final = 60.0
+# Larger than any one package or model download a run needs (both directions summed);
+# a connection moving more is a leak or a loop, and is cut.
+DEFAULT_PROXY_MAX_CONNECTION_BYTES: Final = 1 << 30
+# A terabyte on one connection is never a download; the cap must stay a cap.
+MAX_PROXY_MAX_CONNECTION_BYTES: Final = 1 << 40
+
+
+class ProxySection(Section):
+    """The run's HTTP egress proxy (``HTTP_PROXY``/``HTTPS_PROXY`` in the sandbox): off
+    unless ``enabled`` and ``network.allow_domains`` is non-empty. It reaches exactly what
+    ``http.fetch`` may reach (domains, schemes, methods, ports, ``allow_private``), within
+    these per-connection limits."""
+
+    enabled: StrictBool = False
+    max_connections: Annotated[int, Field(strict=True, ge=1, le=MAX_PROXY_MAX_CONNECTIONS)] = (
+        DEFAULT_PROXY_MAX_CONNECTIONS
+    )
+    idle_timeout_s: Annotated[
+        float, Field(strict=True, gt=0, le=MAX_CALL_TIMEOUT_S, allow_inf_nan=False)
+    ] = DEFAULT_PROXY_IDLE_TIMEOUT_S
+    max_connection_bytes: Annotated[
+        int, Field(strict=True, ge=1, le=MAX_PROXY_MAX_CONNECTION_BYTES)
+    ] = DEFAULT_PROXY_MAX_CONNECTION_BYTES
 
 
 class NetworkSection(Section):
-    """What the run's ``http.fetch`` may reach. Empty ``allow_domains``: nothing
-    (NETWORK_DEFAULT_DENY). ``allow_private`` names hosts or networks that may resolve to
+    """What the run's ``http.fetch`` and egress proxy may reach. Empty ``allow_domains``:
+    nothing (NETWORK_DEFAULT_DENY). ``ports``: the destination ports allowed (a URL without
+    one means 80 or 443). ``allow_private`` names hosts or networks that may resolve to
     private, loopback or link-local addresses (the SSRF guard refuses them otherwise)."""
 
     allow_domains: tuple[Domain, ...] = ()
@@ -406,6 +443,13 @@ class NetworkSection(Section):
         DEFAULT_MAX_REDIRECTS
     )
     allow_private: tuple[PrivateEntry, ...] = ()
+    ports: tuple[Port, ...] = DEFAULT_PORTS
+    proxy: ProxySection = Field(default_factory=ProxySection)
+
+    @property
+    def proxy_enabled(self) -> bool:
+        """Does the run's sandbox get the egress proxy? Only when it could reach a host."""
+        return self.proxy.enabled and bool(self.allow_domains)
 
 
 class Policy(Section):

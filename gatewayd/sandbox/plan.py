@@ -28,6 +28,27 @@ from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathMode
 # COGNI_GATEWAY_SOCK). Nothing else of /run is visible.
 SANDBOX_SOCKET: Final = "/run/cogni/gateway.sock"
 SOCKET_NAME: Final = "gateway.sock"
+# The run's egress proxy socket (only when the policy turns the proxy on), beside it.
+SANDBOX_EGRESS_SOCKET: Final = "/run/cogni/egress.sock"
+EGRESS_SOCKET_NAME: Final = "egress.sock"
+# The run's in-sandbox services (``cogni-tool serve``), on the run's own loopback: fixed
+# ports, since every run has a network namespace of its own.
+MODEL_ENDPOINT_PORT: Final = 11411
+EGRESS_PROXY_PORT: Final = 3128
+# What an SDK needs to find them. Always gatewayd's to set, never passed from the host
+# (a host's OPENAI_API_KEY is a real key): a policy's env.allow cannot name them.
+MODEL_ENV_NAMES: Final = ("OPENAI_BASE_URL", "OPENAI_API_KEY")
+PROXY_ENV_NAMES: Final = (
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "NO_PROXY",
+    "no_proxy",
+)
+SERVICE_ENV_NAMES: Final = MODEL_ENV_NAMES + PROXY_ENV_NAMES
+# The SDK insists on a key; the endpoint ignores it (gatewayd holds the real one).
+SANDBOX_API_KEY: Final = "sk-cogni-gateway-holds-the-key"
 WORKSPACE: Final = str(WORKSPACE_VISIBLE_ROOT)
 # cogni-tool's host directory is mounted here read-only and put first on PATH.
 COGNI_TOOL_VISIBLE_DIR: Final = "/opt/cogni-tool"
@@ -235,6 +256,29 @@ class PolicyMount:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Services:
+    """Which of the run's in-sandbox services it has: fixed at run start by its policy."""
+
+    model_endpoint: bool = False
+    egress_proxy: bool = False
+
+    def env(self) -> dict[str, str]:
+        """The variables pointing clients at them."""
+        env: dict[str, str] = {}
+        if self.model_endpoint:
+            env["OPENAI_BASE_URL"] = f"http://127.0.0.1:{MODEL_ENDPOINT_PORT}/v1"
+            env["OPENAI_API_KEY"] = SANDBOX_API_KEY
+        if self.egress_proxy:
+            proxy = f"http://127.0.0.1:{EGRESS_PROXY_PORT}"
+            for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"):
+                env[name] = proxy
+        if env:
+            # The services themselves are on loopback: never through the proxy.
+            env["NO_PROXY"] = env["no_proxy"] = "127.0.0.1,localhost,::1"
+        return env
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SandboxPlan:
     """Everything bwrap needs for one sandboxed command, in order."""
 
@@ -251,6 +295,7 @@ class SandboxPlan:
     netns_path: str
     # gatewayd's state directory: never visible, except this run's socket in it.
     state_dir: str
+    services: Services = Services()
 
     @property
     def data_steps(self) -> tuple[RoBindData, ...]:
@@ -292,6 +337,7 @@ def build_plan(
     image_dir: str | None = None,
     tmpfs_bytes: int | None = None,
     pinned: Mapping[str, str] | None = None,
+    services: Services | None = None,
 ) -> SandboxPlan:
     """The plan for ``command`` in run ``run_id``; call :func:`validate` on it before use.
 
@@ -303,7 +349,8 @@ def build_plan(
 
     ``tmpfs_bytes`` caps /tmp and /dev/shm each (None: the kernel's default).
     ``pinned`` maps a workspace or policy path to the run-private mount point bwrap binds
-    it from (see :class:`Bind`).
+    it from (see :class:`Bind`). ``services`` adds the egress socket beside the run's and
+    the variables naming the in-sandbox services.
 
     Error handling: raises :class:`PlanError` for an unusable run id, environment name or
     value, a reserved extra name, a tmpfs size under one page, or a system symlink
@@ -345,6 +392,10 @@ def build_plan(
         steps.append(kind(src=mount.host, dest=mount.visible, via=pinned.get(mount.host)))
     steps.append(RoBind(src=cogni_tool_host_dir, dest=COGNI_TOOL_VISIBLE_DIR))
     steps.append(RoBind(src=gateway_socket_host, dest=SANDBOX_SOCKET))
+    services = services or Services()
+    if services.egress_proxy:
+        egress = posixpath.join(posixpath.dirname(gateway_socket_host), EGRESS_SOCKET_NAME)
+        steps.append(RoBind(src=egress, dest=SANDBOX_EGRESS_SOCKET))
     # Last: the root tmpfs bwrap builds (and the directories it made for mount points) is
     # writable otherwise, and so is the tmpfs --dev makes; the mounts below them keep
     # their own modes (remounting is not recursive).
@@ -354,7 +405,7 @@ def build_plan(
         run_id=run_id,
         steps=tuple(steps),
         command=tuple(command),
-        env=_build_env(run_id, extra_env_names, env_values),
+        env=_build_env(run_id, extra_env_names, env_values, services),
         extra_env_names=tuple(extra_env_names),
         uid=SANDBOX_UID,
         gid=SANDBOX_GID,
@@ -362,6 +413,7 @@ def build_plan(
         cwd=WORKSPACE,
         netns_path=netns_path,
         state_dir=state_dir,
+        services=services,
     )
 
 
@@ -379,13 +431,13 @@ def _system_steps(layout: HostLayout) -> list[Step]:
 
 
 def _build_env(
-    run_id: str, extra_env_names: Sequence[str], env_values: Mapping[str, str]
+    run_id: str, extra_env_names: Sequence[str], env_values: Mapping[str, str], services: Services
 ) -> tuple[tuple[str, str], ...]:
     for name in extra_env_names:
-        if name in FIXED_ENV_NAMES:
+        if name in FIXED_ENV_NAMES or name in SERVICE_ENV_NAMES:
             raise PlanError(
                 f"environment name {name!r} is set by gatewayd and cannot be passed through; "
-                f"reserved: {', '.join(FIXED_ENV_NAMES)}"
+                f"reserved: {', '.join((*FIXED_ENV_NAMES, *SERVICE_ENV_NAMES))}"
             )
         if not _ENV_NAME.fullmatch(name):
             raise PlanError(
@@ -396,6 +448,7 @@ def _build_env(
         "HOME": SANDBOX_HOME,
         "COGNI_GATEWAY_SOCK": SANDBOX_SOCKET,
         "COGNI_RUN_ID": run_id,
+        **services.env(),
     }
     for name in (*PASSED_ENV_NAMES, *extra_env_names):
         if name in env_values:
@@ -436,8 +489,10 @@ def validate(plan: SandboxPlan) -> None:
     Checks: every path absolute and normalized; no destination mounted twice; parents
     mounted before children; no writable bind on a system path; no source at, beneath or
     above a denied host tree (or the state directory), nor at or above a hidden one; the
-    socket is exactly this run's, at exactly :data:`SANDBOX_SOCKET`, and nothing else of
-    /run is mounted; the environment holds only allowlisted names with gatewayd's values.
+    socket is exactly this run's, at exactly :data:`SANDBOX_SOCKET` (and its egress socket
+    at :data:`SANDBOX_EGRESS_SOCKET` exactly when the run has the proxy), and nothing else
+    of /run is mounted; the environment holds only allowlisted names with gatewayd's
+    values.
     """
     if not _RUN_ID.fullmatch(plan.run_id):
         raise PlanError(f"run id {plan.run_id!r} is not 1-64 characters of [A-Za-z0-9_-]")
@@ -447,7 +502,7 @@ def validate(plan: SandboxPlan) -> None:
     if not _is_clean_absolute(plan.cwd):
         raise PlanError(f"working directory {plan.cwd!r} must be an absolute, normalized path")
     seen: dict[str, int] = {}
-    sockets = 0
+    sockets = {SANDBOX_SOCKET: 0, SANDBOX_EGRESS_SOCKET: 0}
     for index, step in enumerate(plan.steps):
         name = describe(index, step)
         _check_paths(name, step)
@@ -467,8 +522,8 @@ def validate(plan: SandboxPlan) -> None:
                     "hiding it; mount parents before children"
                 )
         seen[step.dest] = index
-        if step.dest == SANDBOX_SOCKET:
-            sockets += 1
+        if step.dest in sockets:
+            sockets[step.dest] += 1
             _check_socket(plan, name, step)
             continue
         if _is_within(step.dest, "/run"):
@@ -487,10 +542,17 @@ def validate(plan: SandboxPlan) -> None:
             _check_source(plan, name, step.src)
             if step.via is not None:
                 _check_via(plan, name, step.via)
-    if sockets != 1:
+    if sockets[SANDBOX_SOCKET] != 1:
         raise PlanError(
-            f"the plan mounts the run's socket {sockets} times; it must mount it once, "
-            f"at {SANDBOX_SOCKET}"
+            f"the plan mounts the run's socket {sockets[SANDBOX_SOCKET]} times; it must "
+            f"mount it once, at {SANDBOX_SOCKET}"
+        )
+    egress = sockets[SANDBOX_EGRESS_SOCKET]
+    if egress != int(plan.services.egress_proxy):
+        raise PlanError(
+            f"the plan mounts the egress socket {egress} times; it must mount it "
+            f"{'once' if plan.services.egress_proxy else 'never'} "
+            f"(the run {'has' if plan.services.egress_proxy else 'has no'} egress proxy)"
         )
     _check_env(plan)
 
@@ -513,7 +575,8 @@ def _check_paths(name: str, step: Step) -> None:
 def _check_socket(plan: SandboxPlan, name: str, step: Step) -> None:
     if not isinstance(step, RoBind | Bind):
         raise PlanError(f"{name} puts something other than a bind of the run's socket there")
-    expected = posixpath.join(plan.state_dir, "runs", plan.run_id, SOCKET_NAME)
+    socket_name = SOCKET_NAME if step.dest == SANDBOX_SOCKET else EGRESS_SOCKET_NAME
+    expected = posixpath.join(plan.state_dir, "runs", plan.run_id, socket_name)
     if step.src != expected:
         raise PlanError(
             f"{name} binds {step.src} as the run's socket; only this run's socket "
@@ -556,7 +619,8 @@ def _check_source(plan: SandboxPlan, name: str, src: str) -> None:
 
 
 def _check_env(plan: SandboxPlan) -> None:
-    allowed = (*FIXED_ENV_NAMES, *PASSED_ENV_NAMES, *plan.extra_env_names)
+    service_env = plan.services.env()
+    allowed = (*FIXED_ENV_NAMES, *service_env, *PASSED_ENV_NAMES, *plan.extra_env_names)
     names = [name for name, _ in plan.env]
     if len(set(names)) != len(names):
         raise PlanError("the environment names a variable twice; each name is set once")
@@ -574,6 +638,7 @@ def _check_env(plan: SandboxPlan) -> None:
         "HOME": SANDBOX_HOME,
         "COGNI_GATEWAY_SOCK": SANDBOX_SOCKET,
         "COGNI_RUN_ID": plan.run_id,
+        **service_env,
     }
     for name, value in fixed.items():
         if values.get(name) != value:

@@ -54,6 +54,7 @@ from gatewayd.sandbox.plan import (
     PlanError,
     PolicyMount,
     SandboxPlan,
+    Services,
     build_plan,
     validate,
 )
@@ -78,6 +79,8 @@ _MIB: Final = 1024 * 1024
 # NFS) can take a moment to die; past this the run's cleanup fails loudly instead.
 KILL_WAIT_S: Final = 5.0
 KILL_POLL_S: Final = 0.005
+# cogni-tool serve runs a thread per request and two per relayed connection.
+SERVICE_MIN_THREADS: Final = 600
 
 
 class SandboxUnavailable(GatewayError):
@@ -143,6 +146,22 @@ class CommandLimits:
             max_output_bytes=self.max_output_bytes,
         )
 
+    def for_services(self, lifetime_s: float) -> SandboxLimits:
+        """The limits of the run's long-lived ``cogni-tool serve``: the run's lifetime
+        instead of a command's timeout, CPU time to match, and threads enough for its
+        connections (each thread counts as a process); memory and files as any command.
+        """
+        limits = self.for_command(None)
+        return SandboxLimits(
+            timeout_s=lifetime_s,
+            cpu_s=max(self.cpu_s, int(lifetime_s) + 1),
+            memory_bytes=limits.memory_bytes,
+            max_processes=max(self.max_processes, SERVICE_MIN_THREADS),
+            max_file_bytes=limits.max_file_bytes,
+            max_open_files=max(self.max_open_files, SERVICE_MIN_THREADS * 2),
+            max_output_bytes=limits.max_output_bytes,
+        )
+
 
 @dataclass(eq=False, kw_only=True)
 class RunSandbox:
@@ -160,6 +179,7 @@ class RunSandbox:
     env_names: tuple[str, ...]
     limits: CommandLimits
     image_dir: Path | None = None
+    services: Services = field(default_factory=Services)
     # The bind sources, opened once at run start: (descriptor, run-private mount point),
     # and host path -> mount point for the plan (see plan.Bind.via).
     pins: tuple[tuple[int, str], ...] = ()
@@ -183,6 +203,7 @@ class RunSandbox:
         limits: CommandLimits,
         image_dir: Path | None = None,
         busy_trees: Sequence[Path] = (),
+        services: Services | None = None,
     ) -> RunSandbox:
         """Make the run's sandbox resources; on any failure, undo what was made.
         ``busy_trees`` are the trees other live runs hold: overlapping one is refused.
@@ -218,6 +239,7 @@ class RunSandbox:
                     limits=limits,
                     command=["true"],
                     env_values={},
+                    services=services,
                 )
             except PlanError as exc:
                 raise UnsafeMounts(f"run refused: {exc}") from exc
@@ -267,6 +289,7 @@ class RunSandbox:
             env_names=tuple(env_names),
             limits=limits,
             image_dir=image_dir,
+            services=services or Services(),
             pins=tuple(pins),
             pinned=pinned,
         )
@@ -286,6 +309,7 @@ class RunSandbox:
             command=command,
             env_values=env_values,
             pinned=self.pinned,
+            services=self.services,
         )
 
     async def exec(
@@ -296,8 +320,10 @@ class RunSandbox:
         timeout_s: float | None = None,
         env_values: Mapping[str, str] | None = None,
         echo: Echo | None = None,
+        limits: SandboxLimits | None = None,
     ) -> ExecResult:
         """Run ``command`` in a fresh sandbox of this run and return what it did.
+        ``limits`` replaces the run's command limits (the run's services only).
 
         Must be called from the trio thread. Error handling: ``PlanError`` or
         ``LaunchError`` when the sandbox cannot start; :class:`SandboxUnavailable`
@@ -313,7 +339,7 @@ class RunSandbox:
                 return await run_in_sandbox(
                     plan,
                     netns=self.netns.path,
-                    limits=self.limits.for_command(timeout_s),
+                    limits=limits or self.limits.for_command(timeout_s),
                     host_user=self.user,
                     stdin=stdin,
                     bwrap=self.settings.bwrap,
@@ -375,6 +401,7 @@ def _plan(
     command: Sequence[str],
     env_values: Mapping[str, str],
     pinned: Mapping[str, str] | None = None,
+    services: Services | None = None,
 ) -> SandboxPlan:
     plan = build_plan(
         run_id=run_id,
@@ -391,6 +418,7 @@ def _plan(
         image_dir=None if image_dir is None else str(image_dir),
         tmpfs_bytes=limits.tmp_mb * _MIB,
         pinned=pinned,
+        services=services,
     )
     validate(plan)
     return plan

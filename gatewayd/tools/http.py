@@ -3,13 +3,17 @@ its own (invariant NETWORK_DEFAULT_DENY), within the run's policy ``network`` se
 
 Threat model: the agent chooses the URL, and a redirect lets the server choose the next
 one, so every hop is checked before a byte is sent: scheme, method, the host against
-``network.allow_domains``, then every address the host resolves to against the SSRF
-guard (private, loopback, link-local, multicast, reserved, unspecified, cloud metadata),
-unless ``network.allow_private`` names the host or the address's network. The connection
-then goes to those checked addresses only: a pinned httpcore network backend (httpx's own
-transport layer) maps the URL's host to them, so no second DNS lookup can answer
-differently (DNS rebinding), while TLS still sends the name as SNI and verifies the
-certificate against it.
+``network.allow_domains``, the port against ``network.ports``, then every address the
+host resolves to against the SSRF guard (private, loopback, link-local, multicast,
+reserved, unspecified, cloud metadata), unless ``network.allow_private`` names the host
+or the address's network. The connection then goes to those checked addresses only: a
+pinned httpcore network backend (httpx's own transport layer) maps the URL's host to
+them, so no second DNS lookup can answer differently (DNS rebinding), while TLS still
+sends the name as SNI and verifies the certificate against it.
+
+The checks (:func:`check_method`, :func:`check_destination`, :func:`resolve_checked`) and
+the pinned connector (:class:`PinnedBackend`) are shared with the egress proxy
+(:mod:`gatewayd.egress`), so both paths out of the sandbox enforce one policy one way.
 """
 
 from __future__ import annotations
@@ -120,6 +124,8 @@ async def resolve_host(host: str, port: int) -> tuple[IpAddress, ...]:
         infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise ToolFailed(f"cannot resolve {host!r}: {exc.strerror}") from None
+    except UnicodeError:  # the idna codec refuses e.g. a label over 63 characters
+        raise ToolFailed(f"cannot resolve {host!r}: not a valid host name") from None
     return tuple(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
 
 
@@ -164,16 +170,22 @@ def guard_addresses(host: str, addresses: tuple[IpAddress, ...], net: NetworkSec
             )
 
 
-def _check_hop(url: httpx.URL, method: str, net: NetworkSection) -> str:
-    """The host of ``url`` once scheme, method and allowlist agree; else PolicyViolation."""
+def check_method(method: str, net: NetworkSection) -> None:
+    """Refuse (PolicyViolation) a method ``network.methods`` does not list."""
+    if method not in net.methods:
+        raise PolicyViolation(
+            f"method {method} is not allowed; allowed: {', '.join(net.methods)} (network.methods)"
+        )
+
+
+def check_destination(url: httpx.URL, net: NetworkSection) -> tuple[str, int]:
+    """The host (ASCII, IDNA form) and port of ``url`` once its scheme, host and port are
+    ones the policy allows; else PolicyViolation (InvalidArguments for a URL with user
+    info or no host). A URL without a port means 443 for https, 80 for http."""
     if url.scheme not in net.schemes:
         raise PolicyViolation(
             f"scheme {url.scheme!r} is not allowed; allowed: {', '.join(net.schemes)} "
             "(network.schemes)"
-        )
-    if method not in net.methods:
-        raise PolicyViolation(
-            f"method {method} is not allowed; allowed: {', '.join(net.methods)} (network.methods)"
         )
     if url.userinfo:
         raise InvalidArguments("a URL may not carry a user name or password; use a header")
@@ -182,11 +194,34 @@ def _check_hop(url: httpx.URL, method: str, net: NetworkSection) -> str:
     if not host:
         raise InvalidArguments(f"URL {str(url)!r} has no host")
     if not any(domain_matches(domain, host) for domain in net.allow_domains):
+        allowed = ", ".join(net.allow_domains) or "none (network.allow_domains is empty)"
         raise PolicyViolation(
-            f"host {host!r} is not allowed; allowed domains: {', '.join(net.allow_domains)} "
+            f"host {host!r} is not allowed; allowed domains: {allowed} "
             "(network.allow_domains; '*.x' means subdomains of x)"
         )
-    return host
+    port = url.port or (443 if url.scheme == "https" else 80)
+    if port not in net.ports:
+        allowed = ", ".join(str(p) for p in net.ports) or "none"
+        raise PolicyViolation(
+            f"port {port} is not allowed; allowed ports: {allowed} (network.ports)"
+        )
+    return host, port
+
+
+async def resolve_checked(
+    host: str, port: int, net: NetworkSection, resolve: Resolver = resolve_host
+) -> tuple[IpAddress, ...]:
+    """The addresses of ``host``, looked up once and passed through the SSRF guard: the
+    only addresses a connection to ``host`` may then use (see :class:`PinnedBackend`).
+
+    Error handling: ToolFailed for a name that does not resolve (or resolves to nothing),
+    PolicyViolation from :func:`guard_addresses`.
+    """
+    addresses = await resolve(host, port)
+    if not addresses:
+        raise ToolFailed(f"{host!r} resolves to no address")
+    guard_addresses(host, addresses, net)
+    return addresses
 
 
 def _check_headers(headers: dict[str, str]) -> dict[str, str]:
@@ -208,8 +243,9 @@ def _check_headers(headers: dict[str, str]) -> dict[str, str]:
     return checked
 
 
-class _PinnedBackend(httpcore.AsyncNetworkBackend):
-    """Connects to ``host`` only, and only at the addresses already checked for it."""
+class PinnedBackend(httpcore.AsyncNetworkBackend):
+    """Connects to ``host`` only, and only at the addresses already checked for it
+    (:func:`resolve_checked`): no second DNS lookup can answer differently."""
 
     def __init__(self, host: str, addresses: tuple[IpAddress, ...]) -> None:
         self._host = host
@@ -252,7 +288,7 @@ async def _send(
     """One request to the pinned addresses; the body read up to the policy's cap."""
     # The host's CA store; httpcore's default would be certifi's.
     context = ssl.create_default_context() if url.scheme == "https" else None
-    backend = _PinnedBackend(host, addresses)
+    backend = PinnedBackend(host, addresses)
     try:
         async with (
             httpcore.AsyncConnectionPool(
@@ -331,8 +367,9 @@ async def fetch(
     """Make the request, following up to ``net.max_redirects`` redirects, each re-checked.
 
     Error handling: PolicyViolation for what the policy forbids (scheme, method, host,
-    address, body size), InvalidArguments for malformed URLs or headers, ToolFailed for
-    network errors, an oversize response, too many redirects or ``net.timeout_s`` passing.
+    port, address, body size), InvalidArguments for malformed URLs or headers, ToolFailed
+    for network errors, an oversize response, too many redirects or ``net.timeout_s``
+    passing.
     """
     if not net.allow_domains:
         raise PolicyViolation(
@@ -350,9 +387,9 @@ async def fetch(
     redirects: list[str] = []
     with trio.move_on_after(net.timeout_s):
         while True:
-            host = _check_hop(url, method, net)
-            addresses = await resolve(host, url.port or (443 if url.scheme == "https" else 80))
-            guard_addresses(host, addresses, net)
+            check_method(method, net)
+            host, port = check_destination(url, net)
+            addresses = await resolve_checked(host, port, net, resolve)
             answer = await _send(url, host, addresses, method, headers, body, net)
             if answer.location is None:
                 return _value(answer, url, redirects)
@@ -385,7 +422,7 @@ async def run_fetch(
     final URL and every redirect followed."""
     if ctx.network is None:
         raise PolicyViolation("this run has no network section in its policy; no host allowed")
-    return await fetch(args, ctx.network)
+    return await fetch(args, ctx.network, ctx.resolve or resolve_host)
 
 
 HTTP_FETCH: ToolSpec[FetchArgs] = ToolSpec(

@@ -13,11 +13,14 @@ from __future__ import annotations
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
+import structlog
 
 from gatewayd.errors import PolicyViolation, RateLimited, ToolFailed
-from gatewayd.model_client import ModelCallError, complete
+from gatewayd.model_client import ModelCallError, ModelCallKind, complete
 from gatewayd.policy.paths import ResolvedPath
 from gatewayd.tools.registry import ToolContext, ToolSpec
+
+log = structlog.get_logger("gatewayd.tools.model")
 
 # Bounds of one request: a conversation, not a document dump (the frame limit applies too).
 MAX_MESSAGES: Final = 256
@@ -97,6 +100,14 @@ async def run_chat(
             alias_name=args.model,
         )
     except ModelCallError as exc:
+        if exc.kind is ModelCallKind.MISSING_KEY:
+            # Where gatewayd looks for keys (variables, credential paths) is the host's
+            # business: the operator's log has it, the sandbox only needs the fact.
+            log.error("model_key_missing", alias=args.model, run_id=ctx.run_id, error=str(exc))
+            raise ToolFailed(
+                f"the model call failed (missing_key): model alias {args.model!r} has no key "
+                "on the host; gatewayd's operator must provide it (see gatewayd's log)"
+            ) from None
         raise ToolFailed(f"the model call failed ({exc.kind}): {exc}") from None
     budget.tokens += (answer.prompt_tokens or 0) + (answer.completion_tokens or 0)
     return {

@@ -35,8 +35,10 @@ class ToolContext:
     models: Mapping[str, ModelAlias] = field(default_factory=dict)
     model_access: tuple[str, ...] = ()
     model_budget: ModelBudget | None = None
-    # http.fetch: the run's policy network section (None: no network at all).
+    # http.fetch: the run's policy network section (None: no network at all), and how
+    # names resolve (None: the host's resolver; tests map names to loopback).
     network: NetworkSection | None = None
+    resolve: Callable[[str, int], Awaitable[tuple[Any, ...]]] | None = None
 
 
 def no_paths(_args: Any) -> tuple[PathAccess, ...]:

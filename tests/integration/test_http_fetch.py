@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import httpx
 import msgspec
 import pytest
 
@@ -98,15 +99,23 @@ network: {network}
 """
 
 
-LOCAL = policy(
-    "{allow_domains: [localhost, 127.0.0.1, 169.254.169.254, '*.example.org'], "
-    "schemes: [http], methods: [GET, HEAD, POST], max_request_bytes: 16, "
-    "max_response_bytes: 1000, max_redirects: 2, allow_private: [localhost]}"
-)
+def local(port: int) -> str:
+    """The usual test policy; ``port`` is the loopback server's (random) port."""
+    return policy(
+        "{allow_domains: [localhost, 127.0.0.1, 169.254.169.254, '*.example.org'], "
+        "schemes: [http], methods: [GET, HEAD, POST], max_request_bytes: 16, "
+        f"max_response_bytes: 1000, max_redirects: 2, allow_private: [localhost], "
+        f"ports: [80, 443, {port}]}}"
+    )
 
 
-async def fetch_via(gw: Gateway, workspace: Path, args: dict[str, Any], pol: str = LOCAL) -> Any:
-    run = await gw.create_run(workspace, pol)
+async def fetch_via(
+    gw: Gateway, workspace: Path, args: dict[str, Any], pol: str | None = None
+) -> Any:
+    """Fetch through a fresh run; the default policy allows the URL's port."""
+    run = await gw.create_run(
+        workspace, local(httpx.URL(args["url"]).port or 80) if pol is None else pol
+    )
     return await call(run, "http.fetch", args)
 
 
@@ -191,11 +200,14 @@ async def test_a_redirect_within_the_policy_is_followed_and_listed(
 async def test_a_name_resolving_to_a_private_address_is_refused_unless_allow_private_names_it(
     gw: Gateway, workspace: Path, server: int
 ) -> None:
-    closed = policy("{allow_domains: [localhost], schemes: [http]}")
+    closed = policy(f"{{allow_domains: [localhost], schemes: [http], ports: [{server}]}}")
     answer = await fetch_via(gw, workspace, {"url": f"http://localhost:{server}/hello"}, closed)
     assert answer["errorCode"] == "policy_denied"
     assert "network.allow_private" in answer["safeMessage"]
-    opened = policy("{allow_domains: [localhost], schemes: [http], allow_private: [127.0.0.0/8]}")
+    opened = policy(
+        "{allow_domains: [localhost], schemes: [http], allow_private: [127.0.0.0/8], "
+        f"ports: [{server}]}}"
+    )
     answer = await fetch_via(gw, workspace, {"url": f"http://localhost:{server}/hello"}, opened)
     assert answer["ok"], answer
 
@@ -256,9 +268,13 @@ def resolver(table: dict[str, str]) -> Resolver:
     return resolve
 
 
-WILD = NetworkSection(
-    allow_domains=("*.example.org",), schemes=("http",), allow_private=("127.0.0.1/32",)
-)
+def wild(port: int = 80) -> NetworkSection:
+    return NetworkSection(
+        allow_domains=("*.example.org",),
+        schemes=("http",),
+        allow_private=("127.0.0.1/32",),
+        ports=(port,),
+    )
 
 
 async def test_a_wildcard_matches_subdomains_and_the_connection_goes_to_the_checked_address(
@@ -266,7 +282,7 @@ async def test_a_wildcard_matches_subdomains_and_the_connection_goes_to_the_chec
 ) -> None:
     # api.example.org does not resolve for real: the answer proves no second lookup.
     args = msgspec.convert({"url": f"http://api.example.org:{server}/headers"}, FetchArgs)
-    value = await fetch(args, WILD, resolver({"api.example.org": "127.0.0.1"}))
+    value = await fetch(args, wild(server), resolver({"api.example.org": "127.0.0.1"}))
     assert value["status"] == 200
     assert json.loads(value["body"])["host"] == f"api.example.org:{server}"
 
@@ -274,19 +290,62 @@ async def test_a_wildcard_matches_subdomains_and_the_connection_goes_to_the_chec
 async def test_a_wildcard_does_not_match_the_bare_domain(server: int) -> None:
     args = msgspec.convert({"url": f"http://example.org:{server}/hello"}, FetchArgs)
     with pytest.raises(PolicyViolation, match=r"allowed domains: \*\.example\.org"):
-        await fetch(args, WILD, resolver({"example.org": "127.0.0.1"}))
+        await fetch(args, wild(server), resolver({"example.org": "127.0.0.1"}))
 
 
 async def test_a_name_resolving_to_a_private_address_outside_allow_private_is_refused() -> None:
     args = msgspec.convert({"url": "http://intranet.example.org/"}, FetchArgs)
     with pytest.raises(PolicyViolation, match=r"10\.1\.2\.3, a private address"):
-        await fetch(args, WILD, resolver({"intranet.example.org": "10.1.2.3"}))
+        await fetch(args, wild(), resolver({"intranet.example.org": "10.1.2.3"}))
 
 
 async def test_an_international_name_is_matched_in_its_ascii_form(server: int) -> None:
     net = NetworkSection(
-        allow_domains=("xn--fiqs8s.example.org",), schemes=("http",), allow_private=("127.0.0.1",)
+        allow_domains=("xn--fiqs8s.example.org",),
+        schemes=("http",),
+        allow_private=("127.0.0.1",),
+        ports=(server,),
     )
     args = msgspec.convert({"url": f"http://中国.example.org:{server}/hello"}, FetchArgs)
     value = await fetch(args, net, resolver({"xn--fiqs8s.example.org": "127.0.0.1"}))
     assert value["body"] == "hello world"
+
+
+# --- ports ---------------------------------------------------------------------------------
+
+
+async def test_a_port_off_the_allowlist_is_refused_naming_the_allowed_ports(
+    gw: Gateway, workspace: Path, server: int
+) -> None:
+    # The server is really there: only the policy stands in the way.
+    pol = policy("{allow_domains: [localhost], schemes: [http], allow_private: [localhost]}")
+    answer = await fetch_via(gw, workspace, {"url": f"http://localhost:{server}/hello"}, pol)
+    assert answer["errorCode"] == "policy_denied"
+    assert (
+        f"port {server} is not allowed; allowed ports: 80, 443 (network.ports)"
+        in (answer["safeMessage"])
+    )
+
+
+async def test_a_url_without_a_port_is_checked_as_80_or_443() -> None:
+    net = NetworkSection(allow_domains=("example.org",), schemes=("http", "https"), ports=(8443,))
+    for url, port in (("http://example.org/", 80), ("https://example.org/", 443)):
+        args = msgspec.convert({"url": url}, FetchArgs)
+        with pytest.raises(
+            PolicyViolation, match=f"port {port} is not allowed; allowed ports: 8443"
+        ):
+            await fetch(args, net, resolver({}))
+
+
+async def test_a_redirect_to_another_port_is_re_checked(
+    gw: Gateway, workspace: Path, server: int
+) -> None:
+    pol = policy(
+        "{allow_domains: [localhost], schemes: [http], allow_private: [localhost], "
+        f"ports: [{server}]}}"
+    )
+    url = f"http://localhost:{server}/redirect?to=http://localhost:8081/hello"
+    answer = await fetch_via(gw, workspace, {"url": url}, pol)
+    assert answer["errorCode"] == "policy_denied"
+    assert f"port 8081 is not allowed; allowed ports: {server}" in answer["safeMessage"]
+    assert FIRST_BODY not in json.dumps(answer)

@@ -436,7 +436,8 @@ def test_cli_json_output_has_every_result_and_the_summary(
         ("unknown-policy", "no policy named 'nosuch'"),
         ("review-off", "has review.mode off; a replay evaluates a policy with review.mode: llm"),
         ("no-alias", "model alias 'reviewer', which gatewayd's configuration does not define"),
-        ("no-key", f"reads its key from ${KEY_ENV}, which is not set"),
+        ("no-key", f"has no key here: the environment variable {KEY_ENV} that holds its key"),
+        ("bad-credential", f"{KEY_ENV} that holds its key ({KEY_ENV}) is not UTF-8 text"),
         ("concurrency", "--concurrency must be 1..64, not 0"),
         ("no-config", "cannot read the configuration"),
     ],
@@ -460,6 +461,10 @@ def test_cli_exits_2_without_reviewing_anything_when_the_replay_cannot_start(
         (files / "gatewayd.yaml").write_text("models: {}\n")
     elif change == "no-key":
         monkeypatch.delenv(KEY_ENV)
+    elif change == "bad-credential":  # the daemon's second place: a systemd credential
+        monkeypatch.delenv(KEY_ENV)
+        (files / KEY_ENV).write_bytes(b"\xff\xfe")
+        monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(files))
     elif change == "concurrency":
         argv += ["--concurrency", "0"]
     elif change == "no-config":

@@ -668,3 +668,55 @@ def test_bind_pins_root_identity_and_marks_grants_holding_another_on_the_host(
     for grant, path in zip(grants, (ws, ws / "ref", ws / "inner", elsewhere), strict=True):
         st = path.stat()
         assert grant.root_id == (st.st_dev, st.st_ino)
+
+
+# --- network: ports and the egress proxy ------------------------------------------------
+
+
+def test_network_defaults_to_web_ports_and_no_proxy() -> None:
+    network = load("version: 1\nname: p\n").network
+    assert network.ports == (80, 443)
+    assert network.proxy.enabled is False and network.proxy_enabled is False
+    assert network.proxy.max_connections == 32
+    assert network.proxy.idle_timeout_s == 60
+    assert network.proxy.max_connection_bytes == 1 << 30
+
+
+def test_the_proxy_is_enabled_only_with_a_domain_to_reach() -> None:
+    without = load("version: 1\nname: p\nnetwork: {proxy: {enabled: true}}\n").network
+    assert without.proxy.enabled is True and without.proxy_enabled is False
+    with_domain = load("""
+        version: 1
+        name: p
+        network:
+          allow_domains: [pypi.org]
+          ports: [443, 8443]
+          proxy: {enabled: true, max_connections: 4, idle_timeout_s: 2.5,
+                  max_connection_bytes: 1000}
+    """).network
+    assert with_domain.proxy_enabled is True and with_domain.ports == (443, 8443)
+    assert with_domain.proxy.max_connections == 4 and with_domain.proxy.idle_timeout_s == 2.5
+
+
+@pytest.mark.parametrize(
+    ("network", "where"),
+    [
+        ("{ports: [0]}", "network.ports.0"),
+        ("{ports: [65536]}", "network.ports.0"),
+        ("{ports: ['443']}", "network.ports.0"),
+        ("{proxy: {max_connections: 0}}", "network.proxy.max_connections"),
+        ("{proxy: {max_connections: 1025}}", "network.proxy.max_connections"),
+        ("{proxy: {idle_timeout_s: 0}}", "network.proxy.idle_timeout_s"),
+        ("{proxy: {max_connection_bytes: 0}}", "network.proxy.max_connection_bytes"),
+        ("{proxy: {enabled: 'yes'}}", "network.proxy.enabled"),
+    ],
+)
+def test_bad_ports_and_proxy_limits_are_refused_naming_the_field(network: str, where: str) -> None:
+    (problem,) = problems(f"version: 1\nname: p\nnetwork: {network}\n")
+    assert problem.startswith(f"{where}: "), problem
+
+
+def test_an_unknown_proxy_key_lists_the_allowed_ones() -> None:
+    (problem,) = problems("version: 1\nname: p\nnetwork: {proxy: {max_conections: 3}}\n")
+    assert problem.startswith("network.proxy.max_conections: unknown field; allowed fields: ")
+    assert "did you mean 'max_connections'?" in problem

@@ -18,8 +18,11 @@ from gatewayd.sandbox.plan import (
     DENIED_HOST_TREES,
     ETC_ALLOWLIST,
     ISOLATION_OPTIONS,
+    SANDBOX_API_KEY,
+    SANDBOX_EGRESS_SOCKET,
     SANDBOX_PATH,
     SANDBOX_SOCKET,
+    SERVICE_ENV_NAMES,
     Bind,
     Dev,
     HostLayout,
@@ -30,6 +33,7 @@ from gatewayd.sandbox.plan import (
     RoBind,
     RoBindData,
     SandboxPlan,
+    Services,
     Step,
     Symlink,
     Tmpfs,
@@ -519,3 +523,59 @@ def test_tmp_and_dev_shm_get_the_size_cap_and_dev_is_made_read_only() -> None:
 def test_a_tmpfs_under_one_page_is_refused(size: int) -> None:
     with pytest.raises(PlanError, match="under one page"):
         make_plan(tmpfs_bytes=size)
+
+
+# --- the run's in-sandbox services ------------------------------------------------------
+
+EGRESS = f"{STATE}/runs/{RUN_ID}/egress.sock"
+BOTH = Services(model_endpoint=True, egress_proxy=True)
+
+
+def test_services_add_their_variables_and_the_egress_socket_and_nothing_else() -> None:
+    plain = make_plan()
+    assert not {name for name, _ in plain.env} & set(SERVICE_ENV_NAMES)
+    assert SANDBOX_EGRESS_SOCKET not in {step.dest for step in plain.steps}
+    plan = make_plan(services=BOTH)
+    validate(plan)
+    env = dict(plan.env)
+    assert env["OPENAI_BASE_URL"] == "http://127.0.0.1:11411/v1"
+    assert env["OPENAI_API_KEY"] == SANDBOX_API_KEY
+    assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128"
+    assert "127.0.0.1" in env["NO_PROXY"].split(",")  # the endpoint never via the proxy
+    assert (EGRESS, SANDBOX_EGRESS_SOCKET) in sources(render_argv(plan, data_fds=fds_for(plan)))
+    model_only = dict(make_plan(services=Services(model_endpoint=True)).env)
+    assert "HTTP_PROXY" not in model_only and "OPENAI_BASE_URL" in model_only
+
+
+@pytest.mark.parametrize("name", SERVICE_ENV_NAMES)
+def test_a_policy_cannot_pass_a_service_variable_from_the_host(name: str) -> None:
+    with pytest.raises(PlanError, match=rf"{name}' is set by gatewayd and cannot be passed"):
+        make_plan(extra_env_names=[name], env_values={name: "http://evil:1"})
+
+
+def test_validate_refuses_another_runs_egress_socket_and_one_the_run_does_not_have() -> None:
+    plan = make_plan(services=BOTH)
+    other = f"{STATE}/runs/run-other/egress.sock"
+    steps = tuple(
+        RoBind(src=other, dest=s.dest) if s.dest == SANDBOX_EGRESS_SOCKET else s for s in plan.steps
+    )
+    with pytest.raises(PlanError, match=rf"binds {other} as the run's socket; only this run's"):
+        validate(dataclasses.replace(plan, steps=steps))
+    without = dataclasses.replace(plan, services=Services(model_endpoint=True))
+    with pytest.raises(PlanError, match=r"egress socket 1 times; it must mount it never"):
+        validate(dataclasses.replace(without, env=make_plan(services=without.services).env))
+    no_socket = tuple(s for s in plan.steps if s.dest != SANDBOX_EGRESS_SOCKET)
+    with pytest.raises(PlanError, match=r"egress socket 0 times; it must mount it once"):
+        validate(dataclasses.replace(plan, steps=no_socket))
+
+
+def test_validate_refuses_service_variables_changed_or_without_the_service() -> None:
+    plan = make_plan(services=BOTH)
+    for name, value in (("OPENAI_BASE_URL", "http://evil/v1"), ("HTTPS_PROXY", "http://x:1")):
+        merged = dict(plan.env) | {name: value}
+        with pytest.raises(PlanError, match=rf"{name} must be '"):
+            validate(dataclasses.replace(plan, env=tuple(merged.items())))
+    bare = make_plan()
+    merged = dict(bare.env) | {"HTTPS_PROXY": "http://127.0.0.1:3128"}
+    with pytest.raises(PlanError, match=r"HTTPS_PROXY is not on the allowlist"):
+        validate(dataclasses.replace(bare, env=tuple(merged.items())))

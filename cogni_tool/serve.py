@@ -1,0 +1,514 @@
+"""``cogni-tool serve``: the run's in-sandbox services, started by gatewayd at run start.
+
+Two listeners on 127.0.0.1 inside the run's own network namespace (nothing outside the
+run can reach them, and they reach nothing but the run's gateway sockets):
+
+* an OpenAI-compatible endpoint (``--openai-port``): ``POST /v1/chat/completions`` becomes
+  a ``model.chat`` call on the gateway socket, and the answer an OpenAI chat completion
+  (or its server-sent-events stream when ``stream`` is true), so an unmodified agent
+  using the ``openai`` SDK works with ``OPENAI_BASE_URL`` pointing here and any key; the
+  key it sends is ignored (gatewayd holds the real one, on the host). ``GET /v1/models``
+  lists the aliases the run's policy grants (``--models``).
+* an egress bridge (``--proxy-port``): every TCP connection accepted is relayed, bytes
+  unchanged, to gatewayd's per-run egress proxy socket (``--egress-socket``), which does
+  the HTTP proxying, the allowlist and the audit. ``HTTP_PROXY``/``HTTPS_PROXY`` point here.
+
+Prints ``ready`` on stdout once both listen; gatewayd waits for that line before the
+run's first command. Standard library only, Python 3.8+ (any sandbox root runs it).
+
+Trust: this process runs as the run's uid, so the run's own commands can kill it or
+race it for the port; neither gives them anything: every decision is gatewayd's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from cogni_tool.client import CallTimedOut, Client, CogniToolError, ToolError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+USAGE = """\
+usage: cogni-tool serve [--openai-port PORT --models A,B] [--proxy-port PORT --egress-socket PATH]
+
+Started by gatewayd inside a run's sandbox at run start; not for interactive use.
+"""
+
+LISTEN_HOST = "127.0.0.1"
+# One request body: a long conversation, well under the gateway's frame limit.
+MAX_BODY_BYTES = 8 * 1024 * 1024
+# A model answer may take long; gatewayd's own model.chat timeout (120 s) ends it first.
+CHAT_CALL_TIMEOUT_S = 180.0
+# In-flight requests and relayed connections at once; gatewayd has its own caps, these
+# only bound this process's threads.
+MAX_CHAT_REQUESTS = 32
+MAX_RELAYS = 256
+RELAY_CHUNK = 64 * 1024
+# Threads only relay bytes or wait on a socket: a small stack keeps many of them cheap
+# where memory is limited per address space (RLIMIT_AS) rather than by cgroup.
+THREAD_STACK_BYTES = 512 * 1024
+
+# The gateway's error code -> the HTTP status and OpenAI error type the SDK expects.
+_STATUS = {
+    "bad_request": (400, "invalid_request_error"),
+    "too_large": (413, "invalid_request_error"),
+    "invalid_args": (400, "invalid_request_error"),
+    "unknown_tool": (403, "permission_denied"),
+    "authz_denied": (403, "permission_denied"),
+    "policy_denied": (403, "permission_denied"),
+    "review_denied": (403, "permission_denied"),
+    "rate_limited": (429, "rate_limit_exceeded"),
+    "timeout": (504, "timeout"),
+    "tool_failed": (502, "upstream_error"),
+}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# Parameters model.chat does not take; accepted and ignored, so an SDK's defaults pass.
+IGNORED_PARAMETERS = frozenset(
+    {
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "stop",
+        "seed",
+        "user",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "metadata",
+        "store",
+        "parallel_tool_calls",
+        "service_tier",
+        "stream_options",
+    }
+)
+
+
+class BadChatRequest(Exception):
+    """The request is not one this endpoint can forward; the message says why."""
+
+
+def chat_arguments(body: Any) -> tuple[dict[str, Any], bool, bool]:
+    """``model.chat``'s arguments for an OpenAI chat-completions body, whether it wants
+    a stream, and whether the stream should end with a usage chunk.
+
+    Error handling: :class:`BadChatRequest` for what model.chat cannot express (tool
+    calls, several choices, non-text content), naming the field.
+    """
+    if not isinstance(body, dict):
+        raise BadChatRequest("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadChatRequest("'model' must be the name of a model alias this run may use")
+    raw_messages = body.get("messages")
+    if not isinstance(raw_messages, list) or not raw_messages:
+        raise BadChatRequest("'messages' must be a non-empty list of messages")
+    messages = [_message(i, m) for i, m in enumerate(raw_messages)]
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(name):
+            raise BadChatRequest(
+                f"'{name}': tool calling is not available through the gateway's model.chat; "
+                "send plain messages"
+            )
+    n = body.get("n")
+    if n not in (None, 1):
+        raise BadChatRequest("'n': the gateway returns one choice; leave n unset or 1")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise BadChatRequest("'response_format': only plain text answers are available")
+    args: dict[str, Any] = {"model": model, "messages": messages}
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        args["max_tokens"] = max_tokens
+    if body.get("temperature") is not None:
+        args["temperature"] = body["temperature"]
+    unknown = sorted(
+        set(body)
+        - IGNORED_PARAMETERS
+        - {"model", "messages", "max_tokens", "max_completion_tokens", "temperature"}
+        - {"stream", "n", "response_format", "tools", "functions", "tool_choice"}
+        - {"function_call"}
+    )
+    if unknown:
+        raise BadChatRequest(f"unsupported parameter {unknown[0]!r}")
+    stream = body.get("stream") is True
+    options = body.get("stream_options")
+    include_usage = isinstance(options, dict) and options.get("include_usage") is True
+    return args, stream, include_usage
+
+
+def _message(index: int, message: Any) -> dict[str, str]:
+    where = f"'messages[{index}]'"
+    if not isinstance(message, dict):
+        raise BadChatRequest(f"{where} must be an object with 'role' and 'content'")
+    role = _ROLES.get(message.get("role"))  # type: ignore[arg-type]
+    if role is None:
+        raise BadChatRequest(
+            f"{where}: role {message.get('role')!r} is not available; use system, "
+            "developer, user or assistant (tool messages need tool calling, which the "
+            "gateway does not offer)"
+        )
+    content = message.get("content")
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"):
+                raise BadChatRequest(f"{where}: only text content parts are available")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise BadChatRequest(f"{where}: a text part needs a string 'text'")
+            parts.append(text)
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise BadChatRequest(f"{where}: 'content' must be text")
+    return {"role": role, "content": content}
+
+
+def completion(result: Any, stream_id: str, created: int) -> dict[str, Any]:
+    """The OpenAI chat completion for a ``model.chat`` result."""
+    usage = _usage(result)
+    return {
+        "id": stream_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": result.get("model"),
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.get("content", "")},
+                "logprobs": None,
+                "finish_reason": "stop",
+            }
+        ],
+        "usage": usage,
+    }
+
+
+def completion_chunks(
+    result: Any, stream_id: str, created: int, include_usage: bool
+) -> list[dict[str, Any]]:
+    """The same answer as a stream: the whole text in one delta, then the finish (the
+    gateway's model.chat answers at once; a stream keeps streaming clients working)."""
+    base = {"id": stream_id, "object": "chat.completion.chunk", "created": created}
+    base["model"] = result.get("model")
+    delta = {"role": "assistant", "content": result.get("content", "")}
+    chunks = [
+        dict(base, choices=[{"index": 0, "delta": delta, "finish_reason": None}]),
+        dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]),
+    ]
+    if include_usage:
+        chunks.append(dict(base, choices=[], usage=_usage(result)))
+    return chunks
+
+
+def _usage(result: Any) -> dict[str, int]:
+    usage = result.get("usage") or {}
+    prompt = usage.get("promptTokens") or 0
+    answer = usage.get("completionTokens") or 0
+    return {"prompt_tokens": prompt, "completion_tokens": answer, "total_tokens": prompt + answer}
+
+
+def error_body(message: str, kind: str, code: str | None) -> bytes:
+    return json.dumps({"error": {"message": message, "type": kind, "code": code}}).encode()
+
+
+class _ChatServer(ThreadingHTTPServer):
+    daemon_threads = True
+    models: tuple[str, ...] = ()
+    slots = threading.BoundedSemaphore(MAX_CHAT_REQUESTS)
+
+
+class _ChatHandler(BaseHTTPRequestHandler):
+    """One HTTP/1.1 connection from an agent (keep-alive, as the SDK's client expects)."""
+
+    protocol_version = "HTTP/1.1"
+    server_version = "cogni-tool"
+    sys_version = ""
+    server: _ChatServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # gatewayd audits every call; the agent's requests are not logged twice
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        models = self.server.models
+        if path == "/v1/models":
+            data = [_model_entry(name) for name in models]
+            self._json(200, {"object": "list", "data": data})
+        elif path.startswith("/v1/models/") and path[len("/v1/models/") :] in models:
+            self._json(200, _model_entry(path[len("/v1/models/") :]))
+        elif path.startswith("/v1/models/"):
+            name = path[len("/v1/models/") :]
+            message = f"model {name!r} is not granted to this run; granted: {', '.join(models)}"
+            self._error(404, message, "invalid_request_error", "model_not_found")
+        else:
+            self._not_found()
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        if path != "/v1/chat/completions":
+            self._drain_body()
+            self._not_found()
+            return
+        body = self._read_json()
+        if body is None:
+            return
+        try:
+            args, stream, include_usage = chat_arguments(body)
+        except BadChatRequest as exc:
+            self._error(400, str(exc), "invalid_request_error", None)
+            return
+        if not self.server.slots.acquire(blocking=False):
+            self._error(503, "too many requests in flight; retry", "server_error", None)
+            return
+        try:
+            result = _call_chat(args)
+        except ToolError as exc:
+            status, kind = _STATUS.get(exc.code, (500, "server_error"))
+            self._error(status, exc.safe_message, kind, exc.code)
+            return
+        except CallTimedOut as exc:
+            self._error(504, str(exc), "timeout", "timeout")
+            return
+        except CogniToolError as exc:
+            self._error(503, f"the gateway is unreachable: {exc}", "server_error", exc.code)
+            return
+        finally:
+            self.server.slots.release()
+        stream_id = "chatcmpl-" + uuid.uuid4().hex
+        created = int(time.time())
+        if stream:
+            self._stream(completion_chunks(result, stream_id, created, include_usage))
+        else:
+            self._json(200, completion(result, stream_id, created))
+
+    # -- helpers --
+
+    def _read_json(self) -> Any:
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            self._error(411, "send the body with a Content-Length", "invalid_request_error", None)
+            return None
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_BODY_BYTES:
+            self.close_connection = True
+            self._error(
+                413,
+                f"the body must be 0..{MAX_BODY_BYTES} bytes with a Content-Length",
+                "invalid_request_error",
+                None,
+            )
+            return None
+        raw = self.rfile.read(length)
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            self._error(400, f"the body is not JSON: {exc}", "invalid_request_error", None)
+            return None
+
+    def _drain_body(self) -> None:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            length = 0
+        if 0 < length <= MAX_BODY_BYTES:
+            self.rfile.read(length)
+        elif length:
+            self.close_connection = True
+
+    def _not_found(self) -> None:
+        self._error(
+            404,
+            f"no route {self.command} {self.path}; this endpoint serves POST "
+            "/v1/chat/completions and GET /v1/models",
+            "invalid_request_error",
+            "not_found",
+        )
+
+    def _json(self, status: int, value: Any) -> None:
+        self._send(status, json.dumps(value).encode(), "application/json")
+
+    def _error(self, status: int, message: str, kind: str, code: str | None) -> None:
+        self._send(status, error_body(message, kind, code), "application/json", retry=False)
+
+    def _send(self, status: int, payload: bytes, content_type: str, retry: bool = True) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(payload)))
+        if not retry:
+            # The openai SDK retries 429 and 5xx by default; gatewayd never retries a
+            # model call (a spent budget or a denial stays so), so tell it not to.
+            self.send_header("x-should-retry", "false")
+        self.end_headers()
+        self.wfile.write(payload)
+
+    def _stream(self, chunks: list[dict[str, Any]]) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the end of the stream is the end of the body
+        self.end_headers()
+        self.close_connection = True
+        for chunk in chunks:
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        self.wfile.write(b"data: [DONE]\n\n")
+        self.wfile.flush()
+
+
+def _model_entry(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "cogni-gateway"}
+
+
+def _call_chat(args: dict[str, Any]) -> Any:
+    with Client(timeout=CHAT_CALL_TIMEOUT_S) as client:
+        return client.call("model.chat", args)
+
+
+# --- the egress bridge ------------------------------------------------------------------
+
+
+def serve_bridge(listener: socket.socket, egress_socket: str) -> None:
+    """Accept forever; relay each connection to ``egress_socket``."""
+    slots = threading.BoundedSemaphore(MAX_RELAYS)
+    while True:
+        conn, _ = listener.accept()
+        if not slots.acquire(blocking=False):
+            _refuse(conn, b"503 Service Unavailable", b"too many proxy connections at once\n")
+            continue
+        threading.Thread(target=_relay, args=(conn, egress_socket, slots), daemon=True).start()
+
+
+def _relay(client: socket.socket, egress_socket: str, slots: threading.BoundedSemaphore) -> None:
+    try:
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            upstream.connect(egress_socket)
+        except OSError as exc:
+            upstream.close()
+            message = f"gatewayd's egress proxy is unreachable: {exc.strerror}\n".encode()
+            _refuse(client, b"502 Bad Gateway", message)
+            return
+        back = threading.Thread(target=_pump, args=(upstream, client), daemon=True)
+        back.start()
+        _pump(client, upstream)
+        back.join()
+        upstream.close()
+        client.close()
+    finally:
+        slots.release()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    """Copy ``source`` to ``sink`` until end of file, then pass the end on."""
+    try:
+        while True:
+            data = source.recv(RELAY_CHUNK)
+            if not data:
+                break
+            sink.sendall(data)
+    except OSError:
+        pass  # either side reset: the other direction sees it too
+    with contextlib.suppress(OSError):
+        sink.shutdown(socket.SHUT_WR)
+
+
+def _refuse(conn: socket.socket, status: bytes, body: bytes) -> None:
+    try:
+        head = b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain\r\nConnection: close\r\n"
+        conn.sendall(head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    except OSError:
+        pass
+    conn.close()
+
+
+# --- the command --------------------------------------------------------------------------
+
+
+class ServeOptions:
+    __slots__ = ("egress_socket", "models", "openai_port", "proxy_port")
+
+    def __init__(self) -> None:
+        self.openai_port: int | None = None
+        self.models: tuple[str, ...] = ()
+        self.proxy_port: int | None = None
+        self.egress_socket: str | None = None
+
+
+def parse_serve_args(words: list[str]) -> ServeOptions:
+    """Parse ``serve``'s options (ValueError with the reason)."""
+    options = ServeOptions()
+    values: dict[str, str] = {}
+    i = 0
+    while i < len(words):
+        name = words[i]
+        if name not in ("--openai-port", "--models", "--proxy-port", "--egress-socket"):
+            raise ValueError(f"unknown option {name!r}; see cogni-tool serve --help")
+        if i + 1 >= len(words):
+            raise ValueError(f"{name} needs a value")
+        values[name] = words[i + 1]
+        i += 2
+    if "--openai-port" in values:
+        options.openai_port = _port(values["--openai-port"])
+        options.models = tuple(m for m in values.get("--models", "").split(",") if m)
+    if "--proxy-port" in values:
+        options.proxy_port = _port(values["--proxy-port"])
+        if "--egress-socket" not in values:
+            raise ValueError("--proxy-port needs --egress-socket")
+        options.egress_socket = values["--egress-socket"]
+    if options.openai_port is None and options.proxy_port is None:
+        raise ValueError("nothing to serve: give --openai-port and/or --proxy-port")
+    return options
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ValueError(f"a port is 1-65535, got {text!r}")
+    return int(text)
+
+
+def main(words: list[str]) -> int:
+    """Listen, say ``ready``, serve until killed."""
+    if any(w in ("-h", "--help") for w in words):
+        sys.stdout.write(USAGE)
+        return 0
+    try:
+        options = parse_serve_args(words)
+    except ValueError as exc:
+        sys.stderr.write(f"cogni-tool: usage: {exc}\n")
+        return 2
+    threading.stack_size(THREAD_STACK_BYTES)
+    workers: list[threading.Thread] = []
+    try:
+        if options.openai_port is not None:
+            server = _ChatServer((LISTEN_HOST, options.openai_port), _ChatHandler)
+            server.models = options.models
+            workers.append(threading.Thread(target=server.serve_forever, daemon=True))
+        if options.proxy_port is not None:
+            assert options.egress_socket is not None
+            listener = socket.create_server((LISTEN_HOST, options.proxy_port), backlog=128)
+            workers.append(
+                threading.Thread(
+                    target=serve_bridge, args=(listener, options.egress_socket), daemon=True
+                )
+            )
+    except OSError as exc:
+        sys.stderr.write(f"cogni-tool: serve: cannot listen on {LISTEN_HOST}: {exc}\n")
+        return 1
+    for worker in workers:
+        worker.start()
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    for worker in workers:
+        worker.join()
+    return 0
