@@ -34,18 +34,14 @@ per call by clocks of the same call: the round trip, gatewayd's dispatch time (t
 audit's ``durationMs`` of each result entry; the audit log is put in the bench's own
 directory with ``--audit``) and, with ``--stages``, its parts inside gatewayd.
 
+- **openai SDK -> cogni-tool serve -> model.chat**: what an unmodified agent in a sandbox
+  does: the official ``openai`` SDK against the run's OpenAI-compatible endpoint
+  (``cogni-tool serve``, here on the host's loopback with the run's socket; in a run it
+  is on the sandbox's own loopback), which makes the same model.chat call.
+
 Adding a variant is one :meth:`Bench.add` call: a label and a callable that makes one
 call and returns the answer's text (or an awaitable of it, awaited in the bench's
-asyncio loop). For the official ``openai`` SDK against an OpenAI-compatible endpoint
-(``cogni-tool serve``, once it exists) it is::
-
-    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="dummy", max_retries=0)
-    bench.add(
-        "openai SDK -> cogni-tool serve",
-        lambda: sdk.chat.completions.create(
-            model=ALIAS, messages=MESSAGES, max_tokens=MAX_TOKENS
-        ).choices[0].message.content,
-    )
+asyncio loop).
 
 Diagnostics (not gatewayd's configuration; gatewayd is then started through a wrapper,
 ``DIAG_LAUNCHER``, that leaves its code as it is): ``--stages`` stamps each model.chat
@@ -64,6 +60,8 @@ import inspect
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -78,7 +76,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import env_info, gatewayd_run, percentile
+from harness import ROOT, env_info, gatewayd_run, percentile
 from review_overhead import fake_provider
 
 from cogni_tool.client import Client
@@ -185,6 +183,7 @@ GATEWAY_PATH: Final = (
 
 SYNC_LABEL: Final = "litellm.completion (sync), direct"
 NOW_LABEL: Final = "time.now via gatewayd (same Client, no model)"
+SDK_LABEL: Final = "openai SDK -> cogni-tool serve -> model.chat"
 THREAD_LABEL: Final = "litellm.completion in a thread (asyncio.to_thread)"
 
 Call = Callable[[], Any]  # one call; returns the answer's text, or an awaitable of it
@@ -348,9 +347,9 @@ def ms(seconds: float) -> str:
 
 
 @contextmanager
-def gateway(port: int, base: Path, args: argparse.Namespace) -> Iterator[Client]:
+def gateway(port: int, base: Path, args: argparse.Namespace) -> Iterator[tuple[Client, str, str]]:
     """`gatewayd serve` with the fake as an alias, its audit log at ``base/audit.jsonl``
-    and a run granting the alias; a Client on the run's socket."""
+    and a run granting the alias; a Client on the run's socket, the socket, the run id."""
     policy = base / "policy.yaml"
     policy.write_text(POLICY.format(alias=ALIAS))
     config = base / "gatewayd.yaml"
@@ -370,7 +369,41 @@ def gateway(port: int, base: Path, args: argparse.Namespace) -> Iterator[Client]
         gatewayd_run(policy, serve_args=serve_args, launcher=launcher) as (sock, run_id),
         Client(sock, run_id) as client,
     ):
-        yield client
+        yield client, sock, run_id
+
+
+@contextmanager
+def endpoint(sock: str, run_id: str) -> Iterator[int]:
+    """``cogni-tool serve`` on the host (in a run it is inside the sandbox, reached on the
+    run's own loopback: the same hop) forwarding to the run's socket; yields its port."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    env = {**os.environ, "COGNI_GATEWAY_SOCK": sock, "COGNI_RUN_ID": run_id}
+    command = [sys.executable, "-I", "-m", "cogni_tool", "serve", "--openai-port", str(port)]
+    proc = subprocess.Popen(
+        [*command, "--models", ALIAS], env=env, stdout=subprocess.PIPE, cwd=ROOT
+    )
+    try:
+        assert proc.stdout is not None
+        if proc.stdout.readline() != b"ready\n":
+            raise RuntimeError("cogni-tool serve did not start")
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def add_sdk(bench: Bench, port: int) -> None:
+    import openai
+
+    sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="dummy", max_retries=0)
+
+    def chat() -> Any:
+        answer = sdk.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=MAX_TOKENS)
+        return answer.choices[0].message.content
+
+    bench.add(SDK_LABEL, chat)
 
 
 @dataclass
@@ -390,7 +423,9 @@ def read_inside(base: Path, n: int) -> Inside:
     with (base / "audit.jsonl").open() as log:
         for line in log:
             entry = json.loads(line)
-            if entry.get("kind") == "result" and entry.get("tool") in durations:
+            # This process's Client calls only (cogni-tool serve's ids have its own pid).
+            mine = str(entry.get("toolCallId", "")).startswith(f"{os.getpid()}-")
+            if entry.get("kind") == "result" and entry.get("tool") in durations and mine:
                 if "errorCode" in entry:
                     raise RuntimeError(f"a measured call failed: {entry}")
                 durations[entry["tool"]].append(entry["durationMs"] / 1e3)
@@ -548,9 +583,10 @@ def main() -> int:
             progress(f"fake provider on 127.0.0.1:{port}; importing litellm")
             add_direct(bench, f"http://127.0.0.1:{port}/v1")
             progress("starting gatewayd serve")
-            with gateway(port, base, args) as client:
+            with gateway(port, base, args) as (client, sock, run_id), endpoint(sock, run_id) as api:
                 add_gateway(bench, client)
                 add_bare_http(bench, port)
+                add_sdk(bench, api)
                 bench.run(args.rounds, args.calls, args.warmup)
         inside = read_inside(base, args.rounds * args.calls)
         hand_off = hand_off_s(max(200, args.calls))

@@ -37,6 +37,7 @@ def test_model_overhead_bench_quick_prints_every_variant_the_added_p50_and_the_v
         "litellm.completion (sync), direct",
         "model.chat via gatewayd (cogni_tool Client)",
         "time.now via gatewayd (same Client, no model)",
+        "openai SDK -> cogni-tool serve -> model.chat",
     ):
         # p50, p90 and p99 of every variant
         assert re.search(rf"{re.escape(label)}\s+{MS}\s+{MS}\s+{MS}", out), out
