@@ -222,6 +222,10 @@ def error_body(message: str, kind: str, code: str | None) -> bytes:
 
 class _ChatServer(ThreadingHTTPServer):
     daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that resets mid-request is its own business, not gatewayd's log
+
     models: tuple[str, ...] = ()
     slots = threading.BoundedSemaphore(MAX_CHAT_REQUESTS)
 

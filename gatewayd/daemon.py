@@ -71,6 +71,8 @@ log = structlog.get_logger("gatewayd.daemon")
 # how long it outlives the run's maximum runtime (the run's end stops it first anyway).
 SERVICE_READY_TIMEOUT_S = 10.0
 SERVICE_GRACE_S = 60.0
+# How much of its stderr gatewayd's log takes, per run (the rest is dropped, said once).
+SERVICE_STDERR_LOG_BYTES = 16 * 1024
 SANDBOX_COGNI_TOOL = f"{COGNI_TOOL_VISIBLE_DIR}/cogni-tool"
 
 DEFAULT_STATE_DIR = Path("/var/lib/gatewayd")
@@ -475,10 +477,19 @@ class Daemon:
         max_runtime = run.spec.request.limits.maxRuntimeSec
         try:
             with trio.move_on_after(max_runtime) as scope:
-                async with trio.open_nursery() as nursery:
-                    await nursery.start(self._serve_socket, run, nursery.cancel_scope)
-                    await self._start_services(run, nursery, max_runtime)
-                    task_status.started()
+                try:
+                    async with trio.open_nursery() as nursery:
+                        await nursery.start(self._serve_socket, run, nursery.cancel_scope)
+                        await self._start_services(run, nursery, max_runtime)
+                        task_status.started()
+                except BaseExceptionGroup as group:
+                    # The services did not come up: the caller gets that error itself
+                    # (the control socket answers it with its code and reason).
+                    if len(group.exceptions) == 1 and isinstance(
+                        group.exceptions[0], SandboxUnavailable
+                    ):
+                        raise group.exceptions[0] from None
+                    raise
             if scope.cancelled_caught:
                 run.end_reason = "max_runtime_exceeded"
                 log.warning("run_max_runtime", run_id=run.run_id, seconds=max_runtime)
@@ -546,12 +557,18 @@ class Daemon:
             if b"ready\n" in lines:
                 ready.set()
 
+        logged = 0
+
         def err(data: bytes) -> None:
-            log.warning(
-                "sandbox_services_stderr",
-                run_id=run.run_id,
-                text=data[:2048].decode("utf-8", "replace"),
-            )
+            # The process is the run's: what it prints is bounded per run, so a run
+            # cannot fill gatewayd's log.
+            nonlocal logged
+            if logged < SERVICE_STDERR_LOG_BYTES:
+                text = data[: SERVICE_STDERR_LOG_BYTES - logged].decode("utf-8", "replace")
+                log.warning("sandbox_services_stderr", run_id=run.run_id, text=text)
+                if logged + len(data) >= SERVICE_STDERR_LOG_BYTES:
+                    log.warning("sandbox_services_stderr_capped", run_id=run.run_id)
+            logged += len(data)
 
         outcome: list[ExecResult | BaseException] = []
 

@@ -35,12 +35,14 @@ from typing import Any, ClassVar
 import openai
 import pytest
 import trio
+from structlog.testing import capture_logs
 
 from gatewayd.config import ModelAlias
 from gatewayd.daemon import open_daemon
 from gatewayd.errors import PolicyViolation
 from gatewayd.runs import Run
 from gatewayd.sandbox.plan import MODEL_ENDPOINT_PORT, SANDBOX_API_KEY
+from gatewayd.sandbox.session import SandboxUnavailable
 from gatewayd.sandbox.uids import pids_of_uid
 from tests.fakeprovider import FakeProvider, HttpError, Text
 from tests.integration.test_run_sandbox import (
@@ -661,3 +663,38 @@ async def test_http_fetch_from_inside_uses_the_daemons_resolver_and_allowlist(
     assert json.loads(out.splitlines()[0])["body"] == "fetched on the host"
     assert out.rstrip().endswith("exit=15"), out  # policy_denied
     assert f"'{REFUSED_HOST}' is not allowed" in result.stderr.decode()
+
+
+async def test_services_that_do_not_come_up_refuse_the_run_with_the_reason(
+    sb: Sandboxed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("gatewayd.daemon.SERVICE_READY_TIMEOUT_S", 0.001)
+    with pytest.raises(SandboxUnavailable, match=r"in-sandbox services .* did not start: it did"):
+        await sb.run(POLICY)
+    entries = await sb.entries()
+    ended = [e for e in entries if e.get("event") == "run_ended"]
+    assert ended and ended[-1]["detail"]["reason"] == "services_failed"
+    assert ended[-1]["detail"]["netnsRemoved"]  # the run's sandbox was taken down
+    assert not sb.daemon.registry.all()
+    run = await sb.run(POLICY.replace("models: [assistant]", "models: []"))  # others still start
+    assert run.sandbox is not None
+
+
+async def test_clients_resetting_the_endpoint_do_not_reach_gatewayds_log(sb: Sandboxed) -> None:
+    run = await sb.run(POLICY)
+    with capture_logs() as logs:
+        result = await sb.py(
+            run,
+            f"""
+            import socket, struct
+            for _ in range(50):
+                s = socket.create_connection(("127.0.0.1", {MODEL_ENDPOINT_PORT}))
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\\r\\nContent-Length: 100\\r\\n\\r\\n{{")
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                s.close()  # an RST mid-request
+            print("done")
+            """,
+        )
+        await trio.sleep(0.5)
+    assert result.stdout == b"done\n"
+    assert not [e for e in logs if e["event"].startswith("sandbox_services_stderr")], logs
