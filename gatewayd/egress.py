@@ -47,6 +47,7 @@ import trio
 from gatewayd.audit import AuditLog, AuditWriteError, Peer
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation
 from gatewayd.policy.model import NetworkSection
+from gatewayd.policy.rate import TokenBucket
 from gatewayd.protocol import ErrorCode
 from gatewayd.server import (
     ACCEPT_RETRY_S,
@@ -870,9 +871,10 @@ async def serve_egress(
 
     With ``group`` the socket is the run sandbox's (mode 0660, that group); without, the
     owner's only. A peer for which ``owns_peer(pid)`` is False (a process outside the
-    run's sandbox) is answered 403 and closed; beyond ``network.proxy.max_connections``
-    open connections a new one is answered 503. Both refusals are audited, throttled
-    like refusals on the run socket (server.py's RefusalThrottle).
+    run's sandbox) is answered 403 and closed; a connection over
+    ``network.proxy.connections_per_second`` (and its burst) 429; beyond
+    ``network.proxy.max_connections`` open connections a new one 503. These refusals are
+    audited, throttled like refusals on the run socket (server.py's RefusalThrottle).
 
     Resource handling: the listener and every connection are closed on exit; refusals
     left out of the audit are counted in one last entry. The socket file is the
@@ -882,7 +884,9 @@ async def serve_egress(
         listener = await open_unix_listener(path)
     else:
         listener = await open_unix_listener(path, mode=RUN_SOCKET_MODE, group=group)
-    limit = proxy.network.proxy.max_connections
+    settings = proxy.network.proxy
+    limit = settings.max_connections
+    bucket = TokenBucket(settings.connections_per_second, settings.connection_burst)
     throttle = RefusalThrottle()
     open_connections = 0
 
@@ -917,6 +921,17 @@ async def serve_egress(
                             code=ErrorCode.AUTHZ_DENIED,
                             message="this proxy serves only processes inside its run's "
                             "sandbox (its network namespace)",
+                        )
+                    )
+                elif not bucket.try_take(trio.current_time()):
+                    rate = f"{settings.connections_per_second:g}"
+                    connections.start_soon(
+                        functools.partial(
+                            refuse,
+                            status=429,
+                            code=ErrorCode.RATE_LIMITED,
+                            message=f"this run opens proxy connections faster than {rate} a "
+                            "second (network.proxy.connections_per_second); retry in a moment",
                         )
                     )
                 elif open_connections >= limit:

@@ -113,9 +113,23 @@ class ModelCallError(GatewayError):
 
     code = ErrorCode.TOOL_FAILED
 
-    def __init__(self, kind: ModelCallKind, message: str) -> None:
+    def __init__(self, kind: ModelCallKind, message: str, *, where: str | None = None) -> None:
         super().__init__(message)
         self.kind = kind
+        self.where = where  # the prefix naming the alias and its endpoint
+
+    def for_sandbox(self, alias_name: str) -> str:
+        """The message for a sandbox: the alias by name only, no endpoint, variable or
+        credential path (the operator's business; gatewayd's log has the full text)."""
+        name = f"model alias {alias_name!r}"
+        if self.kind is ModelCallKind.MISSING_KEY:
+            return f"{name} has no key on the host; gatewayd's operator must provide it"
+        if self.kind is ModelCallKind.AUTH:
+            return f"{name}: the provider refused gatewayd's key; gatewayd's operator must fix it"
+        text = str(self)
+        if self.where is not None and text.startswith(self.where):
+            return name + text[len(self.where) :]
+        return f"{name}: the call failed ({self.kind})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -273,11 +287,13 @@ async def complete(
                 limiter=limiter,
             )
     except trio.TooSlowError:
-        raise ModelCallError(ModelCallKind.TIMEOUT, _timeout_message(where, limit_s)) from None
+        raise ModelCallError(
+            ModelCallKind.TIMEOUT, _timeout_message(where, limit_s), where=where
+        ) from None
     except Exception as exc:  # anything litellm raises becomes one safe, keyless error
         kind, message = _explain(litellm, exc, alias, where, limit_s)
         # from None: the original's text may hold the key, and tracebacks print it.
-        raise ModelCallError(kind, _scrub(message, key, alias.api_key_env)) from None
+        raise ModelCallError(kind, _scrub(message, key, alias.api_key_env), where=where) from None
     latency_ms = (time.perf_counter() - started) * 1000.0
     completion = _read_completion(response, alias, where, latency_ms)
     if alias.api_key_env is not None and len(key) >= MIN_SCRUB_CHARS:
@@ -313,7 +329,7 @@ def _read_key(alias: ModelAlias, where: str) -> str:
     try:
         return read_secret(alias.api_key_env, holds="its key").value
     except SecretError as exc:  # names the variable and the credential file, never a value
-        raise ModelCallError(ModelCallKind.MISSING_KEY, f"{where}: {exc}") from None
+        raise ModelCallError(ModelCallKind.MISSING_KEY, f"{where}: {exc}", where=where) from None
 
 
 def _scrub(text: str, key: str, name: str | None) -> str:
@@ -350,6 +366,7 @@ def _read_completion(response: Any, alias: ModelAlias, where: str, latency_ms: f
             ModelCallKind.MALFORMED,
             f"{where}: the answer has no text content (finish_reason {reason!r}); "
             "the model gave no text, or the endpoint is not a chat completion API",
+            where=where,
         )
     usage = getattr(response, "usage", None)
     prompt_tokens = _tokens(usage, "prompt_tokens")

@@ -391,6 +391,9 @@ DEFAULT_PORTS: Final = (80, 443)
 # Egress proxy (docs/egress.md). A package manager opens a handful of parallel
 # downloads; 32 leaves room for that while one run cannot hold hundreds of sockets.
 DEFAULT_PROXY_MAX_CONNECTIONS: Final = 32
+DEFAULT_PROXY_CONNECTIONS_PER_SECOND: Final = 20.0
+DEFAULT_PROXY_CONNECTION_BURST: Final = 64
+MAX_PROXY_CONNECTIONS_PER_SECOND: Final = 10_000.0
 # Past this one run could exhaust the daemon's descriptor limit (two per connection).
 MAX_PROXY_MAX_CONNECTIONS: Final = 1024
 # A client keeps an idle pooled connection for about a minute; a tunnel silent for
@@ -419,6 +422,14 @@ class ProxySection(Section):
     max_connection_bytes: Annotated[
         int, Field(strict=True, ge=1, le=MAX_PROXY_MAX_CONNECTION_BYTES)
     ] = DEFAULT_PROXY_MAX_CONNECTION_BYTES
+    # New connections a second (token bucket): every connection is an audit entry, so
+    # this bounds how fast a run can grow the shared audit log through its proxy.
+    connections_per_second: Annotated[
+        float, Field(strict=True, gt=0, le=MAX_PROXY_CONNECTIONS_PER_SECOND, allow_inf_nan=False)
+    ] = DEFAULT_PROXY_CONNECTIONS_PER_SECOND
+    connection_burst: Annotated[int, Field(strict=True, ge=1, le=MAX_PROXY_MAX_CONNECTIONS)] = (
+        DEFAULT_PROXY_CONNECTION_BURST
+    )
 
 
 class NetworkSection(Section):

@@ -19,6 +19,7 @@ the pinned connector (:class:`PinnedBackend`) are shared with the egress proxy
 from __future__ import annotations
 
 import base64
+import functools
 import ipaddress
 import re
 import socket
@@ -111,6 +112,26 @@ class _Answer:
     location: str | None
 
 
+# DNS lookups get threads of their own: a lookup that hangs (a slow name server behind an
+# allowlisted wildcard, which a sandbox can aim at with many names at once) holds its
+# thread until the C library gives up, and must not hold trio's shared thread pool that
+# run set-up, cleanup and the file tools need.
+RESOLVER_THREADS: Final = 8
+_RESOLVER_LIMITER: Final[trio.lowlevel.RunVar[trio.CapacityLimiter]] = trio.lowlevel.RunVar(
+    "gatewayd_resolver_threads"
+)
+
+
+def resolver_threads() -> trio.CapacityLimiter:
+    """The DNS lookups' own thread limit, one per trio run."""
+    try:
+        return _RESOLVER_LIMITER.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(RESOLVER_THREADS)
+        _RESOLVER_LIMITER.set(limiter)
+        return limiter
+
+
 async def resolve_host(host: str, port: int) -> tuple[IpAddress, ...]:
     """Every address ``host`` resolves to (an IP literal is itself), via the host's resolver.
 
@@ -121,7 +142,11 @@ async def resolve_host(host: str, port: int) -> tuple[IpAddress, ...]:
     except ValueError:
         pass
     try:
-        infos = await trio.socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = await trio.to_thread.run_sync(
+            functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM),
+            abandon_on_cancel=True,  # the caller's timeout ends the wait, not the thread
+            limiter=resolver_threads(),
+        )
     except socket.gaierror as exc:
         raise ToolFailed(f"cannot resolve {host!r}: {exc.strerror}") from None
     except UnicodeError:  # the idna codec refuses e.g. a label over 63 characters

@@ -100,15 +100,15 @@ async def run_chat(
             alias_name=args.model,
         )
     except ModelCallError as exc:
-        if exc.kind is ModelCallKind.MISSING_KEY:
-            # Where gatewayd looks for keys (variables, credential paths) is the host's
-            # business: the operator's log has it, the sandbox only needs the fact.
-            log.error("model_key_missing", alias=args.model, run_id=ctx.run_id, error=str(exc))
-            raise ToolFailed(
-                f"the model call failed (missing_key): model alias {args.model!r} has no key "
-                "on the host; gatewayd's operator must provide it (see gatewayd's log)"
-            ) from None
-        raise ToolFailed(f"the model call failed ({exc.kind}): {exc}") from None
+        # The endpoint, the key's variable and credential path are the host's business:
+        # the operator's log has the whole message, the sandbox what it can act on.
+        event = (
+            "model_key_missing" if exc.kind is ModelCallKind.MISSING_KEY else "model_call_failed"
+        )
+        log.warning(event, alias=args.model, run_id=ctx.run_id, kind=str(exc.kind), error=str(exc))
+        raise ToolFailed(
+            f"the model call failed ({exc.kind}): {exc.for_sandbox(args.model)}"
+        ) from None
     budget.tokens += (answer.prompt_tokens or 0) + (answer.completion_tokens or 0)
     return {
         "model": args.model,

@@ -737,6 +737,27 @@ async def test_a_connection_over_max_connections_gets_a_503(
     assert tunnel["detail"]["verdict"] == "allowed" and tunnel["detail"]["method"] == "CONNECT"
 
 
+async def test_connections_faster_than_the_rate_get_a_429_and_the_audit_grows_slowly(
+    short_tmp: Path, origins: Origins
+) -> None:
+    net = network(origins, proxy={"connections_per_second": 0.5, "connection_burst": 2})
+    url = f"http://pkgs.example.org:{origins.http_port}/big?n=10"
+    async with running(short_tmp, net) as h:
+        answers = [await raw(h, get(url)) for _ in range(12)]
+    statuses = [status for status, _, _ in answers]
+    assert statuses[:2] == [200, 200] and set(statuses[2:]) == {429}, statuses
+    assert b"faster than 0.5 a second (network.proxy.connections_per_second)" in answers[2][2]
+    entries = h.egress_entries()
+    # The two served, then one refusal on the record (throttled), the rest counted.
+    assert [e["detail"]["verdict"] for e in entries[:2]] == ["allowed", "allowed"]
+    refused = [e for e in entries[2:] if e.get("errorCode") == "rate_limited"]
+    assert 1 <= len(refused) <= 3 and len(entries) < 12
+    # Each refused connection is one entry or counted in a later one's suppressedSinceLast
+    # (the last count in an entry of its own when the proxy stops: no domain).
+    on_record = [e for e in refused if "domain" in e["detail"]]
+    assert sum(e["detail"].get("suppressedSinceLast", 0) for e in refused) + len(on_record) == 10
+
+
 async def test_a_peer_outside_the_sandbox_is_refused_and_refusals_are_throttled(
     short_tmp: Path, origins: Origins
 ) -> None:

@@ -5,6 +5,7 @@ test needs a public-looking name (the connection is pinned to the resolved addre
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -16,11 +17,12 @@ from urllib.parse import parse_qs, urlsplit
 import httpx
 import msgspec
 import pytest
+import trio
 
 from gatewayd.daemon import DaemonConfig, open_daemon
 from gatewayd.errors import PolicyViolation
 from gatewayd.policy.model import NetworkSection
-from gatewayd.tools.http import FetchArgs, Resolver, fetch
+from gatewayd.tools.http import RESOLVER_THREADS, FetchArgs, Resolver, fetch, resolve_host
 from tests.conftest import Gateway
 from tests.integration.test_review import call
 
@@ -349,3 +351,41 @@ async def test_a_redirect_to_another_port_is_re_checked(
     assert answer["errorCode"] == "policy_denied"
     assert f"port 8081 is not allowed; allowed ports: {server}" in answer["safeMessage"]
     assert FIRST_BODY not in json.dumps(answer)
+
+
+# --- hanging name servers ------------------------------------------------------------
+
+
+async def test_hanging_dns_lookups_hold_their_own_threads_not_trios_shared_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name server that never answers (the C library's getaddrinfo blocks): lookups
+    wait in their own few threads; trio's pool, which run set-up and the file tools use,
+    stays free, and a caller's timeout ends its wait."""
+    release = threading.Event()
+    entered: list[str] = []
+
+    def hanging(host: str, *args: Any, **kwargs: Any) -> Any:
+        entered.append(host)
+        release.wait(30)
+        raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(RESOLVER_THREADS * 3):
+                nursery.start_soon(_resolve_briefly, f"slow{i}.example.org")
+            await trio.sleep(0.2)
+            # Only RESOLVER_THREADS lookups got a thread; the others queue for one.
+            assert len(entered) == RESOLVER_THREADS
+            # trio's shared pool still serves everyone else at once.
+            with trio.fail_after(2):
+                assert await trio.to_thread.run_sync(lambda: "free") == "free"
+    finally:
+        release.set()
+    assert len(entered) == RESOLVER_THREADS
+
+
+async def _resolve_briefly(host: str) -> None:
+    with trio.move_on_after(0.5):
+        await resolve_host(host, 443)

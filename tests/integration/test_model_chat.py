@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from gatewayd.config import ModelAlias
 from gatewayd.daemon import DaemonConfig, open_daemon
@@ -127,6 +128,7 @@ async def test_a_provider_error_is_tool_failed_and_an_echoed_key_never_leaks(
     assert answer["errorCode"] == "tool_failed"
     assert "the model call failed (provider_error)" in answer["safeMessage"]
     assert KEY not in answer["safeMessage"]
+    assert "boom" in answer["safeMessage"]  # the provider's own words help the agent
     entries = (gw.audit_path.read_text() if gw.audit_path.exists() else "") + str(
         await gw.audit_entries()
     )
@@ -143,3 +145,28 @@ async def test_malformed_chat_arguments_are_invalid_args_with_the_schema_hint(
         run, "model.chat", {"model": "assistant", "messages": [{"role": "root", "content": "x"}]}
     )
     assert answer["errorCode"] == "invalid_args"
+
+
+@pytest.mark.parametrize(
+    ("reply", "kind", "hint"),
+    [
+        (HttpError(status=500, message="overloaded"), "provider_error", "overloaded"),
+        (HttpError(status=401, message="bad key"), "auth", "refused gatewayd's key"),
+        (HttpError(status=429, message="slow down"), "rate_limited", "wait before calling"),
+    ],
+)
+async def test_model_errors_tell_the_sandbox_no_endpoint_or_variable_and_the_log_all(
+    gw: Gateway, workspace: Path, fake: FakeProvider, reply: HttpError, kind: str, hint: str
+) -> None:
+    fake.script(reply)
+    run = await gw.create_run(workspace, POLICY)
+    with capture_logs() as logs:
+        answer = await call(run, "model.chat", chat())
+    message = answer["safeMessage"]
+    assert answer["errorCode"] == "tool_failed"
+    assert message.startswith(f"the model call failed ({kind}): model alias 'assistant'")
+    assert hint in message
+    for host_detail in (fake.api_base, f":{fake.port}", "127.0.0.1", KEY_ENV):
+        assert host_detail not in message
+    logged = [e for e in logs if e["event"] == "model_call_failed"]
+    assert logged and fake.api_base in logged[0]["error"]  # the operator sees where

@@ -679,6 +679,7 @@ def test_network_defaults_to_web_ports_and_no_proxy() -> None:
     assert network.proxy.enabled is False and network.proxy_enabled is False
     assert network.proxy.max_connections == 32
     assert network.proxy.idle_timeout_s == 60
+    assert network.proxy.connections_per_second == 20 and network.proxy.connection_burst == 64
     assert network.proxy.max_connection_bytes == 1 << 30
 
 
@@ -707,6 +708,9 @@ def test_the_proxy_is_enabled_only_with_a_domain_to_reach() -> None:
         ("{proxy: {max_connections: 0}}", "network.proxy.max_connections"),
         ("{proxy: {max_connections: 1025}}", "network.proxy.max_connections"),
         ("{proxy: {idle_timeout_s: 0}}", "network.proxy.idle_timeout_s"),
+        ("{proxy: {connections_per_second: 0}}", "network.proxy.connections_per_second"),
+        ("{proxy: {connections_per_second: .inf}}", "network.proxy.connections_per_second"),
+        ("{proxy: {connection_burst: 0}}", "network.proxy.connection_burst"),
         ("{proxy: {max_connection_bytes: 0}}", "network.proxy.max_connection_bytes"),
         ("{proxy: {enabled: 'yes'}}", "network.proxy.enabled"),
     ],
