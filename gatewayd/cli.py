@@ -554,6 +554,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gatewayd.control import ControlServer
     from gatewayd.daemon import open_daemon
     from gatewayd.logs import configure_logging
+    from gatewayd.sdnotify import notify
 
     config = _config(args)
     configure_logging(logging.INFO, scrubber=_log_scrubber(config))
@@ -563,9 +564,11 @@ def _serve(args: argparse.Namespace) -> int:
         async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
             await nursery.start(ControlServer(daemon).serve, control_path)
             print(f"gatewayd: serving; control socket {control_path}", file=sys.stderr)
+            notify(f"READY=1\nSTATUS=serving; control socket {control_path}")
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
                     break
+            notify("STOPPING=1\nSTATUS=stopping: ending every run")
             nursery.cancel_scope.cancel()
 
     trio.run(serve)

@@ -1,0 +1,94 @@
+"""gatewayd under systemd: the readiness protocol against a real `gatewayd serve` and a
+notify socket the test binds (as systemd does), and the unit files checked by
+`systemd-analyze verify`. This machine's PID 1 is not systemd, so the unit itself is
+not started here."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gatewayd.sdnotify import notify
+from tests.livedaemon import BIN
+
+ROOT = Path(__file__).resolve().parents[2]
+UNIT = ROOT / "systemd" / "gatewayd.service"
+
+
+@pytest.fixture
+def notify_socket(short_tmp: Path) -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(short_tmp / "notify"))
+    sock.settimeout(30)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def test_serve_says_ready_once_its_control_socket_answers_and_stopping_on_sigterm(
+    short_tmp: Path, notify_socket: socket.socket
+) -> None:
+    state = short_tmp / "state"
+    env = {**os.environ, "NOTIFY_SOCKET": notify_socket.getsockname()}
+    proc = subprocess.Popen(
+        [str(BIN / "gatewayd"), "serve", "--state-dir", str(state), "--no-os-sandbox"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        ready = notify_socket.recv(4096).decode()
+        assert ready.splitlines()[0] == "READY=1"
+        assert f"STATUS=serving; control socket {state / 'control.sock'}" in ready
+        # Ready means ready: the control socket accepts at once.
+        with socket.socket(socket.AF_UNIX) as client:
+            client.connect(str(state / "control.sock"))
+        proc.send_signal(signal.SIGTERM)
+        assert notify_socket.recv(4096).decode().splitlines()[0] == "STOPPING=1"
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_notify_is_a_no_op_without_systemd_and_says_why_a_bad_socket_fails(
+    short_tmp: Path, notify_socket: socket.socket
+) -> None:
+    assert notify("READY=1", environ={}) is False
+    assert notify("READY=1", environ={"NOTIFY_SOCKET": "relative/path"}) is False
+    assert notify("READY=1", environ={"NOTIFY_SOCKET": str(short_tmp / "nobody")}) is False
+    assert notify("X=1", environ={"NOTIFY_SOCKET": notify_socket.getsockname()}) is True
+    assert notify_socket.recv(64) == b"X=1"
+
+
+def test_notify_reaches_an_abstract_socket(short_tmp: Path) -> None:
+    name = f"cogni-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)
+        assert notify("READY=1", environ={"NOTIFY_SOCKET": "@" + name}) is True
+        assert sock.recv(64) == b"READY=1"
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
+def test_the_unit_passes_systemd_analyze_verify(short_tmp: Path) -> None:
+    # verify checks that ExecStart's program exists: point it at this checkout's.
+    unit = short_tmp / "gatewayd.service"
+    unit.write_text(UNIT.read_text().replace("/opt/gatewayd/venv/bin/", f"{BIN}/"))
+    done = subprocess.run(
+        ["systemd-analyze", "verify", "--man=no", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "gatewayd.service" not in done.stderr, done.stderr  # no warning about it
