@@ -565,14 +565,38 @@ def _serve(args: argparse.Namespace) -> int:
             await nursery.start(ControlServer(daemon).serve, control_path)
             print(f"gatewayd: serving; control socket {control_path}", file=sys.stderr)
             notify(f"READY=1\nSTATUS=serving; control socket {control_path}")
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    break
+            stops = (signal.SIGTERM, signal.SIGINT)
+            with trio.open_signal_receiver(*stops, signal.SIGHUP) as signals:
+                async for signum in signals:
+                    if signum in stops:
+                        break
+                    notify("RELOADING=1\nSTATUS=reloading policies and configuration")
+                    await _reload(daemon, args)
+                    notify(f"READY=1\nSTATUS=serving; control socket {control_path}")
             notify("STOPPING=1\nSTATUS=stopping: ending every run")
             nursery.cancel_scope.cancel()
 
     trio.run(serve)
     return EXIT_OK
+
+
+async def _reload(daemon: Daemon, args: argparse.Namespace) -> None:
+    """SIGHUP: re-read gatewayd's configuration and every live run's policy. A bad file
+    changes nothing (logged and audited); live runs and their connections go on."""
+    import structlog
+
+    log = structlog.get_logger("gatewayd.reload")
+    try:
+        config = _config(args)
+    except SystemExit as exc:  # _config's way of saying the file is bad
+        log.error("config_reload_failed", error=str(exc.code))
+        await daemon.audit.append(
+            "event", event="config_reload_failed", safeMessage=str(exc.code)[:500]
+        )
+    else:
+        await daemon.reload_config(config)
+    outcomes = await daemon.reload_policies()
+    log.info("reloaded", runs=len(outcomes), outcomes=outcomes)
 
 
 def _run_request(args: argparse.Namespace) -> RunRequest:

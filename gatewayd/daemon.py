@@ -6,6 +6,7 @@ every run's listener. Used by `gatewayd serve` (with the control socket) and by
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import resource
 import stat
@@ -24,7 +25,8 @@ from gatewayd.config import ModelAlias
 from gatewayd.dispatch import Dispatcher
 from gatewayd.egress import EgressProxy, serve_egress
 from gatewayd.errors import GatewayError, PolicyViolation
-from gatewayd.policy import PolicyError, SandboxSection, tool_allowed
+from gatewayd.policy import Policy, PolicyError, SandboxSection, tool_allowed
+from gatewayd.policy.rate import TokenBucket
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.review.reviewer import Reviewer
 from gatewayd.review.rulebook import (
@@ -534,6 +536,7 @@ class Daemon:
                 audit=self.audit,
                 resolve=self.config.resolver or resolve_host,
             )
+            run.egress = proxy  # a policy reload updates its allowlist
             await nursery.start(
                 functools.partial(
                     serve_egress,
@@ -661,6 +664,125 @@ class Daemon:
             run.finished.set()
             log.info("run_ended", run_id=run.run_id, reason=run.end_reason)
 
+    # -- reload (SIGHUP) ------------------------------------------------------------------
+
+    async def reload_policies(self) -> dict[str, str]:
+        """Re-read every live run's policy file and apply what may change under a live
+        run: the tool allowlist, limits, review, model access and the network allowlist.
+        Returns run id -> outcome (``reloaded``, ``unchanged``, ``kept: why``); each
+        change or refusal is audited.
+
+        What the run's sandbox was built from (``filesystem``, ``sandbox``, ``env``,
+        ``require_os_sandbox``, ``network.proxy``) is fixed for its life: a file that
+        changes those is not applied to the live run (it applies to new runs), and the
+        run keeps its whole old policy rather than half of the new one. A call in flight
+        finishes under the policy it started with; the next call sees the new one.
+        """
+        outcomes: dict[str, str] = {}
+        for run in self.registry.all():
+            source = run.spec.policy_source
+            try:
+                policy, _ = self.registry.load_policy(source)
+            except PolicyError as exc:
+                outcomes[run.run_id] = f"kept: {exc}"
+                await self._audit_reload(run, "policy_reload_failed", str(exc))
+                continue
+            old = run.spec.policy
+            if policy == old:
+                outcomes[run.run_id] = "unchanged"
+                continue
+            fixed = [
+                name
+                for name, before, after in (
+                    ("filesystem", old.filesystem, policy.filesystem),
+                    ("sandbox", old.sandbox, policy.sandbox),
+                    ("env", old.env, policy.env),
+                    ("require_os_sandbox", old.require_os_sandbox, policy.require_os_sandbox),
+                    ("network.proxy", old.network.proxy, policy.network.proxy),
+                )
+                if before != after
+            ]
+            if fixed:
+                why = (
+                    f"{', '.join(fixed)} changed; the run's sandbox was built from them, so "
+                    "the new file applies to new runs and this run keeps its policy"
+                )
+                outcomes[run.run_id] = f"kept: {why}"
+                await self._audit_reload(run, "policy_reload_skipped", why)
+                continue
+            changed = [
+                name
+                for name in type(old).model_fields
+                if getattr(old, name) != getattr(policy, name)
+            ]
+            _apply_policy(run, policy)
+            outcomes[run.run_id] = "reloaded"
+            await self.audit.append(
+                "event",
+                event="policy_reloaded",
+                runId=run.run_id,
+                detail={"policy": policy.name, "source": source, "changed": changed},
+            )
+            log.info("policy_reloaded", run_id=run.run_id, changed=changed)
+        return outcomes
+
+    async def reload_config(self, config: DaemonConfig) -> list[str]:
+        """Apply a re-read configuration: model aliases take effect at once; settings the
+        running daemon was built from are listed back as needing a restart (audited).
+
+        The secrets to scrub are fixed at start (the audit writer holds them): an alias
+        change that names another key variable, or a changed ``secret_env``, needs a
+        restart too, and until then the aliases stay as they were.
+        """
+        current = self.config
+        restart = [
+            name
+            for name in (
+                "state_dir",
+                "audit_path",
+                "policy_dirs",
+                "max_frame_bytes",
+                "audit_fsync",
+                "os_sandbox",
+                "bwrap",
+                "netns_prefix",
+                "sandbox_uids",
+                "secret_env",
+            )
+            if getattr(current, name) != getattr(config, name)
+        ]
+        keys_before = {a.api_key_env for a in current.models.values() if a.api_key_env}
+        keys_after = {a.api_key_env for a in config.models.values() if a.api_key_env}
+        models_changed = dict(current.models) != dict(config.models)
+        if models_changed and keys_after - keys_before:
+            restart.append("models (a new key variable must be scrubbed from the start)")
+        elif models_changed:
+            self.config = dataclasses.replace(current, models=dict(config.models))
+            self.dispatcher.models = self.config.models
+            self.reviewer.models = dict(self.config.models)
+        await self.audit.append(
+            "event",
+            event="config_reloaded",
+            detail={
+                "modelsChanged": models_changed and not (keys_after - keys_before),
+                "models": sorted(self.config.models),
+                "restartNeeded": restart,
+            },
+        )
+        if restart:
+            log.warning("config_reload_needs_restart", settings=restart)
+        return restart
+
+    async def _audit_reload(self, run: Run, event: str, why: str) -> None:
+        log.warning(event, run_id=run.run_id, reason=why)
+        await self.audit.append(
+            "event",
+            event=event,
+            runId=run.run_id,
+            safeMessage=why,
+            detail={"policy": run.spec.policy.name, "source": run.spec.policy_source},
+        )
+
     async def aclose(self) -> None:
         """End every run (used at shutdown)."""
         for run in self.registry.all():
@@ -707,6 +829,25 @@ def _state_dir_reachable(state_dir: Path) -> SandboxSupport:
                 "--state-dir",
             )
     return SandboxSupport(True)
+
+
+def _apply_policy(run: Run, policy: Policy) -> None:
+    """Swap in ``policy`` for the decisions of a live run, in one step (no await): a call
+    reads ``run.spec`` once per decision, so it sees the old policy or the new one."""
+    spec = run.spec
+    run.spec = dataclasses.replace(
+        spec,
+        policy=policy,
+        rules=dataclasses.replace(spec.rules, tool_patterns=tuple(policy.tools.allow)),
+    )
+    limits = policy.limits
+    if (limits.calls_per_second, limits.burst) != (run.bucket.rate, run.bucket.burst):
+        run.bucket = TokenBucket(rate=limits.calls_per_second, burst=limits.burst)
+    run.limiter.total_tokens = limits.max_concurrent_calls
+    run.model_budget.max_requests = policy.model_access.max_requests
+    run.model_budget.max_tokens = policy.model_access.max_tokens
+    if run.egress is not None:
+        run.egress.network = policy.network
 
 
 def _service_failure(outcome: ExecResult | BaseException) -> str:

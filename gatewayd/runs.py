@@ -18,7 +18,7 @@ import shutil
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import pydantic
 import trio
@@ -174,6 +174,8 @@ class Run:
     sandbox: RunSandbox | None = None
     # Why the run has no OS sandbox (its policy allowed that); None when it has one.
     degraded: str | None = None
+    # The run's egress proxy (gatewayd/egress.py) when its policy turns it on.
+    egress: Any = None
 
     @property
     def run_id(self) -> str:
