@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
-    from gatewayd.config import GatewaydConfig
+    from gatewayd.audit.query import EntryFilter
+    from gatewayd.config import GatewaydConfig, Settings
     from gatewayd.daemon import Daemon, DaemonConfig
     from gatewayd.runs import Run, RunRequest
     from gatewayd.secrets import Scrubber
@@ -40,28 +41,34 @@ EXIT_MAX_RUNTIME: Final = 124
 
 
 def _add_daemon_options(p: argparse.ArgumentParser) -> None:
+    # Defaults are None: an option given wins over $GATEWAYD_<NAME> and the file
+    # (gatewayd/config.py merges them; `gatewayd config show` says which one won).
     p.add_argument(
         "--state-dir",
         type=Path,
-        default=Path(os.environ.get("GATEWAYD_STATE_DIR", "/var/lib/gatewayd")),
-        help="private state directory (runs, sockets, audit); default $GATEWAYD_STATE_DIR "
-        "or /var/lib/gatewayd",
+        default=None,
+        help="private state directory (runs, sockets, audit); default: state_dir of the "
+        "configuration ($GATEWAYD_STATE_DIR, the file), else /var/lib/gatewayd",
     )
     p.add_argument(
-        "--audit", type=Path, default=None, help="audit log (default STATE_DIR/audit/audit.jsonl)"
+        "--audit",
+        type=Path,
+        default=None,
+        help="audit log (configuration: audit_path; default STATE_DIR/audit/audit.jsonl)",
     )
     p.add_argument(
         "--policy-dir",
         type=Path,
         action="append",
         default=[],
-        help="directory searched for policies named without a path (repeatable)",
+        help="directory searched for policies named without a path (repeatable; replaces "
+        "the configuration's policy_dirs)",
     )
     p.add_argument(
         "--config",
         type=Path,
         default=None,
-        help="gatewayd's configuration file (model aliases); default $GATEWAYD_CONFIG, "
+        help="gatewayd's configuration file (docs/configuration.md); default $GATEWAYD_CONFIG, "
         "else /etc/gatewayd/gatewayd.yaml when it exists",
     )
     p.add_argument(
@@ -72,22 +79,23 @@ def _add_daemon_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--netns-prefix",
-        default=os.environ.get("GATEWAYD_NETNS_PREFIX", "cogni-"),
+        default=None,
         help="prefix of the runs' network namespaces; another daemon on this host needs "
-        "another one (default $GATEWAYD_NETNS_PREFIX or cogni-)",
+        "another one (configuration: netns_prefix; default cogni-)",
     )
     p.add_argument(
         "--sandbox-uids",
         type=_uid_range,
         default=None,
         help="BASE+COUNT: host uids the sandboxes run as, one per live run "
-        "(default 1800000000+1024)",
+        "(configuration: sandbox_uids; default 1800000000+1024)",
     )
     p.add_argument(
         "--max-frame-bytes",
         type=_frame_bytes,
         default=None,
-        help=f"largest request frame ({MIN_FRAME_BYTES}..{MAX_FRAME_BYTES}; default 1 MiB)",
+        help=f"largest request frame ({MIN_FRAME_BYTES}..{MAX_FRAME_BYTES}; configuration: "
+        "max_frame_bytes; default 1 MiB)",
     )
 
 
@@ -115,12 +123,64 @@ def _uid_range(text: str) -> tuple[int, int]:
         ) from None
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is below 0")
+    return value
+
+
+def _iso_time(text: str) -> str:
+    from gatewayd.audit.query import parse_time
+
+    try:
+        return parse_time(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _add_audit_filters(p: argparse.ArgumentParser) -> None:
+    """The filters of `gatewayd audit show|export|stats|tail` (gatewayd.audit.query)."""
+    p.add_argument("--run", default=None, help="only this run (its id or a prefix of it)")
+    p.add_argument("--tool", default=None, help="only this tool (a name or pattern: 'fs.*')")
+    p.add_argument(
+        "--decision", choices=("allow", "deny"), default=None, help="only calls so decided"
+    )
+    p.add_argument(
+        "--kind", choices=("call", "result", "event"), default=None, help="only this kind"
+    )
+    p.add_argument("--event", default=None, help="only this event (e.g. run_ended)")
+    p.add_argument(
+        "--error-code", default=None, help="only this error code (e.g. policy_denied, timeout)"
+    )
+    p.add_argument(
+        "--since",
+        type=_iso_time,
+        default=None,
+        help="only from this time (ISO 8601; UTC by default)",
+    )
+    p.add_argument("--until", type=_iso_time, default=None, help="only before this time (ISO 8601)")
+    p.add_argument("--actor", default=None, help="only runs for this actorId (run_created)")
+    p.add_argument("--tenant", default=None, help="only runs for this tenantId (run_created)")
+    p.add_argument("--denied", action="store_true", help="only denied or failed entries")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="gatewayd", description="The cogni gateway host daemon.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the long-lived daemon with its control socket")
     _add_daemon_options(serve)
+    serve.add_argument(
+        "--audit-max-bytes",
+        type=_count,
+        default=None,
+        help="rotate the audit log's active file before it grows past this many bytes "
+        "(0: never); default: the configuration's audit_max_bytes (64 MiB); docs/audit.md",
+    )
     serve.add_argument(
         "--control-socket", type=Path, default=None, help="default STATE_DIR/control.sock"
     )
@@ -170,8 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     execute.add_argument(
         "--state-dir",
         type=Path,
-        default=Path(os.environ.get("GATEWAYD_STATE_DIR", "/var/lib/gatewayd")),
-        help="the daemon's state directory (to find its control socket)",
+        default=None,
+        help="the daemon's state directory (to find its control socket); default: the "
+        "configuration's",
     )
     execute.add_argument(
         "--control-socket", type=Path, default=None, help="default STATE_DIR/control.sock"
@@ -199,11 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("cancel", "drop a pending change"),
     ):
         cmd = rules.add_parser(name, help=helptext)
-        cmd.add_argument(
-            "--state-dir",
-            type=Path,
-            default=Path(os.environ.get("GATEWAYD_STATE_DIR", "/var/lib/gatewayd")),
-        )
+        cmd.add_argument("--state-dir", type=Path, default=None)
         cmd.add_argument("--control-socket", type=Path, default=None)
         if name in ("confirm", "cancel"):
             cmd.add_argument("confirmation_id", metavar="ID")
@@ -221,21 +278,85 @@ def build_parser() -> argparse.ArgumentParser:
     )
     image_check.add_argument("dir", type=Path)
 
+    config = sub.add_parser(
+        "config", help="gatewayd's configuration (docs/configuration.md)"
+    ).add_subparsers(dest="config_command", required=True)
+    config_show = config.add_parser(
+        "show",
+        help="print the effective configuration (options > $GATEWAYD_<NAME> > file > "
+        "defaults) and where each value came from; no secret is printed",
+    )
+    _add_daemon_options(config_show)
+    config_show.add_argument("--control-socket", type=Path, default=None)
+    config_show.add_argument("--json", action="store_true", help="as JSON")
+    config_check = config.add_parser(
+        "check", help="validate a configuration file (exit 0 valid, 1 invalid)"
+    )
+    config_check.add_argument("file", type=Path)
+
     policy = sub.add_parser("policy", help="policy files").add_subparsers(
         dest="policy_command", required=True
     )
     check = policy.add_parser("check", help="validate a policy file and summarize it")
     check.add_argument("file", type=Path)
 
-    audit = sub.add_parser("audit", help="read the audit log").add_subparsers(
-        dest="audit_command", required=True
+    audit = sub.add_parser(
+        "audit", help="read the audit log (the active file and its closed segments)"
+    ).add_subparsers(dest="audit_command", required=True)
+    log_help = "the log's active file (e.g. audit.jsonl); its segments FILE.NNNNNN are read too"
+    verify = audit.add_parser(
+        "verify",
+        help="check the hash chain across every segment; exit 0 intact, 1 broken or a "
+        "segment missing, 3 intact but the oldest segments are gone",
     )
-    verify = audit.add_parser("verify", help="check the hash chain; prints OK or the first break")
-    verify.add_argument("file", type=Path)
+    verify.add_argument("file", type=Path, help=log_help)
     show = audit.add_parser("show", help="print the audit log as a table")
-    show.add_argument("file", type=Path)
-    show.add_argument("--run", default=None, help="only this run id")
-    show.add_argument("--denied", action="store_true", help="only denied or failed calls")
+    _add_audit_filters(show)
+    show.add_argument("file", type=Path, help=log_help)
+    export = audit.add_parser("export", help="print the chosen entries as JSON lines or CSV")
+    export.add_argument(
+        "--format",
+        choices=("jsonl", "csv"),
+        default="jsonl",
+        help="jsonl: the lines as written (hashes included); csv: fixed columns (docs/audit.md)",
+    )
+    _add_audit_filters(export)
+    export.add_argument("file", type=Path, help=log_help)
+    stats = audit.add_parser(
+        "stats", help="calls, denials by error code, top tools, per-run counts and durations"
+    )
+    stats.add_argument("--json", action="store_true", help="print the figures as JSON")
+    stats.add_argument("--top", type=_count, default=10, help="how many tools to list (default 10)")
+    _add_audit_filters(stats)
+    stats.add_argument("file", type=Path, help=log_help)
+    tail = audit.add_parser(
+        "tail", help="print the last entries; with -f, follow new ones (across rotations)"
+    )
+    tail.add_argument("-f", "--follow", action="store_true", help="keep printing new entries")
+    tail.add_argument(
+        "-n", "--lines", type=_count, default=10, help="start with the last N lines (default 10)"
+    )
+    tail.add_argument("--json", action="store_true", help="print the lines as written")
+    _add_audit_filters(tail)
+    tail.add_argument("file", type=Path, help=log_help)
+    result = audit.add_parser(
+        "run",
+        help="a run's result bundle as JSON: ok, logs, auditLog, errorCode (reference "
+        "note 004's SandboxRunResult), from the audit log alone",
+    )
+    result.add_argument("run_id", metavar="RUN", help="the run id, or a unique prefix of it")
+    result.add_argument("file", type=Path, help=log_help)
+
+    installer = sub.add_parser(
+        "install-systemd",
+        help="install the systemd unit, a starting configuration and the policy directory",
+    )
+    installer.add_argument(
+        "--root", type=Path, default=Path("/"), help="install under this directory (default /)"
+    )
+    installer.add_argument(
+        "--force", action="store_true", help="replace a unit that differs from this version's"
+    )
 
     review = sub.add_parser("review", help="evaluate review rules").add_subparsers(
         dest="review_command", required=True
@@ -275,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "policy":
         return _policy_check(args.file)
+    if args.command == "config":
+        return _config_command(args)
     if args.command == "audit":
         return _audit(args)
     if args.command == "serve":
@@ -287,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         return _image_check(args.dir)
     if args.command == "rules":
         return _rules(args)
+    if args.command == "install-systemd":
+        return _install_systemd(args)
     if args.command == "review":
         return _review_replay(args)
     return EXIT_USAGE  # pragma: no cover (argparse enforces the choices)
@@ -315,7 +440,7 @@ def _rules(args: argparse.Namespace) -> int:
     """`gatewayd rules ...`: one request to the control socket, its answer in words."""
     from urllib.parse import quote
 
-    control = args.control_socket or args.state_dir / "control.sock"
+    control = _control_socket(args)
     command = args.rules_command
     try:
         if command == "show":
@@ -482,44 +607,251 @@ def _image_check(path: Path) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from gatewayd.audit import format_table, read_entries, verify_file
+    """`gatewayd audit verify|show|export|stats|tail|run` over every segment of a log."""
+    from gatewayd.audit.segments import log_files
 
-    if not args.file.is_file():
-        print(f"gatewayd: no audit log at {args.file}", file=sys.stderr)
-        return EXIT_FAILED
-    if args.audit_command == "verify":
-        report = verify_file(args.file)
-        print(report.render())
-        return EXIT_OK if report.ok else EXIT_FAILED
+    if args.audit_command == "tail":
+        if not args.follow and not log_files(args.file):
+            return _no_audit_log(args.file)
+        return _audit_tail(args)
+    if not log_files(args.file):
+        return _no_audit_log(args.file)
     try:
-        print(format_table(read_entries(args.file), run_id=args.run, denied_only=args.denied))
+        return _AUDIT_COMMANDS[args.audit_command](args)
     except BrokenPipeError:  # `gatewayd audit show … | head`: the reader has enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as exc:
+        return _unreadable_audit_log(args.file, exc)
+
+
+# `gatewayd audit verify`: intact, but its oldest segments are gone (deleted for
+# retention?): neither OK (0) nor broken (1), so a script must decide.
+EXIT_PARTIAL: Final = 3
+
+
+def _no_audit_log(path: Path) -> int:
+    print(
+        f"gatewayd: no audit log at {path} (no such file, and no closed segment "
+        f"{path.name}.NNNNNN beside it)",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
+
+
+def _unreadable_audit_log(path: Path, exc: OSError) -> int:
+    where = exc.filename or path
+    print(f"gatewayd: cannot read the audit log {where}: {exc.strerror or exc}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _audit_filter(args: argparse.Namespace) -> EntryFilter:
+    from gatewayd.audit.query import EntryFilter
+
+    return EntryFilter(
+        run=args.run,
+        tool=args.tool,
+        decision=args.decision,
+        kind=args.kind,
+        event=args.event,
+        error_code=args.error_code,
+        since=args.since,
+        until=args.until,
+        actor=args.actor,
+        tenant=args.tenant,
+        denied=args.denied,
+    )
+
+
+def _audit_verify(args: argparse.Namespace) -> int:
+    from gatewayd.audit import verify_file
+
+    report = verify_file(args.file)
+    print(report.render())
+    if not report.ok:
+        return EXIT_FAILED
+    return EXIT_PARTIAL if report.partial_from is not None else EXIT_OK
+
+
+def _audit_show(args: argparse.Namespace) -> int:
+    from gatewayd.audit import format_table
+    from gatewayd.audit.query import read_log, run_index
+
+    where = _audit_filter(args)
+    runs = run_index(read_log(args.file)) if where.needs_runs else {}
+    entries = (record.as_dict() for record in read_log(args.file))
+    print(format_table(entries, keep=lambda entry: where.keeps(entry, runs)))
     return EXIT_OK
 
 
-def _config(args: argparse.Namespace) -> DaemonConfig:
-    from gatewayd.daemon import SHIPPED_POLICY_DIR, DaemonConfig
-    from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES
-    from gatewayd.sandbox.uids import UidRange
+def _audit_export(args: argparse.Namespace) -> int:
+    from gatewayd.audit.export import write_csv, write_jsonl
+    from gatewayd.audit.query import select
 
-    policy_dirs = tuple(args.policy_dir) or (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
-    try:
-        uids = UidRange(*args.sandbox_uids) if args.sandbox_uids else UidRange()
-    except ValueError as exc:
-        raise SystemExit(f"gatewayd: --sandbox-uids: {exc}") from None
-    settings = load_settings(args.config)
-    return DaemonConfig(
-        models=settings.models,
-        secret_env=settings.secret_env,
-        state_dir=args.state_dir.absolute(),
-        audit_path=args.audit.absolute() if args.audit else None,
-        policy_dirs=policy_dirs,
-        max_frame_bytes=args.max_frame_bytes or DEFAULT_MAX_FRAME_BYTES,
-        os_sandbox=not args.no_os_sandbox,
-        netns_prefix=args.netns_prefix,
-        sandbox_uids=uids,
+    write = write_csv if args.format == "csv" else write_jsonl
+    write(select(args.file, _audit_filter(args)), sys.stdout)
+    sys.stdout.flush()
+    return EXIT_OK
+
+
+def _audit_stats(args: argparse.Namespace) -> int:
+    from gatewayd.audit.query import read_log, run_index, select
+    from gatewayd.audit.report import render_stats, stats
+
+    runs = run_index(read_log(args.file))
+    entries = (record.as_dict() for record in select(args.file, _audit_filter(args)))
+    figures = stats(entries, runs, top=args.top)
+    print(json.dumps(figures, indent=2) if args.json else render_stats(figures))
+    return EXIT_OK
+
+
+def _audit_run(args: argparse.Namespace) -> int:
+    from gatewayd.audit.query import read_log
+    from gatewayd.audit.report import run_result
+
+    wanted: str = args.run_id
+    found: set[str] = set()
+    for record in read_log(args.file):
+        run = record.entry.get("runId") if record.entry is not None else None
+        if isinstance(run, str) and wanted and run.startswith(wanted):
+            found.add(run)
+    if wanted not in found and len(found) != 1:
+        if found:
+            listed = ", ".join(sorted(found)[:5]) + ("…" if len(found) > 5 else "")
+            why = f"{len(found)} runs start with {wanted!r} ({listed}); give more of the id"
+        else:
+            why = f"no run {wanted!r} in it (`gatewayd audit stats {args.file}` lists the runs)"
+        print(f"gatewayd: audit log {args.file}: {why}", file=sys.stderr)
+        return EXIT_FAILED
+    run_id = wanted if wanted in found else found.pop()
+    entries = (
+        record.entry
+        for record in read_log(args.file)
+        if record.entry is not None and record.entry.get("runId") == run_id
     )
+    print(json.dumps(run_result(run_id, entries), indent=2))
+    return EXIT_OK
+
+
+def _audit_tail(args: argparse.Namespace) -> int:
+    import time
+
+    from gatewayd.audit.follow import POLL_INTERVAL_S, Follower
+    from gatewayd.audit.query import Record, read_log, run_index
+    from gatewayd.audit.segments import log_files
+    from gatewayd.audit.show import format_row, table_header
+
+    where = _audit_filter(args)
+    runs = run_index(read_log(args.file)) if where.needs_runs and log_files(args.file) else {}
+
+    def emit(records: list[Record]) -> None:
+        for record in records:
+            entry = record.entry
+            if entry is not None and where.needs_runs:
+                runs.update(run_index([record]))  # runs created since the index was made
+            if entry is not None and not where.keeps(entry, runs):
+                continue
+            if not args.json:
+                print(format_row(record.as_dict()))
+            elif entry is not None:
+                print(record.raw.decode("utf-8", "replace"))
+            else:
+                print(json.dumps(record.as_dict()))
+        sys.stdout.flush()
+
+    follower = Follower(args.file)
+    try:
+        if not args.json:
+            print(table_header())
+        emit(follower.last(args.lines))
+        while args.follow:
+            time.sleep(POLL_INTERVAL_S)
+            emit(follower.poll())
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except OSError as exc:
+        return _unreadable_audit_log(args.file, exc)
+    finally:
+        follower.close()
+    return EXIT_OK
+
+
+_AUDIT_COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
+    "verify": _audit_verify,
+    "show": _audit_show,
+    "export": _audit_export,
+    "stats": _audit_stats,
+    "run": _audit_run,
+}
+
+
+# Command-line options that set a configuration setting: (option, setting, how to read it).
+_SETTING_OPTIONS: Final = (
+    ("--state-dir", "state_dir", lambda v: v.absolute()),
+    ("--audit", "audit_path", lambda v: v.absolute()),
+    ("--control-socket", "control_socket", lambda v: v.absolute()),
+    ("--policy-dir", "policy_dirs", lambda v: tuple(p.absolute() for p in v) or None),
+    ("--max-frame-bytes", "max_frame_bytes", lambda v: v),
+    ("--audit-max-bytes", "audit_max_bytes", lambda v: v),
+    ("--netns-prefix", "netns_prefix", lambda v: v),
+    ("--sandbox-uids", "sandbox_uids", lambda v: {"base": v[0], "count": v[1]}),
+    ("--no-os-sandbox", "os_sandbox", lambda v: False if v else None),
+)
+
+
+def _settings(args: argparse.Namespace, *, warn: bool = True) -> Settings:
+    """The effective configuration: this command's options over $GATEWAYD_<NAME>
+    variables over the file over the defaults. A bad value anywhere ends the command
+    with every problem listed, each under the option, variable or file it came from."""
+    from gatewayd.config import ConfigError, config_file, resolve_settings
+
+    options: dict[str, tuple[str, Any]] = {}
+    for option, setting, read in _SETTING_OPTIONS:
+        given = getattr(args, option.removeprefix("--").replace("-", "_"), None)
+        value = read(given) if given is not None else None
+        if value is not None:
+            options[setting] = (option, value)
+    try:
+        settings = resolve_settings(
+            file=config_file(getattr(args, "config", None), os.environ),
+            environ=os.environ,
+            options=options,
+        )
+    except ConfigError as exc:
+        raise SystemExit(f"gatewayd: bad configuration: {exc}") from None
+    for note in settings.unknown_env if warn else ():
+        print(f"gatewayd: warning: {note}", file=sys.stderr)
+    return settings
+
+
+def _config(args: argparse.Namespace) -> DaemonConfig:
+    """The daemon's configuration from :func:`_settings`."""
+    from gatewayd.daemon import DaemonConfig
+
+    config = _settings(args).config
+    return DaemonConfig(
+        state_dir=config.state_dir,
+        audit_path=config.audit_path,
+        policy_dirs=config.policy_dirs,
+        max_frame_bytes=config.max_frame_bytes,
+        audit_fsync=config.audit_fsync,
+        audit_max_bytes=config.audit_max_bytes,
+        os_sandbox=config.os_sandbox,
+        bwrap=config.bwrap,
+        netns_prefix=config.netns_prefix,
+        sandbox_uids=config.sandbox_uids.as_range(),
+        models=config.models,
+        secret_env=config.secret_env,
+    )
+
+
+def _control_socket(args: argparse.Namespace) -> Path:
+    """``--control-socket``, else the configuration's (STATE_DIR/control.sock)."""
+    if args.control_socket is not None:
+        return Path(args.control_socket)
+    return _settings(args, warn=False).config.resolved_control_socket
 
 
 def _log_scrubber(config: DaemonConfig) -> Scrubber:
@@ -530,25 +862,69 @@ def _log_scrubber(config: DaemonConfig) -> Scrubber:
 
 
 def load_settings(path: Path | None) -> GatewaydConfig:
-    """gatewayd's configuration: ``path``, else $GATEWAYD_CONFIG, else the default file
-    when it exists, else an empty configuration. A named file that is missing or invalid
-    ends the command with the problems listed."""
-    from gatewayd.config import DEFAULT_CONFIG_PATH, ConfigError, GatewaydConfig, load_config
+    """gatewayd's configuration without command-line options: ``path``, else
+    $GATEWAYD_CONFIG, else the default file when it exists, with $GATEWAYD_<NAME>
+    variables over it. A file that is missing or invalid, or a bad variable, ends the
+    command with the problems listed."""
+    from gatewayd.config import ConfigError, config_file, resolve_settings
 
-    named = path or (
-        Path(os.environ["GATEWAYD_CONFIG"]) if os.environ.get("GATEWAYD_CONFIG") else None
-    )
-    if named is None:
-        if not DEFAULT_CONFIG_PATH.exists():
-            return GatewaydConfig()
-        named = DEFAULT_CONFIG_PATH
     try:
-        return load_config(named)
+        return resolve_settings(file=config_file(path, os.environ), environ=os.environ).config
     except ConfigError as exc:
         raise SystemExit(f"gatewayd: bad configuration: {exc}") from None
 
 
+def _config_command(args: argparse.Namespace) -> int:
+    """`gatewayd config show|check`."""
+    from gatewayd.config import ConfigError, GatewaydConfig, load_config, shown_values
+
+    if args.config_command == "check":
+        try:
+            config = load_config(args.file)
+        except ConfigError as exc:
+            print(f"gatewayd config check: invalid: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        given = [name for name in GatewaydConfig.model_fields if name in config.model_fields_set]
+        print(f"{args.file}: OK; sets {', '.join(given) or 'nothing (every setting default)'}")
+        if not config.audit_fsync:
+            print(
+                "warning: audit_fsync: false: an audit entry is not durable before its "
+                "call's effect (for tests and benchmarks only)",
+                file=sys.stderr,
+            )
+        return EXIT_OK
+    settings = _settings(args)
+    shown = shown_values(settings.config)
+    if args.json:
+        document = {
+            "file": str(settings.file) if settings.file else None,
+            "settings": {
+                name: {"value": value, "source": settings.sources[name]}
+                for name, value in shown.items()
+            },
+        }
+        print(json.dumps(document, indent=2))
+        return EXIT_OK
+    import yaml
+
+    where = settings.file or "none (variables and defaults only)"
+    lines = [
+        f"# gatewayd's effective configuration; file: {where}",
+        "# each setting's source: option > env > file > default",
+    ]
+    for name, value in shown.items():
+        text = yaml.safe_dump({name: value}, default_flow_style=False, sort_keys=False)
+        first, *rest = text.rstrip("\n").split("\n")
+        lines += [f"{first}  # {settings.sources[name]}", *rest]
+    try:
+        print("\n".join(lines))
+    except BrokenPipeError:  # `gatewayd config show | head`: the reader has enough
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_OK
+
+
 def _serve(args: argparse.Namespace) -> int:
+    import structlog
     import trio
 
     from gatewayd.control import ControlServer
@@ -557,16 +933,20 @@ def _serve(args: argparse.Namespace) -> int:
     from gatewayd.sdnotify import notify
 
     config = _config(args)
-    configure_logging(logging.INFO, scrubber=_log_scrubber(config))
-    control_path = args.control_socket or config.state_dir / "control.sock"
+    # JSON lines on stdout: journald's under systemd (docs/metrics.md, "Logs").
+    configure_logging(logging.INFO, scrubber=_log_scrubber(config), stream=sys.stdout)
+    control_path = _control_socket(args)
 
     async def serve() -> None:
         async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
             await nursery.start(ControlServer(daemon).serve, control_path)
-            print(f"gatewayd: serving; control socket {control_path}", file=sys.stderr)
-            notify(f"READY=1\nSTATUS=serving; control socket {control_path}")
+            structlog.get_logger("gatewayd.serve").info(
+                "serving", control_socket=str(control_path), state_dir=str(config.state_dir)
+            )
             stops = (signal.SIGTERM, signal.SIGINT)
             with trio.open_signal_receiver(*stops, signal.SIGHUP) as signals:
+                # Ready only once a stop or reload signal is ours to handle.
+                notify(f"READY=1\nSTATUS=serving; control socket {control_path}")
                 async for signum in signals:
                     if signum in stops:
                         break
@@ -577,6 +957,26 @@ def _serve(args: argparse.Namespace) -> int:
             nursery.cancel_scope.cancel()
 
     trio.run(serve)
+    return EXIT_OK
+
+
+def _install_systemd(args: argparse.Namespace) -> int:
+    from gatewayd.install import InstallError, install_systemd
+
+    try:
+        done = install_systemd(args.root, force=args.force)
+    except InstallError as exc:
+        print(f"gatewayd install-systemd: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"gatewayd install-systemd: {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return EXIT_FAILED
+    for action, path in done.actions:
+        print(f"{action:>9}  {path}")
+    if done.next_steps:
+        print("next:")
+        for step in done.next_steps:
+            print(f"  {step}")
     return EXIT_OK
 
 
@@ -815,7 +1215,7 @@ def _exec(args: argparse.Namespace) -> int:
         body["timeoutSec"] = args.timeout
     if args.stdin:
         body["stdin"] = sys.stdin.buffer.read().decode("utf-8", errors="replace")
-    control = args.control_socket or args.state_dir / "control.sock"
+    control = _control_socket(args)
     try:
         status, payload = control_request(control, "POST", f"/v1/runs/{args.run_id}/exec", body)
     except OSError as exc:

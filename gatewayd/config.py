@@ -1,8 +1,18 @@
-"""gatewayd's own configuration file: host-side settings no run can see or change.
+"""gatewayd's own configuration: host-side settings no run can see or change.
 
-Today it holds the model aliases (reference note 001: provider, model, endpoint, and the
-*name* of the environment variable that holds the key; the key itself never enters a
-file gatewayd writes, a run's sandbox, or the audit log):
+One file, ``/etc/gatewayd/gatewayd.yaml`` (or ``--config`` / ``$GATEWAYD_CONFIG``), validated
+strictly: unknown keys are errors with a "did you mean" hint, types are not coerced. Every
+setting has a default, so an empty file (or none) is valid, and every setting can be
+overridden by an environment variable ``GATEWAYD_<NAME>`` and, where ``gatewayd serve|run``
+has one, by a command-line option. Precedence, highest first::
+
+    command-line option  >  environment variable  >  file  >  default
+
+docs/configuration.md lists every setting; a test fails when one is missing there.
+
+The model aliases follow reference note 001 (provider, model, endpoint, and the *name* of
+the environment variable that holds the key; the key itself never enters a file gatewayd
+writes, a run's sandbox, or the audit log):
 
 ```yaml
 models:
@@ -22,28 +32,64 @@ scrubbed from tool output, error messages, the audit log and gatewayd's own log.
 
 from __future__ import annotations
 
+import difflib
+import os
 import re
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Final
+from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails
 
+from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES
+from gatewayd.sandbox.netns import NETNS_PREFIX, _check_prefix
+from gatewayd.sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, UidRange
 from gatewayd.secrets import NAME_RE as SECRET_NAME_RE
 
 DEFAULT_CONFIG_PATH: Final = Path("/etc/gatewayd/gatewayd.yaml")
+# The variable naming the file; it cannot be a setting in the file it names.
+CONFIG_ENV: Final = "GATEWAYD_CONFIG"
+ENV_PREFIX: Final = "GATEWAYD_"
+DEFAULT_STATE_DIR: Final = Path("/var/lib/gatewayd")
+# Shipped policies, next to the package in a source checkout (DaemonConfig's default too).
+SHIPPED_POLICY_DIR: Final = Path(__file__).resolve().parent.parent / "policies"
+SHIPPED_POLICY_DIRS: Final = (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
+# Debian's bubblewrap; a fixed path, never a PATH lookup by the daemon.
+DEFAULT_BWRAP: Final = "/usr/bin/bwrap"
+# A frame must hold a request header (the decoder refuses less than 64 bytes); more than
+# 64 MiB per frame is not a tool call but a way to make the daemon buffer memory.
+MIN_FRAME_BYTES: Final = 64
+# The audit log's active file rotates before it passes this (gatewayd/audit/writer.py's
+# DEFAULT_MAX_SEGMENT_BYTES, which needs trio to import; a test keeps the two equal).
+DEFAULT_AUDIT_MAX_BYTES: Final = 64 * 1024 * 1024
+MAX_FRAME_BYTES: Final = 64 << 20
 # One model call; the reviewer's own (shorter) timeout comes from the policy.
 DEFAULT_MODEL_TIMEOUT_S: Final = 60.0
 MAX_CONFIG_BYTES: Final = 1 << 20
+# More policy directories than this is a pasted list, not a search path.
+MAX_POLICY_DIRS: Final = 32
 _ALIAS_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PROVIDER_RE: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _ENV_RE: Final = SECRET_NAME_RE  # a variable name, and so a safe credential file name
 
 
 class ConfigError(Exception):
-    """The configuration file is missing, unreadable or invalid; the message names the
-    file and every bad field."""
+    """The configuration is missing, unreadable or invalid; the message names the file,
+    variable or option, and every bad field."""
 
 
 def _check(pattern: re.Pattern[str], what: str) -> Any:
@@ -59,6 +105,17 @@ def _check_api_base(value: str) -> str:
     if not value.startswith(("http://", "https://")):
         raise ValueError(f"api_base {value!r} must be an http:// or https:// URL")
     return value.rstrip("/")
+
+
+def _check_absolute(value: Path) -> Path:
+    if not value.is_absolute():
+        raise ValueError(f"{str(value)!r} must be an absolute path")
+    return value
+
+
+def _check_netns_prefix(value: str) -> str:
+    _check_prefix(value)
+    return value
 
 
 class _Strict(BaseModel):
@@ -82,8 +139,25 @@ class ModelAlias(_Strict):
         return f"{self.provider}/{self.model}"
 
 
+class SandboxUids(_Strict):
+    """``count`` host uids from ``base``: one per live sandboxed run (gid = uid)."""
+
+    base: Annotated[int, Field(strict=True)] = DEFAULT_UID_BASE
+    count: Annotated[int, Field(strict=True)] = DEFAULT_UID_COUNT
+
+    @model_validator(mode="after")
+    def _usable(self) -> SandboxUids:
+        self.as_range()  # UidRange's own check, with its own message
+        return self
+
+    def as_range(self) -> UidRange:
+        """The :class:`UidRange` the daemon's uid pool takes."""
+        return UidRange(self.base, self.count)
+
+
 Alias = Annotated[str, Field(strict=True), _check(_ALIAS_RE, "model alias")]
 SecretName = Annotated[str, Field(strict=True), _check(_ENV_RE, "secret_env name")]
+AbsolutePath = Annotated[Path, AfterValidator(_check_absolute)]
 # A few tokens, not a vault: a longer list is a mistake (or a pasted file).
 MAX_SECRET_NAMES: Final = 64
 
@@ -105,8 +179,37 @@ def _check_unique(names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 class GatewaydConfig(_Strict):
-    """The whole file; every section has a default, so an empty file is valid."""
+    """The whole file; every setting has a default, so an empty file is valid.
 
+    The field order is the order of docs/configuration.md and of ``gatewayd config show``.
+    """
+
+    # -- paths
+    state_dir: AbsolutePath = DEFAULT_STATE_DIR
+    # None: <state_dir>/audit/audit.jsonl
+    audit_path: AbsolutePath | None = None
+    # None: <state_dir>/control.sock
+    control_socket: AbsolutePath | None = None
+    policy_dirs: Annotated[tuple[AbsolutePath, ...], Field(max_length=MAX_POLICY_DIRS)] = (
+        SHIPPED_POLICY_DIRS
+    )
+    # -- the audit log and the wire
+    # False only for tests and benchmarks: an entry is then not durable before the effect.
+    audit_fsync: Annotated[bool, Field(strict=True)] = True
+    # 0: never rotate.
+    audit_max_bytes: Annotated[int, Field(strict=True, ge=0)] = DEFAULT_AUDIT_MAX_BYTES
+    max_frame_bytes: Annotated[int, Field(strict=True, ge=MIN_FRAME_BYTES, le=MAX_FRAME_BYTES)] = (
+        DEFAULT_MAX_FRAME_BYTES
+    )
+    # -- the OS sandbox
+    # False: behave as on a host without bubblewrap (runs need require_os_sandbox: false).
+    os_sandbox: Annotated[bool, Field(strict=True)] = True
+    bwrap: Annotated[str, Field(strict=True, min_length=1)] = DEFAULT_BWRAP
+    netns_prefix: Annotated[str, Field(strict=True), AfterValidator(_check_netns_prefix)] = (
+        NETNS_PREFIX
+    )
+    sandbox_uids: SandboxUids = Field(default_factory=SandboxUids)
+    # -- models and secrets
     models: dict[Alias, ModelAlias] = Field(default_factory=dict)
     # Names of further secrets (environment variables or systemd credentials) whose
     # values are scrubbed like the aliases' keys; the values are never in this file.
@@ -117,12 +220,145 @@ class GatewaydConfig(_Strict):
         AfterValidator(_check_unique),
     ] = ()
 
+    @field_validator("bwrap")
+    @classmethod
+    def _bwrap_absolute(cls, value: str) -> str:
+        # The daemon runs it as root-ish: a PATH lookup would let PATH pick the binary.
+        if not value.startswith("/"):
+            raise ValueError(f"bwrap {value!r} must be an absolute path")
+        return value
+
+    @property
+    def resolved_audit_path(self) -> Path:
+        return self.audit_path or self.state_dir / "audit" / "audit.jsonl"
+
+    @property
+    def resolved_control_socket(self) -> Path:
+        return self.control_socket or self.state_dir / "control.sock"
+
+
+def env_name(setting: str) -> str:
+    """The environment variable that overrides ``setting``: ``GATEWAYD_<SETTING>``."""
+    return ENV_PREFIX + setting.upper()
+
+
+# --- the environment layer -------------------------------------------------------------
+#
+# One variable per setting, holding the whole value in a one-line syntax; a variable
+# replaces the file's value, it never merges into it. An empty variable counts as unset
+# (systemd's `Environment=NAME=` clears one that way).
+
+
+def _env_text(text: str) -> Any:
+    return text
+
+
+def _env_bool(text: str) -> Any:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean; write true or false (1/0, yes/no, on/off)")
+
+
+def _env_int(text: str) -> Any:
+    try:
+        return int(text.strip().replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a whole number") from None
+
+
+def _env_path_list(text: str) -> Any:
+    return [part for part in text.split(os.pathsep) if part]
+
+
+def _env_name_list(text: str) -> Any:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _env_uid_range(text: str) -> Any:
+    base, sep, count = text.strip().partition("+")
+    if not sep:
+        raise ValueError(f"{text!r} is not a uid range; write BASE+COUNT, e.g. 1800000000+1024")
+    return {"base": _env_int(base), "count": _env_int(count)}
+
+
+def _env_mapping(text: str) -> Any:
+    # The value is never echoed: a pasted key would land in the error message.
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise ValueError(f"not a YAML or JSON mapping{where}") from None
+    if not isinstance(value, dict):
+        raise ValueError(  # noqa: TRY004 - pydantic reports ValueError
+            "must be a YAML or JSON mapping, e.g. {reviewer: {provider: ...}}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class EnvSyntax:
+    """How one setting is written in its environment variable."""
+
+    parse: Callable[[str], Any]
+    example: str
+
+
+ENV_SYNTAX: Final[Mapping[str, EnvSyntax]] = {
+    "state_dir": EnvSyntax(_env_text, "/srv/gatewayd"),
+    "audit_path": EnvSyntax(_env_text, "/var/log/gatewayd/audit.jsonl"),
+    "control_socket": EnvSyntax(_env_text, "/run/gatewayd/control.sock"),
+    "policy_dirs": EnvSyntax(_env_path_list, "/etc/gatewayd/policies:/srv/policies"),
+    "audit_fsync": EnvSyntax(_env_bool, "false"),
+    "audit_max_bytes": EnvSyntax(_env_int, "268435456"),
+    "max_frame_bytes": EnvSyntax(_env_int, "4194304"),
+    "os_sandbox": EnvSyntax(_env_bool, "false"),
+    "bwrap": EnvSyntax(_env_text, "/usr/local/bin/bwrap"),
+    "netns_prefix": EnvSyntax(_env_text, "gw2-"),
+    "sandbox_uids": EnvSyntax(_env_uid_range, "1700000000+256"),
+    "models": EnvSyntax(
+        _env_mapping, "{reviewer: {provider: openai, model: gpt-4o-mini, api_key_env: OPENAI_KEY}}"
+    ),
+    "secret_env": EnvSyntax(_env_name_list, "FORGE_TOKEN,PYPI_TOKEN"),
+}
+
+
+# --- reading and merging ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective configuration and where each value came from.
+
+    ``sources`` maps every setting to ``default``, ``file <path>``, ``env <NAME>`` or
+    ``option <--flag>``; ``unknown_env`` lists ``GATEWAYD_`` variables that are no setting
+    (most likely a typo), each with a hint.
+    """
+
+    config: GatewaydConfig
+    sources: Mapping[str, str]
+    file: Path | None
+    unknown_env: tuple[str, ...] = ()
+
+
+def config_file(option: Path | None, environ: Mapping[str, str]) -> Path | None:
+    """The file to read: ``--config``, else ``$GATEWAYD_CONFIG``, else the default file
+    when it exists, else none (every setting then comes from variables and defaults)."""
+    if option is not None:
+        return option
+    if environ.get(CONFIG_ENV):
+        return Path(environ[CONFIG_ENV])
+    return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
+
 
 def load_config(path: Path) -> GatewaydConfig:
     """Read and validate ``path``.
 
     Error handling: :class:`ConfigError` naming the file and each bad field by its
-    dotted path.
+    dotted path (with the allowed fields and a close match for an unknown one).
     """
     try:
         raw = path.read_bytes()
@@ -131,14 +367,170 @@ def load_config(path: Path) -> GatewaydConfig:
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError(f"{path}: over {MAX_CONFIG_BYTES} bytes; this is not a config file")
     try:
-        data = yaml.safe_load(raw) or {}
+        data = yaml.safe_load(raw)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: must be a mapping of settings, not {type(data).__name__}")
     try:
         return GatewaydConfig.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(file)'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise ConfigError(f"{path}: {problems}") from None
+        raise ConfigError(f"{path}: {'; '.join(_problems(exc))}") from None
+
+
+def resolve_settings(
+    *,
+    file: Path | None,
+    environ: Mapping[str, str],
+    options: Mapping[str, tuple[str, Any]] | None = None,
+) -> Settings:
+    """Merge the layers: ``options`` (setting -> (option, value), only those given) over
+    the ``GATEWAYD_`` variables of ``environ`` over ``file`` over the defaults.
+
+    Error handling: :class:`ConfigError` listing every bad value, each under the file,
+    variable or option it came from; nothing is half-applied.
+    """
+    fields = GatewaydConfig.model_fields
+    values: dict[str, Any] = {}
+    sources = dict.fromkeys(fields, "default")
+    problems: list[str] = []
+    if file is not None:
+        from_file = load_config(file)
+        for name in from_file.model_fields_set:
+            values[name] = getattr(from_file, name)
+            sources[name] = f"file {file}"
+    for name, syntax in ENV_SYNTAX.items():
+        variable = env_name(name)
+        text = environ.get(variable, "")
+        if not text:
+            continue
+        try:
+            values[name] = _validate_setting(name, syntax.parse(text))
+            sources[name] = f"env {variable}"
+        except ValueError as exc:
+            problems.append(f"{variable}: {exc}")
+    for name, (option, value) in (options or {}).items():
+        try:
+            values[name] = _validate_setting(name, value)
+            sources[name] = f"option {option}"
+        except ValueError as exc:
+            problems.append(f"{option}: {exc}")
+    if problems:
+        raise ConfigError("; ".join(problems))
+    try:
+        config = GatewaydConfig.model_validate(values)
+    except pydantic.ValidationError as exc:  # a combination no single layer shows
+        raise ConfigError(f"the combined settings: {'; '.join(_problems(exc))}") from None
+    return Settings(config, sources, file, _unknown_env(environ))
+
+
+def _validate_setting(name: str, value: Any) -> Any:
+    """``value`` checked as setting ``name``; ValueError with the problems otherwise."""
+    try:
+        return getattr(GatewaydConfig.model_validate({name: value}), name)
+    except pydantic.ValidationError as exc:
+        raise ValueError("; ".join(_problems(exc, drop=1))) from None
+
+
+def _unknown_env(environ: Mapping[str, str]) -> tuple[str, ...]:
+    known = [env_name(name) for name in ENV_SYNTAX] + [CONFIG_ENV]
+    notes = []
+    for variable in sorted(environ):
+        if variable.startswith(ENV_PREFIX) and variable not in known:
+            close = difflib.get_close_matches(variable, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            notes.append(f"{variable} is not a gatewayd setting and is ignored{hint}")
+    return tuple(notes)
+
+
+# --- error messages --------------------------------------------------------------------
+
+
+def _problems(exc: pydantic.ValidationError, *, drop: int = 0) -> list[str]:
+    """One line per error: the dotted field path and what is wrong (the bad value is
+    shown only by our own checks, which choose what to show)."""
+    lines = []
+    for error in exc.errors():
+        loc = error["loc"]
+        where = ".".join(str(p) for p in loc[drop:] if p != "[key]")
+        message = _message(error, loc)
+        if drop:  # under a variable or option: its own wording, no pydantic prefix
+            message = message.removeprefix("Value error, ")
+        lines.append(f"{where}: {message}" if where else message)
+    return lines
+
+
+def _message(error: ErrorDetails, loc: tuple[int | str, ...]) -> str:
+    if error["type"] == "extra_forbidden":
+        return error["msg"] + _allowed_hint(loc)
+    return error["msg"]
+
+
+def _allowed_hint(loc: tuple[int | str, ...]) -> str:
+    model = _model_at(loc[:-1])
+    if model is None:
+        return ""
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{hint}; allowed: {', '.join(names)}"
+
+
+def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model class that validates the mapping found at ``loc`` in the file."""
+    current: Any = GatewaydConfig
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(part))
+            if field is None:
+                return None
+            current = field.annotation
+        elif typing.get_origin(current) is dict:
+            current = typing.get_args(current)[1]
+        else:
+            return None
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+# --- showing ---------------------------------------------------------------------------
+
+
+def redact_url(url: str) -> str:
+    """``url`` without a password (an endpoint may carry ``user:pass@``)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def shown_values(config: GatewaydConfig) -> dict[str, Any]:
+    """Every setting as plain data for ``gatewayd config show``: paths resolved against
+    the state directory, no secret (an alias names its key's variable, never the key,
+    and an endpoint's password is masked)."""
+    shown: dict[str, Any] = {}
+    for name in GatewaydConfig.model_fields:
+        value = getattr(config, name)
+        if name == "audit_path":
+            value = config.resolved_audit_path
+        elif name == "control_socket":
+            value = config.resolved_control_socket
+        if name == "models":
+            value = {
+                alias: {
+                    **entry.model_dump(),
+                    "api_base": redact_url(entry.api_base) if entry.api_base else None,
+                }
+                for alias, entry in config.models.items()
+            }
+        elif isinstance(value, BaseModel):
+            value = value.model_dump()
+        elif isinstance(value, tuple):
+            value = [str(v) if isinstance(v, Path) else v for v in value]
+        elif isinstance(value, Path):
+            value = str(value)
+        shown[name] = value
+    return shown

@@ -4,7 +4,8 @@
 
 Routes: ``GET /v1/health``, ``GET /v1/runs``, ``POST /v1/runs`` (a RunRequest),
 ``GET /v1/runs/{id}``, ``DELETE /v1/runs/{id}``, ``POST /v1/runs/{id}/exec`` (run a
-command in the run's sandbox and wait for its result). HTTP parsing is h11's (sans-IO);
+command in the run's sandbox and wait for its result), ``GET /v1/metrics`` (Prometheus
+text format, docs/metrics.md). HTTP parsing is h11's (sans-IO);
 this module only routes. No run socket can reach it: it lives in the state
 directory, which no sandbox sees, and it refuses peers other than root or the
 daemon's own user.
@@ -28,6 +29,7 @@ import trio
 
 from gatewayd.daemon import Daemon
 from gatewayd.errors import GatewayError
+from gatewayd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.policy import PolicyError
 from gatewayd.protocol import ErrorCode
 from gatewayd.review.rulebook import Applied, Pending, RuleAction, RuleChangeError
@@ -138,6 +140,10 @@ class HttpError(Exception):
         self.message = message
 
 
+class _Text(str):
+    """A response body sent as it is (the metrics), not as JSON."""
+
+
 def _error_body(code: ErrorCode, message: str) -> dict[str, Any]:
     return {"ok": False, "errorCode": str(code), "message": message}
 
@@ -184,6 +190,8 @@ class ControlServer:
                         stream, conn, 403, _error_body(ErrorCode.AUTHZ_DENIED, refusal)
                     )
                     return
+                # A line logged for this request carries no run id of an earlier one.
+                structlog.contextvars.clear_contextvars()
                 status, payload = await self._route(request, body)
                 await self._send(stream, conn, status, payload)
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
@@ -240,6 +248,8 @@ class ControlServer:
         try:
             if target == "/v1/health" and method == "GET":
                 return 200, {"ok": True, "runs": len(self.daemon.registry.all())}
+            if target == "/v1/metrics" and method == "GET":
+                return 200, _Text(self.daemon.metrics.render())
             if target == "/v1/runs" and method == "GET":
                 return 200, {"ok": True, "runs": [r.summary() for r in self.daemon.registry.all()]}
             if target == "/v1/runs" and method == "POST":
@@ -263,7 +273,8 @@ class ControlServer:
             raise HttpError(
                 404,
                 ErrorCode.BAD_REQUEST,
-                f"no route {method} {target}; routes: GET /v1/health, GET|POST /v1/runs, "
+                f"no route {method} {target}; routes: GET /v1/health, GET /v1/metrics, "
+                "GET|POST /v1/runs, "
                 "GET|DELETE /v1/runs/{runId}, POST /v1/runs/{runId}/exec, GET|POST /v1/rules, "
                 "GET /v1/rules/pending, POST /v1/rules/pending/{id}/confirm, "
                 "DELETE /v1/rules/pending/{id}",
@@ -378,11 +389,11 @@ class ControlServer:
     async def _send(
         self, stream: trio.SocketStream, conn: h11.Connection, status: int, payload: Any
     ) -> None:
-        data = json.dumps(payload).encode() + b"\n"
-        headers = [
-            ("content-type", "application/json"),
-            ("content-length", str(len(data))),
-        ]
+        if isinstance(payload, _Text):
+            data, kind = payload.encode(), METRICS_CONTENT_TYPE
+        else:
+            data, kind = json.dumps(payload).encode() + b"\n", "application/json"
+        headers = [("content-type", kind), ("content-length", str(len(data)))]
         out = conn.send(h11.Response(status_code=status, headers=headers))
         out += conn.send(h11.Data(data=data)) + conn.send(h11.EndOfMessage())
         await stream.send_all(out)

@@ -21,10 +21,12 @@ import trio
 
 from gatewayd import model_client
 from gatewayd.audit import AuditLog, AuditWriteError, open_audit_log
+from gatewayd.audit.writer import DEFAULT_MAX_SEGMENT_BYTES
 from gatewayd.config import ModelAlias
 from gatewayd.dispatch import Dispatcher
 from gatewayd.egress import EgressProxy, serve_egress
 from gatewayd.errors import GatewayError, PolicyViolation
+from gatewayd.metrics import METRICS
 from gatewayd.policy import Policy, PolicyError, SandboxSection, tool_allowed
 from gatewayd.policy.rate import TokenBucket
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
@@ -91,6 +93,8 @@ class DaemonConfig:
     )
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     audit_fsync: bool = True
+    # Rotate the audit log's active file before it grows past this (0: never).
+    audit_max_bytes: int = DEFAULT_MAX_SEGMENT_BYTES
     # False: behave as on a host without bubblewrap (runs need require_os_sandbox: false).
     os_sandbox: bool = True
     bwrap: str = BWRAP
@@ -134,13 +138,18 @@ class Daemon:
         # Trees of runs whose give-back failed: still (partly) a sandbox uid's, so no
         # other run may take them until the next start returns them.
         self._stuck_trees: list[Path] = []
-        self.reviewer = Reviewer(config.models)
+        self.metrics = METRICS  # process-wide: see gatewayd/metrics.py
+        self.metrics.runs_active.function = lambda: len(self.registry.all())
+        first_seq = audit.last_seq  # gatewayd_audit_entries_total counts from here
+        self.metrics.audit_entries.function = lambda: audit.last_seq - first_seq
+        self.reviewer = Reviewer(config.models, metrics=self.metrics)
         self.rules = RuleBook()
         self.dispatcher = Dispatcher(
             audit,
             builtin_tools() if tools is None else tools,
             reviewer=self.reviewer,
             rules=self.rules,
+            metrics=self.metrics,
             models=config.models,
             scrubber=scrubber or Scrubber.for_config(config.models, config.secret_env),
             resolve=config.resolver,
@@ -165,7 +174,9 @@ class Daemon:
             await self.audit.append("event", event="leftovers_removed", detail=leftovers)
         if not config.os_sandbox:
             self.support = SandboxSupport(
-                False, "the OS sandbox is turned off in gatewayd's configuration (--no-os-sandbox)"
+                False,
+                "the OS sandbox is turned off in gatewayd's configuration (os_sandbox: false, "
+                "from --no-os-sandbox, GATEWAYD_OS_SANDBOX or the configuration file)",
             )
         else:
             probe_user = self.uid_pool.acquire()
@@ -215,12 +226,14 @@ class Daemon:
         """
         try:
             run = self.registry.create(request)
+            structlog.contextvars.bind_contextvars(run_id=run.run_id)  # this task's lines
             try:
                 await self._isolate(run)
             except BaseException:
                 self.registry.remove(run)
                 raise
         except Exception as exc:
+            self.metrics.runs_refused.inc((str(_refusal_code(exc)),))
             await self.audit.append(
                 "event",
                 event="run_refused",
@@ -257,6 +270,7 @@ class Daemon:
                 run.move_to(RunState.FAILED)
                 self.registry.remove(run)
             raise
+        self.metrics.runs_started.inc()
         log.info("run_started", run_id=run.run_id, policy=run.spec.policy.name)
         return run
 
@@ -434,6 +448,7 @@ class Daemon:
         run = self.registry.get(run_id)
         if run is None:
             raise LookupError(f"no run {run_id}")
+        structlog.contextvars.bind_contextvars(run_id=run_id)  # this task's lines
         if run.sandbox is None:
             raise SandboxUnavailable(
                 f"run {run_id} has no OS sandbox ({run.degraded}); commands run only inside "
@@ -476,6 +491,9 @@ class Daemon:
         return result
 
     async def _serve(self, run: Run, *, task_status: trio.TaskStatus[None]) -> None:
+        # Every line logged by this task and the tasks it starts (the run's connections,
+        # calls, services, egress proxy) carries the run's id.
+        structlog.contextvars.bind_contextvars(run_id=run.run_id)
         max_runtime = run.spec.request.limits.maxRuntimeSec
         try:
             with trio.move_on_after(max_runtime) as scope:
@@ -662,6 +680,7 @@ class Daemon:
             log.error("run_end_not_audited", run_id=run.run_id, reason=run.end_reason)
         finally:
             run.finished.set()
+            self.metrics.runs_ended.inc((run.end_reason,))
             log.info("run_ended", run_id=run.run_id, reason=run.end_reason)
 
     # -- reload (SIGHUP) ------------------------------------------------------------------
@@ -743,6 +762,7 @@ class Daemon:
                 "policy_dirs",
                 "max_frame_bytes",
                 "audit_fsync",
+                "audit_max_bytes",
                 "os_sandbox",
                 "bwrap",
                 "netns_prefix",
@@ -906,7 +926,10 @@ async def open_daemon(
     scrubber = Scrubber.for_config(config.models, config.secret_env)
     async with (
         open_audit_log(
-            config.resolved_audit_path, fsync=config.audit_fsync, scrubber=scrubber
+            config.resolved_audit_path,
+            fsync=config.audit_fsync,
+            scrubber=scrubber,
+            max_bytes=config.audit_max_bytes,
         ) as audit,
         trio.open_nursery() as nursery,
     ):

@@ -29,6 +29,7 @@ from gatewayd.argsummary import args_digest, sha256_digest, summarize
 from gatewayd.audit import AuditLog, AuditWriteError, Peer
 from gatewayd.config import ModelAlias
 from gatewayd.errors import GatewayError
+from gatewayd.metrics import METRICS, UNKNOWN_TOOL, GatewayMetrics, ToolMeter
 from gatewayd.policy import Allow, allowed_tools, decide, tool_allowed
 from gatewayd.protocol import (
     ErrorCode,
@@ -76,6 +77,7 @@ class Dispatcher:
         models: Mapping[str, ModelAlias] | None = None,
         scrubber: Scrubber | None = None,
         resolve: Callable[[str, int], Awaitable[tuple[Any, ...]]] | None = None,
+        metrics: GatewayMetrics = METRICS,
     ) -> None:
         self.audit = audit
         self.tools = tools
@@ -86,6 +88,32 @@ class Dispatcher:
         self.resolve = resolve
         # Default: the keys of the models given (none given: a scrubber that does nothing).
         self.scrubber = scrubber if scrubber is not None else Scrubber.for_config(self.models)
+        # Metric series held here, so counting a call is a dict lookup and an add.
+        self.metrics = metrics
+        self._meters = {name: metrics.tool_meter(name) for name in (TOOLS_LIST, *tools)}
+        self._unknown_meter = metrics.tool_meter(UNKNOWN_TOOL)
+        self._denials = {code: metrics.denials.cell((str(code),)) for code in ErrorCode}
+
+    def _meter(self, tool: str) -> ToolMeter:
+        """A tool's series; a name not in the tool table counts as ``unknown``, so no
+        name a run makes up becomes a series."""
+        meter = self._meters.get(tool)
+        if meter is None:
+            if tool not in self.tools:
+                return self._unknown_meter
+            meter = self._meters[tool] = self.metrics.tool_meter(tool)
+        return meter
+
+    def _count_denied(self, tool: str, code: ErrorCode) -> None:
+        (self._meters.get(tool) or self._meter(tool)).denied.value += 1
+        self._denials[code].value += 1
+
+    def _count_allowed(self, tool: str, seconds: float, code: ErrorCode | None) -> None:
+        meter = self._meters.get(tool) or self._meter(tool)
+        meter.allowed.value += 1
+        meter.duration.observe(seconds)
+        if code is not None:
+            self.metrics.call_failures.inc((str(code),))
 
     # -- frames that never became requests -------------------------------------
 
@@ -130,6 +158,7 @@ class Dispatcher:
             durationMs=0.0,
         )
         run.count(str(err.code))
+        self._count_denied("", err.code)
         return error_response(err.tool_call_id, err.code, message)
 
     # -- requests --------------------------------------------------------------
@@ -148,6 +177,7 @@ class Dispatcher:
     def _audit_down(self, run: Run, tool_call_id: str | None, tool: str | None) -> Response:
         log.error("audit_unavailable", run_id=run.run_id, tool=tool)
         run.count(str(ErrorCode.INTERNAL))
+        self._count_denied(tool or "", ErrorCode.INTERNAL)
         message = "the audit log cannot be written, so no call can run; tell the operator"
         return error_response(tool_call_id, ErrorCode.INTERNAL, message)
 
@@ -214,6 +244,7 @@ class Dispatcher:
                 durationMs=round((self.clock() - started) * 1000, 3),
             )
             run.count(code)
+            self._count_allowed(req.tool, self.clock() - started, refusal.code)
             return error_response(req.toolCallId, refusal.code, message)
         except trio.Cancelled:
             # The run or the daemon is ending under this call: its write-ahead entry
@@ -228,6 +259,7 @@ class Dispatcher:
                 durationMs=round((self.clock() - started) * 1000, 3),
             )
             run.count(str(ErrorCode.INTERNAL))
+            self._count_allowed(req.tool, self.clock() - started, ErrorCode.INTERNAL)
             raise
 
         self.audit.record(
@@ -240,6 +272,7 @@ class Dispatcher:
             outputBytes=len(payload),
         )
         run.count(None)
+        self._count_allowed(req.tool, self.clock() - started, None)
         # The value goes out as the bytes just measured and digested: encoded once.
         return ok_response(req.toolCallId, msgspec.Raw(payload))
 
@@ -405,6 +438,8 @@ class Dispatcher:
             )
         finally:
             run.limiter.release()
+        if outcome is not None:
+            self.metrics.reviews.observe(outcome.latency_ms / 1000, (str(outcome.source),))
         return outcome, rules.digest
 
     def _deny(
@@ -442,6 +477,7 @@ class Dispatcher:
             durationMs=round((self.clock() - started) * 1000, 3),
         )
         run.count(str(refusal.code))
+        self._count_denied(req.tool, refusal.code)
         return error_response(req.toolCallId, refusal.code, message)
 
 

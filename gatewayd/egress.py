@@ -46,6 +46,7 @@ import trio
 
 from gatewayd.audit import AuditLog, AuditWriteError, Peer
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation
+from gatewayd.metrics import DENIED, METRICS
 from gatewayd.policy.model import NetworkSection
 from gatewayd.policy.rate import TokenBucket
 from gatewayd.protocol import ErrorCode
@@ -357,6 +358,7 @@ class EgressProxy:
             log.exception("egress_failed", run_id=self.run_id)
             outcome.fail(ErrorCode.INTERNAL, "gatewayd failed while proxying; see its log")
         finally:
+            METRICS.egress_connections.inc((outcome.verdict,))
             if trio.current_effective_deadline() == -math.inf:  # cancelled from outside
                 outcome.fail(None, "closed by gatewayd: the run is ending")
             with trio.CancelScope(shield=True):
@@ -379,6 +381,7 @@ class EgressProxy:
         one such refusal per code per second (the next entry counts those left out) and
         lets only a few linger for their client to read the answer."""
         start = trio.current_time()
+        METRICS.egress_connections.inc((DENIED,))
         suppressed = throttle.admit(str(code), start)
         lingering = throttle.lingering < MAX_LINGERING_REFUSALS
         throttle.lingering += lingering

@@ -3,7 +3,10 @@
 Public names are re-exported here; the modules behind them are:
 ``line`` (hash primitives), ``entry`` (schema and limits), ``chain`` (the recipe),
 ``head`` (the head file), ``tail`` (finding the end of an existing log), ``writer``
-(the trio writer with group commit), ``verify`` and ``show`` (the CLI's readers).
+(the trio writer with group commit and size-based rotation), ``segments`` (closed
+segment names), ``verify`` and ``show`` (the CLI's readers), ``query`` (reading every
+segment, the filters), ``report`` (stats, a run's result bundle), ``export`` and
+``follow`` (``tail -f``).
 """
 
 from gatewayd.audit.chain import GENESIS, ChainPosition

@@ -133,6 +133,18 @@ class Chain:
     def position(self) -> ChainPosition:
         return ChainPosition(self._seq, self._hash)
 
+    def rewind(self, position: ChainPosition) -> None:
+        """Go back to ``position``, forgetting the entries sealed after it.
+
+        Only for lines that were never handed to anyone: the writer seals an entry,
+        finds it would overflow the active segment, and seals a ``segment_open`` event
+        in its place first. ``position`` must be an earlier position of this chain.
+        """
+        if position.seq > self._seq:
+            raise ValueError(f"cannot rewind from seq {self._seq} forward to {position.seq}")
+        self._seq = position.seq
+        self._hash = position.hash
+
     def append(self, kind: str, fields: Mapping[str, Any]) -> tuple[int, str, bytes]:
         """Seal the next entry; returns ``(seq, hash, line)``.
 

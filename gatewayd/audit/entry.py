@@ -75,6 +75,8 @@ class AuditEvent(enum.StrEnum):
     AUDIT_OPEN = "audit_open"
     AUDIT_CLOSE = "audit_close"
     TORN_TAIL_RECOVERED = "torn_tail_recovered"
+    # The first entry of a new active segment: names the closed segment before it.
+    SEGMENT_OPEN = "segment_open"
     RUN_CREATED = "run_created"
     RUN_REFUSED = "run_refused"
     RUN_ENDED = "run_ended"

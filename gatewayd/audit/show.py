@@ -8,7 +8,7 @@ characters escaped, so a logged string cannot drive the reviewer's terminal.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -60,7 +60,8 @@ def _is_denied(entry: Mapping[str, Any]) -> bool:
 
 def _message(entry: Mapping[str, Any]) -> str:
     if "broken" in entry:
-        return f"line {entry.get('line')}: {entry['broken']}"
+        where = f"{entry['segment']} " if entry.get("segment") else ""
+        return f"{where}line {entry.get('line')}: {entry['broken']}"
     if entry.get("kind") == "event":
         detail = entry.get("detail")
         tail = "" if detail is None else " " + msgspec.json.encode(detail).decode()
@@ -72,6 +73,23 @@ def _message(entry: Mapping[str, Any]) -> str:
     if entry.get("argsSummary") is not None:
         return msgspec.json.encode(entry["argsSummary"]).decode()
     return ""
+
+
+def format_row(entry: Mapping[str, Any]) -> str:
+    """One row of the table (``tail`` prints rows as they come)."""
+    return _row(entry)
+
+
+def table_header() -> str:
+    """The table's two header lines."""
+    header = " ".join(
+        [
+            h.rjust(w) if h in ("SEQ", "MS") else h.ljust(w)
+            for h, w in zip(_HEADERS, _WIDTHS, strict=False)
+        ]
+        + [_HEADERS[-1]]
+    )
+    return header + "\n" + "-" * len(header)
 
 
 def _row(entry: Mapping[str, Any]) -> str:
@@ -99,21 +117,16 @@ def format_table(
     *,
     run_id: str | None = None,
     denied_only: bool = False,
+    keep: Callable[[Mapping[str, Any]], bool] | None = None,
 ) -> str:
     """A fixed-width table of ``entries``.
 
     ``run_id`` keeps the entries of runs whose id equals it or starts with it (the
     table shows id prefixes); ``denied_only`` keeps entries with decision ``deny`` or
-    an errorCode. Broken lines are always shown.
+    an errorCode; ``keep`` is any other test (``EntryFilter.keeps``). Broken lines
+    are always shown.
     """
-    header = " ".join(
-        [
-            h.rjust(w) if h in ("SEQ", "MS") else h.ljust(w)
-            for h, w in zip(_HEADERS, _WIDTHS, strict=False)
-        ]
-        + [_HEADERS[-1]]
-    )
-    rows = [header, "-" * len(header)]
+    rows = [table_header()]
     shown = total = 0
     for entry in entries:
         total += 1
@@ -122,6 +135,8 @@ def format_table(
             if run_id is not None and not (isinstance(run, str) and run.startswith(run_id)):
                 continue
             if denied_only and not _is_denied(entry):
+                continue
+            if keep is not None and not keep(entry):
                 continue
         rows.append(_row(entry))
         shown += 1

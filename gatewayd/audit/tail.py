@@ -85,6 +85,10 @@ def anchor_at_head(window: TailWindow, head: HeadRecord) -> ChainPosition:
         if head.end != 0 or not hashes_equal(head.hash, GENESIS.hash):
             raise TailError("its head file is inconsistent (seq 0 with data)")
         return GENESIS
+    if head.end == 0:
+        # Just rotated: the last durable entry is the last one of the closed segment,
+        # and this file continues the chain from it.
+        return ChainPosition(head.seq, head.hash)
     if window.size < head.end:
         raise TailError(
             f"the log is {window.size} bytes, but its head file says entry seq {head.seq} "

@@ -8,15 +8,25 @@ conclude; checking stops there, because nothing after a break can be trusted to 
 chain. A break followed by a matching ``torn_tail_recovered`` event is the trace of a
 crash the daemon recovered from at restart: a warning, not a failure. Finally the
 head file, if any, must not claim an entry beyond the end of the log.
+
+A rotated log is verified as one chain: the closed segments in number order, then
+the active file (``segments.log_files``). At a segment boundary the first entry must
+follow the last entry of the segment before it. When it does not and its seq jumps
+ahead, a segment is missing: that is reported, naming the segment (from the numbers
+or from the ``segment_open`` event), and checking goes on from there so every later
+gap is reported too. When the oldest remaining file starts with a ``segment_open``
+event past seq 1, the segments before it are gone (retention): the report is
+*partial* (``partial_from``), and the chain is verified from that entry on.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
 import hashlib
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Final, NamedTuple
 
@@ -32,6 +42,7 @@ from gatewayd.audit.chain import (
 from gatewayd.audit.entry import MAX_LINE_BYTES, AuditEvent
 from gatewayd.audit.head import HeadFormatError, HeadRecord, head_path, read_head
 from gatewayd.audit.line import hashes_equal
+from gatewayd.audit.segments import log_files, segment_number, segment_path
 
 # A recovered torn region is at most one flush batch; look no further for its event.
 _MAX_RECOVERY_SCAN_BYTES: Final = 16 * 1024 * 1024
@@ -50,14 +61,18 @@ class ProblemKind(enum.StrEnum):
     RECOVERED = "recovered"  # warning: a torn write recovered at restart
     NO_HEAD = "no_head"  # warning: truncation of the tail cannot be detected
     EMPTY = "empty"  # warning: no entries at all
+    PARTIAL = "partial"  # the oldest segments are gone: verified from a later entry on
+    NO_ACTIVE = "no_active"  # warning: only closed segments (an interrupted rotation)
 
 
 class Problem(NamedTuple):
-    """One finding: the 1-based line it is about (0 = the file as a whole)."""
+    """One finding: the 1-based line it is about (0 = the file as a whole), and the
+    file's name when the log has more than one segment."""
 
     line: int
     kind: ProblemKind
     message: str
+    segment: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,18 +85,28 @@ class VerifyReport:
     warnings: tuple[Problem, ...]
     last_seq: int
     last_hash: str
+    segments: int = 1  # files read (closed segments and the active file)
+    # The seq the remaining log starts at when its oldest segments are gone (else None).
+    partial_from: int | None = None
 
     def render(self) -> str:
         """What ``gatewayd audit verify`` prints."""
-        if self.ok:
+        files = f" in {self.segments} segments" if self.segments > 1 else ""
+        if self.ok and self.partial_from is not None:
             lines = [
-                f"OK: {self.entries} entries, chain intact, last hash {self.last_hash} "
-                f"(seq {self.last_seq})"
+                f"PARTIAL: the log starts at seq {self.partial_from} (the segments before "
+                f"it are gone); from there {self.entries} entries{files}, chain intact, "
+                f"last hash {self.last_hash} (seq {self.last_seq})"
+            ]
+        elif self.ok:
+            lines = [
+                f"OK: {self.entries} entries{files}, chain intact, last hash "
+                f"{self.last_hash} (seq {self.last_seq})"
             ]
         else:
             lines = [
-                f"FAILED: the audit log does not verify; {self.entries} entries were intact "
-                "before the first problem"
+                f"FAILED: the audit log does not verify; {self.entries} entries{files} "
+                "verified intact (up to the first break, or between missing segments)"
             ]
             lines += [_render_one("problem", p) for p in self.problems]
         lines += [_render_one("warning", w) for w in self.warnings]
@@ -90,6 +115,8 @@ class VerifyReport:
 
 def _render_one(label: str, finding: Problem) -> str:
     where = f"line {finding.line}" if finding.line else "file"
+    if finding.segment:
+        where = f"{finding.segment} {where}" if finding.line else finding.segment
     return f"  {label} ({finding.kind}, {where}): {finding.message}"
 
 
@@ -281,6 +308,9 @@ class _Walk:
     lines: int = 0
     previous: _Line | None = None
     problem: Problem | None = None
+    first_file: bool = True  # the file being read is the oldest one there is
+    gaps: list[Problem] = field(default_factory=list)  # missing segments (boundaries)
+    partial_from: int | None = None
 
     def accept(self, line: _Line, sealed: SealedEntry) -> None:
         head = self.head
@@ -299,14 +329,44 @@ class _Walk:
         self.position, self.entries, self.previous = sealed.position, self.entries + 1, line
 
 
-def _walk(reader: _LineReader, head: HeadRecord | None, warnings: list[Problem]) -> _Walk:
-    state = _Walk(head)
+def _walk(
+    reader: _LineReader,
+    state: _Walk,
+    warnings: list[Problem],
+    describe_gap: Callable[[SealedEntry, int], str],
+) -> _Walk:
+    """Walk one file, continuing ``state`` (the chain so far, from earlier segments)."""
+    state.previous = None
     while state.problem is None and (line := reader.next()) is not None:
         state.lines = line.no
         sealed = _sealed_or_none(line.content) if line.complete else None
         if sealed is not None and follows(state.position, sealed):
             state.accept(line, sealed)
             continue
+        if line.no == 1 and sealed is not None and sealed.entry.seq > state.position.seq + 1:
+            expected = state.position.seq + 1
+            if not state.first_file:
+                # A segment boundary that jumps ahead: a whole segment is gone. Say
+                # which, then go on from here to find every other gap.
+                state.gaps.append(Problem(1, ProblemKind.MISSING, describe_gap(sealed, expected)))
+                state.accept(line, sealed)
+                continue
+            if sealed.entry.event == AuditEvent.SEGMENT_OPEN:
+                before = (sealed.entry.detail or {}).get("previousSegment")
+                state.partial_from = sealed.entry.seq
+                warnings.append(
+                    Problem(
+                        1,
+                        ProblemKind.PARTIAL,
+                        f"the oldest remaining segment starts at seq {sealed.entry.seq} with "
+                        f"a segment_open event: the segments before it (the last of them "
+                        f"{before}) are gone, e.g. deleted for retention, so seq 1.."
+                        f"{sealed.entry.seq - 1} cannot be checked; verified from seq "
+                        f"{sealed.entry.seq} on",
+                    )
+                )
+                state.accept(line, sealed)
+                continue
         recovery = _try_recovery(reader, line, state.position)
         if recovery.event is None or recovery.event_line is None:
             reader.rewind_to_after(line)
@@ -329,12 +389,45 @@ def _walk(reader: _LineReader, head: HeadRecord | None, warnings: list[Problem])
     return state
 
 
-def verify_file(path: Path) -> VerifyReport:
-    """Verify the audit log at ``path`` (and its head file, if any).
+def _gap_describer(active: Path, before: Path, this: Path) -> Callable[[SealedEntry, int], str]:
+    """How to name what is missing between the files ``before`` and ``this``."""
 
-    Error handling: OSError when the log cannot be read (e.g. FileNotFoundError)
-    passes through; everything wrong *inside* the files is a problem in the report.
+    def describe(sealed: SealedEntry, expected: int) -> str:
+        seq = sealed.entry.seq
+        low = segment_number(active, before) or 0
+        high = segment_number(active, this)
+        if high is None:  # the active file: its segment_open names the one before it
+            named = (sealed.entry.detail or {}).get("previousSegment")
+            number = segment_number(active, active.with_name(str(named))) if named else None
+            high = number + 1 if number is not None else low + 1
+        names = [segment_path(active, n).name for n in range(low + 1, high)]
+        what = (
+            f"segment {names[0]} is missing"
+            if len(names) == 1
+            else f"segments {names[0]}..{names[-1]} are missing"
+            if names
+            else "entries are missing at the start of this segment"
+        )
+        return (
+            f"{what}: {before.name} ends at seq {expected - 1} and {this.name} starts at "
+            f"seq {seq}, so seq {expected}..{seq - 1} ({seq - expected} entries) are not "
+            "in the log; verified on from there"
+        )
+
+    return describe
+
+
+def verify_file(path: Path) -> VerifyReport:
+    """Verify the audit log whose active file is ``path``: its closed segments in
+    order, then ``path`` itself, and its head file, if any.
+
+    Error handling: FileNotFoundError when there is neither the file nor a segment of
+    it; other OSErrors from reading pass through; everything wrong *inside* the files
+    is a problem in the report.
     """
+    files = log_files(path)
+    if not files:
+        raise FileNotFoundError(errno.ENOENT, "no audit log", str(path))
     problems: list[Problem] = []
     warnings: list[Problem] = []
     head: HeadRecord | None = None
@@ -344,13 +437,38 @@ def verify_file(path: Path) -> VerifyReport:
         problems.append(
             Problem(0, ProblemKind.HEAD, f"the head file {head_path(path)} is damaged: {exc}")
         )
-    with path.open("rb") as file:
-        state = _walk(_LineReader(file), head, warnings)
+    many = len(files) > 1
+    if files[-1] != path:
+        warnings.append(
+            Problem(
+                0,
+                ProblemKind.NO_ACTIVE,
+                f"there is no active file {path.name}, only closed segments: a rotation was "
+                "interrupted (gatewayd makes it when it next opens the log), or it was removed",
+            )
+        )
+    state = _Walk(head)
+    for index, file in enumerate(files):
+        state.first_file = index == 0
+        before = files[index - 1] if index else file
+        seen = len(warnings), len(state.gaps)
+        with file.open("rb") as reader:
+            _walk(_LineReader(reader), state, warnings, _gap_describer(path, before, file))
+        if many:
+            named = file.name
+            warnings[seen[0] :] = [w._replace(segment=named) for w in warnings[seen[0] :]]
+            state.gaps[seen[1] :] = [g._replace(segment=named) for g in state.gaps[seen[1] :]]
+            if state.problem is not None:
+                state.problem = state.problem._replace(segment=named)
+        if state.problem is not None:
+            break
+    problems.extend(state.gaps)
     if state.problem is not None:
         problems.append(state.problem)
     # After a torn last line the chain before it still stands, so the head still counts.
     if state.problem is None or state.problem.kind is ProblemKind.TORN:
-        problems.extend(_head_findings(path, head, state, warnings, damaged=bool(problems)))
+        findings = _head_findings(path, head, state, warnings, damaged=bool(problems))
+        problems.extend(f._replace(segment=files[-1].name) if many else f for f in findings)
     return VerifyReport(
         ok=not problems,
         entries=state.entries,
@@ -358,6 +476,8 @@ def verify_file(path: Path) -> VerifyReport:
         warnings=tuple(warnings),
         last_seq=state.position.seq,
         last_hash=state.position.hash,
+        segments=len(files),
+        partial_from=state.partial_from,
     )
 
 

@@ -25,9 +25,21 @@ bottleneck. The file offsets and line count (for the head record) are the flushe
 alone. The durable seq, the failure and the waiters' event are trio's, changed only
 by callbacks the flusher schedules.
 
+Rotation (``max_bytes``): when an entry would take the active file past the limit,
+``record()`` seals a ``segment_open`` event first and queues a *rotate* marker before
+it. The flusher writes and syncs everything before the marker and the head file,
+renames the active file to the next closed segment (``audit.jsonl.000001``...),
+creates a new active file, syncs the directory, points the head file at the new file
+(``end=0``, the last entry's seq and hash) and goes on with ``segment_open``: seq and
+hash continue, so
+the chain runs across segments. The crash states this can leave, and why each one
+is recovered at the next open without losing or repeating an entry, are in
+docs/audit.md ("Rotation").
+
 Resource handling: ``open_audit_log`` owns two file descriptors (the log, opened
-O_APPEND, and its head file), an exclusive flock on the log, so a second gatewayd
-cannot interleave its own chain, and the flusher thread. They are released when the
+O_APPEND, and its head file), an exclusive flock on both (the log's inode changes at
+each rotation; the head file's does not), so a second gatewayd cannot interleave its
+own chain, and the flusher thread. They are released when the
 context exits, after an ``audit_close`` entry is durable: the flusher is stopped and
 joined before the descriptors are closed.
 
@@ -57,7 +69,7 @@ from typing import Final, Unpack
 
 import trio
 
-from gatewayd.audit.chain import GENESIS, NO_SECRETS, Chain
+from gatewayd.audit.chain import GENESIS, NO_SECRETS, Chain, ChainPosition, SealedEntry
 from gatewayd.audit.entry import MAX_LINE_BYTES, AuditEvent, EntryFields, EntryKind
 from gatewayd.audit.head import (
     HeadFormatError,
@@ -66,8 +78,10 @@ from gatewayd.audit.head import (
     head_path,
     read_head,
 )
+from gatewayd.audit.segments import list_segments, segment_path
 from gatewayd.audit.tail import ChainEnd, TailError, TailWindow, anchor_at_head, last_valid, walk
 from gatewayd.errors import GatewayError
+from gatewayd.metrics import METRICS
 from gatewayd.protocol import ErrorCode
 from gatewayd.secrets import Scrubber
 
@@ -85,8 +99,14 @@ MAX_TAIL_SCAN_BYTES: Final = 2 * MAX_BATCH_BYTES + 2 * MAX_LINE_BYTES
 RESULT_SYNC_DELAY_S: Final = 0.002
 # Counting lines without a head file reads the whole log once, in chunks of this.
 _COUNT_CHUNK_BYTES: Final = 1024 * 1024
-# A file that holds no entry at all is only resumed if it starts like our first line.
+# A file that holds no entry at all is only resumed if it starts like our first line
+# (or, after a rotation, like any line).
 _FIRST_LINE_PREFIX: Final = b'{"seq":1,"time":"'
+_ANY_LINE_PREFIX: Final = b'{"seq":'
+# The default size of one segment (DaemonConfig.audit_max_bytes): big enough that a
+# busy daemon rotates a few times a day, not every minute; small enough that a
+# segment is copied, verified or archived in seconds. 0 never rotates.
+DEFAULT_MAX_SEGMENT_BYTES: Final = 64 * 1024 * 1024
 _DIR_MODE: Final = 0o700
 _FILE_MODE: Final = 0o600
 
@@ -125,6 +145,23 @@ class _Opened:
     lines: int  # lines up to chain_end.end
     head: HeadRecord | None
     torn_terminated: bool  # a newline was written to end a torn region
+    last_segment: int  # the highest closed segment number found (0: none)
+    # The active file holds no entry yet but continues a chain: the last closed
+    # segment's name (None when it is gone), so open records ``segment_open`` first.
+    continues_segment: str | None
+    continues: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Rotate:
+    """Queued before a ``segment_open`` line: close the active file as segment
+    ``number``, whose last entry is ``after``, and start a new one."""
+
+    number: int
+    after: ChainPosition
+
+
+_Pending = tuple[bytes, str] | _Rotate
 
 
 class AuditLog:
@@ -147,6 +184,11 @@ class AuditLog:
         self._fsync = fsync
         self._sync_delay_s = sync_delay_s
         self._chain = Chain(opened.chain_end.position, clock, scrubber)
+        # Rotation (trio's): the limit is set by open_audit_log once its own entries
+        # are queued; the bytes the active file will hold once everything queued is
+        # written; the number the active file gets when it is closed.
+        self._max_bytes = 0
+        self._next_segment = opened.last_segment + 1
         # -- trio's: changed on the trio thread only --
         self._durable_seq = opened.chain_end.position.seq
         self._queued_seq = self._durable_seq  # last seq handed to the flusher
@@ -157,7 +199,7 @@ class AuditLog:
         self._thread: threading.Thread | None = None
         # -- shared: only under self._lock --
         self._lock = threading.Lock()
-        self._pending: list[tuple[bytes, str]] = []
+        self._pending: list[_Pending] = []
         self._pending_since = 0.0  # monotonic time the oldest pending line was queued
         self._wanted_seq = self._durable_seq  # the highest seq a waiter waits for
         self._taken_seq = self._durable_seq  # the last seq the flusher took
@@ -175,6 +217,7 @@ class AuditLog:
         torn = opened.chain_end.torn + (b"\n" if opened.torn_terminated else b"")
         self._end = opened.chain_end.end + len(torn)
         self._lines = opened.lines + torn.count(b"\n")
+        self._queued_end = self._end  # trio's
 
     # -- state ---------------------------------------------------------------------
 
@@ -193,7 +236,7 @@ class AuditLog:
         return self._failure is not None
 
     def fileno(self) -> int:
-        """The log's file descriptor (O_APPEND, write-only)."""
+        """The active file's descriptor (O_APPEND, write-only); a rotation replaces it."""
         return self._fd
 
     # -- the hot path (trio thread) ------------------------------------------------
@@ -209,17 +252,47 @@ class AuditLog:
         Error handling: ValueError for a bad field, naming it and what it may hold;
         nothing is recorded then.
         """
+        before = self._chain.position
         seq, digest, line = self._chain.append(kind, fields)
-        if self._failure is None and not self._closing:
-            with self._lock:
-                ring = not self._pending and self._idle  # to start the flusher's timer
-                if not self._pending:
-                    self._pending_since = time.monotonic()
-                self._pending.append((line, digest))
-            self._queued_seq = seq
-            if ring:
-                self._ring()
+        if self._failure is not None or self._closing:
+            return seq
+        if self._max_bytes and self._queued_end and self._queued_end + len(line) > self._max_bytes:
+            # It would overflow the active segment: seal segment_open in its place,
+            # queue the rotation before it, then seal the entry again after it. The
+            # first sealing was never queued, so nothing outside saw it.
+            self._chain.rewind(before)
+            number = self._next_segment
+            self._next_segment += 1
+            opener_seq, opener_digest, opener = self._chain.append(
+                EntryKind.EVENT,
+                {
+                    "event": AuditEvent.SEGMENT_OPEN,
+                    "detail": {
+                        "previousSegment": segment_path(self.path, number).name,
+                        "previousSeq": before.seq,
+                        "previousHash": before.hash,
+                        "maxBytes": self._max_bytes,
+                    },
+                },
+            )
+            self._queue(_Rotate(number, before), None)
+            self._queued_end = 0
+            self._queue((opener, opener_digest), opener_seq)
+            seq, digest, line = self._chain.append(kind, fields)
+        self._queue((line, digest), seq)
         return seq
+
+    def _queue(self, item: _Pending, seq: int | None) -> None:
+        with self._lock:
+            ring = not self._pending and self._idle  # to start the flusher's timer
+            if not self._pending:
+                self._pending_since = time.monotonic()
+            self._pending.append(item)
+        if seq is not None:
+            self._queued_seq = seq
+            self._queued_end += len(item[0]) if isinstance(item, tuple) else 0
+        if ring:
+            self._ring()
 
     async def durable(self, seq: int) -> None:
         """Return once every entry up to ``seq`` is written and synced.
@@ -272,6 +345,9 @@ class AuditLog:
         """Flusher thread: flush whatever is wanted or due until stopped or failed."""
         try:
             while (work := self._next_batch()) is not None:
+                if isinstance(work, _Rotate):
+                    self._rotate(work)
+                    continue
                 batch, head = work
                 self._write_batch(batch, head)
                 self._end, self._lines, self._written_seq = head.end, head.lines, head.seq
@@ -284,10 +360,12 @@ class AuditLog:
             with contextlib.suppress(trio.RunFinishedError):  # nobody is left to tell
                 token.run_sync_soon(self._on_failed, self._write_failure)
 
-    def _next_batch(self) -> tuple[bytes, HeadRecord] | None:
+    def _next_batch(self) -> tuple[bytes, HeadRecord] | _Rotate | None:
         """Flusher thread: sleep until a batch is wanted or due, then take it.
 
-        Returns None once stopped with nothing left to write.
+        A rotation marker at the front of the queue is returned alone (the lines
+        before it were written by the previous batch). Returns None once stopped with
+        nothing left to write.
         """
         while True:
             with self._lock:
@@ -295,6 +373,11 @@ class AuditLog:
                 if self._pending:
                     due_in = self._pending_since + self._sync_delay_s - time.monotonic()
                     if self._stopping or self._wanted_seq > self._taken_seq or due_in <= 0:
+                        first = self._pending[0]
+                        if isinstance(first, _Rotate):
+                            # The rest keeps the old _pending_since: it is due at once.
+                            del self._pending[0]
+                            return first
                         taken = self._take_lines()
                         break
                 elif self._stopping:
@@ -315,20 +398,18 @@ class AuditLog:
         return batch, head
 
     def _take_lines(self) -> list[tuple[bytes, str]]:
-        """Flusher thread, under the lock: take the queued lines, at most a batch."""
-        size, count = 0, 0
-        for line, _ in self._pending:
-            if count and size + len(line) > MAX_BATCH_BYTES:
+        """Flusher thread, under the lock: take the queued lines, at most a batch,
+        and never past a rotation marker."""
+        size = 0
+        taken: list[tuple[bytes, str]] = []
+        for item in self._pending:
+            if isinstance(item, _Rotate) or (taken and size + len(item[0]) > MAX_BATCH_BYTES):
                 break
-            size += len(line)
-            count += 1
-        if count == len(self._pending):
-            taken, self._pending = self._pending, []
-        else:
-            # The rest keeps the old _pending_since: it is due at once.
-            taken = self._pending[:count]
-            del self._pending[:count]
-        self._taken_seq += count
+            size += len(item[0])
+            taken.append(item)
+        # The rest keeps the old _pending_since: it is due at once.
+        del self._pending[: len(taken)]
+        self._taken_seq += len(taken)
         return taken
 
     def _write_batch(self, batch: bytes, head: HeadRecord) -> None:
@@ -340,10 +421,53 @@ class AuditLog:
                 raise OSError(errno.EIO, "write made no progress")
             view = view[written:]
         if self._fsync:
+            synced = time.perf_counter()
             os.fdatasync(self._fd)
+            METRICS.audit_fsync.observe(time.perf_counter() - synced)
         # Written after the sync, so the head never claims more than is durable. It
         # is not synced itself: after a power cut it may lag, which is safe.
         os.pwrite(self._head_fd, encode_head(head), 0)
+
+    def _rotate(self, rotate: _Rotate) -> None:
+        """Flusher thread: close the active file as a segment and start a new one.
+
+        Every line before the marker is written and synced (the batch before it). The
+        order makes each crash state recoverable (docs/audit.md, "Rotation"): sync the
+        head, rename, create, sync the directory, and only then point the head at the
+        new file.
+        """
+        if rotate.after.seq != self._written_seq:
+            raise RuntimeError(
+                f"rotation after seq {rotate.after.seq}, but seq {self._written_seq} was "
+                "the last written"
+            )
+        segment = segment_path(self.path, rotate.number)
+        if os.path.lexists(segment):
+            raise OSError(errno.EEXIST, f"cannot rotate: segment {segment} already exists")
+        if self._fsync:
+            # The head is not synced per batch (it may lag); here it must not: after a
+            # power cut it has to name the segment's last entry at its very end.
+            os.fsync(self._head_fd)
+        os.rename(self.path, segment)
+        fd = os.open(
+            self.path,
+            os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+            _FILE_MODE,
+        )
+        try:
+            _lock(fd, self.path)
+            if os.fstat(fd).st_size:
+                raise OSError(errno.EEXIST, f"{self.path} was created by someone else")
+            if self._fsync:
+                _sync_dir(self.path.parent)
+            head = HeadRecord(seq=rotate.after.seq, hash=rotate.after.hash, end=0, lines=0)
+            os.pwrite(self._head_fd, encode_head(head), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        old, self._fd = self._fd, fd
+        os.close(old)
+        self._end = self._lines = 0
 
     # -- what the flusher tells trio (run on the trio thread) -------------------------
 
@@ -438,18 +562,69 @@ def _count_lines(fd: int, end: int) -> int:
     return count
 
 
-def _find_chain_end(rfd: int, size: int, head: HeadRecord | None) -> tuple[ChainEnd, int]:
-    """Where the chain in the file ends, and how many lines come before that point."""
+def _end_at_head(rfd: int, size: int, head: HeadRecord) -> tuple[ChainEnd, int]:
+    if size - head.end > MAX_TAIL_SCAN_BYTES:
+        raise TailError(
+            f"{size - head.end} bytes follow the last durable entry (seq {head.seq}); "
+            f"a crash leaves at most {MAX_TAIL_SCAN_BYTES}: something else wrote the log"
+        )
+    start = max(0, head.end - MAX_LINE_BYTES - 1)
+    window = TailWindow(_pread_all(rfd, start, size), start)
+    chain_end = walk(window, head.end, anchor_at_head(window, head))
+    return chain_end, head.lines + chain_end.walked
+
+
+def _end_after(rfd: int, size: int, position: ChainPosition) -> tuple[ChainEnd, int]:
+    """A fresh active file that continues the chain from ``position`` (a closed
+    segment's last entry): follow it from its first byte."""
+    if size > MAX_TAIL_SCAN_BYTES:
+        raise TailError(f"its {size} bytes do not continue the last closed segment")
+    chain_end = walk(TailWindow(_pread_all(rfd, 0, size), 0), 0, position)
+    return chain_end, chain_end.walked
+
+
+def _segment_end(segment: Path) -> tuple[SealedEntry, int] | None:
+    """The last entry of a closed segment and the offset just past it."""
+    with segment.open("rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        start = max(0, size - 2 * MAX_LINE_BYTES)
+        file.seek(start)
+        return last_valid(TailWindow(file.read(), start))
+
+
+def _find_chain_end(
+    rfd: int, size: int, head: HeadRecord | None, segment: Path | None
+) -> tuple[ChainEnd, int]:
+    """Where the chain in the file ends, and how many lines come before that point.
+
+    ``segment`` is the last closed segment, if any: a rotation interrupted between the
+    rename and the head's move leaves the head describing it, and a new (empty, or
+    torn) active file, or none, that continues from its last entry.
+    """
     if head is not None:
-        if size - head.end > MAX_TAIL_SCAN_BYTES:
-            raise TailError(
-                f"{size - head.end} bytes follow the last durable entry (seq {head.seq}); "
-                f"a crash leaves at most {MAX_TAIL_SCAN_BYTES}: something else wrote the log"
-            )
-        start = max(0, head.end - MAX_LINE_BYTES - 1)
-        window = TailWindow(_pread_all(rfd, start, size), start)
-        chain_end = walk(window, head.end, anchor_at_head(window, head))
-        return chain_end, head.lines + chain_end.walked
+        try:
+            return _end_at_head(rfd, size, head)
+        except TailError:
+            if segment is None or head.end == 0:
+                raise
+            found = _segment_end(segment)
+            if (
+                found is None
+                or found[1] != head.end
+                or found[1] != segment.stat().st_size
+                or found[0].position != ChainPosition(head.seq, head.hash)
+            ):
+                raise
+            return _end_after(rfd, size, found[0].position)
+    if segment is not None and size <= MAX_TAIL_SCAN_BYTES:
+        data = _pread_all(rfd, 0, size)
+        if last_valid(TailWindow(data, 0)) is None and (
+            not data or data.startswith(_ANY_LINE_PREFIX)
+        ):
+            found = _segment_end(segment)
+            if found is None:
+                raise TailError(f"its last closed segment {segment.name} holds no entry")
+            return _end_after(rfd, size, found[0].position)
     if size == 0:
         return ChainEnd(GENESIS, 0, 0, b""), 0
     span = min(size, 2 * MAX_LINE_BYTES)
@@ -494,10 +669,13 @@ def _open_files(path: Path, fsync: bool) -> _Opened:
             created.append(hpath)
         head_fd = os.open(hpath, os.O_RDWR | os.O_CREAT | flags, _FILE_MODE)
         fds.append(head_fd)
+        _lock(head_fd, hpath)
+        segments = list_segments(path)
+        last = segments[-1] if segments else None
         rfd = os.open(path, os.O_RDONLY | flags)
         try:
             size = os.fstat(rfd).st_size
-            chain_end, lines = _find_chain_end(rfd, size, head)
+            chain_end, lines = _find_chain_end(rfd, size, head, last[1] if last else None)
         except TailError as exc:
             raise AuditOpenError(
                 f"audit log {path} cannot be continued: {exc}. Run 'gatewayd audit verify "
@@ -514,7 +692,18 @@ def _open_files(path: Path, fsync: bool) -> _Opened:
                 os.fdatasync(fd)
             if created:
                 _sync_dir(path.parent)
-        return _Opened(fd, head_fd, chain_end, lines, head, terminated)
+        continues = chain_end.end == 0 and chain_end.position.seq > 0
+        return _Opened(
+            fd,
+            head_fd,
+            chain_end,
+            lines,
+            head,
+            terminated,
+            last_segment=last[0] if last else 0,
+            continues_segment=last[1].name if continues and last else None,
+            continues=continues,
+        )
     except BaseException:
         for each in fds:
             os.close(each)
@@ -522,7 +711,8 @@ def _open_files(path: Path, fsync: bool) -> _Opened:
 
 
 def _lock(fd: int, path: Path) -> None:
-    """Take the log for this process alone: two writers would fork the chain."""
+    """Take the log (or its head file) for this process alone: two writers would fork
+    the chain."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         raise AuditOpenError(f"audit log {path} is not a regular file")
     try:
@@ -565,6 +755,7 @@ async def open_audit_log(
     clock: Callable[[], int] = time.time_ns,
     sync_delay_s: float = RESULT_SYNC_DELAY_S,
     scrubber: Scrubber = NO_SECRETS,
+    max_bytes: int = 0,
 ) -> AsyncIterator[AuditLog]:
     """Open (or create) the audit log at ``path`` and continue its chain.
 
@@ -578,14 +769,21 @@ async def open_audit_log(
     only). ``clock`` returns ns since the epoch. ``sync_delay_s`` is how long an entry
     nobody waits for may stay queued (tests stretch it to make flushes predictable).
     ``scrubber``: the secrets no entry may hold, in any field (see ``Chain``); the
-    default scrubs nothing.
+    default scrubs nothing. ``max_bytes``: rotate the active file before an entry
+    would take it past this size (0, the default here, never rotates; a segment
+    always takes at least one entry besides its ``segment_open``). An active file
+    that holds no entry of its own yet but continues a closed segment (a rotation
+    was interrupted) starts with a ``segment_open`` event naming that segment.
 
     Error handling: AuditOpenError when the log is locked by another process, shorter
     than its head file says, rewritten, or not an audit log (the message says what to
     do); AuditWriteError when the first entries cannot be written; OSError from
     creating the files passes through; ValueError for a ``sync_delay_s`` below 0 or
-    beyond what a thread can wait (``threading.TIMEOUT_MAX``).
+    beyond what a thread can wait (``threading.TIMEOUT_MAX``), or a negative
+    ``max_bytes``.
     """
+    if max_bytes < 0:
+        raise ValueError(f"max_bytes must be 0 (never rotate) or more, not {max_bytes}")
     if not 0 <= sync_delay_s <= threading.TIMEOUT_MAX:
         raise ValueError(
             f"sync_delay_s must be 0 to {threading.TIMEOUT_MAX:g} seconds, not {sync_delay_s}"
@@ -602,6 +800,19 @@ async def open_audit_log(
                 event=AuditEvent.TORN_TAIL_RECOVERED,
                 detail=_torn_detail(opened),
             )
+        if opened.continues:
+            position = opened.chain_end.position
+            log.record(
+                EntryKind.EVENT,
+                event=AuditEvent.SEGMENT_OPEN,
+                detail={
+                    "previousSegment": opened.continues_segment,
+                    "previousSeq": position.seq,
+                    "previousHash": position.hash,
+                    "maxBytes": max_bytes,
+                    "recovered": True,
+                },
+            )
         seq = log.record(
             EntryKind.EVENT,
             event=AuditEvent.AUDIT_OPEN,
@@ -613,6 +824,7 @@ async def open_audit_log(
             },
         )
         await log.durable(seq)
+        log._max_bytes = max_bytes  # from here on; open's own entries stay together
         yield log
     finally:
         await log.aclose()

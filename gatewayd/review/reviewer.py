@@ -19,6 +19,7 @@ from typing import Any, Final
 import trio
 
 from gatewayd.config import ModelAlias
+from gatewayd.metrics import METRICS, GatewayMetrics
 from gatewayd.model_client import ModelCallError, complete, is_loaded, preload
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.review.cache import DecisionCache, cache_key
@@ -112,8 +113,10 @@ class Reviewer:
         cache_entries: int = 10_000,
         cache_ttl_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
+        metrics: GatewayMetrics = METRICS,
     ) -> None:
         self.models = dict(models)
+        self.metrics = metrics
         self.cache = DecisionCache(cache_entries, cache_ttl_s)
         self.clock = clock
         # Model calls run in worker threads: their own pool, so reviews neither starve
@@ -147,6 +150,8 @@ class Reviewer:
         key = cache_key(rules.digest, tool, args) if section.cache.max_entries else None
         if key is not None:
             hit = self.cache.get(key, self.clock())
+            metrics = self.metrics
+            (metrics.review_cache_misses if hit is None else metrics.review_cache_hits).inc()
             if hit is not None:
                 return ReviewOutcome(
                     allowed=hit.verdict.allowed,

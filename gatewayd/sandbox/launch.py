@@ -48,6 +48,7 @@ import prctl
 import trio
 
 from gatewayd.errors import GatewayError
+from gatewayd.metrics import METRICS
 from gatewayd.sandbox.cgroup import (
     CgroupError,
     CgroupSupport,
@@ -270,6 +271,9 @@ async def _start_and_supervise(
             for fd in child_ends:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        # Popen returns once the child has exec'd bwrap (or failed to): fork, the
+        # child's setup (netns, uid, pins) and the exec.
+        METRICS.sandbox_launch.observe(time.monotonic() - started)
     return await _supervise(process, started, out_r, err_r, in_w, stdin, limits, cgroup, echo)
 
 

@@ -92,3 +92,78 @@ def test_the_unit_passes_systemd_analyze_verify(short_tmp: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "gatewayd.service" not in done.stderr, done.stderr  # no warning about it
+
+
+def install(root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(BIN / "gatewayd"), "install-systemd", "--root", str(root), *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_install_systemd_writes_a_unit_for_this_installation_idempotently(
+    short_tmp: Path,
+) -> None:
+    root = short_tmp / "root"
+    first = install(root)
+    assert first.returncode == 0, first.stderr
+    unit = root / "etc/systemd/system/gatewayd.service"
+    config = root / "etc/gatewayd/gatewayd.yaml"
+    assert f"ExecStart={BIN / 'gatewayd'} serve" in unit.read_text()
+    assert oct(unit.stat().st_mode & 0o777) == "0o644"
+    assert oct(config.stat().st_mode & 0o777) == "0o640"
+    assert (root / "etc/gatewayd/policies").is_dir()
+    assert "systemctl enable --now gatewayd" in first.stdout
+    if shutil.which("systemd-analyze"):
+        verified = subprocess.run(
+            ["systemd-analyze", "verify", "--man=no", str(unit)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert verified.returncode == 0, verified.stderr
+    # The installed starting configuration is one gatewayd accepts.
+    from gatewayd.config import load_config
+
+    assert load_config(config).models == {}
+    # Again: nothing changes, the operator's configuration is kept.
+    config.write_text("models: {}\n# mine\n")
+    again = install(root)
+    assert again.returncode == 0
+    assert f"unchanged  {unit}" in again.stdout and f"kept  {config}" in again.stdout
+    assert config.read_text() == "models: {}\n# mine\n"
+
+
+def test_install_systemd_does_not_overwrite_a_changed_unit_without_force(
+    short_tmp: Path,
+) -> None:
+    root = short_tmp / "root"
+    assert install(root).returncode == 0
+    unit = root / "etc/systemd/system/gatewayd.service"
+    unit.write_text(unit.read_text() + "# a local change\n")
+    refused = install(root)
+    assert refused.returncode == 1
+    assert "differs from this version's unit" in refused.stderr and "--force" in refused.stderr
+    assert unit.read_text().endswith("# a local change\n")
+    forced = install(root, "--force")
+    assert forced.returncode == 0 and "# a local change" not in unit.read_text()
+
+
+def test_install_systemd_refuses_a_program_systemd_could_not_run(short_tmp: Path) -> None:
+    from gatewayd.install import InstallError, install_systemd
+
+    plain = short_tmp / "not-executable"
+    plain.write_text("")
+    with pytest.raises(InstallError, match="is not an executable gatewayd program"):
+        install_systemd(short_tmp / "root", program=plain)
+    spaced = short_tmp / "with space"
+    spaced.mkdir()
+    (spaced / "gatewayd").write_text("#!/bin/sh\n")
+    (spaced / "gatewayd").chmod(0o755)
+    with pytest.raises(InstallError, match="white space"):
+        install_systemd(short_tmp / "root", program=spaced / "gatewayd")
+    assert not (short_tmp / "root").exists()  # nothing written

@@ -64,8 +64,8 @@ async def make_log(path: Path, calls: int = 4) -> list[bytes]:
 def only_problem(report: VerifyReport) -> tuple[int, ProblemKind, str]:
     assert not report.ok
     assert len(report.problems) == 1, report.render()
-    line, kind, message = report.problems[0]
-    return line, kind, message
+    problem = report.problems[0]
+    return problem.line, problem.kind, problem.message
 
 
 async def test_intact_log_verifies_and_says_how_many_entries_and_the_last_hash(

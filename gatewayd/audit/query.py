@@ -1,0 +1,226 @@
+"""Reading a whole (rotated) log, and choosing entries from it: the reviewer's filters.
+
+:func:`read_log` yields every line of every segment in chain order, as it is written
+(``raw``) and as a dict; a line that is not a JSON object is kept as a *broken*
+record, never skipped. :class:`EntryFilter` holds the filters of ``gatewayd audit
+show|export|stats`` and decides per entry; actor and tenant are facts of a run (its
+``run_created`` event), so filtering on them needs the runs' index first
+(:func:`run_index`, one extra pass). Reading is not verifying: run ``verify``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fnmatch
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+
+from gatewayd.audit.entry import MAX_LINE_BYTES, AuditEvent
+from gatewayd.audit.segments import log_files
+
+_decoder: Final = msgspec.json.Decoder()
+BROKEN_REASON: Final = "not a JSON object (run 'gatewayd audit verify')"
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One line of the log: the file it is in, its 1-based line number, its bytes
+    (without the newline) and its entry (None for a broken line)."""
+
+    segment: str
+    line: int
+    raw: bytes
+    entry: dict[str, Any] | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The entry, or ``{"segment", "line", "broken"}`` for a broken line."""
+        if self.entry is not None:
+            return self.entry
+        return {"segment": self.segment, "line": self.line, "broken": BROKEN_REASON}
+
+
+def read_file(path: Path) -> Iterator[Record]:
+    """Every line of one file, in order."""
+    with path.open("rb") as file:
+        for no, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), 1):
+            content = raw[:-1] if raw.endswith(b"\n") else raw
+            try:
+                value = _decoder.decode(content)
+            except msgspec.DecodeError:
+                value = None
+            yield Record(path.name, no, content, value if isinstance(value, dict) else None)
+
+
+def read_log(path: Path) -> Iterator[Record]:
+    """Every line of the log whose active file is ``path``: closed segments first.
+
+    Error handling: FileNotFoundError when there is no log at all (neither the file
+    nor a segment of it); other OSErrors from reading pass through.
+    """
+    files = log_files(path)
+    if not files:
+        raise FileNotFoundError(2, "no audit log", str(path))
+    for file in files:
+        yield from read_file(file)
+
+
+# -- time -------------------------------------------------------------------------
+
+
+def parse_time(text: str) -> str:
+    """An ISO 8601 time as the log writes it (RFC 3339 UTC, microseconds), so entries
+    compare as text. A time without a zone is UTC; a date alone is its midnight.
+
+    Error handling: ValueError saying what was given and what is accepted.
+    """
+    try:
+        when = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise ValueError(
+            f"not an ISO 8601 time: {text!r}; write e.g. 2026-11-22T13:40:00Z, "
+            "2026-11-22T14:40:00+01:00 or 2026-11-22 (UTC when no zone is given)"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)
+    return when.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def time_ns_of(text: str) -> int | None:
+    """Nanoseconds since the epoch of an entry's ``time``, or None if it is not one."""
+    try:
+        when = dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC)
+    except (TypeError, ValueError):
+        return None
+    return (int(when.timestamp()) * 1_000_000 + when.microsecond) * 1000
+
+
+# -- runs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RunFacts:
+    """What the log says about who a run was for (its ``run_created`` event)."""
+
+    actor: str | None
+    tenant: str | None
+
+
+def run_index(records: Iterable[Record]) -> dict[str, RunFacts]:
+    """Run id -> actor and tenant, from the ``run_created`` events."""
+    runs: dict[str, RunFacts] = {}
+    for record in records:
+        entry = record.entry
+        if entry is None or entry.get("event") != AuditEvent.RUN_CREATED:
+            continue
+        detail = entry.get("detail")
+        run = entry.get("runId")
+        if isinstance(run, str) and isinstance(detail, Mapping):
+            actor, tenant = detail.get("actorId"), detail.get("tenantId")
+            runs[run] = RunFacts(
+                actor if isinstance(actor, str) else None,
+                tenant if isinstance(tenant, str) else None,
+            )
+    return runs
+
+
+# -- the filter ---------------------------------------------------------------------
+
+
+def is_denied(entry: Mapping[str, Any]) -> bool:
+    """A call gatewayd refused, or any entry with an error code."""
+    return entry.get("decision") == "deny" or entry.get("errorCode") is not None
+
+
+def error_code_of(entry: Mapping[str, Any]) -> str | None:
+    """The entry's error code; for an event without one, its ``detail.errorCode``
+    (``exec_ended`` keeps a command's timeout or OOM there)."""
+    code = entry.get("errorCode")
+    if code is None and entry.get("kind") == "event":
+        detail = entry.get("detail")
+        code = detail.get("errorCode") if isinstance(detail, Mapping) else None
+    return code if isinstance(code, str) else None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EntryFilter:
+    """The reviewer's filters; an entry is kept when it passes every one that is set.
+
+    ``run``: the run id or a prefix of it. ``tool``: a name or shell pattern
+    (``fs.*``). ``decision``: ``allow``/``deny``. ``kind``: ``call``/``result``/
+    ``event``. ``event``: an event name. ``error_code``: the entry's error code (or
+    an event's ``detail.errorCode``). ``since``/``until``: times as :func:`parse_time`
+    makes them, ``since <= time < until``. ``actor``/``tenant``: of the entry's run
+    (its ``run_created`` event), or of a refused run's own event. ``denied``: only
+    denied or failed entries (:func:`is_denied`).
+    """
+
+    run: str | None = None
+    tool: str | None = None
+    decision: str | None = None
+    kind: str | None = None
+    event: str | None = None
+    error_code: str | None = None
+    since: str | None = None
+    until: str | None = None
+    actor: str | None = None
+    tenant: str | None = None
+    denied: bool = False
+
+    @property
+    def needs_runs(self) -> bool:
+        """Whether deciding needs :func:`run_index` (actor or tenant is set)."""
+        return self.actor is not None or self.tenant is not None
+
+    def keeps(self, entry: Mapping[str, Any], runs: Mapping[str, RunFacts]) -> bool:
+        """Whether ``entry`` passes (``runs`` from :func:`run_index` when needed)."""
+        run = entry.get("runId")
+        if self.run is not None and not (isinstance(run, str) and run.startswith(self.run)):
+            return False
+        if self.tool is not None:
+            tool = entry.get("tool")
+            if not (isinstance(tool, str) and fnmatch.fnmatchcase(tool, self.tool)):
+                return False
+        if self.decision is not None and entry.get("decision") != self.decision:
+            return False
+        if self.kind is not None and entry.get("kind") != self.kind:
+            return False
+        if self.event is not None and entry.get("event") != self.event:
+            return False
+        if self.error_code is not None and error_code_of(entry) != self.error_code:
+            return False
+        when = entry.get("time")
+        if self.since is not None and not (isinstance(when, str) and when >= self.since):
+            return False
+        if self.until is not None and not (isinstance(when, str) and when < self.until):
+            return False
+        if self.needs_runs and not self._keeps_party(entry, runs):
+            return False
+        return not (self.denied and not is_denied(entry))
+
+    def _keeps_party(self, entry: Mapping[str, Any], runs: Mapping[str, RunFacts]) -> bool:
+        run = entry.get("runId")
+        facts = runs.get(run) if isinstance(run, str) else None
+        if facts is None:  # a refused run has no id: its event names the party
+            detail = entry.get("detail")
+            if not isinstance(detail, Mapping):
+                return False
+            actor, tenant = detail.get("actorId"), detail.get("tenantId")
+            facts = RunFacts(
+                actor if isinstance(actor, str) else None,
+                tenant if isinstance(tenant, str) else None,
+            )
+        if self.actor is not None and facts.actor != self.actor:
+            return False
+        return self.tenant is None or facts.tenant == self.tenant
+
+
+def select(path: Path, where: EntryFilter) -> Iterator[Record]:
+    """The records of the log at ``path`` that ``where`` keeps; broken lines always."""
+    runs = run_index(read_log(path)) if where.needs_runs else {}
+    for record in read_log(path):
+        if record.entry is None or where.keeps(record.entry, runs):
+            yield record

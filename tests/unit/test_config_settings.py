@@ -1,0 +1,498 @@
+"""gatewayd's settings from three layers: option > GATEWAYD_<NAME> variable > file >
+default; every setting has a variable; bad values name where they came from; `gatewayd
+config show|check`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatewayd import cli, config
+from gatewayd.config import (
+    ENV_SYNTAX,
+    ConfigError,
+    GatewaydConfig,
+    ModelAlias,
+    SandboxUids,
+    env_name,
+    resolve_settings,
+)
+from gatewayd.daemon import DaemonConfig
+from gatewayd.sandbox.uids import UidRange
+
+# Every setting: the text of its variable, and the value it must give (not the default).
+ENV_CASES: dict[str, tuple[str, Any]] = {
+    "state_dir": ("/srv/gw", Path("/srv/gw")),
+    "audit_path": ("/var/log/gw/audit.jsonl", Path("/var/log/gw/audit.jsonl")),
+    "control_socket": ("/run/gw/control.sock", Path("/run/gw/control.sock")),
+    "policy_dirs": ("/etc/gw/p:/srv/p", (Path("/etc/gw/p"), Path("/srv/p"))),
+    "audit_fsync": ("false", False),
+    "audit_max_bytes": ("0", 0),
+    "max_frame_bytes": ("4_194_304", 4 << 20),
+    "os_sandbox": ("No", False),
+    "bwrap": ("/usr/local/bin/bwrap", "/usr/local/bin/bwrap"),
+    "netns_prefix": ("gw2-", "gw2-"),
+    "sandbox_uids": ("1700000000+256", SandboxUids(base=1_700_000_000, count=256)),
+    "models": (
+        '{"r": {"provider": "openai", "model": "m", "api_key_env": "K"}}',
+        {"r": ModelAlias(provider="openai", model="m", api_key_env="K")},
+    ),
+    "secret_env": ("FORGE_TOKEN, PYPI_TOKEN", ("FORGE_TOKEN", "PYPI_TOKEN")),
+}
+
+
+@pytest.fixture(autouse=True)
+def no_default_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No test may pick up a real /etc/gatewayd/gatewayd.yaml or GATEWAYD_ variable."""
+    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", tmp_path / "absent.yaml")
+    for name in list(__import__("os").environ):
+        if name.startswith("GATEWAYD_"):
+            monkeypatch.delenv(name)
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "gatewayd.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_every_setting_has_a_variable_and_a_case_here() -> None:
+    assert set(ENV_SYNTAX) == set(GatewaydConfig.model_fields) == set(ENV_CASES)
+
+
+@pytest.mark.parametrize("setting", list(GatewaydConfig.model_fields))
+def test_every_variable_parses_into_its_setting(setting: str) -> None:
+    text, expected = ENV_CASES[setting]
+    assert expected != getattr(GatewaydConfig(), setting)  # the case proves a change
+    settings = resolve_settings(file=None, environ={env_name(setting): text})
+    assert getattr(settings.config, setting) == expected
+    assert settings.sources[setting] == f"env {env_name(setting)}"
+    others = {name for name, source in settings.sources.items() if source != "default"}
+    assert others == {setting}
+
+
+@pytest.mark.parametrize("setting", list(GatewaydConfig.model_fields))
+def test_the_documented_example_of_every_variable_is_valid(setting: str) -> None:
+    example = ENV_SYNTAX[setting].example
+    settings = resolve_settings(file=None, environ={env_name(setting): example})
+    assert settings.sources[setting] == f"env {env_name(setting)}"
+
+
+PRECEDENCE = [
+    # setting, file text, variable text, (option, value), values file/env/option
+    (
+        "state_dir",
+        "state_dir: /from/file",
+        "/from/env",
+        ("--state-dir", Path("/from/option")),
+        (Path("/from/file"), Path("/from/env"), Path("/from/option")),
+    ),
+    (
+        "netns_prefix",
+        "netns_prefix: file-",
+        "env-",
+        ("--netns-prefix", "option-"),
+        ("file-", "env-", "option-"),
+    ),
+    (
+        "sandbox_uids",
+        "sandbox_uids: {base: 100000, count: 2}",
+        "200000+3",
+        ("--sandbox-uids", {"base": 300000, "count": 4}),
+        (SandboxUids(base=100000, count=2), SandboxUids(base=200000, count=3)),
+    ),
+    (
+        "os_sandbox",
+        "os_sandbox: true",
+        "false",
+        ("--no-os-sandbox", False),
+        (True, False, False),
+    ),
+    (
+        "max_frame_bytes",
+        "max_frame_bytes: 1000",
+        "2000",
+        ("--max-frame-bytes", 3000),
+        (1000, 2000, 3000),
+    ),
+]
+
+
+@pytest.mark.parametrize(("setting", "file_text", "env_text", "option", "values"), PRECEDENCE)
+def test_an_option_beats_a_variable_beats_the_file_beats_the_default(
+    tmp_path: Path,
+    setting: str,
+    file_text: str,
+    env_text: str,
+    option: tuple[str, Any],
+    values: tuple[Any, ...],
+) -> None:
+    path = write(tmp_path, file_text + "\n")
+    environ = {env_name(setting): env_text}
+    layers = [
+        (None, {}, {}, getattr(GatewaydConfig(), setting), "default"),
+        (path, {}, {}, values[0], f"file {path}"),
+        (path, environ, {}, values[1], f"env {env_name(setting)}"),
+        (None, environ, {}, values[1], f"env {env_name(setting)}"),
+        (path, environ, {setting: option}, None, f"option {option[0]}"),
+        (path, {}, {setting: option}, None, f"option {option[0]}"),
+    ]
+    for file, env, options, expected, source in layers:
+        settings = resolve_settings(file=file, environ=env, options=options)
+        got = getattr(settings.config, setting)
+        if expected is not None:
+            assert got == expected, (file, env, options)
+        else:  # the option's value, as the setting reads it
+            assert got == getattr(GatewaydConfig.model_validate({setting: option[1]}), setting)
+        assert settings.sources[setting] == source
+
+
+def test_layers_merge_setting_by_setting(tmp_path: Path) -> None:
+    path = write(tmp_path, "state_dir: /f\nnetns_prefix: file-\nsecret_env: [A]\n")
+    settings = resolve_settings(
+        file=path,
+        environ={"GATEWAYD_NETNS_PREFIX": "env-", "GATEWAYD_SECRET_ENV": "B"},
+        options={"state_dir": ("--state-dir", Path("/o"))},
+    )
+    got = settings.config
+    assert (got.state_dir, got.netns_prefix, got.secret_env) == (Path("/o"), "env-", ("B",))
+    assert settings.sources["audit_fsync"] == "default"
+    assert got.resolved_audit_path == Path("/o/audit/audit.jsonl")
+
+
+def test_an_empty_variable_counts_as_unset(tmp_path: Path) -> None:
+    path = write(tmp_path, "netns_prefix: file-\n")
+    settings = resolve_settings(file=path, environ={"GATEWAYD_NETNS_PREFIX": ""})
+    assert settings.config.netns_prefix == "file-"
+
+
+@pytest.mark.parametrize(
+    ("variable", "text", "says"),
+    [
+        ("GATEWAYD_OS_SANDBOX", "maybe", "'maybe' is not a boolean"),
+        ("GATEWAYD_AUDIT_FSYNC", "2", "'2' is not a boolean"),
+        ("GATEWAYD_MAX_FRAME_BYTES", "1k", "'1k' is not a whole number"),
+        ("GATEWAYD_MAX_FRAME_BYTES", "10", "greater than or equal to 64"),
+        ("GATEWAYD_STATE_DIR", "var/lib/gw", "'var/lib/gw' must be an absolute path"),
+        ("GATEWAYD_POLICY_DIRS", "/ok:rel", "1: 'rel' must be an absolute path"),
+        ("GATEWAYD_BWRAP", "bwrap", "'bwrap' must be an absolute path"),
+        ("GATEWAYD_NETNS_PREFIX", "Cogni", "namespace prefix 'Cogni' is not allowed"),
+        ("GATEWAYD_SANDBOX_UIDS", "1800000000", "write BASE+COUNT"),
+        ("GATEWAYD_SANDBOX_UIDS", "0+5", "sandbox uid range 0+5 is not usable"),
+        ("GATEWAYD_SECRET_ENV", "A,A", "names a secret more than once: A"),
+        ("GATEWAYD_SECRET_ENV", "A-B", "secret_env name 'A-B'"),
+        ("GATEWAYD_MODELS", "[1]", "must be a YAML or JSON mapping"),
+        ("GATEWAYD_MODELS", "{r: {provider: openai}}", "r.model: Field required"),
+        ("GATEWAYD_MODELS", "{r: {provider: openai, modle: m}}", "did you mean 'model'?"),
+    ],
+)
+def test_a_bad_variable_is_refused_naming_the_variable(variable: str, text: str, says: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve_settings(file=None, environ={variable: text})
+    assert str(caught.value).startswith(f"{variable}: ")
+    assert says in str(caught.value)
+
+
+def test_every_bad_variable_is_listed_at_once() -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve_settings(
+            file=None, environ={"GATEWAYD_OS_SANDBOX": "x", "GATEWAYD_MAX_FRAME_BYTES": "y"}
+        )
+    assert "GATEWAYD_OS_SANDBOX: " in str(caught.value)
+    assert "GATEWAYD_MAX_FRAME_BYTES: " in str(caught.value)
+
+
+def test_a_bad_models_variable_never_repeats_its_value() -> None:
+    for text in (
+        "{r: {provider: openai, model: m, api_key: sk-live-0123456789}}",
+        "{r: {provider: openai, model: sk-live-0123456789",
+        "sk-live-0123456789",
+    ):
+        with pytest.raises(ConfigError) as caught:
+            resolve_settings(file=None, environ={"GATEWAYD_MODELS": text})
+        assert str(caught.value).startswith("GATEWAYD_MODELS: ")
+        assert "sk-live" not in str(caught.value)
+
+
+def test_a_bad_option_is_refused_naming_the_option() -> None:
+    with pytest.raises(ConfigError, match=r"^--netns-prefix: namespace prefix 'A'"):
+        resolve_settings(file=None, environ={}, options={"netns_prefix": ("--netns-prefix", "A")})
+
+
+def test_a_bad_file_names_the_file_even_when_a_variable_overrides_the_setting(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, "netns_prefix: BAD\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: netns_prefix: "):
+        resolve_settings(file=path, environ={"GATEWAYD_NETNS_PREFIX": "ok-"})
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("state_dri: /x", "state_dri: Extra inputs are not permitted (did you mean 'state_dir'?)"),
+        ("sandbox_uids: {bas: 5}", "sandbox_uids.bas: Extra inputs are not permitted (did you"),
+        ("models: {r: {provider: openai, modle: m}}", "(did you mean 'model'?)"),
+        ("audit_path: relative.jsonl", "'relative.jsonl' must be an absolute path"),
+        ("os_sandbox: 'no'", "os_sandbox: Input should be a valid boolean"),
+        ("max_frame_bytes: 1.5", "max_frame_bytes: Input should be a valid integer"),
+        ("sandbox_uids: {base: 10, count: 1}", "sandbox uid range 10+1 is not usable"),
+        ("- a list", "must be a mapping of settings, not list"),
+    ],
+)
+def test_a_bad_file_is_refused_with_the_field_and_a_hint(
+    tmp_path: Path, text: str, says: str
+) -> None:
+    path = write(tmp_path, text + "\n")
+    with pytest.raises(ConfigError) as caught:
+        resolve_settings(file=path, environ={})
+    assert str(caught.value).startswith(f"{path}: ")
+    assert says in str(caught.value)
+
+
+def test_an_unknown_gatewayd_variable_is_reported_with_the_closest_name() -> None:
+    settings = resolve_settings(
+        file=None, environ={"GATEWAYD_STATEDIR": "/x", "GATEWAYD_CONFIG": "/y", "HOME": "/h"}
+    )
+    assert settings.unknown_env == (
+        "GATEWAYD_STATEDIR is not a gatewayd setting and is ignored "
+        "(did you mean GATEWAYD_STATE_DIR?)",
+    )
+
+
+def test_the_file_is_the_option_else_the_variable_else_the_default_if_present(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    option, named, default = tmp_path / "o.yaml", tmp_path / "e.yaml", tmp_path / "d.yaml"
+    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", default)
+    environ = {"GATEWAYD_CONFIG": str(named)}
+    assert config.config_file(option, environ) == option
+    assert config.config_file(None, environ) == named
+    assert config.config_file(None, {}) is None
+    default.write_text("")
+    assert config.config_file(None, {}) == default
+
+
+def test_a_named_file_that_is_missing_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the configuration"):
+        resolve_settings(file=tmp_path / "absent.yaml", environ={})
+
+
+# --- into the daemon ---------------------------------------------------------------------
+
+
+def test_every_daemon_setting_is_in_the_configuration() -> None:
+    """A DaemonConfig field without a setting could only be set by code (``resolver``
+    is for tests: it maps host names to loopback)."""
+    daemon = {f.name for f in dataclasses.fields(DaemonConfig)} - {"resolver"}
+    assert daemon <= set(GatewaydConfig.model_fields)
+
+
+def test_the_configurations_defaults_are_the_daemons() -> None:
+    settings, daemon = GatewaydConfig(), DaemonConfig()
+    for field in dataclasses.fields(DaemonConfig):
+        if field.name == "resolver":
+            continue
+        value = getattr(settings, field.name)
+        if isinstance(value, SandboxUids):
+            value = value.as_range()
+        assert value == getattr(daemon, field.name), field.name
+    assert GatewaydConfig().resolved_audit_path == DaemonConfig().resolved_audit_path
+    assert (cli.MIN_FRAME_BYTES, cli.MAX_FRAME_BYTES) == (
+        config.MIN_FRAME_BYTES,
+        config.MAX_FRAME_BYTES,
+    )
+
+
+FULL_FILE = """
+state_dir: /srv/gw
+audit_path: /srv/audit.jsonl
+control_socket: /run/gw.sock
+policy_dirs: [/etc/gw/policies]
+audit_fsync: false
+audit_max_bytes: 1000000
+max_frame_bytes: 4096
+os_sandbox: false
+bwrap: /opt/bwrap
+netns_prefix: gw-
+sandbox_uids: {base: 100000, count: 8}
+models: {r: {provider: openai, model: m}}
+secret_env: [TOKEN]
+"""
+
+
+def test_the_daemon_is_built_from_every_setting_of_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, FULL_FILE)
+    daemon = cli._config(cli.build_parser().parse_args(["serve", "--config", str(path)]))
+    assert daemon == DaemonConfig(
+        state_dir=Path("/srv/gw"),
+        audit_path=Path("/srv/audit.jsonl"),
+        policy_dirs=(Path("/etc/gw/policies"),),
+        audit_fsync=False,
+        audit_max_bytes=1_000_000,
+        max_frame_bytes=4096,
+        os_sandbox=False,
+        bwrap="/opt/bwrap",
+        netns_prefix="gw-",
+        sandbox_uids=UidRange(100000, 8),
+        models={"r": ModelAlias(provider="openai", model="m")},
+        secret_env=("TOKEN",),
+    )
+
+
+def test_options_of_serve_override_the_file_and_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write(tmp_path, FULL_FILE)
+    monkeypatch.setenv("GATEWAYD_NETNS_PREFIX", "env-")
+    monkeypatch.setenv("GATEWAYD_OS_SANDBOX", "true")
+    monkeypatch.chdir(tmp_path)
+    args = cli.build_parser().parse_args(
+        [
+            "serve",
+            "--config",
+            str(path),
+            "--state-dir",
+            "rel",
+            "--policy-dir",
+            "/p1",
+            "--policy-dir",
+            "/p2",
+            "--sandbox-uids",
+            "200000+2",
+            "--no-os-sandbox",
+            "--audit-max-bytes",
+            "0",
+        ]
+    )
+    daemon = cli._config(args)
+    assert daemon.audit_max_bytes == 0  # 0 is given, not absent
+    assert daemon.state_dir == tmp_path / "rel"  # relative on the command line: from cwd
+    assert daemon.policy_dirs == (Path("/p1"), Path("/p2"))
+    assert daemon.sandbox_uids == UidRange(200000, 2)
+    assert daemon.netns_prefix == "env-"
+    assert daemon.os_sandbox is False
+    assert daemon.audit_path == Path("/srv/audit.jsonl")
+
+
+def test_a_bad_variable_ends_the_command_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAYD_SANDBOX_UIDS", "lots")
+    with pytest.raises(SystemExit) as caught:
+        cli._config(cli.build_parser().parse_args(["serve"]))
+    assert str(caught.value.code).startswith("gatewayd: bad configuration: GATEWAYD_SANDBOX_UIDS")
+
+
+def test_exec_and_rules_find_the_control_socket_of_the_configuration(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parse = cli.build_parser().parse_args
+    monkeypatch.setenv("GATEWAYD_CONFIG", str(write(tmp_path, "state_dir: /srv/gw\n")))
+    assert cli._control_socket(parse(["exec", "r", "--", "true"])) == Path("/srv/gw/control.sock")
+    assert cli._control_socket(parse(["rules", "pending"])) == Path("/srv/gw/control.sock")
+    monkeypatch.setenv("GATEWAYD_CONTROL_SOCKET", "/run/c.sock")
+    assert cli._control_socket(parse(["rules", "pending"])) == Path("/run/c.sock")
+    args = parse(["exec", "--state-dir", "/o", "r", "--", "true"])
+    assert cli._control_socket(args) == Path("/run/c.sock")  # the variable names the socket
+    monkeypatch.delenv("GATEWAYD_CONTROL_SOCKET")
+    assert cli._control_socket(args) == Path("/o/control.sock")
+    args = parse(["exec", "--control-socket", "/x.sock", "r", "--", "true"])
+    assert cli._control_socket(args) == Path("/x.sock")
+
+
+# --- gatewayd config show | check ------------------------------------------------------------
+
+
+def show(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    assert cli.main(["config", "show", "--json", *argv]) == cli.EXIT_OK
+    document: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return document
+
+
+def test_config_show_gives_every_value_and_its_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, "state_dir: /srv/gw\nnetns_prefix: file-\n")
+    monkeypatch.setenv("GATEWAYD_NETNS_PREFIX", "env-")
+    monkeypatch.setenv("GATEWAYD_MAX_FRAME_BYTES", "4096")
+    document = show(capsys, "--config", str(path), "--max-frame-bytes", "8192")
+    settings = document["settings"]
+    assert document["file"] == str(path)
+    assert list(settings) == list(GatewaydConfig.model_fields)
+    assert settings["state_dir"] == {"value": "/srv/gw", "source": f"file {path}"}
+    assert settings["netns_prefix"] == {"value": "env-", "source": "env GATEWAYD_NETNS_PREFIX"}
+    assert settings["max_frame_bytes"] == {"value": 8192, "source": "option --max-frame-bytes"}
+    assert settings["audit_path"] == {"value": "/srv/gw/audit/audit.jsonl", "source": "default"}
+    assert settings["sandbox_uids"]["value"] == {"base": 1_800_000_000, "count": 1024}
+
+
+def test_config_show_prints_no_secret(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    key, password, token = "sk-live-key-0123456789", "hunter2-password", "tok-0123456789abc"
+    monkeypatch.setenv("PROVIDER_KEY", key)
+    monkeypatch.setenv("FORGE_TOKEN", token)
+    path = write(
+        tmp_path,
+        "models:\n  r:\n    provider: openai\n    model: m\n"
+        f"    api_base: https://user:{password}@llm.example:8443/v1\n"
+        "    api_key_env: PROVIDER_KEY\nsecret_env: [FORGE_TOKEN]\n",
+    )
+    document = show(capsys, "--config", str(path))
+    alias = document["settings"]["models"]["value"]["r"]
+    assert alias["api_base"] == "https://user:***@llm.example:8443/v1"
+    assert alias["api_key_env"] == "PROVIDER_KEY"
+    assert cli.main(["config", "show", "--config", str(path)]) == cli.EXIT_OK
+    text = capsys.readouterr().out
+    for output in (json.dumps(document), text):
+        assert key not in output and password not in output and token not in output
+    assert "PROVIDER_KEY" in text and "user:***@llm.example" in text
+
+
+def test_config_show_text_names_each_source(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GATEWAYD_AUDIT_FSYNC", "false")
+    assert cli.main(["config", "show", "--netns-prefix", "opt-"]) == cli.EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert "audit_fsync: false  # env GATEWAYD_AUDIT_FSYNC" in lines
+    assert "netns_prefix: opt-  # option --netns-prefix" in lines
+    assert "os_sandbox: true  # default" in lines
+
+
+def test_config_show_refuses_a_bad_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAYD_OS_SANDBOX", "maybe")
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["config", "show"])
+    assert "GATEWAYD_OS_SANDBOX: 'maybe' is not a boolean" in str(caught.value.code)
+
+
+def test_config_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = write(tmp_path, FULL_FILE)
+    assert cli.main(["config", "check", str(good)]) == cli.EXIT_OK
+    out, err = capsys.readouterr()
+    assert out.startswith(f"{good}: OK; sets state_dir, audit_path")
+    assert "audit_fsync: false" in err  # the warning
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert cli.main(["config", "check", str(empty)]) == cli.EXIT_OK
+    assert "nothing (every setting default)" in capsys.readouterr().out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("state_dri: /x\n")
+    assert cli.main(["config", "check", str(bad)]) == cli.EXIT_FAILED
+    assert "did you mean 'state_dir'?" in capsys.readouterr().err
+    assert cli.main(["config", "check", str(tmp_path / "absent.yaml")]) == cli.EXIT_FAILED
+    assert "cannot read the configuration" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["config", "check"])
+    assert caught.value.code == cli.EXIT_USAGE
+
+
+def test_config_check_ignores_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("GATEWAYD_OS_SANDBOX", "maybe")  # bad, but not the file's problem
+    assert cli.main(["config", "check", str(write(tmp_path, ""))]) == cli.EXIT_OK
