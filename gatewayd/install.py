@@ -5,6 +5,8 @@ What it writes (under ``root``, ``/`` by default; tests and packagers give anoth
 
 - ``etc/systemd/system/gatewayd.service``: ``systemd/gatewayd.service`` with
   ``ExecStart`` pointing at this installation's ``gatewayd`` program;
+- ``etc/sysusers.d/gatewayd.conf``: the ``gatewayd`` system user the unit runs as
+  (made at once by ``systemd-sysusers`` when ``root`` is ``/``);
 - ``etc/gatewayd/gatewayd.yaml``: a commented starting file, only if none exists (an
   operator's configuration is never overwritten);
 - ``etc/gatewayd/policies/``: an empty directory for the site's policies.
@@ -26,7 +28,9 @@ from pathlib import Path
 from typing import Final
 
 SOURCE_UNIT: Final = Path(__file__).resolve().parent.parent / "systemd" / "gatewayd.service"
+SOURCE_SYSUSERS: Final = SOURCE_UNIT.with_name("gatewayd.sysusers.conf")
 UNIT_PATH: Final = Path("etc/systemd/system/gatewayd.service")
+SYSUSERS_PATH: Final = Path("etc/sysusers.d/gatewayd.conf")
 CONFIG_PATH: Final = Path("etc/gatewayd/gatewayd.yaml")
 POLICY_DIR: Final = Path("etc/gatewayd/policies")
 # The program path the shipped unit names; replaced by this installation's.
@@ -93,6 +97,13 @@ def install_systemd(
     else:
         _write(unit, wanted, 0o644)
         done.actions.append(("written", unit))
+    sysusers = root / SYSUSERS_PATH
+    wanted_users = SOURCE_SYSUSERS.read_text()
+    if sysusers.exists() and sysusers.read_text() == wanted_users:
+        done.actions.append(("unchanged", sysusers))
+    else:
+        _write(sysusers, wanted_users, 0o644)
+        done.actions.append(("written", sysusers))
     config = root / CONFIG_PATH
     if config.exists():
         done.actions.append(("kept", config))
@@ -107,6 +118,11 @@ def install_systemd(
         done.actions.append(("written", policies))
     else:
         done.actions.append(("kept", policies))
+    make_user = ["systemd-sysusers", str(root / SYSUSERS_PATH)]
+    if root == Path("/") and shutil.which("systemd-sysusers"):
+        subprocess.run(make_user, check=True, timeout=60)
+    else:
+        done.next_steps.append(" ".join(make_user))
     if root == Path("/") and _systemd_running():
         subprocess.run(["systemctl", "daemon-reload"], check=True, timeout=60)
         done.next_steps.append("systemctl enable --now gatewayd")

@@ -101,6 +101,8 @@ AT_RECURSIVE: Final = 0x8000
 OPEN_TREE_CLONE: Final = 1
 OPEN_TREE_FLAGS: Final = OPEN_TREE_CLONE | os.O_CLOEXEC | AT_EMPTY_PATH | AT_RECURSIVE
 MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
+PR_CAP_AMBIENT: Final = 47  # <linux/prctl.h>
+PR_CAP_AMBIENT_CLEAR_ALL: Final = 4
 
 
 # Where a command's output goes as it arrives, besides the capture: (stdout, stderr).
@@ -345,10 +347,8 @@ def _child_setup(
             step = "set the rlimits"
             for which, soft, hard in table:
                 resource.setrlimit(which, (soft, hard))
-            step = "drop to the run's uid"
-            os.setgroups([])
-            os.setresgid(user.gid, user.gid, user.gid)
-            os.setresuid(user.uid, user.uid, user.uid)
+            step = "drop to the run's uid and every capability"
+            drop_privileges(user)
             step = "set no_new_privs and the parent-death signal"
             prctl.set_no_new_privs(1)
             # After setresuid: a credential change clears the parent-death signal.
@@ -360,6 +360,24 @@ def _child_setup(
             raise
 
     return setup
+
+
+def drop_privileges(user: HostUser) -> None:
+    """Become ``user`` with no capability at all (in a forked child, before exec).
+
+    From root the uid change clears the permitted, effective and ambient sets, but not
+    the inheritable one; from a non-root gatewayd holding ambient capabilities (systemd's
+    ``User=`` with ``AmbientCapabilities=``) it clears nothing, and bwrap and the command
+    would start with gatewayd's CAP_SYS_ADMIN. So every set is cleared here, explicitly.
+    """
+    os.setgroups([])
+    os.setresgid(user.gid, user.gid, user.gid)
+    os.setresuid(user.uid, user.uid, user.uid)
+    if _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    prctl.cap_inheritable.limit()
+    prctl.cap_effective.limit()
+    prctl.cap_permitted.limit()
 
 
 def _preexec_failure(err_r: int) -> str:

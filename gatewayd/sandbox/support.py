@@ -20,7 +20,13 @@ from pathlib import Path
 from typing import Final
 
 from gatewayd.errors import GatewayError
-from gatewayd.sandbox.launch import AT_FDCWD, OPEN_TREE_CLONE, SYS_MOVE_MOUNT, SYS_OPEN_TREE
+from gatewayd.sandbox.launch import (
+    AT_FDCWD,
+    OPEN_TREE_CLONE,
+    SYS_MOVE_MOUNT,
+    SYS_OPEN_TREE,
+    drop_privileges,
+)
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.netns import NetnsError, create_run_netns, netns_name, remove_run_netns
 from gatewayd.sandbox.seccomp import build_filter
@@ -40,16 +46,43 @@ class SandboxSupport:
     reason: str = ""
 
 
+# What a sandboxed run needs of gatewayd, with the capability's bit (<linux/capability.h>);
+# why each: docs/operations.md, "Capabilities".
+REQUIRED_CAPABILITIES: Final = {
+    "CAP_CHOWN": 0,
+    "CAP_DAC_OVERRIDE": 1,
+    "CAP_FOWNER": 3,
+    "CAP_KILL": 5,
+    "CAP_SETGID": 6,
+    "CAP_SETUID": 7,
+    "CAP_NET_ADMIN": 12,
+    "CAP_SYS_PTRACE": 19,
+    "CAP_SYS_ADMIN": 21,
+}
+
+
+def missing_capabilities(status: Path = Path("/proc/self/status")) -> list[str]:
+    """The required capabilities this process does not hold in its effective set (root
+    or not: a root process may run with a reduced bounding set)."""
+    effective = 0
+    for line in status.read_text().splitlines():
+        if line.startswith("CapEff:"):
+            effective = int(line.split()[1], 16)
+    return [name for name, bit in REQUIRED_CAPABILITIES.items() if not effective >> bit & 1]
+
+
 def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> SandboxSupport:
     """Check the pieces a run needs: root (network namespaces, uid switch), user
     namespaces, the seccomp filter (libseccomp), a network namespace (made and removed
     under ``netns_prefix``), and bwrap actually starting a sandbox as ``probe_user``.
     Blocking."""
-    if os.geteuid() != 0:
+    missing = missing_capabilities()
+    if missing:
         return SandboxSupport(
             False,
-            "gatewayd is not running as root: creating a run's network namespace and "
-            "starting its sandbox as a per-run uid need root (or CAP_SYS_ADMIN + CAP_SETUID)",
+            f"gatewayd lacks {', '.join(missing)}: making a run's network namespace, "
+            "lending its workspace and starting its sandbox as a per-run uid need them "
+            "(run it as root, or give them as ambient capabilities: docs/operations.md)",
         )
     try:
         if int(USERNS_SYSCTL.read_text()) < 1:
@@ -66,19 +99,14 @@ def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> San
         build_filter()  # every command gets this filter: without libseccomp, none starts
     except GatewayError as exc:
         return SandboxSupport(False, f"the seccomp filter cannot be built: {exc}")
-    missing = _mount_api_missing()
-    if missing:
-        return SandboxSupport(False, missing)
+    mount_api = _mount_api_missing()
+    if mount_api:
+        return SandboxSupport(False, mount_api)
     try:
         create_run_netns(PROBE_RUN_ID, prefix=netns_prefix)
         remove_run_netns(netns_name(PROBE_RUN_ID, prefix=netns_prefix))
     except NetnsError as exc:
         return SandboxSupport(False, f"a run's network namespace cannot be made: {exc}")
-
-    def drop() -> None:
-        os.setgroups([])
-        os.setresgid(probe_user.gid, probe_user.gid, probe_user.gid)
-        os.setresuid(probe_user.uid, probe_user.uid, probe_user.uid)
 
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--ro-bind", "/", "/"]
     argv += ["--proc", "/proc", "--dev", "/dev", "--cap-drop", "ALL", "--", "/bin/true"]
@@ -89,7 +117,7 @@ def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> San
             capture_output=True,
             timeout=PROBE_TIMEOUT_S,
             check=False,
-            preexec_fn=drop,
+            preexec_fn=lambda: drop_privileges(probe_user),
         )
     except (OSError, subprocess.SubprocessError) as exc:
         return SandboxSupport(False, f"cannot start {bwrap}: {exc}")

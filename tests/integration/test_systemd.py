@@ -6,6 +6,7 @@ not started here."""
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gatewayd.sandbox.support import REQUIRED_CAPABILITIES, missing_capabilities
 from gatewayd.sdnotify import notify
 from tests.livedaemon import BIN
 
@@ -116,6 +118,18 @@ def test_install_systemd_writes_a_unit_for_this_installation_idempotently(
     assert oct(unit.stat().st_mode & 0o777) == "0o644"
     assert oct(config.stat().st_mode & 0o777) == "0o640"
     assert (root / "etc/gatewayd/policies").is_dir()
+    sysusers = root / "etc/sysusers.d/gatewayd.conf"
+    assert sysusers.read_text().splitlines()[-1].startswith("u gatewayd - ")
+    assert f"systemd-sysusers {sysusers}" in first.stdout
+    if shutil.which("systemd-sysusers"):  # the file is one systemd-sysusers takes
+        dry = subprocess.run(
+            ["systemd-sysusers", "--dry-run", str(sysusers)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert dry.returncode == 0, dry.stderr
     assert "systemctl enable --now gatewayd" in first.stdout
     if shutil.which("systemd-analyze"):
         verified = subprocess.run(
@@ -167,3 +181,97 @@ def test_install_systemd_refuses_a_program_systemd_could_not_run(short_tmp: Path
     with pytest.raises(InstallError, match="white space"):
         install_systemd(short_tmp / "root", program=spaced / "gatewayd")
     assert not (short_tmp / "root").exists()  # nothing written
+
+
+# --- gatewayd as a system user with ambient capabilities ----------------------------------
+
+CAPSH = shutil.which("capsh")
+AMBIENT = ",".join(name.lower() for name in REQUIRED_CAPABILITIES)
+
+
+def _cannot_run_unprivileged() -> str | None:
+    if os.geteuid() != 0 or CAPSH is None or not os.path.exists("/usr/bin/bwrap"):
+        return "needs root, capsh (libcap2-bin) and bubblewrap"
+    missing = missing_capabilities()
+    if missing:
+        return f"this machine's bounding set lacks {', '.join(missing)}"
+    return None
+
+
+def as_system_user(uid: int, command: str, caps: str = AMBIENT) -> subprocess.CompletedProcess[str]:
+    """``command`` (a shell line) as ``uid``, not root, holding ``caps`` as ambient
+    capabilities: what systemd's User= with AmbientCapabilities= gives gatewayd."""
+    return subprocess.run(
+        [CAPSH or "capsh", f"--inh={caps}", "--keep=1", f"--gid={uid}", "--groups=",
+         f"--uid={uid}", f"--addamb={caps}", "--", "-c", command],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(_cannot_run_unprivileged() is not None, reason=str(_cannot_run_unprivileged()))
+def test_a_non_root_gatewayd_with_ambient_capabilities_runs_sandboxes_that_hold_none(
+    short_tmp: Path,
+) -> None:
+    uid = 1_990_000_000 + os.getpid() % 10_000
+    short_tmp.chmod(0o711)
+    state, ws = short_tmp / "state", short_tmp / "ws"
+    state.mkdir()
+    os.chown(state, uid, uid)
+    state.chmod(0o711)
+    ws.mkdir()
+    (ws / "notes.md").write_text("hi\n")
+    inside = (
+        "grep -E '^Cap(Inh|Prm|Eff|Bnd|Amb)' /proc/self/status; "
+        'cogni-tool exec fs.read \'{"path": "notes.md"}\' && '
+        "mkdir -m 700 /workspace/kept && echo s > /workspace/kept/f && chmod 500 /workspace/kept"
+    )
+    command = (
+        f"id -u; {BIN / 'gatewayd'} run --state-dir {state} --netns-prefix cgu{os.getpid()}- "
+        f"--sandbox-uids {uid + 100}+16 --policy {ROOT / 'policies/examples/demo.yaml'} "
+        f"--workspace {ws} -- sh -c {shlex.quote(inside)}"
+    )
+    done = as_system_user(uid, command)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == str(uid)  # gatewayd itself is not root
+    caps = {line.split(":")[0]: line.split()[1] for line in lines if line.startswith("Cap")}
+    assert caps == dict.fromkeys(("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"), "0" * 16)
+    assert '"content": "hi\\n"' in done.stdout  # the gateway served the sandbox's call
+    # The lease was given back: what the run's uid made is the workspace owner's again.
+    assert (ws / "kept").stat().st_uid == ws.stat().st_uid == 0
+    assert (state / "audit" / "audit.jsonl").stat().st_uid == uid
+
+
+@pytest.mark.skipif(_cannot_run_unprivileged() is not None, reason=str(_cannot_run_unprivileged()))
+def test_a_gatewayd_missing_a_capability_says_which_and_runs_nothing(short_tmp: Path) -> None:
+    uid = 1_990_010_000 + os.getpid() % 10_000
+    short_tmp.chmod(0o711)
+    state, ws = short_tmp / "state", short_tmp / "ws"
+    state.mkdir()
+    os.chown(state, uid, uid)
+    ws.mkdir()
+    without_ptrace = AMBIENT.replace("cap_sys_ptrace,", "")
+    done = as_system_user(
+        uid,
+        f"{BIN / 'gatewayd'} run --state-dir {state} --netns-prefix cgv{os.getpid()}- "
+        f"--policy {ROOT / 'policies/examples/demo.yaml'} --workspace {ws} -- true",
+        caps=without_ptrace,
+    )
+    assert done.returncode != 0
+    assert "gatewayd lacks CAP_SYS_PTRACE" in done.stderr and "docs/operations.md" in done.stderr
+
+
+def test_the_units_capabilities_are_exactly_what_gatewayds_probe_requires() -> None:
+    lines = dict(
+        line.split("=", 1)
+        for line in UNIT.read_text().splitlines()
+        if "=" in line and line[0] != "#"
+    )
+    wanted = set(REQUIRED_CAPABILITIES)
+    assert set(lines["AmbientCapabilities"].split()) == wanted
+    assert set(lines["CapabilityBoundingSet"].split()) == wanted
+    assert lines["User"] == "gatewayd" and lines["NoNewPrivileges"] == "yes"
