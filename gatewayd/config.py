@@ -35,7 +35,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +54,7 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from gatewayd.policy.section import model_at
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES
 from gatewayd.sandbox.netns import NETNS_PREFIX, _check_prefix
 from gatewayd.sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, UidRange
@@ -469,29 +469,13 @@ def _message(error: ErrorDetails, loc: tuple[int | str, ...]) -> str:
 
 
 def _allowed_hint(loc: tuple[int | str, ...]) -> str:
-    model = _model_at(loc[:-1])
+    model = model_at(GatewaydConfig, loc[:-1])
     if model is None:
         return ""
     names = list(model.model_fields)
     close = difflib.get_close_matches(str(loc[-1]), names, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"{hint}; allowed: {', '.join(names)}"
-
-
-def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    """The model class that validates the mapping found at ``loc`` in the file."""
-    current: Any = GatewaydConfig
-    for part in loc:
-        if isinstance(current, type) and issubclass(current, BaseModel):
-            field = current.model_fields.get(str(part))
-            if field is None:
-                return None
-            current = field.annotation
-        elif typing.get_origin(current) is dict:
-            current = typing.get_args(current)[1]
-        else:
-            return None
-    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
 
 
 # --- showing ---------------------------------------------------------------------------

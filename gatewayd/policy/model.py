@@ -18,7 +18,6 @@ import ipaddress
 import math
 import re
 import stat
-import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Final, Literal
@@ -26,7 +25,6 @@ from typing import Annotated, Any, Final, Literal
 import yaml
 from pydantic import (
     AfterValidator,
-    BaseModel,
     Field,
     ValidationError,
     field_validator,
@@ -42,6 +40,7 @@ from gatewayd.policy.section import (
     StrictBool,
     StrictStr,
     ToolPattern,
+    model_at,
 )
 
 POLICY_VERSION: Final = 1
@@ -627,31 +626,13 @@ def _field_problem(error: ErrorDetails) -> str:
 
 def _allowed_fields_hint(loc: tuple[int | str, ...]) -> str:
     """'; allowed fields: ...' (and a close match) for an unknown key at ``loc``."""
-    model = _model_at(loc[:-1])
+    model = model_at(Policy, loc[:-1])
     if model is None:
         return ""
     names = list(model.model_fields)
     hint = "; allowed fields: " + ", ".join(names)
     close = difflib.get_close_matches(str(loc[-1]), names, n=1)
     return hint + (f" (did you mean {close[0]!r}?)" if close else "")
-
-
-def _model_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
-    """The model class that validates the mapping found at ``loc`` inside a Policy."""
-    current: Any = Policy
-    for part in loc:
-        if isinstance(current, type) and issubclass(current, BaseModel):
-            field = current.model_fields.get(str(part))
-            if field is None:
-                return None
-            current = field.annotation
-        elif typing.get_origin(current) is dict:
-            current = typing.get_args(current)[1]
-        else:
-            return None
-    if isinstance(current, type) and issubclass(current, BaseModel):
-        return current
-    return None
 
 
 # --- binding --------------------------------------------------------------------------

@@ -7,6 +7,7 @@ section) use the same base without an import cycle.
 from __future__ import annotations
 
 import re
+import typing
 from typing import Annotated, Any, Final
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
@@ -47,3 +48,20 @@ class Section(BaseModel):
             if not field.is_required():
                 return field.get_default(call_default_factory=True)
         return value
+
+
+def model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The model class that validates the mapping found at ``loc`` inside ``root``'s data
+    (for "unknown key" hints naming the keys that model allows); None past a leaf."""
+    current: Any = root
+    for part in loc:
+        if isinstance(current, type) and issubclass(current, BaseModel):
+            field = current.model_fields.get(str(part))
+            if field is None:
+                return None
+            current = field.annotation
+        elif typing.get_origin(current) is dict:
+            current = typing.get_args(current)[1]
+        else:
+            return None
+    return current if isinstance(current, type) and issubclass(current, BaseModel) else None
