@@ -176,7 +176,12 @@ def _import_litellm() -> Any:
     for name in _LITELLM_CALLBACK_LISTS:
         setattr(litellm, name, [])  # no logging integration sends anything anywhere
     for name in _LITELLM_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.WARNING)
+        # litellm hangs its own plain-text stderr handler here; gatewayd's log is JSON
+        # lines, scrubbed (gatewayd/logs.py): its records go to the root logger instead.
+        logger.handlers.clear()
+        logger.propagate = True
     for name in _FIRST_CALL_MODULES:
         with contextlib.suppress(ImportError):  # another litellm release: merely slower
             importlib.import_module(name)

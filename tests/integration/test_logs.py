@@ -4,7 +4,9 @@ provider echoes one into an error gatewayd logs."""
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -186,3 +188,32 @@ async def test_a_line_logged_inside_a_call_gets_the_run_id_without_passing_it(
             [answer] = await raw_exchange(run.socket_path, frame(request(run, "test.context", {})))
             assert answer["ok"], answer
             assert answer["value"] == {"run_id": run.run_id}
+
+
+def test_litellms_own_warnings_become_gatewayds_json_lines_scrubbed() -> None:
+    """litellm installs a plain-text stderr handler on its loggers; once gatewayd has
+    loaded it, its records are JSON lines like gatewayd's, with secrets scrubbed."""
+    from gatewayd import model_client
+    from gatewayd.logs import configure_logging
+    from gatewayd.secrets import Scrubber
+
+    key = "cogni-litellm-log-secret-" + "k" * 24  # no sk- prefix: litellm masks those itself
+    out = io.StringIO()
+    os.environ["COGNI_TEST_LITELLM_LOG_KEY"] = key
+    try:
+        configure_logging(
+            logging.INFO,
+            scrubber=Scrubber(["COGNI_TEST_LITELLM_LOG_KEY"]),
+            stream=out,
+        )
+        model_client.preload()
+        litellm_logger = logging.getLogger("LiteLLM")
+        assert litellm_logger.handlers == [] and litellm_logger.propagate
+        litellm_logger.warning("provider said: bad key %s", key)
+    finally:
+        del os.environ["COGNI_TEST_LITELLM_LOG_KEY"]
+        configure_logging(logging.INFO)
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    warned = [line for line in lines if "provider said" in line.get("event", "")]
+    assert warned and warned[0]["level"] == "warning"
+    assert key not in out.getvalue() and "[REDACTED:COGNI_TEST_LITELLM_LOG_KEY]" in out.getvalue()
