@@ -1,0 +1,391 @@
+"""The ``overlay`` backend: kernel overlayfs, mounted by gatewayd.
+
+The base is the overlay's ``lowerdir`` and is never written while the session is
+open; the sandbox binds the merged mount, and every change lands in ``upperdir``
+under gatewayd's private state directory. Why kernel overlayfs (docs/workspaces.md
+has the long form): it is in the kernel Debian 12 ships, needs no FUSE daemon, and
+the merged directory is an ordinary directory that bubblewrap binds like any other.
+
+Mount options, fixed: ``redirect_dir=off`` (renaming a directory that came from the
+base fails with EXDEV, and tools such as ``mv`` fall back to copy and delete, so the
+upper directory never holds redirect xattrs the diff and commit would have to
+follow), ``metacopy=off`` (a file in the upper directory always holds its whole
+content, so commit can copy it), ``index=off``, ``xino=off``; ``nosuid,nodev``.
+
+Diff walks the upper directory: a regular file or symlink there is added or
+modified; a whiteout (a character device 0/0) is a removal; a directory with
+``trusted.overlay.opaque=y`` replaced the base's directory of that name entirely.
+
+Commit is a journal replayed forward: the planned operations are written durably
+to ``commit.journal`` before the base is touched, each file is replaced atomically
+(temporary file in the same directory, fsync, rename), and the journal is removed
+last. After a crash, :func:`recover_commit` (which :meth:`OverlayWorkspace.create`
+calls on the state directory) replays the whole journal; every operation is
+idempotent, and the upper directory it copies from is kept until the journal is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import json
+import os
+import shutil
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+from gatewayd.atomicfile import write_atomically
+from gatewayd.workspace.session import (
+    SessionState,
+    WorkspaceDiff,
+    WorkspaceError,
+    WorkspaceSession,
+    make_state_dir,
+)
+from gatewayd.workspace.treediff import compare_trees
+
+UPPER_NAME: Final = "upper"
+WORK_NAME: Final = "work"
+MERGED_NAME: Final = "merged"
+JOURNAL_NAME: Final = "commit.journal"
+OPAQUE_XATTR: Final = "trusted.overlay.opaque"
+MOUNT_OPTIONS: Final = "redirect_dir=off,metacopy=off,index=off,xino=off"
+
+# From <sys/mount.h>.
+MS_NOSUID: Final = 0x2
+MS_NODEV: Final = 0x4
+MNT_DETACH: Final = 0x2
+
+# Characters the kernel's overlay option parser gives a meaning (separators, escapes).
+_OPTION_UNSAFE: Final = frozenset(",:\\\n")
+# Setuid, setgid and sticky bits never travel from the sandbox to the host.
+_COMMIT_MODE_MASK: Final = 0o777
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+_libc: Final = ctypes.CDLL(None, use_errno=True)
+
+
+def _mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> None:
+    for path in (lower, upper, work, merged):
+        if _OPTION_UNSAFE & set(str(path)):
+            raise WorkspaceError(
+                f"{path} contains one of , : \\ or a newline, which overlayfs options "
+                "cannot carry; use another directory"
+            )
+    options = f"lowerdir={lower},upperdir={upper},workdir={work},{MOUNT_OPTIONS}"
+    rc = _libc.mount(
+        b"overlay",
+        os.fsencode(merged),
+        b"overlay",
+        ctypes.c_ulong(MS_NOSUID | MS_NODEV),
+        os.fsencode(options),
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise WorkspaceError(
+            f"mounting the overlay at {merged} failed: {errno.errorcode.get(err, err)} "
+            f"({os.strerror(err)}); gatewayd needs CAP_SYS_ADMIN and a kernel with overlayfs"
+        )
+
+
+def _unmount(path: Path, *, detach: bool) -> None:
+    """Unmount ``path`` if it is a mount point; ``detach`` falls back to a lazy unmount."""
+    if not os.path.ismount(path):
+        return
+    if _libc.umount2(os.fsencode(path), 0) == 0:
+        return
+    err = ctypes.get_errno()
+    if err == errno.EBUSY and detach and _libc.umount2(os.fsencode(path), MNT_DETACH) == 0:
+        return
+    raise WorkspaceError(
+        f"unmounting {path} failed: {errno.errorcode.get(err, err)} ({os.strerror(err)})"
+        + ("; a process (the sandbox?) still uses it" if err == errno.EBUSY else "")
+    )
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _is_opaque(path: Path) -> bool:
+    try:
+        return os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+# --- the delta as a list of operations ----------------------------------------
+#
+# ["remove", rel]        remove whatever is at base/rel (absent is fine)
+# ["replace_dir", rel]   remove whatever is at base/rel, then make an empty directory
+# ["dir", rel]           make sure base/rel is a directory (merged into, not replaced)
+# ["file", rel]          copy upper/rel (regular file or symlink) over base/rel
+# Listed parent before child, so replaying the list in order rebuilds the delta.
+
+
+def plan_delta(upper: Path, base: Path) -> list[list[str]]:
+    """The operations that make ``base`` equal the merged view of ``base`` + ``upper``."""
+    return list(_walk_upper(upper, base, ""))
+
+
+def _walk_upper(upper: Path, base: Path, rel_dir: str) -> Iterator[list[str]]:
+    for name in sorted(os.listdir(upper / rel_dir if rel_dir else upper)):
+        rel = f"{rel_dir}/{name}" if rel_dir else name
+        path = upper / rel
+        st = os.lstat(path)
+        if _is_whiteout(st):
+            yield ["remove", rel]
+        elif stat.S_ISDIR(st.st_mode):
+            base_is_dir = stat.S_ISDIR(_lstat_mode(base / rel))
+            if _is_opaque(path) or not base_is_dir:
+                yield ["replace_dir", rel]
+            else:
+                yield ["dir", rel]
+            yield from _walk_upper(upper, base, rel)
+        elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            yield ["file", rel]
+        # Anything else (a FIFO, a device node the sandbox made) never reaches the host.
+
+
+def _lstat_mode(path: Path) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+
+
+def _scopes(ops: list[list[str]]) -> list[str]:
+    """The subtrees a diff must compare: everything but directories merged into."""
+    return [rel for op, rel in ops if op != "dir"]
+
+
+# --- applying operations to the base, never through a symlink ------------------
+
+
+def _open_base_dir(base_fd: int, parts: list[str]) -> int:
+    """A descriptor of base/parts, one no-follow component at a time."""
+    fd = os.dup(base_fd)
+    for part in parts:
+        try:
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = child
+    return fd
+
+
+def _remove_at(parent_fd: int, name: str) -> None:
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(name, dir_fd=parent_fd)
+    else:
+        os.unlink(name, dir_fd=parent_fd)
+
+
+def _temp_name(name: str) -> str:
+    return f".cogni-commit.{hashlib.sha256(os.fsencode(name)).hexdigest()[:16]}.tmp"
+
+
+def _copy_in(source: Path, parent_fd: int, name: str) -> None:
+    """Replace base entry ``name`` with ``source`` (a file or symlink), atomically."""
+    tmp = _temp_name(name)
+    _remove_at(parent_fd, tmp)  # a leftover of an interrupted commit
+    owner = os.fstat(parent_fd)
+    st = os.lstat(source)
+    if stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(source), tmp, dir_fd=parent_fd)
+    else:
+        src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            dst = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                st.st_mode & _COMMIT_MODE_MASK,
+                dir_fd=parent_fd,
+            )
+            try:
+                while os.sendfile(dst, src, None, 1 << 24):
+                    pass
+                os.fchmod(dst, st.st_mode & _COMMIT_MODE_MASK)
+                if os.geteuid() == 0:
+                    # The sandbox's uid means nothing on the host: files belong to
+                    # whoever owns the directory they land in.
+                    os.fchown(dst, owner.st_uid, owner.st_gid)
+                os.fsync(dst)
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+    existing = _lstat_at(parent_fd, name)
+    if existing is not None and stat.S_ISDIR(existing):
+        shutil.rmtree(name, dir_fd=parent_fd)  # rename cannot replace a directory
+    os.replace(tmp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
+
+
+def _lstat_at(dir_fd: int, name: str) -> int | None:
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return None
+
+
+def apply_operation(base_fd: int, upper: Path, op: str, rel: str) -> None:
+    """Apply one journal operation to the base (idempotent)."""
+    *dirs, name = rel.split("/")
+    parent = _open_base_dir(base_fd, dirs)
+    try:
+        if op == "remove":
+            _remove_at(parent, name)
+        elif op == "replace_dir":
+            _remove_at(parent, name)
+            os.mkdir(name, dir_fd=parent)
+            os.chmod(name, os.lstat(upper / rel).st_mode & _COMMIT_MODE_MASK, dir_fd=parent)
+        elif op == "dir":
+            mode = _lstat_at(parent, name)
+            if mode is None or not stat.S_ISDIR(mode):
+                _remove_at(parent, name)
+                os.mkdir(name, dir_fd=parent)
+        elif op == "file":
+            _copy_in(upper / rel, parent, name)
+        else:
+            raise WorkspaceError(f"unknown commit operation {op!r} in the journal")
+        os.fsync(parent)
+    finally:
+        os.close(parent)
+
+
+def _replay(state_dir: Path, journal: dict[str, object]) -> None:
+    base = Path(str(journal["base"]))
+    ops = journal["ops"]
+    if not isinstance(ops, list):
+        raise WorkspaceError(f"{state_dir / JOURNAL_NAME} is malformed")
+    upper = state_dir / UPPER_NAME
+    base_fd = os.open(base, _DIR_FLAGS)
+    try:
+        for op, rel in ops:
+            apply_operation(base_fd, upper, op, rel)
+        os.fsync(base_fd)
+    finally:
+        os.close(base_fd)
+    (state_dir / JOURNAL_NAME).unlink()
+    _fsync_dir(state_dir)
+    _remove_delta(state_dir)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove_delta(state_dir: Path) -> None:
+    for name in (UPPER_NAME, WORK_NAME):
+        shutil.rmtree(state_dir / name, ignore_errors=True)
+
+
+def recover_commit(state_dir: Path) -> bool:
+    """Finish a commit a crash interrupted in ``state_dir``; True if there was one."""
+    journal_path = Path(state_dir) / JOURNAL_NAME
+    if not journal_path.exists():
+        return False
+    _unmount(Path(state_dir) / MERGED_NAME, detach=True)
+    journal = json.loads(journal_path.read_bytes())
+    _replay(Path(state_dir), journal)
+    return True
+
+
+class OverlayWorkspace(WorkspaceSession):
+    """A copy-on-write view of ``base``: the sandbox binds :attr:`root` (the merged mount)."""
+
+    def __init__(self, base: Path, state_dir: Path) -> None:
+        super().__init__()
+        self.base = base
+        self.state_dir = state_dir
+        self.upper = state_dir / UPPER_NAME
+        self.work = state_dir / WORK_NAME
+        self.root = state_dir / MERGED_NAME
+        self._mounted = False
+
+    @classmethod
+    def create(cls, base: Path, state_dir: Path) -> OverlayWorkspace:
+        """Mount an overlay over ``base`` with its delta under ``state_dir``.
+
+        A commit a crash interrupted in ``state_dir`` is finished first
+        (:func:`recover_commit`); then ``state_dir`` must hold nothing else.
+        """
+        base = Path(os.path.realpath(base))
+        if not base.is_dir():
+            raise WorkspaceError(f"workspace base {base} is not a directory")
+        state_dir = Path(os.path.realpath(state_dir))
+        if state_dir.is_dir():
+            recover_commit(state_dir)
+            for leftover in (MERGED_NAME,):
+                if (state_dir / leftover).is_dir() and not os.path.ismount(state_dir / leftover):
+                    (state_dir / leftover).rmdir()
+        session = cls(base, make_state_dir(state_dir))
+        for path in (session.upper, session.work, session.root):
+            path.mkdir(mode=0o755)
+        try:
+            _mount_overlay(base, session.upper, session.work, session.root)
+        except BaseException:
+            session._remove_all()
+            raise
+        session._mounted = True
+        session._pin_root()
+        return session
+
+    def _remove_all(self) -> None:
+        _remove_delta(self.state_dir)
+        if self.root.is_dir() and not os.path.ismount(self.root):
+            self.root.rmdir()
+
+    def delta_operations(self) -> list[list[str]]:
+        """The operations commit would apply (the upper directory, read as a plan)."""
+        return plan_delta(self.upper, self.base)
+
+    def diff(self) -> WorkspaceDiff:
+        self._require_open()
+        return compare_trees(self.base, self.root, _scopes(self.delta_operations()))
+
+    def commit(self) -> None:
+        """Unmount, then apply the delta to the base through a journal (see module doc).
+
+        Error handling: if the merged mount is still in use, nothing is applied and the
+        session stays open (:class:`WorkspaceError`). A failure while applying leaves
+        the journal, so :func:`recover_commit` finishes the commit later.
+        """
+        self._require_open()
+        _unmount(self.root, detach=False)
+        self._mounted = False
+        ops = self.delta_operations()
+        journal: dict[str, object] = {"base": str(self.base), "ops": ops}
+        write_atomically(self.state_dir / JOURNAL_NAME, json.dumps(journal).encode())
+        self._state = SessionState.COMMITTED
+        _replay(self.state_dir, journal)
+        self.root.rmdir()
+
+    def discard(self) -> None:
+        """Unmount and drop the delta; the base was never written."""
+        self._require_open()
+        self._state = SessionState.DISCARDED
+        self._teardown()
+
+    def _teardown(self) -> None:
+        if self._mounted:
+            _unmount(self.root, detach=True)
+            self._mounted = False
+        self._remove_all()
+
+    def close(self) -> None:
+        if self._state is SessionState.OPEN:
+            self.discard()
+        elif self._mounted:
+            self._teardown()

@@ -1,0 +1,257 @@
+"""Comparing two directory trees into a :class:`WorkspaceDiff`.
+
+Rules (also in docs/workspaces.md):
+
+* Entries are compared without following symlinks. A regular file is compared by
+  content; a symlink by its target (a symlink counts as a file whose content is the
+  target). Mode and time changes are not reported.
+* Binary: a NUL byte in the first :data:`BINARY_SNIFF_BYTES`, or not valid UTF-8.
+  Binary files are listed in ``binary`` and get no hunk.
+* Rename: a removed and an added entry of the same kind with identical content
+  (sha256) are paired, in sorted order, one to one; the pair has no hunk.
+* Directories present on one side only are listed with a trailing ``/``.
+
+The caller says which subtrees to look at (``scopes``): the whole tree for the host
+backend, only what the overlay's upper directory touches for the overlay backend.
+"""
+
+from __future__ import annotations
+
+import difflib
+import errno
+import hashlib
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Final, Literal
+
+from gatewayd.workspace.session import WorkspaceDiff
+
+# Like git: a NUL byte in the first 8 KiB marks a file as binary.
+BINARY_SNIFF_BYTES: Final = 8192
+NO_NEWLINE: Final = "\\ No newline at end of file\n"
+
+Kind = Literal["file", "link", "dir"]
+
+
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _kind_of(mode: int) -> Kind | None:
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISLNK(mode):
+        return "link"
+    if stat.S_ISREG(mode):
+        return "file"
+    return None  # FIFOs, sockets, devices: not workspace content
+
+
+def open_parent(root: Path, rel: str) -> tuple[int, str]:
+    """A descriptor of ``rel``'s parent beneath ``root``, every component opened with
+    O_NOFOLLOW, and ``rel``'s last name. Raises OSError (ELOOP, ENOTDIR) when a component
+    is a symlink: the sandbox may still be changing the tree, and gatewayd, which runs as
+    root, must never read through a link it planted (``dir -> /etc``)."""
+    *dirs, name = rel.split("/")
+    fd = os.open(root, _DIR_FLAGS)
+    for part in dirs:
+        try:
+            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+        finally:
+            os.close(fd)
+        fd = child
+    return fd, name
+
+
+def entry_kind(root: Path, rel: str) -> Kind | None:
+    """The kind of ``root/rel`` (no symlink followed), None when absent or special."""
+    if not rel:
+        return _kind_of(os.lstat(root).st_mode)
+    try:
+        parent, name = open_parent(root, rel)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        return _kind_of(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    finally:
+        os.close(parent)
+
+
+def walk_entries(root: Path, scope: str) -> dict[str, Kind]:
+    """Every entry at and below ``root/scope`` (relative names), without following links.
+
+    Descriptor-based (``os.fwalk``), so a directory swapped for a symlink while we walk
+    is not entered.
+    """
+    found: dict[str, Kind] = {}
+    kind = entry_kind(root, scope)
+    if kind is None:
+        return found
+    if scope:
+        found[scope] = kind
+    if kind != "dir":
+        return found
+    if scope:
+        parent, name = open_parent(root, scope)
+        try:
+            top = os.open(name, _DIR_FLAGS, dir_fd=parent)
+        finally:
+            os.close(parent)
+    else:
+        top = os.open(root, _DIR_FLAGS)
+    try:
+        for dirpath, dirnames, filenames, dir_fd in os.fwalk(
+            ".", dir_fd=top, follow_symlinks=False
+        ):
+            rel_dir = os.path.normpath(os.path.join(scope, dirpath)) if scope else dirpath
+            rel_dir = os.path.normpath(rel_dir)
+            for name in dirnames + filenames:
+                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+                try:
+                    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
+                except FileNotFoundError:
+                    continue
+                child = _kind_of(mode)
+                if child is not None:
+                    found[rel] = child
+    finally:
+        os.close(top)
+    return found
+
+
+def content(root: Path, rel: str, kind: Kind) -> bytes:
+    """The bytes a file holds, or a symlink's target; no symlink on the way is followed."""
+    parent, name = open_parent(root, rel)
+    try:
+        if kind == "link":
+            return os.fsencode(os.readlink(name, dir_fd=parent))
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    finally:
+        os.close(parent)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{rel} is no longer a regular file")
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def is_binary(data: bytes) -> bool:
+    """NUL in the first 8 KiB, or not UTF-8."""
+    if b"\0" in data[:BINARY_SNIFF_BYTES]:
+        return True
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def unified_hunks(old: bytes | None, new: bytes | None, rel_old: str, rel_new: str) -> str:
+    """``diff -u`` text for one text file (``None``: the side does not exist)."""
+    old_lines = (old or b"").decode("utf-8").splitlines(keepends=True)
+    new_lines = (new or b"").decode("utf-8").splitlines(keepends=True)
+    lines = difflib.unified_diff(
+        old_lines,
+        new_lines,
+        fromfile="/dev/null" if old is None else f"a/{rel_old}",
+        tofile="/dev/null" if new is None else f"b/{rel_new}",
+    )
+    out = []
+    for line in lines:
+        out.append(line)
+        if not line.endswith("\n"):
+            out.append("\n" + NO_NEWLINE)
+    return "".join(out)
+
+
+def compare_trees(old_root: Path, new_root: Path, scopes: Iterable[str]) -> WorkspaceDiff:
+    """The diff from ``old_root`` to ``new_root``, looking only beneath ``scopes``."""
+    old: dict[str, Kind] = {}
+    new: dict[str, Kind] = {}
+    for scope in scopes:
+        old.update(walk_entries(old_root, scope))
+        new.update(walk_entries(new_root, scope))
+
+    added: list[str] = []
+    removed: list[str] = []
+    modified: list[str] = []
+    old_data: dict[str, bytes] = {}
+    new_data: dict[str, bytes] = {}
+    for rel in sorted(set(old) | set(new)):
+        before, after = old.get(rel), new.get(rel)
+        if before == "dir" and after == "dir":
+            continue
+        if before is not None and before == after:
+            a, b = content(old_root, rel, before), content(new_root, rel, after)
+            if a != b:
+                modified.append(rel)
+                old_data[rel], new_data[rel] = a, b
+            continue
+        # Kinds differ or one side is missing: a removal and/or an addition.
+        if before == "dir":
+            removed.append(rel + "/")
+        elif before is not None:
+            removed.append(rel)
+            old_data[rel] = content(old_root, rel, before)
+        if after == "dir":
+            added.append(rel + "/")
+        elif after is not None:
+            added.append(rel)
+            new_data[rel] = content(new_root, rel, after)
+
+    renamed = _pair_renames(added, removed, old, new, old_data, new_data)
+
+    binary: list[str] = []
+    hunks: list[str] = []
+    for rel in sorted(set(added) | set(removed) | set(modified)):
+        if rel.endswith("/"):
+            continue
+        before_data, after_data = old_data.get(rel), new_data.get(rel)
+        if any(d is not None and is_binary(d) for d in (before_data, after_data)):
+            binary.append(rel)
+            continue
+        hunks.append(unified_hunks(before_data, after_data, rel, rel))
+    return WorkspaceDiff(
+        unified="".join(hunks),
+        added=added,
+        removed=removed,
+        modified=modified,
+        renamed=renamed,
+        binary=binary,
+    )
+
+
+def _pair_renames(
+    added: list[str],
+    removed: list[str],
+    old: dict[str, Kind],
+    new: dict[str, Kind],
+    old_data: dict[str, bytes],
+    new_data: dict[str, bytes],
+) -> list[tuple[str, str]]:
+    """Pair removed and added entries of one kind with identical sha256, in sorted order."""
+    by_digest: dict[tuple[Kind, bytes], list[str]] = {}
+    for rel in removed:
+        if rel.endswith("/"):
+            continue
+        key = (old[rel], hashlib.sha256(old_data[rel]).digest())
+        by_digest.setdefault(key, []).append(rel)
+    renamed: list[tuple[str, str]] = []
+    for rel in list(added):
+        if rel.endswith("/"):
+            continue
+        key = (new[rel], hashlib.sha256(new_data[rel]).digest())
+        candidates = by_digest.get(key)
+        if candidates:
+            source = candidates.pop(0)
+            renamed.append((source, rel))
+            added.remove(rel)
+            removed.remove(source)
+    return renamed

@@ -1,0 +1,441 @@
+"""The workspace contract, run against both backends (host and kernel overlayfs).
+
+Real files, real overlay mounts. The overlay backend is skipped only when the mount
+itself fails here (with the kernel's reason); every mount is unmounted in a finally.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from gatewayd.errors import GatewayError, PolicyViolation
+from gatewayd.workspace import (
+    HostWorkspace,
+    OverlayWorkspace,
+    WorkspaceError,
+    WorkspaceSession,
+    recover_commit,
+)
+from gatewayd.workspace import overlay as overlay_module
+
+Tree = dict[str, tuple[object, ...]]
+
+BINARY_OLD = bytes(range(256)) * 4
+BINARY_NEW = b"\x00\xff" + bytes(range(256)) * 4
+
+
+def tree(root: Path) -> Tree:
+    """Everything below ``root``: kind, content or link target, and permission bits."""
+    found: Tree = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            rel = str(path.relative_to(root))
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                found[rel] = ("link", os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                found[rel] = ("dir", stat.S_IMODE(st.st_mode))
+            else:
+                found[rel] = ("file", path.read_bytes(), stat.S_IMODE(st.st_mode))
+    return found
+
+
+def mounted(path: Path) -> bool:
+    """Whether ``path`` is a mount point, from /proc/self/mountinfo (field 5)."""
+    text = Path("/proc/self/mountinfo").read_text()
+    return any(line.split(" ")[4] == str(path) for line in text.splitlines())
+
+
+def make_base(root: Path) -> Path:
+    base = root / "base"
+    (base / "src" / "pkg").mkdir(parents=True)
+    (base / "docs").mkdir()
+    (base / "old_dir" / "inner").mkdir(parents=True)
+    (base / "README.md").write_text("# project\n\nline two\nline three\n")
+    (base / "src" / "main.py").write_text("def main():\n    return 1\n")
+    (base / "src" / "pkg" / "mod.py").write_text("X = 1\n")
+    (base / "docs" / "guide.txt").write_text("a guide\nthat will move\n")
+    (base / "old_dir" / "inner" / "gone.txt").write_text("bye\n")
+    (base / "logo.bin").write_bytes(BINARY_OLD)
+    (base / "doomed.txt").write_text("to be deleted\n")
+    os.symlink("src/main.py", base / "main-link")
+    os.chmod(base / "src" / "main.py", 0o755)
+    return base
+
+
+Factory = Callable[[Path, Path], WorkspaceSession]
+
+
+@pytest.fixture(params=["host", "overlay"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    return make_base(tmp_path)
+
+
+def _open(kind: str, base: Path, state: Path) -> WorkspaceSession:
+    if kind == "host":
+        return HostWorkspace.create(base, state)
+    try:
+        return OverlayWorkspace.create(base, state)
+    except WorkspaceError as exc:
+        if "mounting the overlay" in str(exc):
+            pytest.skip(f"kernel overlayfs is unavailable here: {exc}")
+        raise
+
+
+@pytest.fixture
+def session(backend: str, base: Path, tmp_path: Path) -> Iterator[WorkspaceSession]:
+    ws = _open(backend, base, tmp_path / "state")
+    try:
+        yield ws
+    finally:
+        try:
+            ws.close()
+        finally:
+            if mounted(tmp_path / "state" / "merged"):
+                subprocess.run(["umount", "-l", str(tmp_path / "state" / "merged")], check=True)
+
+
+@pytest.fixture
+def overlay_session(base: Path, tmp_path: Path) -> Iterator[OverlayWorkspace]:
+    ws = _open("overlay", base, tmp_path / "state")
+    assert isinstance(ws, OverlayWorkspace)
+    try:
+        yield ws
+    finally:
+        try:
+            ws.close()
+        finally:
+            if mounted(ws.root):
+                subprocess.run(["umount", "-l", str(ws.root)], check=True)
+
+
+def make_every_kind_of_change(ws: WorkspaceSession) -> None:
+    ws.write("README.md", b"# project\n\nline 2, edited\nline three\n")
+    ws.write("logo.bin", BINARY_NEW)
+    os.unlink(ws.root / "doomed.txt")
+    os.rename(ws.root / "docs" / "guide.txt", ws.root / "guide-moved.txt")
+    ws.write("new/deeper/added.txt", b"brand new\n")
+    for path in sorted((ws.root / "old_dir").rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    (ws.root / "old_dir").rmdir()
+
+
+# --- read, write, list --------------------------------------------------------
+
+
+def test_read_write_list_see_the_base_and_new_files(session: WorkspaceSession) -> None:
+    assert session.read("src/main.py") == b"def main():\n    return 1\n"
+    assert session.read("./src//pkg/mod.py") == b"X = 1\n"
+    session.write("src/new.py", b"Y = 2\n")
+    session.write("a/b/c.txt", b"deep")
+    assert session.read("src/new.py") == b"Y = 2\n"
+    assert (session.root / "a" / "b" / "c.txt").read_bytes() == b"deep"
+    assert session.list() == sorted(
+        ["README.md", "a", "docs", "doomed.txt", "logo.bin", "main-link", "old_dir", "src"]
+    )
+    assert session.list("src") == ["main.py", "new.py", "pkg"]
+    session.write("src/main.py", b"short\n")
+    assert session.read("src/main.py") == b"short\n"
+    # A symlink that stays inside the tree is followed for reads.
+    assert session.read("main-link") == b"short\n"
+
+
+def test_missing_file_and_directory_fail_with_the_visible_path(session: WorkspaceSession) -> None:
+    with pytest.raises(GatewayError, match=r"/workspace/nope\.txt"):
+        session.read("nope.txt")
+    with pytest.raises(GatewayError, match="directory"):
+        session.read("src")
+    with pytest.raises(GatewayError):
+        session.list("README.md")
+
+
+# --- diff -----------------------------------------------------------------------
+
+
+def test_unchanged_workspace_has_an_empty_diff(session: WorkspaceSession) -> None:
+    diff = session.diff()
+    assert diff.empty
+    assert diff.unified == ""
+    assert diff.binary == []
+
+
+def test_diff_shows_a_text_edit_as_a_unified_hunk(session: WorkspaceSession) -> None:
+    session.write("README.md", b"# project\n\nline 2, edited\nline three\n")
+    diff = session.diff()
+    assert diff.modified == ["README.md"]
+    assert diff.added == diff.removed == diff.binary == []
+    assert diff.unified == (
+        "--- a/README.md\n+++ b/README.md\n@@ -1,4 +1,4 @@\n"
+        " # project\n \n-line two\n+line 2, edited\n line three\n"
+    )
+
+
+def test_diff_lists_a_binary_change_without_a_hunk(session: WorkspaceSession) -> None:
+    session.write("logo.bin", BINARY_NEW)
+    session.write("notutf8.txt", b"caf\xe9\n")
+    diff = session.diff()
+    assert diff.modified == ["logo.bin"]
+    assert diff.added == ["notutf8.txt"]
+    assert diff.binary == ["logo.bin", "notutf8.txt"]
+    assert diff.unified == ""
+
+
+def test_diff_lists_a_deleted_file_with_a_removal_hunk(session: WorkspaceSession) -> None:
+    os.unlink(session.root / "doomed.txt")
+    diff = session.diff()
+    assert diff.removed == ["doomed.txt"]
+    assert diff.added == diff.modified == []
+    assert diff.unified == "--- a/doomed.txt\n+++ /dev/null\n@@ -1 +0,0 @@\n-to be deleted\n"
+
+
+def test_diff_pairs_a_rename_with_identical_content(session: WorkspaceSession) -> None:
+    os.rename(session.root / "docs" / "guide.txt", session.root / "guide-moved.txt")
+    diff = session.diff()
+    assert diff.renamed == [("docs/guide.txt", "guide-moved.txt")]
+    assert diff.added == diff.removed == diff.modified == []
+    assert diff.unified == ""
+
+
+def test_a_move_with_an_edit_is_a_removal_and_an_addition(session: WorkspaceSession) -> None:
+    os.rename(session.root / "docs" / "guide.txt", session.root / "guide-moved.txt")
+    session.write("guide-moved.txt", b"a guide\nthat moved\n")
+    diff = session.diff()
+    assert diff.renamed == []
+    assert diff.removed == ["docs/guide.txt"]
+    assert diff.added == ["guide-moved.txt"]
+
+
+def test_diff_shows_an_added_file_with_an_addition_hunk(session: WorkspaceSession) -> None:
+    session.write("notes.txt", b"one\ntwo")
+    diff = session.diff()
+    assert diff.added == ["notes.txt"]
+    assert diff.unified == (
+        "--- /dev/null\n+++ b/notes.txt\n@@ -0,0 +1,2 @@\n+one\n+two\n"
+        "\\ No newline at end of file\n"
+    )
+
+
+def test_diff_lists_added_and_removed_directories(session: WorkspaceSession) -> None:
+    session.write("new/deeper/added.txt", b"brand new\n")
+    (session.root / "empty_new").mkdir()
+    os.unlink(session.root / "old_dir" / "inner" / "gone.txt")
+    os.rmdir(session.root / "old_dir" / "inner")
+    os.rmdir(session.root / "old_dir")
+    diff = session.diff()
+    assert diff.added == ["empty_new/", "new/", "new/deeper/", "new/deeper/added.txt"]
+    assert diff.removed == ["old_dir/", "old_dir/inner/", "old_dir/inner/gone.txt"]
+    assert "+++ b/new/deeper/added.txt" in diff.unified
+    assert "--- a/old_dir/inner/gone.txt" in diff.unified
+
+
+def test_diff_sees_a_directory_replaced_by_a_file(session: WorkspaceSession) -> None:
+    os.unlink(session.root / "src" / "pkg" / "mod.py")
+    os.rmdir(session.root / "src" / "pkg")
+    session.write("src/pkg", b"now a file\n")
+    diff = session.diff()
+    assert diff.removed == ["src/pkg/", "src/pkg/mod.py"]
+    assert diff.added == ["src/pkg"]
+
+
+def test_a_directory_removed_and_recreated_replaces_the_old_one(
+    session: WorkspaceSession, base: Path
+) -> None:
+    for path in sorted((session.root / "old_dir").rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    (session.root / "old_dir").rmdir()
+    session.write("old_dir/fresh.txt", b"fresh\n")
+    if isinstance(session, OverlayWorkspace):
+        # The case this test is for: overlayfs marks the new directory opaque.
+        assert os.getxattr(session.upper / "old_dir", "trusted.overlay.opaque") == b"y"
+    diff = session.diff()
+    assert diff.removed == ["old_dir/inner/", "old_dir/inner/gone.txt"]
+    assert diff.added == ["old_dir/fresh.txt"]
+    expected = tree(session.root)
+    session.commit()
+    assert tree(base) == expected
+    assert not (base / "old_dir" / "inner").exists()
+
+
+# --- commit and discard -----------------------------------------------------------
+
+
+def test_commit_makes_the_base_equal_the_merged_view(session: WorkspaceSession, base: Path) -> None:
+    make_every_kind_of_change(session)
+    os.symlink("README.md", session.root / "new-link")
+    os.chmod(session.root / "README.md", 0o600)
+    expected = tree(session.root)
+    session.commit()
+    assert tree(base) == expected
+    assert not session.is_open
+    with pytest.raises(WorkspaceError, match="committed"):
+        session.read("README.md")
+    session.close()  # idempotent, and does not undo the commit
+    assert tree(base) == expected
+
+
+def test_discard_leaves_the_base_exactly_as_before(session: WorkspaceSession, base: Path) -> None:
+    before = tree(base)
+    make_every_kind_of_change(session)
+    os.chmod(session.root / "src" / "main.py", 0o644)
+    assert not session.diff().empty
+    session.discard()
+    assert tree(base) == before
+    with pytest.raises(WorkspaceError, match="discarded"):
+        session.diff()
+
+
+def test_close_without_commit_discards(session: WorkspaceSession, base: Path) -> None:
+    before = tree(base)
+    session.write("README.md", b"changed\n")
+    session.close()
+    assert tree(base) == before
+
+
+def test_overlay_base_is_untouched_until_commit(
+    overlay_session: OverlayWorkspace, base: Path
+) -> None:
+    before = tree(base)
+    make_every_kind_of_change(overlay_session)
+    assert tree(base) == before
+    assert overlay_session.read("README.md") != (base / "README.md").read_bytes()
+    overlay_session.commit()
+    assert tree(base) != before
+    assert (base / "README.md").read_bytes() == b"# project\n\nline 2, edited\nline three\n"
+
+
+def test_overlay_commit_refuses_while_the_mount_is_busy(
+    overlay_session: OverlayWorkspace, base: Path
+) -> None:
+    before = tree(base)
+    overlay_session.write("README.md", b"changed\n")
+    holder = subprocess.Popen(["sleep", "60"], cwd=overlay_session.root)
+    try:
+        with pytest.raises(WorkspaceError, match="still uses it"):
+            overlay_session.commit()
+        assert overlay_session.is_open
+        assert tree(base) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    overlay_session.commit()
+    assert (base / "README.md").read_bytes() == b"changed\n"
+
+
+def test_overlay_commit_interrupted_midway_is_finished_by_recovery(
+    overlay_session: OverlayWorkspace, base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_every_kind_of_change(overlay_session)
+    expected = tree(overlay_session.root)
+    real_apply = overlay_module.apply_operation
+    calls = 0
+
+    def crash_after_three(base_fd: int, upper: Path, op: str, rel: str) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 3:
+            raise OSError("simulated crash")
+        real_apply(base_fd, upper, op, rel)
+
+    monkeypatch.setattr(overlay_module, "apply_operation", crash_after_three)
+    with pytest.raises(OSError, match="simulated crash"):
+        overlay_session.commit()
+    state = tmp_path / "state"
+    assert (state / overlay_module.JOURNAL_NAME).exists()
+    assert tree(base) != expected  # half applied
+    monkeypatch.setattr(overlay_module, "apply_operation", real_apply)
+    # Opening a new session on the same state directory replays the journal first.
+    again = OverlayWorkspace.create(base, state)
+    try:
+        assert tree(base) == expected
+        assert again.diff().empty
+    finally:
+        again.close()
+    assert not recover_commit(state)
+
+
+# --- escapes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", ["../x", "src/../../x", "/etc/passwd", "/"])
+def test_paths_that_leave_the_workspace_are_refused(session: WorkspaceSession, path: str) -> None:
+    with pytest.raises(PolicyViolation):
+        session.read(path)
+    with pytest.raises(PolicyViolation):
+        session.write(path, b"x")
+    with pytest.raises(PolicyViolation):
+        session.list(path)
+
+
+def test_a_symlink_pointing_outside_is_refused_for_read_and_write(
+    session: WorkspaceSession, tmp_path: Path
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    secret = outside / "secret.txt"
+    secret.write_bytes(b"host secret\n")
+    os.symlink(secret, session.root / "abs-link")
+    os.symlink("../../outside/secret.txt", session.root / "rel-link")
+    os.symlink(outside, session.root / "dir-link")
+    for link in ("abs-link", "rel-link", "dir-link/secret.txt"):
+        with pytest.raises(PolicyViolation) as excinfo:
+            session.read(link)
+        assert str(tmp_path) not in str(excinfo.value)
+        with pytest.raises(PolicyViolation):
+            session.write(link, b"overwritten")
+    with pytest.raises(PolicyViolation):
+        session.list("dir-link")
+    with pytest.raises(PolicyViolation):
+        session.write("dir-link/new.txt", b"x")
+    assert secret.read_bytes() == b"host secret\n"
+    assert sorted(os.listdir(outside)) == ["secret.txt"]
+
+
+def test_write_refuses_a_file_with_a_second_hard_link(
+    session: WorkspaceSession, base: Path
+) -> None:
+    os.link(session.root / "README.md", session.root / "hard")
+    with pytest.raises(PolicyViolation, match="hard links"):
+        session.write("hard", b"x")
+
+
+# --- lifecycle ---------------------------------------------------------------------
+
+
+def test_close_unmounts_the_overlay_and_removes_the_delta(
+    overlay_session: OverlayWorkspace,
+) -> None:
+    assert mounted(overlay_session.root)
+    overlay_session.write("README.md", b"changed\n")
+    overlay_session.close()
+    assert not mounted(overlay_session.root)
+    assert os.listdir(overlay_session.state_dir) == []
+    overlay_session.close()
+
+
+def test_commit_unmounts_and_clears_the_state_directory(
+    session: WorkspaceSession, tmp_path: Path
+) -> None:
+    session.write("README.md", b"changed\n")
+    session.commit()
+    assert not mounted(tmp_path / "state" / "merged")
+    assert os.listdir(tmp_path / "state") == []
+
+
+def test_a_state_directory_in_use_is_refused(backend: str, base: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "something").write_text("x")
+    with pytest.raises(WorkspaceError, match="not empty"):
+        _open(backend, base, state)
