@@ -111,15 +111,18 @@ async def gateway(short_tmp: Path) -> AsyncIterator[Gateway]:
         yield gw
 
 
-def make_gateway(base: Path, tools: dict[str, ToolSpec[Any]] | None = None) -> Any:
-    """An async context manager giving a Gateway rooted at ``base``."""
+def make_gateway(base: Path, tools: dict[str, ToolSpec[Any]] | None = None, **settings: Any) -> Any:
+    """An async context manager giving a Gateway rooted at ``base`` (no OS sandbox);
+    ``settings`` are further DaemonConfig fields (``models=...``)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def cm() -> AsyncIterator[Gateway]:
         policies = base / "policies"
         policies.mkdir(exist_ok=True)
-        config = DaemonConfig(state_dir=base / "state", policy_dirs=(policies,), os_sandbox=False)
+        config = DaemonConfig(
+            state_dir=base / "state", policy_dirs=(policies,), os_sandbox=False, **settings
+        )
         async with open_daemon(config, tools=tools or builtin_tools()) as daemon:
             yield Gateway(daemon, policies)
 

@@ -20,7 +20,9 @@ Use it as ``with FakeProvider() as fake:`` or through the ``fake_provider`` fixt
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -359,3 +361,15 @@ def fake_provider() -> Iterator[FakeProvider]:
     """A started fake provider, closed after the test."""
     with FakeProvider() as fake:
         yield fake
+
+
+@contextlib.contextmanager
+def provider_with_key(env: str, key: str) -> Iterator[FakeProvider]:
+    """A running FakeProvider, with ``key`` in this process's environment (gatewayd's,
+    for in-process daemons) as ``env`` while it runs."""
+    os.environ[env] = key
+    try:
+        with FakeProvider() as provider:
+            yield provider
+    finally:
+        del os.environ[env]

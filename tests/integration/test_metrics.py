@@ -19,10 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cogni_tool.client import Client, ToolError
 from gatewayd.config import ModelAlias
-from gatewayd.daemon import DaemonConfig, open_daemon
 from gatewayd.metrics import METRICS
-from tests.conftest import Gateway, frame, read_frame, request
-from tests.fakeprovider import FakeProvider, Text
+from tests.conftest import Gateway, frame, make_gateway, read_frame, request
+from tests.fakeprovider import FakeProvider, Text, provider_with_key
 from tests.integration.test_egress import Origins, connect, get, network, raw, running
 from tests.integration.test_egress import origins as origins  # noqa: PLC0414 (a fixture)
 from tests.livedaemon import LiveDaemon, _UnixHTTPConnection, start_daemon
@@ -205,24 +204,12 @@ review:
 
 @pytest.fixture
 async def reviewed(short_tmp: Path) -> AsyncIterator[tuple[Gateway, FakeProvider]]:
-    os.environ[KEY_ENV] = "sk-metrics-review-0123456789"
-    try:
-        with FakeProvider() as fake:
-            policies = short_tmp / "policies"
-            policies.mkdir()
-            alias = ModelAlias(
-                provider="openai", model="fake", api_base=fake.api_base, api_key_env=KEY_ENV
-            )
-            config = DaemonConfig(
-                state_dir=short_tmp / "state",
-                policy_dirs=(policies,),
-                os_sandbox=False,
-                models={"reviewer": alias},
-            )
-            async with open_daemon(config) as daemon:
-                yield Gateway(daemon, policies), fake
-    finally:
-        del os.environ[KEY_ENV]
+    with provider_with_key(KEY_ENV, "sk-metrics-review-0123456789") as fake:
+        alias = ModelAlias(
+            provider="openai", model="fake", api_base=fake.api_base, api_key_env=KEY_ENV
+        )
+        async with make_gateway(short_tmp, models={"reviewer": alias}) as gateway:
+            yield gateway, fake
 
 
 async def _call(socket_path: Path, body: dict[str, Any]) -> dict[str, Any]:

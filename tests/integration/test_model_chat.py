@@ -4,7 +4,6 @@ provider that echoes the key back."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,9 +12,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from gatewayd.config import ModelAlias
-from gatewayd.daemon import DaemonConfig, open_daemon
-from tests.conftest import Gateway
-from tests.fakeprovider import FakeProvider, HttpError, Text
+from tests.conftest import Gateway, make_gateway
+from tests.fakeprovider import FakeProvider, HttpError, Text, provider_with_key
 from tests.integration.test_review import call
 
 KEY_ENV = "COGNI_TEST_CHAT_KEY"
@@ -37,18 +35,12 @@ model_access:
 
 @pytest.fixture
 def fake() -> Iterator[FakeProvider]:
-    os.environ[KEY_ENV] = KEY
-    try:
-        with FakeProvider() as provider:
-            yield provider
-    finally:
-        del os.environ[KEY_ENV]
+    with provider_with_key(KEY_ENV, KEY) as provider:
+        yield provider
 
 
 @pytest.fixture
 async def gw(short_tmp: Path, fake: FakeProvider) -> AsyncIterator[Gateway]:
-    policies = short_tmp / "policies"
-    policies.mkdir()
     aliases = {
         "assistant": ModelAlias(
             provider="openai", model="fake-chat", api_base=fake.api_base, api_key_env=KEY_ENV
@@ -57,11 +49,8 @@ async def gw(short_tmp: Path, fake: FakeProvider) -> AsyncIterator[Gateway]:
             provider="openai", model="fake-other", api_base=fake.api_base, api_key_env=KEY_ENV
         ),
     }
-    config = DaemonConfig(
-        state_dir=short_tmp / "state", policy_dirs=(policies,), os_sandbox=False, models=aliases
-    )
-    async with open_daemon(config) as daemon:
-        yield Gateway(daemon, policies)
+    async with make_gateway(short_tmp, models=aliases) as gateway:
+        yield gateway
 
 
 def chat(model: str = "assistant", text: str = "hello") -> dict[str, Any]:

@@ -10,7 +10,6 @@ the delimiters, and rule management with its confirmation asymmetry.
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -20,12 +19,11 @@ import pytest
 import trio
 
 from gatewayd.config import ModelAlias
-from gatewayd.daemon import DaemonConfig, open_daemon
 from gatewayd.review.prompt import CALL_CLOSE, CALL_OPEN
 from gatewayd.review.rulebook import Pending, RuleAction, RuleChangeError
 from gatewayd.runs import Run
-from tests.conftest import Gateway, frame, read_frame, request
-from tests.fakeprovider import FakeProvider, HttpError, Malformed, Text
+from tests.conftest import Gateway, frame, make_gateway, read_frame, request
+from tests.fakeprovider import FakeProvider, HttpError, Malformed, Text, provider_with_key
 
 KEY_ENV = "COGNI_TEST_REVIEW_KEY"
 KEY = "sk-review-host-only-0123456789"
@@ -59,29 +57,17 @@ review:
 
 @pytest.fixture
 def fake() -> Iterator[FakeProvider]:
-    os.environ[KEY_ENV] = KEY
-    try:
-        with FakeProvider() as provider:
-            yield provider
-    finally:
-        del os.environ[KEY_ENV]
+    with provider_with_key(KEY_ENV, KEY) as provider:
+        yield provider
 
 
 @pytest.fixture
 async def gw(short_tmp: Path, fake: FakeProvider) -> AsyncIterator[Gateway]:
-    policies = short_tmp / "policies"
-    policies.mkdir()
     alias = ModelAlias(
         provider="openai", model="fake-reviewer", api_base=fake.api_base, api_key_env=KEY_ENV
     )
-    config = DaemonConfig(
-        state_dir=short_tmp / "state",
-        policy_dirs=(policies,),
-        os_sandbox=False,
-        models={"reviewer": alias},
-    )
-    async with open_daemon(config) as daemon:
-        yield Gateway(daemon, policies)
+    async with make_gateway(short_tmp, models={"reviewer": alias}) as gateway:
+        yield gateway
 
 
 @pytest.fixture
