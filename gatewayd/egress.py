@@ -51,10 +51,10 @@ from gatewayd.policy.model import NetworkSection
 from gatewayd.policy.rate import TokenBucket
 from gatewayd.protocol import ErrorCode
 from gatewayd.server import (
-    ACCEPT_RETRY_S,
     MAX_LINGERING_REFUSALS,
     RUN_SOCKET_MODE,
     RefusalThrottle,
+    accept_retrying,
     open_unix_listener,
     peer_credentials,
 )
@@ -904,12 +904,7 @@ async def serve_egress(
         async with listener, trio.open_nursery() as connections:
             task_status.started()
             while True:
-                try:
-                    stream = await listener.accept()
-                except OSError as exc:  # e.g. EMFILE: keep serving the others
-                    log.warning("egress_accept_failed", run_id=proxy.run_id, error=str(exc))
-                    await trio.sleep(ACCEPT_RETRY_S)
-                    continue
+                stream = await accept_retrying(listener, "egress_accept_failed", proxy.run_id)
                 try:
                     peer = peer_credentials(stream.socket)
                 except OSError:

@@ -377,6 +377,19 @@ async def serve_run(
             )
 
 
+async def accept_retrying(
+    listener: trio.SocketListener, event: str, run_id: str
+) -> trio.SocketStream:
+    """The next connection; an accept that fails (e.g. EMFILE) is logged as ``event`` and
+    retried shortly, so the connections already open keep being served."""
+    while True:
+        try:
+            return await listener.accept()
+        except OSError as exc:
+            log.warning(event, run_id=run_id, error=str(exc))
+            await trio.sleep(ACCEPT_RETRY_S)
+
+
 async def _accept_loop(
     run: Run,
     dispatcher: Dispatcher,
@@ -400,12 +413,7 @@ async def _accept_loop(
         run.move_to(RunState.SERVING)
         task_status.started()
         while True:
-            try:
-                stream = await listener.accept()
-            except OSError as exc:  # e.g. EMFILE: keep serving the others
-                log.warning("accept_failed", run_id=run.run_id, error=str(exc))
-                await trio.sleep(ACCEPT_RETRY_S)
-                continue
+            stream = await accept_retrying(listener, "accept_failed", run.run_id)
             try:
                 conn = Connection(stream, run, dispatcher, max_frame_bytes=max_frame_bytes)
             except OSError:

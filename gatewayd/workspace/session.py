@@ -63,6 +63,14 @@ class WorkspaceDiff:
         return not (self.added or self.removed or self.modified or self.renamed)
 
 
+def read_all(fd: int) -> bytes:
+    """Everything left in the open file ``fd`` (workspace files: no size cap here)."""
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def split_relative(rel: str) -> tuple[str, ...]:
     """The components of the relative path ``rel``; absolute paths and ``..`` refused."""
     if "\0" in rel:
@@ -180,10 +188,7 @@ class WorkspaceSession(abc.ABC):
             fd = beneath.open_file(os.O_RDONLY, follow_final=True)
             try:
                 require_single_link_regular(fd, target.visible)
-                chunks = []
-                while chunk := os.read(fd, 1 << 20):
-                    chunks.append(chunk)
-                return b"".join(chunks)
+                return read_all(fd)
             finally:
                 os.close(fd)
 

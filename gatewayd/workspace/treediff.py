@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Final, Literal
 
-from gatewayd.workspace.session import WorkspaceDiff
+from gatewayd.workspace.session import WorkspaceDiff, read_all
 
 # Like git: a NUL byte in the first 8 KiB marks a file as binary.
 BINARY_SNIFF_BYTES: Final = 8192
@@ -134,10 +134,7 @@ def content(root: Path, rel: str, kind: Kind) -> bytes:
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, f"{rel} is no longer a regular file")
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return read_all(fd)
     finally:
         os.close(fd)
 
