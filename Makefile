@@ -12,7 +12,11 @@ STAMP := $(VENV)/.installed
 #   libseccomp-dev  seccomp filters for the sandbox
 #   python3-venv, python3-dev, gcc: the virtualenv and building python-prctl
 #   git, curl, iproute2: real repositories and probes in the integration tests
-APT_PACKAGES := bubblewrap libcap-dev libseccomp-dev python3-venv python3-dev gcc git curl iproute2 busybox-static
+#   openssl         test certificates for the egress proxy's TLS origins
+#   libcap2-bin     capsh: gatewayd run as a non-root user with ambient capabilities
+#   systemd         systemd-analyze (unit checks) and systemd-sysusers (dry runs)
+APT_PACKAGES := bubblewrap libcap-dev libseccomp-dev python3-venv python3-dev gcc git curl iproute2 busybox-static \
+  openssl libcap2-bin systemd
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # litellm must never fetch its price map at import.
