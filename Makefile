@@ -68,6 +68,7 @@ bench: setup
 	$(PY) bench/sandbox_launch.py
 	$(PY) bench/review_overhead.py
 	$(PY) bench/model_overhead.py
+	$(PY) bench/metrics_cost.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
