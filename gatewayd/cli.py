@@ -358,6 +358,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="replace a unit that differs from this version's"
     )
 
+    from gatewayd.agent import cli as agent_cli
+
+    agent_cli.add_parser(sub, _add_daemon_options)
+
     review = sub.add_parser("review", help="evaluate review rules").add_subparsers(
         dest="review_command", required=True
     )
@@ -414,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
         return _install_systemd(args)
     if args.command == "review":
         return _review_replay(args)
+    if args.command == "agent":
+        from gatewayd.agent import cli as agent_cli
+
+        return agent_cli.main(args)
     return EXIT_USAGE  # pragma: no cover (argparse enforces the choices)
 
 
@@ -834,6 +842,7 @@ def _config(args: argparse.Namespace) -> DaemonConfig:
     return DaemonConfig(
         state_dir=config.state_dir,
         audit_path=config.audit_path,
+        agent_dir=config.agent_dir,
         policy_dirs=config.policy_dirs,
         max_frame_bytes=config.max_frame_bytes,
         audit_fsync=config.audit_fsync,

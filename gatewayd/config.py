@@ -190,6 +190,8 @@ class GatewaydConfig(_Strict):
     audit_path: AbsolutePath | None = None
     # None: <state_dir>/control.sock
     control_socket: AbsolutePath | None = None
+    # None: <state_dir>-agent, a sibling (a sandbox may never bind anything inside state_dir)
+    agent_dir: AbsolutePath | None = None
     policy_dirs: Annotated[tuple[AbsolutePath, ...], Field(max_length=MAX_POLICY_DIRS)] = (
         SHIPPED_POLICY_DIRS
     )
@@ -235,6 +237,15 @@ class GatewaydConfig(_Strict):
     @property
     def resolved_control_socket(self) -> Path:
         return self.control_socket or self.state_dir / "control.sock"
+
+    @property
+    def resolved_agent_dir(self) -> Path:
+        return self.agent_dir or agent_dir_for(self.state_dir)
+
+
+def agent_dir_for(state_dir: Path) -> Path:
+    """Where agent runs keep their clones by default: beside the state directory."""
+    return state_dir.with_name(state_dir.name + "-agent")
 
 
 def env_name(setting: str) -> str:
@@ -311,6 +322,7 @@ ENV_SYNTAX: Final[Mapping[str, EnvSyntax]] = {
     "state_dir": EnvSyntax(_env_text, "/srv/gatewayd"),
     "audit_path": EnvSyntax(_env_text, "/var/log/gatewayd/audit.jsonl"),
     "control_socket": EnvSyntax(_env_text, "/run/gatewayd/control.sock"),
+    "agent_dir": EnvSyntax(_env_text, "/srv/gatewayd-agent"),
     "policy_dirs": EnvSyntax(_env_path_list, "/etc/gatewayd/policies:/srv/policies"),
     "audit_fsync": EnvSyntax(_env_bool, "false"),
     "audit_max_bytes": EnvSyntax(_env_int, "268435456"),
@@ -502,6 +514,8 @@ def shown_values(config: GatewaydConfig) -> dict[str, Any]:
             value = config.resolved_audit_path
         elif name == "control_socket":
             value = config.resolved_control_socket
+        elif name == "agent_dir":
+            value = config.resolved_agent_dir
         if name == "models":
             value = {
                 alias: {

@@ -22,7 +22,7 @@ import trio
 from gatewayd import model_client
 from gatewayd.audit import AuditLog, AuditWriteError, open_audit_log
 from gatewayd.audit.writer import DEFAULT_MAX_SEGMENT_BYTES
-from gatewayd.config import ModelAlias
+from gatewayd.config import ModelAlias, agent_dir_for
 from gatewayd.dispatch import Dispatcher
 from gatewayd.egress import EgressProxy, serve_egress
 from gatewayd.errors import GatewayError, PolicyViolation
@@ -43,6 +43,7 @@ from gatewayd.review.rulebook import (
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
 from gatewayd.sandbox.cgroup import probe_cgroups, remove_empty_leftovers
 from gatewayd.sandbox.launch import BWRAP, Echo, ExecResult
+from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.netns import NETNS_PREFIX
 from gatewayd.sandbox.plan import (
     COGNI_TOOL_VISIBLE_DIR,
@@ -88,6 +89,7 @@ SHIPPED_POLICY_DIR = Path(__file__).resolve().parent.parent / "policies"
 class DaemonConfig:
     state_dir: Path = DEFAULT_STATE_DIR
     audit_path: Path | None = None  # default: <state_dir>/audit/audit.jsonl
+    agent_dir: Path | None = None  # default: <state_dir>-agent (gatewayd agent run's clones)
     policy_dirs: tuple[Path, ...] = field(
         default_factory=lambda: (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
     )
@@ -113,6 +115,10 @@ class DaemonConfig:
     @property
     def resolved_audit_path(self) -> Path:
         return self.audit_path or self.state_dir / "audit" / "audit.jsonl"
+
+    @property
+    def resolved_agent_dir(self) -> Path:
+        return self.agent_dir or agent_dir_for(self.state_dir)
 
 
 class Daemon:
@@ -217,8 +223,16 @@ class Daemon:
             log.warning("os_sandbox_unavailable", reason=self.support.reason)
         await self.audit.append("event", event="sandbox_support", detail=detail)
 
-    async def start_run(self, request: RunRequest) -> Run:
+    async def start_run(
+        self,
+        request: RunRequest,
+        *,
+        sandbox_user: HostUser | None = None,
+        lend_workspace: bool = True,
+    ) -> Run:
         """Create a run and start serving its socket. Refusals are audited, then raised.
+        ``sandbox_user`` and ``lend_workspace``: see :meth:`RunSandbox.open` (an agent
+        run's overlay workspace is made the run uid's before the run starts).
 
         Error handling: AuthzDenied (no sandbox grant), PolicyError (bad policy),
         ValueError (bad workspace), OSError (gatewayd could not make the run's files);
@@ -228,7 +242,7 @@ class Daemon:
             run = self.registry.create(request)
             structlog.contextvars.bind_contextvars(run_id=run.run_id)  # this task's lines
             try:
-                await self._isolate(run)
+                await self._isolate(run, sandbox_user, lend_workspace)
             except BaseException:
                 self.registry.remove(run)
                 raise
@@ -274,7 +288,9 @@ class Daemon:
         log.info("run_started", run_id=run.run_id, policy=run.spec.policy.name)
         return run
 
-    async def _isolate(self, run: Run) -> None:
+    async def _isolate(
+        self, run: Run, user: HostUser | None = None, lend_workspace: bool = True
+    ) -> None:
         """Give the run its OS sandbox, or make it degraded if its policy allows that.
 
         Error handling: PolicyViolation when the policy requires a sandbox this host
@@ -308,9 +324,16 @@ class Daemon:
         limits = policy.sandbox
         image = run.spec.request.sandboxImage
         async with self._isolating:
-            await self._open_sandbox(run, limits, image)
+            await self._open_sandbox(run, limits, image, user, lend_workspace)
 
-    async def _open_sandbox(self, run: Run, limits: SandboxSection, image: str | None) -> None:
+    async def _open_sandbox(
+        self,
+        run: Run,
+        limits: SandboxSection,
+        image: str | None,
+        user: HostUser | None,
+        lend_workspace: bool,
+    ) -> None:
         assert self.sandbox_settings is not None
         busy = [*self._stuck_trees]
         busy += [
@@ -338,6 +361,8 @@ class Daemon:
             image_dir=None if image is None else Path(image),
             busy_trees=busy,
             services=self._services_for(run),
+            user=user,
+            lend_workspace=lend_workspace,
         )
 
     def _secret_env_names(self) -> set[str]:

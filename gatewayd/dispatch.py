@@ -193,7 +193,9 @@ class Dispatcher:
                 outcome, ruleset = await self._review(run, req, args[0])
             except _Refusal as refusal:
                 return self._deny(run, req, peer, refusal, started)
-            except trio.Cancelled:
+            except BaseException as exc:
+                if not is_cancellation(exc):
+                    raise
                 # No write-ahead entry yet: the call still gets its pair of entries.
                 stopped = _Refusal(ErrorCode.INTERNAL, CANCELLED_MESSAGE)
                 self._deny(run, req, peer, stopped, started)
@@ -246,7 +248,9 @@ class Dispatcher:
             run.count(code)
             self._count_allowed(req.tool, self.clock() - started, refusal.code)
             return error_response(req.toolCallId, refusal.code, message)
-        except trio.Cancelled:
+        except BaseException as exc:
+            if not is_cancellation(exc):
+                raise
             # The run or the daemon is ending under this call: its write-ahead entry
             # still gets a result (record() never awaits, so this cannot be cancelled).
             self.audit.record(
@@ -373,6 +377,8 @@ class Dispatcher:
             model_budget=run.model_budget,
             network=run.spec.policy.network,
             resolve=self.resolve,
+            sandbox=run.sandbox,
+            degraded=run.degraded,
         )
         # The time limit covers waiting for a slot too: a saturated run fails fast.
         limiter = run.limiter
@@ -479,6 +485,17 @@ class Dispatcher:
         run.count(str(refusal.code))
         self._count_denied(req.tool, refusal.code)
         return error_response(req.toolCallId, refusal.code, message)
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """Is ``exc`` trio's cancellation: ``Cancelled`` itself, or a group of nothing else
+    (a tool whose runner has a nursery, like sandbox.exec's, is cancelled with a group)."""
+    if isinstance(exc, trio.Cancelled):
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        _, rest = exc.split(trio.Cancelled)
+        return rest is None
+    return False
 
 
 def _review_message(outcome: ReviewOutcome) -> str:

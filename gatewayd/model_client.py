@@ -146,6 +146,19 @@ class Completion:
     prompt_tokens: int | None
     completion_tokens: int | None
     latency_ms: float
+    # Only when the request offered ``tools``: the calls the model asked for, in order.
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ToolCall:
+    """One function call a model asked for; ``arguments`` is the JSON text it wrote
+    (unparsed: a model may write invalid JSON, and the caller says so to the model)."""
+
+    id: str
+    name: str
+    arguments: str
 
 
 class _LiteLLM:
@@ -237,13 +250,14 @@ def preload() -> None:
 
 async def complete(
     alias: ModelAlias,
-    messages: Sequence[Mapping[str, str]],
+    messages: Sequence[Mapping[str, Any]],
     *,
     timeout_s: float,
     max_tokens: int | None = None,
     temperature: float | None = 0,
     alias_name: str | None = None,
     limiter: trio.CapacityLimiter | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> Completion:
     """Ask ``alias`` for one chat completion of ``messages``, once.
 
@@ -281,6 +295,12 @@ async def complete(
         request["max_tokens"] = max_tokens
     if temperature is not None:
         request["temperature"] = temperature
+    if tools:
+        request["tools"] = [dict(tool) for tool in tools]
+        # litellm (1.7x+) looks for MCP tools in any tool list, importing its proxy's
+        # MCP server (and the optional `mcp` package, not installed); ours are plain
+        # functions, and gatewayd is no proxy.
+        request["_skip_mcp_handler"] = True
 
     litellm = _LITELLM.loaded or await trio.to_thread.run_sync(_LITELLM.get)
     started = time.perf_counter()
@@ -304,9 +324,15 @@ async def complete(
     if alias.api_key_env is not None and len(key) >= MIN_SCRUB_CHARS:
         # The key this call sent, out of its answer: the daemon's scrubber re-reads
         # keys once a second, and a key rotated within that second must not leak.
-        text = redact(completion.text, alias.api_key_env, key)
-        if text is not completion.text:
-            completion = dataclasses.replace(completion, text=text)
+        # Tool call arguments too: they become file contents and commands in the sandbox.
+        env = alias.api_key_env
+        text = redact(completion.text, env, key)
+        calls = tuple(
+            dataclasses.replace(call, arguments=redact(call.arguments, env, key))
+            for call in completion.tool_calls
+        )
+        if text is not completion.text or calls != completion.tool_calls:
+            completion = dataclasses.replace(completion, text=text, tool_calls=calls)
     return completion
 
 
@@ -365,6 +391,9 @@ def _read_completion(response: Any, alias: ModelAlias, where: str, latency_ms: f
     except (AttributeError, IndexError, TypeError):
         content = None
         choice = None
+    tool_calls = _tool_calls(choice, where)
+    if content is None and tool_calls:
+        content = ""
     if not isinstance(content, str):
         reason = getattr(choice, "finish_reason", None)
         raise ModelCallError(
@@ -385,7 +414,32 @@ def _read_completion(response: Any, alias: ModelAlias, where: str, latency_ms: f
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         latency_ms=latency_ms,
+        tool_calls=tool_calls,
+        finish_reason=getattr(choice, "finish_reason", None),
     )
+
+
+def _tool_calls(choice: Any, where: str) -> tuple[ToolCall, ...]:
+    """The answer's function calls; a call without an id or a name is malformed."""
+    raw = getattr(getattr(choice, "message", None), "tool_calls", None) or ()
+    calls = []
+    for item in raw:
+        function = getattr(item, "function", None)
+        name = getattr(function, "name", None)
+        call_id = getattr(item, "id", None)
+        arguments = getattr(function, "arguments", None)
+        if not (isinstance(name, str) and name and isinstance(call_id, str) and call_id):
+            raise ModelCallError(
+                ModelCallKind.MALFORMED,
+                f"{where}: the answer holds a tool call without an id or a function name",
+                where=where,
+            )
+        calls.append(
+            ToolCall(
+                id=call_id, name=name, arguments=arguments if isinstance(arguments, str) else ""
+            )
+        )
+    return tuple(calls)
 
 
 def _tokens(usage: Any, field: str) -> int | None:

@@ -47,10 +47,21 @@ POLL_INTERVAL_S: Final = 0.01
 
 
 @dataclass(frozen=True, kw_only=True)
-class Text:
-    """A normal answer: ``content`` with usage counts (``usage=False`` leaves usage out)."""
+class Call:
+    """One function call in an answer (what a model asks the agent loop to run)."""
 
-    content: str
+    name: str
+    arguments: Mapping[str, Any] | str  # a str goes out as written (invalid JSON too)
+    id: str = ""  # "" numbers it: call_<n> within its answer
+
+
+@dataclass(frozen=True, kw_only=True)
+class Text:
+    """A normal answer: ``content`` with usage counts (``usage=False`` leaves usage out);
+    with ``calls``, an answer asking for function calls (finish_reason tool_calls)."""
+
+    content: str | None
+    calls: tuple[Call, ...] = ()
     prompt_tokens: int = 11
     completion_tokens: int = 7
     usage: bool = True
@@ -320,6 +331,21 @@ def _usage(reply: Text) -> dict[str, int]:
 
 
 def _completion(request: Mapping[str, Any], reply: Text) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id or f"call_{n}",
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": call.arguments
+                    if isinstance(call.arguments, str)
+                    else json.dumps(call.arguments),
+                },
+            }
+            for n, call in enumerate(reply.calls)
+        ]
     answer: dict[str, Any] = {
         "id": "chatcmpl-fake",
         "object": "chat.completion",
@@ -328,8 +354,8 @@ def _completion(request: Mapping[str, Any], reply: Text) -> dict[str, Any]:
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": reply.content},
-                "finish_reason": "stop",
+                "message": message,
+                "finish_reason": "tool_calls" if reply.calls else "stop",
             }
         ],
     }
@@ -345,7 +371,7 @@ def _chunks(request: Mapping[str, Any], reply: Text) -> Iterator[dict[str, Any]]
         "created": int(time.time()),
         "model": reply.model or request.get("model", "fake-model"),
     }
-    text = reply.content
+    text = reply.content or ""
     pieces = [text[i : i + STREAM_CHUNK_CHARS] for i in range(0, len(text), STREAM_CHUNK_CHARS)]
     for n, piece in enumerate(pieces or [""]):
         delta = {"role": "assistant", "content": piece} if n == 0 else {"content": piece}

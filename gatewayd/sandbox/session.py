@@ -204,13 +204,19 @@ class RunSandbox:
         image_dir: Path | None = None,
         busy_trees: Sequence[Path] = (),
         services: Services | None = None,
+        user: HostUser | None = None,
+        lend_workspace: bool = True,
     ) -> RunSandbox:
         """Make the run's sandbox resources; on any failure, undo what was made.
         ``busy_trees`` are the trees other live runs hold: overlapping one is refused.
+        ``user``: a uid the caller took from ``pool`` already (it is released like one
+        taken here). ``lend_workspace=False``: the caller made the workspace the run's
+        own and disposes of it (an agent run's overlay, gatewayd/agent/), so it is not
+        lent and not given back.
 
         Error handling: :class:`SandboxUnavailable` naming the step and the cause.
         """
-        user = pool.acquire()
+        user = user or pool.acquire()
         netns: NetnsHandle | None = None
         lease: Lease | None = None
         pins: list[tuple[int, str]] = []
@@ -247,6 +253,8 @@ class RunSandbox:
             pins, pinned = _pin_sources(run_dir, user, sources, grants)
             writable = [workspace, *(Path(m.host) for m in mounts if m.mode is PathMode.RW)]
             _check_not_in_use(writable, busy_trees)
+            if not lend_workspace:
+                writable = writable[1:]
             netns = await trio.to_thread.run_sync(
                 lambda: create_run_netns(run_id, prefix=settings.netns_prefix)
             )

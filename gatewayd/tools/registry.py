@@ -20,6 +20,7 @@ from gatewayd.policy.paths import PathAccess, PathGrant, ResolvedPath
 if TYPE_CHECKING:
     from gatewayd.policy.model import NetworkSection
     from gatewayd.runs import ModelBudget
+    from gatewayd.sandbox.session import RunSandbox
 
 A = TypeVar("A", bound=msgspec.Struct)
 
@@ -39,6 +40,9 @@ class ToolContext:
     # names resolve (None: the host's resolver; tests map names to loopback).
     network: NetworkSection | None = None
     resolve: Callable[[str, int], Awaitable[tuple[Any, ...]]] | None = None
+    # sandbox.exec: the run's OS sandbox (None: a degraded run, where nothing may run).
+    sandbox: RunSandbox | None = None
+    degraded: str | None = None
 
 
 def no_paths(_args: Any) -> tuple[PathAccess, ...]:

@@ -29,7 +29,7 @@ from gatewayd.model_client import (
     complete,
 )
 from gatewayd.protocol import ErrorCode
-from tests.fakeprovider import Drop, FakeProvider, HttpError, Malformed, Text
+from tests.fakeprovider import Call, Drop, FakeProvider, HttpError, Malformed, Text
 
 KEY_ENV = "COGNI_TEST_MODEL_KEY"
 KEY = "sk-test-0123456789abcdefSECRET"
@@ -100,6 +100,7 @@ async def test_complete_returns_text_reported_model_usage_and_latency(
         prompt_tokens=42,
         completion_tokens=3,
         latency_ms=result.latency_ms,
+        finish_reason="stop",
     )
     assert 0 < result.latency_ms < 5000
 
@@ -458,3 +459,72 @@ def test_importing_model_client_leaves_litellm_unloaded_and_preload_makes_no_con
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
+
+
+# --- tools (the host-owned agent loop) ---------------------------------------------------
+
+READ_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "read",
+        "description": "read a file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    },
+}
+
+
+async def test_tools_go_out_and_tool_calls_come_back_in_order(
+    fake: FakeProvider, key_env: str
+) -> None:
+    fake.script(
+        Text(
+            content=None,
+            calls=(
+                Call(name="read", arguments={"path": "a.py"}, id="c1"),
+                Call(name="read", arguments="{broken", id="c2"),
+            ),
+        )
+    )
+
+    result = await complete(alias_for(fake), MESSAGES, timeout_s=5, tools=[READ_TOOL])
+
+    assert fake.chat_requests[0].body["tools"] == [READ_TOOL]
+    assert result.text == "" and result.finish_reason == "tool_calls"
+    assert result.tool_calls == (
+        model_client.ToolCall(id="c1", name="read", arguments='{"path": "a.py"}'),
+        # Invalid JSON is passed on as written: the agent loop tells the model.
+        model_client.ToolCall(id="c2", name="read", arguments="{broken"),
+    )
+
+
+async def test_a_key_echoed_into_tool_call_arguments_is_redacted(
+    fake: FakeProvider, key_env: str
+) -> None:
+    # Arguments become file contents and commands in the sandbox: never the key.
+    fake.script(
+        Text(content=None, calls=(Call(name="read", arguments={"path": f"x{KEY}y"}),))
+    )
+
+    result = await complete(alias_for(fake), MESSAGES, timeout_s=5, tools=[READ_TOOL])
+
+    assert KEY not in result.tool_calls[0].arguments
+    assert REDACTED in result.tool_calls[0].arguments
+
+
+async def test_a_tool_call_without_a_name_is_malformed(fake: FakeProvider, key_env: str) -> None:
+    fake.script(
+        Malformed(
+            body=(
+                b'{"id": "x", "object": "chat.completion", "created": 1, "model": "m", '
+                b'"choices": [{"index": 0, "finish_reason": "tool_calls", "message": '
+                b'{"role": "assistant", "content": null, "tool_calls": [{"id": "c1", '
+                b'"type": "function", "function": {"name": "", "arguments": "{}"}}]}}]}'
+            )
+        )
+    )
+
+    with pytest.raises(ModelCallError) as caught:
+        await complete(alias_for(fake), MESSAGES, timeout_s=5, tools=[READ_TOOL])
+
+    assert caught.value.kind is ModelCallKind.MALFORMED
+    assert "tool call without an id or a function name" in str(caught.value)

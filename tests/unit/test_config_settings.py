@@ -29,6 +29,7 @@ ENV_CASES: dict[str, tuple[str, Any]] = {
     "state_dir": ("/srv/gw", Path("/srv/gw")),
     "audit_path": ("/var/log/gw/audit.jsonl", Path("/var/log/gw/audit.jsonl")),
     "control_socket": ("/run/gw/control.sock", Path("/run/gw/control.sock")),
+    "agent_dir": ("/srv/gw-agent", Path("/srv/gw-agent")),
     "policy_dirs": ("/etc/gw/p:/srv/p", (Path("/etc/gw/p"), Path("/srv/p"))),
     "audit_fsync": ("false", False),
     "audit_max_bytes": ("0", 0),

@@ -118,6 +118,7 @@ def test_builtin_tools_are_exactly_these() -> None:
         "fs.stat",
         "model.chat",
         "http.fetch",
+        "sandbox.exec",
     }
     assert all(name == spec.name for name, spec in TOOLS.items())
 

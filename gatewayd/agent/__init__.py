@@ -1,0 +1,1 @@
+"""Agent runs: host-side repository operations (clone, patch, push, pull request)."""

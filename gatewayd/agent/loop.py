@@ -1,0 +1,762 @@
+"""The host-owned agent run (reference note 004's P0 flow): the host clones, the host
+talks to the model, the sandbox only executes, the host pushes.
+
+:func:`run_agent` does one run from start to end:
+
+1. fetch the repository into a host-private mirror (credentials from the host's
+   environment, sent as a header: never in a file, a URL or an argument) and check out
+   the commit as the workspace base;
+2. open a workspace session over it (``overlay``: the base is the overlay's lower
+   directory, the run writes only the upper one; ``host``: the base itself, with a
+   snapshot) and start a gatewayd run on it, with the run's OS sandbox;
+3. the conversation: the model is offered ``read``, ``write``, ``edit``, ``list`` and
+   ``exec``; each call it makes becomes one request to the run's :class:`Dispatcher`,
+   exactly as if ``cogni-tool`` had sent it (allowlist, policy, review, audit; exec runs
+   in the run's sandbox). Limits: turns, tokens, wall time;
+4. the run ends; the host diffs the workspace, turns the changes into a git patch in a
+   fresh clone where nothing the sandbox wrote can act (gatewayd/agent/repo.py), and, if
+   the task finished, pushes it to ``cogni/<run-id>`` and opens a pull request when asked.
+
+The result is reference note 004's ``SandboxRunResult``: ``{ok, bundle: {patches,
+commitMessages}, logs, auditLog, errorCode}`` plus what the operator needs (run id,
+branch, counts). A run that stops early keeps what it did: the patch of its changes is in
+the bundle, and nothing is pushed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import secrets as stdlib_secrets
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal
+
+import msgspec
+import structlog
+import trio
+
+from gatewayd import model_client
+from gatewayd.agent.repo import (
+    RepoCredentials,
+    RepoError,
+    checkout_at,
+    fetch_mirror,
+    open_pull_request,
+    patch_from_tree,
+    push_branch_from_patches,
+)
+from gatewayd.audit.entry import Peer
+from gatewayd.audit.query import read_log
+from gatewayd.errors import GatewayError
+from gatewayd.model_client import ModelCallError
+from gatewayd.protocol import PROTOCOL_VERSION, Request, Response
+from gatewayd.runs import Grant, Run, RunLimits, RunRequest
+from gatewayd.sandbox.lease import lend
+from gatewayd.workspace import HostWorkspace, OverlayWorkspace, WorkspaceDiff, WorkspaceSession
+
+if TYPE_CHECKING:
+    from gatewayd.daemon import Daemon
+
+log = structlog.get_logger("gatewayd.agent")
+
+Backend = Literal["overlay", "host"]
+ErrorCodeName = Literal["timeout", "oom_killed", "internal", "task_failed"]
+
+# The model's tool names and the gateway tools they are (one dispatch path for both).
+TOOL_MAP: Final[Mapping[str, str]] = {
+    "read": "fs.read",
+    "write": "fs.write",
+    "edit": "fs.edit",
+    "list": "fs.list",
+    "exec": "sandbox.exec",
+}
+# A run may call these and nothing else, whatever else its policy allows.
+RUN_TOOL_IDS: Final = tuple(TOOL_MAP.values())
+# One tool result, as the model sees it: enough for a test run's tail, not a flood.
+MAX_TOOL_RESULT_CHARS: Final = 32_000
+MAX_COMMIT_MESSAGE_CHARS: Final = 10_000
+# The largest answer asked for per turn (the token limit may ask for less).
+MAX_TURN_COMPLETION_TOKENS: Final = 8192
+BRANCH_PREFIX: Final = "cogni/"
+
+SYSTEM_PROMPT: Final = """\
+You are a software engineer working on a git repository checked out at /workspace.
+You have these tools: read (a file), write (a whole file), edit (replace one exact
+occurrence in a file), list (a directory) and exec (a /bin/sh command run in /workspace
+inside a sandbox with no network). Paths are relative to /workspace.
+Work step by step: look at the code, change it, run the repository's tests with exec.
+When the task is done, answer WITHOUT a tool call: the answer is the commit message
+(a short first line, a blank line, then what you changed and why). Do not run git
+commit or push; the host commits and pushes your changes.
+"""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentLimits:
+    max_turns: int = 40
+    max_tokens: int = 400_000
+    max_wall_s: float = 1800.0
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_tokens < 1 or not self.max_wall_s > 0:
+            raise ValueError("agent limits must be positive: turns, tokens and wall seconds")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PullRequestSpec:
+    """Where to open the pull request (a GitHub-style API): only when asked."""
+
+    api_base: str
+    repository: str  # owner/name
+    target_branch: str
+    token_env: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentTask:
+    repo_url: str
+    sha: str
+    task: str
+    model: str  # an alias of gatewayd's configuration
+    policy: str
+    backend: Backend = "overlay"
+    push: bool = True
+    pull_request: PullRequestSpec | None = None
+    credentials: RepoCredentials = field(default_factory=RepoCredentials)
+    limits: AgentLimits = field(default_factory=AgentLimits)
+    actor: str = "operator"
+    tenant: str = "local"
+    max_memory_mb: int = 2048
+
+
+@dataclass(kw_only=True)
+class AgentResult:
+    ok: bool
+    error_code: ErrorCodeName | None = None
+    message: str = ""
+    run_id: str | None = None
+    patches: list[str] = field(default_factory=list)
+    commit_messages: list[str] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+    audit_log: list[dict[str, Any]] = field(default_factory=list)
+    branch: str | None = None
+    head_sha: str | None = None
+    pull_request_url: str | None = None
+    turns: int = 0
+    tokens: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        """Reference note 004's run result, plus what the operator needs."""
+        return {
+            "ok": self.ok,
+            "bundle": {"patches": self.patches, "commitMessages": self.commit_messages},
+            "logs": "\n".join(self.logs),
+            "auditLog": self.audit_log,
+            "errorCode": self.error_code,
+            "message": self.message,
+            "runId": self.run_id,
+            "branch": self.branch,
+            "headSha": self.head_sha,
+            "pullRequest": self.pull_request_url,
+            "turns": self.turns,
+            "tokens": self.tokens,
+            "skipped": self.skipped,
+        }
+
+
+class _Stop(Exception):
+    """The loop ends early: a limit, or the model cannot go on."""
+
+    def __init__(self, code: ErrorCodeName, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def tool_definitions(daemon: Daemon) -> list[dict[str, Any]]:
+    """The five tools as OpenAI function definitions, their parameters the gateway
+    tools' own argument schemas (one source of truth for what a call may carry)."""
+    out = []
+    for name, tool in TOOL_MAP.items():
+        spec = daemon.dispatcher.tools[tool]
+        schema = spec.args_schema()
+        ref = schema.get("$ref", "")
+        params = dict(schema.get("$defs", {}).get(ref.rsplit("/", 1)[-1], schema))
+        if len(schema.get("$defs", {})) > 1:
+            params["$defs"] = schema["$defs"]
+        out.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "description": params.pop("description", spec.summary),
+                    "parameters": params,
+                },
+            }
+        )
+    return out
+
+
+class _Conversation:
+    """One run's model loop: turns, tool calls through the dispatcher, limits."""
+
+    def __init__(
+        self,
+        daemon: Daemon,
+        run: Run,
+        task: AgentTask,
+        say: Callable[[str], None],
+    ) -> None:
+        self.daemon = daemon
+        self.run = run
+        self.task = task
+        self.say = say
+        self.turns = 0
+        self.tokens = 0
+        self.oom_killed = False
+        self.final_text: str | None = None
+        self.peer = Peer(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
+        self.tools = tool_definitions(daemon)
+        self.messages: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": task.task},
+        ]
+
+    async def go(self) -> None:
+        limits = self.task.limits
+        alias = self.daemon.config.models[self.task.model]
+        deadline = trio.current_time() + limits.max_wall_s
+        while True:
+            if self.turns >= limits.max_turns:
+                raise _Stop(
+                    "task_failed",
+                    f"the turn limit ({limits.max_turns}) was reached before the model "
+                    "finished; raise --max-turns or narrow the task",
+                )
+            if self.tokens >= limits.max_tokens:
+                raise _Stop(
+                    "task_failed",
+                    f"the token limit ({limits.max_tokens}) was spent ({self.tokens} "
+                    "tokens) before the model finished; raise --max-tokens",
+                )
+            self.turns += 1
+            remaining = max(deadline - trio.current_time(), 0.001)
+            try:
+                answer = await model_client.complete(
+                    alias,
+                    self.messages,
+                    tools=self.tools,
+                    timeout_s=min(remaining, alias.timeout_s),
+                    max_tokens=min(MAX_TURN_COMPLETION_TOKENS, limits.max_tokens - self.tokens),
+                    alias_name=self.task.model,
+                )
+            except ModelCallError as exc:
+                if exc.kind is model_client.ModelCallKind.TIMEOUT and remaining < alias.timeout_s:
+                    raise _Stop(
+                        "timeout",
+                        f"the wall time limit ({limits.max_wall_s:g} s) passed during a model "
+                        "call; raise --max-wall-s",
+                    ) from None
+                raise _Stop("internal", f"the model call failed ({exc.kind}): {exc}") from None
+            used = (answer.prompt_tokens or 0) + (answer.completion_tokens or 0)
+            self.tokens += used
+            await self.daemon.audit.append(
+                "event",
+                event="agent_turn",
+                runId=self.run.run_id,
+                detail={
+                    "turn": self.turns,
+                    "model": self.task.model,
+                    "promptTokens": answer.prompt_tokens,
+                    "completionTokens": answer.completion_tokens,
+                    "finishReason": answer.finish_reason,
+                    "toolCalls": [call.name[:64] for call in answer.tool_calls],
+                    "textBytes": len(answer.text.encode()),
+                    "textDigest": "sha256:" + hashlib.sha256(answer.text.encode()).hexdigest(),
+                },
+            )
+            if not answer.tool_calls:
+                self.say(f"turn {self.turns}: the model finished ({self.tokens} tokens)")
+                self.final_text = answer.text
+                return
+            self.messages.append(_assistant_message(answer))
+            for n, call in enumerate(answer.tool_calls):
+                content = await self._call(call, n)
+                self.messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+
+    async def _call(self, call: model_client.ToolCall, n: int) -> str:
+        """One tool call, through the dispatcher; returns what the model is told."""
+        tool = TOOL_MAP.get(call.name)
+        where = f"turn {self.turns}: {call.name[:32]}"
+        if tool is None:
+            return await self._refuse(
+                call,
+                where,
+                f"there is no tool {call.name[:64]!r}; the tools are {', '.join(TOOL_MAP)}",
+            )
+        try:
+            args = json.loads(call.arguments or "{}")
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            return await self._refuse(
+                call, where, "the arguments are not a JSON object; send them as one"
+            )
+        request = Request(
+            v=PROTOCOL_VERSION,
+            runId=self.run.run_id,
+            toolCallId=f"agent.t{self.turns}.{n}",
+            tool=tool,
+            args=args,
+        )
+        response = await self.daemon.dispatcher.handle(self.run, request, self.peer)
+        self.say(f"{where} {_brief(args)} -> {_verdict(response)}")
+        if not response.ok:
+            return json.dumps({"error": str(response.errorCode), "message": response.safeMessage})
+        text = _raw_text(response.value)
+        if tool == "sandbox.exec" and '"errorCode":"oom_killed"' in text.replace(" ", ""):
+            self.oom_killed = True
+        if len(text) > MAX_TOOL_RESULT_CHARS:
+            text = text[:MAX_TOOL_RESULT_CHARS] + f"... [cut: {len(text)} characters in all]"
+        return text
+
+    async def _refuse(self, call: model_client.ToolCall, where: str, why: str) -> str:
+        """A call that never became a request (no such tool, arguments not an object):
+        audited as an event, and the model is told why."""
+        await self.daemon.audit.append(
+            "event",
+            event="agent_call_refused",
+            runId=self.run.run_id,
+            detail={"turn": self.turns, "tool": call.name[:64], "reason": why},
+        )
+        self.say(f"{where} -> refused: {why}")
+        return json.dumps({"error": "bad_request", "message": why})
+
+
+def _assistant_message(answer: model_client.Completion) -> dict[str, Any]:
+    return {
+        "role": "assistant",
+        "content": answer.text or None,
+        "tool_calls": [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            for call in answer.tool_calls
+        ],
+    }
+
+
+def _raw_text(value: Any) -> str:
+    if isinstance(value, msgspec.Raw):
+        return bytes(value).decode("utf-8", "replace")
+    return json.dumps(value)
+
+
+def _brief(args: Mapping[str, Any]) -> str:
+    """The call's main argument for the progress line."""
+    for key in ("command", "path"):
+        value = args.get(key)
+        if isinstance(value, str):
+            text = value if len(value) <= 60 else value[:57] + "..."
+            return json.dumps(text)
+    return ""
+
+
+def _verdict(response: Response) -> str:
+    if not response.ok:
+        return f"denied ({response.errorCode})"
+    text = _raw_text(response.value)
+    if text.startswith('{"exitCode":'):
+        with contextlib.suppress(ValueError):
+            value = json.loads(text)
+            suffix = f", {value['errorCode']}" if value.get("errorCode") else ""
+            return f"allowed (exit {value['exitCode']}{suffix})"
+    return "allowed"
+
+
+# --- the run ----------------------------------------------------------------------------
+
+
+async def run_agent(
+    daemon: Daemon, task: AgentTask, progress: Callable[[str], None] | None = None
+) -> AgentResult:
+    """One agent run, start to end; never raises for the task's own failures (the result
+    says what happened), and always removes its workspace.
+
+    Error handling: a bad task (unknown model alias, non-hex sha) is refused before
+    anything is fetched: ``ok`` false, ``errorCode`` ``internal``, the reason in
+    ``message``.
+    """
+    result = AgentResult(ok=False)
+
+    def say(line: str) -> None:
+        result.logs.append(line)
+        log.info("agent_progress", line=line)
+        if progress is not None:
+            progress(line)
+
+    if task.model not in daemon.config.models:
+        known = ", ".join(sorted(daemon.config.models)) or "none configured"
+        result.error_code, result.message = (
+            "internal",
+            f"model alias {task.model!r} is not in gatewayd's configuration (aliases: {known})",
+        )
+        say(result.message)
+        return result
+    work = _make_work_dir(daemon.config.resolved_agent_dir)
+    try:
+        await _run_in(work, daemon, task, result, say)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(_remove_tree, work)
+    return result
+
+
+def _make_work_dir(parent: Path) -> Path:
+    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(parent, 0o700)
+    work = parent / stdlib_secrets.token_hex(8)
+    work.mkdir(mode=0o700)
+    return work
+
+
+async def _run_in(
+    work: Path,
+    daemon: Daemon,
+    task: AgentTask,
+    result: AgentResult,
+    say: Callable[[str], None],
+) -> None:
+    started = time.monotonic()
+    mirror, base = work / "mirror.git", work / "base"
+    say(f"fetching {_public_url(task.repo_url)} at {task.sha[:12]}")
+    try:
+        await trio.to_thread.run_sync(
+            lambda: fetch_mirror(task.repo_url, mirror, credentials=task.credentials)
+        )
+        await trio.to_thread.run_sync(lambda: checkout_at(mirror, task.sha, base))
+    except RepoError as exc:
+        result.error_code, result.message = "internal", f"the repository could not be cloned: {exc}"
+        say(result.message)
+        await daemon.audit.append(
+            "event",
+            event="agent_run_refused",
+            errorCode="internal",
+            safeMessage=result.message,
+            detail={"repo": _public_url(task.repo_url), "sha": task.sha},
+        )
+        return
+    session, run = await _start(work, base, daemon, task, result, say)
+    if session is None or run is None:
+        return
+    try:
+        await _converse_and_collect(work, mirror, session, run, daemon, task, result, say)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(session.close)
+    if result.run_id is not None:
+        await daemon.audit.append(
+            "event",
+            event="agent_run_ended",
+            runId=result.run_id,
+            detail={
+                "ok": result.ok,
+                # The run result's code (timeout, oom_killed, internal, task_failed): not a
+                # wire error code, so in the detail (the audit's errorCode is the wire's).
+                "errorCode": result.error_code,
+                "message": result.message,
+                "turns": result.turns,
+                "tokens": result.tokens,
+                "patches": len(result.patches),
+                "branch": result.branch,
+                "headSha": result.head_sha,
+                "pullRequest": result.pull_request_url,
+                "durationMs": round((time.monotonic() - started) * 1000),
+            },
+        )
+        result.audit_log = await _run_entries(daemon, result.run_id)
+    say(
+        f"run {result.run_id} {'finished' if result.ok else 'stopped'}"
+        + (f" ({result.error_code}: {result.message})" if not result.ok else "")
+    )
+
+
+async def _start(
+    work: Path,
+    base: Path,
+    daemon: Daemon,
+    task: AgentTask,
+    result: AgentResult,
+    say: Callable[[str], None],
+) -> tuple[WorkspaceSession | None, Run | None]:
+    """The workspace session and the run on it; (None, None) when either is refused."""
+    request = RunRequest(
+        workspacePath=str(base),
+        policy=task.policy,
+        actorId=task.actor,
+        tenantId=task.tenant,
+        grant=Grant(allowSandbox=True),  # the operator starting the agent is the grant
+        toolIds=RUN_TOOL_IDS,
+        limits=RunLimits(
+            maxRuntimeSec=int(task.limits.max_wall_s) + 60, maxMemoryMb=task.max_memory_mb
+        ),
+        taskInput=task.task,
+        graphId="sandbox:agent",
+    )
+    state = work / "session"
+    session: WorkspaceSession | None = None
+    user = None
+    try:
+        if task.backend == "overlay":
+            # The overlay's lower directory is this run's own clone: it becomes the run
+            # uid's before the mount (changing a lower layer under a live overlay is
+            # undefined), so the sandbox can write the merged view without a copy-up of
+            # every file; the whole tree is removed after the run.
+            user = daemon.uid_pool.acquire()
+            owner = user
+            await trio.to_thread.run_sync(lambda: lend([base], owner, work))
+            session = await trio.to_thread.run_sync(lambda: OverlayWorkspace.create(base, state))
+            os.chown(session.root, user.uid, user.gid)
+            request = request.model_copy(update={"workspacePath": str(session.root)})
+            run = await daemon.start_run(request, sandbox_user=user, lend_workspace=False)
+        else:
+            session = await trio.to_thread.run_sync(lambda: HostWorkspace.create(base, state))
+            run = await daemon.start_run(request)
+    except (GatewayError, ValueError, OSError) as exc:
+        if user is not None:
+            daemon.uid_pool.release(user)
+        if session is not None:
+            await trio.to_thread.run_sync(session.close)
+        result.error_code, result.message = "internal", f"the run could not start: {exc}"
+        say(result.message)
+        return None, None
+    result.run_id = run.run_id
+    if run.sandbox is None:
+        await daemon.end_run(run.run_id, reason="agent_needs_sandbox")
+        await trio.to_thread.run_sync(session.close)
+        result.error_code = "internal"
+        result.message = (
+            f"agent runs execute commands only in an OS sandbox, and this run has none "
+            f"({run.degraded})"
+        )
+        say(result.message)
+        return None, None
+    await daemon.audit.append(
+        "event",
+        event="agent_run_started",
+        runId=run.run_id,
+        detail={
+            "repo": _public_url(task.repo_url),
+            "sha": task.sha,
+            "model": task.model,
+            "backend": task.backend,
+            "taskBytes": len(task.task.encode()),
+            "taskDigest": "sha256:" + hashlib.sha256(task.task.encode()).hexdigest(),
+            "limits": dataclasses.asdict(task.limits),
+            "push": task.push,
+            "pullRequest": task.pull_request is not None,
+        },
+    )
+    say(f"run {run.run_id} started ({task.backend} workspace, policy {run.spec.policy.name})")
+    return session, run
+
+
+async def _converse_and_collect(
+    work: Path,
+    mirror: Path,
+    session: WorkspaceSession,
+    run: Run,
+    daemon: Daemon,
+    task: AgentTask,
+    result: AgentResult,
+    say: Callable[[str], None],
+) -> None:
+    conversation = _Conversation(daemon, run, task, say)
+    try:
+        with trio.move_on_after(task.limits.max_wall_s) as wall:
+            await conversation.go()
+        if wall.cancelled_caught:
+            raise _Stop(
+                "timeout",
+                f"the wall time limit ({task.limits.max_wall_s:g} s) passed before the model "
+                "finished; raise --max-wall-s",
+            )
+        result.ok = True
+    except _Stop as stop:
+        result.error_code, result.message = stop.code, str(stop)
+        if stop.code == "task_failed" and conversation.oom_killed:
+            result.error_code = "oom_killed"
+            result.message += "; a command was killed for running out of memory"
+    result.turns, result.tokens = conversation.turns, conversation.tokens
+    await daemon.end_run(run.run_id, reason="agent_finished" if result.ok else "agent_stopped")
+
+    # The sandbox is gone: nothing changes the workspace while the host reads it.
+    diff: WorkspaceDiff = await trio.to_thread.run_sync(session.diff)
+    if diff.empty:
+        say("no changes in the workspace")
+        if result.ok and task.push:
+            result.ok, result.error_code = False, "task_failed"
+            result.message = "the model finished without changing anything; nothing to push"
+        return
+    message = _commit_message(conversation.final_text, run.run_id, result)
+    try:
+        made = await trio.to_thread.run_sync(
+            lambda: patch_from_tree(
+                mirror, task.sha, session.root, diff, message=message, scratch=work / "patch"
+            )
+        )
+    except RepoError as exc:
+        result.ok, result.error_code = False, "internal"
+        result.message = f"the changes could not be made into a patch: {exc}"
+        say(result.message)
+        return
+    result.skipped = list(made.skipped)
+    if made.patch:
+        result.patches.append(made.patch)
+        result.commit_messages.append(message)
+    await daemon.audit.append(
+        "event",
+        event="agent_patch",
+        runId=run.run_id,
+        detail={
+            "files": len(diff.added) + len(diff.removed) + len(diff.modified) + len(diff.renamed),
+            "patchBytes": len(made.patch.encode()),
+            "patchDigest": "sha256:" + hashlib.sha256(made.patch.encode()).hexdigest(),
+            "skipped": result.skipped[:100],
+        },
+    )
+    say(f"patch: {len(made.patch.encode())} bytes" + _skipped_note(result.skipped))
+    if result.ok and task.push and result.patches:
+        await _push(work, mirror, run, daemon, task, result, say)
+
+
+async def _push(
+    work: Path,
+    mirror: Path,
+    run: Run,
+    daemon: Daemon,
+    task: AgentTask,
+    result: AgentResult,
+    say: Callable[[str], None],
+) -> None:
+    branch = BRANCH_PREFIX + run.run_id
+    try:
+        pushed = await trio.to_thread.run_sync(
+            lambda: push_branch_from_patches(
+                task.repo_url,
+                mirror,
+                task.sha,
+                result.patches,
+                branch,
+                credentials=task.credentials,
+                scratch=work / "push",
+            )
+        )
+    except RepoError as exc:
+        result.ok, result.error_code = False, "internal"
+        result.message = f"the branch could not be pushed: {exc}"
+        say(result.message)
+        await daemon.audit.append(
+            "event",
+            event="agent_push",
+            runId=run.run_id,
+            errorCode="internal",
+            safeMessage=result.message,
+            detail={"branch": branch},
+        )
+        return
+    result.branch, result.head_sha = pushed.branch, pushed.head_sha
+    await daemon.audit.append(
+        "event",
+        event="agent_push",
+        runId=run.run_id,
+        detail={"branch": pushed.branch, "headSha": pushed.head_sha},
+    )
+    say(f"pushed {pushed.branch} ({pushed.head_sha[:12]})")
+    spec = task.pull_request
+    if spec is None:
+        return
+    try:
+        token = _forge_token(spec)
+        url = await trio.to_thread.run_sync(
+            lambda: open_pull_request(
+                spec.api_base,
+                spec.repository,
+                source_branch=pushed.branch,
+                target_branch=spec.target_branch,
+                title=result.commit_messages[0].splitlines()[0][:200],
+                body=result.commit_messages[0],
+                token=token,
+            )
+        )
+    except (RepoError, GatewayError) as exc:
+        result.ok, result.error_code = False, "internal"
+        result.message = f"the branch was pushed, but the pull request failed: {exc}"
+        say(result.message)
+        return
+    result.pull_request_url = url
+    await daemon.audit.append(
+        "event", event="agent_pull_request", runId=run.run_id, detail={"url": url}
+    )
+    say(f"pull request {url}")
+
+
+def _forge_token(spec: PullRequestSpec) -> str:
+    from gatewayd.secrets import read_secret
+
+    return read_secret(spec.token_env, holds="the forge's API token").value
+
+
+def _commit_message(final_text: str | None, run_id: str, result: AgentResult) -> str:
+    text = (final_text or "").strip()
+    if not result.ok or not text:
+        why = "" if result.ok else f" (stopped: {result.error_code})"
+        text = f"cogni agent run {run_id}{why}" + (f"\n\n{text}" if text else "")
+    if len(text) > MAX_COMMIT_MESSAGE_CHARS:
+        text = text[:MAX_COMMIT_MESSAGE_CHARS]
+    return text + "\n"
+
+
+def _skipped_note(skipped: list[str]) -> str:
+    return f"; {len(skipped)} path(s) left out: {', '.join(skipped[:5])}" if skipped else ""
+
+
+async def _run_entries(daemon: Daemon, run_id: str) -> list[dict[str, Any]]:
+    """The run's entries of the audit log, as written (after they are durable)."""
+    audit = daemon.audit
+    await audit.durable(audit.last_seq)
+    path = daemon.config.resolved_audit_path
+
+    def read() -> list[dict[str, Any]]:
+        return [
+            record.entry
+            for record in read_log(path)
+            if record.entry is not None and record.entry.get("runId") == run_id
+        ]
+
+    return await trio.to_thread.run_sync(read)
+
+
+def _public_url(url: str) -> str:
+    """The URL as it may be shown (repo.py refuses URLs with credentials anyway)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.username or parts.password:
+        host = parts.hostname or ""
+        parts = parts._replace(netloc=host + (f":{parts.port}" if parts.port else ""))
+    return urlunsplit(parts)
+
+
+def _remove_tree(path: Path) -> None:
+    """The agent's work directory, whoever owns what in it (the run's uid did)."""
+    shutil.rmtree(path, ignore_errors=True)

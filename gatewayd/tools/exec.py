@@ -1,0 +1,82 @@
+"""``sandbox.exec``: run a shell command inside the run's OS sandbox.
+
+The host-owned agent loop (gatewayd/agent/loop.py) offers this to the model as ``exec``;
+it is a tool like any other, so a call goes through the allowlist, the policy, review
+and the audit log before the command starts. The command runs in a fresh sandbox of the
+run (its uid, its network namespace, its workspace, its limits), never on the host: a run
+without an OS sandbox (degraded) is refused.
+
+Output comes back as text (invalid UTF-8 replaced), each stream cut at the run's
+``sandbox.max_output_bytes`` like any sandboxed command.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+import msgspec
+
+from gatewayd.errors import PolicyViolation
+from gatewayd.policy.paths import ResolvedPath
+from gatewayd.tools.registry import ToolContext, ToolSpec
+
+MAX_COMMAND_CHARS: Final = 32_768
+MAX_STDIN_CHARS: Final = 1_000_000
+# The sandbox's own per-command limit (sandbox.timeout_s) and the call's limit
+# (limits.call_timeout_s) still apply; this only lets a call ask for less.
+MAX_TIMEOUT_S: Final = 24 * 3600.0
+SHELL: Final = "/bin/sh"
+
+
+class ExecArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Run one shell command in the run's sandbox, in /workspace."""
+
+    command: Annotated[
+        str,
+        msgspec.Meta(
+            min_length=1,
+            max_length=MAX_COMMAND_CHARS,
+            description="A /bin/sh command line, run in /workspace inside the sandbox.",
+        ),
+    ]
+    stdin: Annotated[
+        str,
+        msgspec.Meta(max_length=MAX_STDIN_CHARS, description="Text for the command's stdin."),
+    ] = ""
+    timeout_s: Annotated[
+        Annotated[float, msgspec.Meta(gt=0, le=MAX_TIMEOUT_S)] | None,
+        msgspec.Meta(description="Stop the command after this many seconds (default: the run's)."),
+    ] = None
+
+
+async def run_exec(args: ExecArgs, ctx: ToolContext, _resolved: tuple[ResolvedPath, ...]) -> Any:
+    if ctx.sandbox is None:
+        raise PolicyViolation(
+            "sandbox.exec runs commands only inside an OS sandbox, and this run has none "
+            f"({ctx.degraded or 'no sandbox'}); the file tools still work"
+        )
+    result = await ctx.sandbox.exec(
+        [SHELL, "-c", args.command],
+        stdin=args.stdin.encode() if args.stdin else None,
+        timeout_s=args.timeout_s,
+        env_values={},
+    )
+    return {
+        "exitCode": result.exitCode,
+        "signal": result.signal,
+        "errorCode": None if result.errorCode is None else str(result.errorCode),
+        "stdout": result.stdout.decode("utf-8", "replace"),
+        "stderr": result.stderr.decode("utf-8", "replace"),
+        "stdoutTruncated": result.stdoutTruncated,
+        "stderrTruncated": result.stderrTruncated,
+        "durationMs": result.durationMs,
+    }
+
+
+SANDBOX_EXEC: ToolSpec[ExecArgs] = ToolSpec(
+    name="sandbox.exec",
+    summary="Run a shell command inside the run's sandbox (its uid, no network but the "
+    "gateway, its workspace and limits); returns exit code and output.",
+    args_type=ExecArgs,
+    run=run_exec,
+)

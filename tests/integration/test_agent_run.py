@@ -1,0 +1,403 @@
+"""The end-to-end gate of reference note 004 (issue 7 item 4): a host-owned agent run
+against a real bare repository served over authenticated smart HTTP on loopback, a
+scripted model on the loopback fake provider (through litellm), real sandboxes.
+
+clone at a commit -> the model edits a file -> runs the repository's own tests inside the
+sandbox -> the host commits and pushes ``cogni/<run-id>``. Then: the branch holds the
+expected diff, the default branch is untouched, the audit log holds every step and
+verifies, and the git token never appeared in the sandbox's environment or files.
+Plus a run that hits each limit (turns, tokens, wall time) and ends with the right error
+code and a usable partial result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatewayd.agent.loop import AgentLimits, AgentResult, AgentTask, run_agent
+from gatewayd.agent.repo import RepoCredentials
+from gatewayd.audit.verify import verify_file
+from gatewayd.config import ModelAlias
+from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from tests.fakeprovider import Call, FakeProvider, Text
+from tests.gitserver import DEFAULT_TOKEN, GitServer, git, make_bare_repo, read_tree, ref_sha
+from tests.integration.test_run_sandbox import _unavailable, sandbox_config
+
+pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+
+TOKEN_ENV = "COGNI_TEST_GIT_TOKEN"
+ALIAS = "agent-model"
+
+CALC = b"def add(a, b):\n    return a - b\n"
+TESTS = (
+    b"import unittest\n\nfrom calc import add\n\n\n"
+    b"class T(unittest.TestCase):\n"
+    b"    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n\n"
+    b"if __name__ == '__main__':\n    unittest.main()\n"
+)
+REPO_FILES: Mapping[str, bytes] = {
+    "calc.py": CALC,
+    "test_calc.py": TESTS,
+    "README.md": b"# calc\n",
+    # What the tests leave behind (__pycache__) stays out of the commit, as in a clone.
+    ".gitignore": b"__pycache__/\n",
+}
+# The probe looks for the token (given reversed on stdin: neither the command in the
+# audit log nor its output holds it) in every file outside /usr, /proc and /sys and in
+# every visible process's environment; it writes a canary first, to prove it looks.
+PROBE = (
+    'read r; k=$(printf %s "$r" | rev); printf %s "$k" > /tmp/canary; '
+    'grep -rlsF "$k" / --exclude-dir=usr --exclude-dir=proc --exclude-dir=sys; '
+    'echo "env:$(cat /proc/*/environ 2>/dev/null | grep -caF "$k")"'
+)
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cg-ag-", dir="/tmp"))
+    path.chmod(0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    with FakeProvider() as fake:
+        yield fake
+
+
+@pytest.fixture
+def server(base: Path) -> Iterator[GitServer]:
+    with GitServer(base / "served", token=DEFAULT_TOKEN) as served:
+        yield served
+
+
+def agent_config(base: Path, provider: FakeProvider, **changes: Any) -> DaemonConfig:
+    config = sandbox_config(base)
+    policies = Path(__file__).resolve().parents[2] / "policies"
+    alias = ModelAlias(provider="openai", model="fake-model", api_base=provider.api_base)
+    return DaemonConfig(
+        state_dir=config.state_dir,
+        policy_dirs=(policies,),
+        netns_prefix=config.netns_prefix,
+        sandbox_uids=config.sandbox_uids,
+        models={ALIAS: alias},
+        secret_env=(TOKEN_ENV,),
+        **changes,
+    )
+
+
+@pytest.fixture
+async def daemon(base: Path, provider: FakeProvider) -> AsyncIterator[Daemon]:
+    os.environ[TOKEN_ENV] = DEFAULT_TOKEN
+    try:
+        async with open_daemon(agent_config(base, provider)) as d:
+            yield d
+    finally:
+        os.environ.pop(TOKEN_ENV, None)
+
+
+def task(url: str, sha: str, **changes: Any) -> AgentTask:
+    fields: dict[str, Any] = {
+        "repo_url": url,
+        "sha": sha,
+        "task": "make add() add; the tests must pass",
+        "model": ALIAS,
+        "policy": "agent",
+        "credentials": RepoCredentials(token=DEFAULT_TOKEN),
+        "limits": AgentLimits(max_turns=10, max_tokens=10_000, max_wall_s=120),
+    }
+    fields.update(changes)
+    return AgentTask(**fields)
+
+
+def fixing_script(probe_stdin: bool = True) -> list[Text]:
+    """The scripted model: look, read, fix, run the tests, probe, finish."""
+    return [
+        Text(content=None, calls=(Call(name="list", arguments={"path": "."}),)),
+        Text(content=None, calls=(Call(name="read", arguments={"path": "calc.py"}),)),
+        Text(
+            content="fixing the operator",
+            calls=(
+                Call(
+                    name="edit",
+                    arguments={"path": "calc.py", "old": "a - b", "new": "a + b"},
+                ),
+            ),
+        ),
+        Text(
+            content=None,
+            calls=(
+                Call(name="exec", arguments={"command": "python3 -m unittest -v 2>&1"}),
+                Call(
+                    name="exec",
+                    arguments={"command": PROBE, "stdin": DEFAULT_TOKEN[::-1] + "\n"},
+                ),
+            ),
+        ),
+        Text(content="Fix add() to add\n\nIt subtracted; test_calc passes now."),
+    ]
+
+
+def tool_results(provider: FakeProvider) -> list[dict[str, Any]]:
+    """What the model was told for each tool call, in order (from the last request)."""
+    last = provider.chat_requests[-1].body["messages"]
+    return [json.loads(m["content"]) for m in last if m["role"] == "tool"]
+
+
+def by_event(entries: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [e for e in entries if e.get("event") == name]
+
+
+# --- the gate -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["overlay", "host"])
+async def test_clone_edit_test_push_end_to_end(
+    backend: str, daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    bare = server.root / "calc.git"
+    provider.script(*fixing_script())
+    progress: list[str] = []
+
+    result = await run_agent(
+        daemon, task(server.url_for("calc.git"), sha, backend=backend), progress.append
+    )
+
+    assert result.ok, result.to_json()
+    assert result.error_code is None
+    # The repository's own tests ran inside the sandbox, and passed after the fix.
+    results = tool_results(provider)
+    assert "calc.py" in json.dumps(results[0])
+    assert "return a - b" in results[1]["content"]
+    assert results[3]["exitCode"] == 0 and "OK" in results[3]["stdout"], results[3]
+    # The probe: only its own canary, and no process environment holds the token.
+    assert results[4]["stdout"].split() == ["/tmp/canary", "env:0"], results[4]
+    # The branch holds exactly the fix; main is untouched.
+    branch = f"cogni/{result.run_id}"
+    assert result.branch == branch
+    assert ref_sha(bare, f"refs/heads/{branch}") == result.head_sha
+    assert ref_sha(bare, "refs/heads/main") == sha
+    pushed = read_tree(bare, branch)
+    assert pushed["calc.py"][1] == b"def add(a, b):\n    return a + b\n"
+    assert {k: v[1] for k, v in pushed.items() if k != "calc.py"} == {
+        k: v for k, v in REPO_FILES.items() if k != "calc.py"
+    }
+    log = git("--git-dir", str(bare), "log", "--format=%s%n%b%x00", f"{sha}..{branch}").decode()
+    assert log.split("\0")[0].startswith("Fix add() to add\n")
+    diff = git("--git-dir", str(bare), "diff", sha, branch).decode()
+    assert "-    return a - b\n+    return a + b" in diff
+    # The bundle: one patch, one message; the patch applies to the base with git am.
+    assert len(result.patches) == 1 and result.commit_messages[0].startswith("Fix add()")
+    assert "Subject: [PATCH] Fix add() to add" in result.patches[0]
+    # Progress said turn, tool and verdict.
+    assert any('exec "python3 -m unittest -v 2>&1" -> allowed (exit 0)' in p for p in progress)
+    # The audit log holds every step, and verifies.
+    entries = result.audit_log
+    assert [e["event"] for e in entries if e.get("event", "").startswith("agent_")] == [
+        "agent_run_started",
+        *["agent_turn"] * 5,
+        "agent_patch",
+        "agent_push",
+        "agent_run_ended",
+    ]
+    calls = [e for e in entries if e["kind"] == "call"]
+    assert [c["tool"] for c in calls] == [
+        "fs.list",
+        "fs.read",
+        "fs.edit",
+        "sandbox.exec",
+        "sandbox.exec",
+    ]
+    assert all(c["decision"] == "allow" and c["peer"]["pid"] == os.getpid() for c in calls)
+    assert len([e for e in entries if e["kind"] == "result"]) == 5
+    await daemon.audit.durable(daemon.audit.last_seq)
+    report = verify_file(daemon.config.resolved_audit_path)
+    assert report.ok, report
+    # The token: nowhere in the audit log, the result or the logs.
+    everything = daemon.config.resolved_audit_path.read_text() + json.dumps(result.to_json())
+    assert DEFAULT_TOKEN not in everything
+    # Every request to the git server carried the token (the host's), and the work
+    # directory is gone.
+    assert server.requests and all(r.auth_ok for r in server.requests)
+    assert list(daemon.config.resolved_agent_dir.iterdir()) == []
+
+
+async def test_what_the_sandbox_writes_into_git_never_runs_on_the_host(
+    daemon: Daemon, server: GitServer, provider: FakeProvider, base: Path
+) -> None:
+    """The model (through exec, inside the sandbox) plants hooks, config tricks and
+    attribute filters in the checkout; the host's patch and push run none of them."""
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    marker = base / "ran"
+    marker.mkdir()
+    marker.chmod(0o777)  # a hook running as anyone could leave its mark
+    hook = f"#!/bin/sh\ntouch {marker}/$(basename $0)-$$\n"
+    plant = (
+        "set -e; mkdir -p .git/hooks; for h in pre-commit post-commit commit-msg applypatch-msg pre-applypatch "
+        "post-applypatch pre-push post-checkout reference-transaction post-rewrite; do "
+        f"printf '%s' '{hook}' > .git/hooks/$h; chmod +x .git/hooks/$h; done; "
+        "mkdir -p /workspace/evil; cp .git/hooks/pre-commit evil/fsmonitor; "
+        "git config core.hooksPath /workspace/.git/hooks; "
+        "git config core.fsmonitor /workspace/evil/fsmonitor; "
+        "git config filter.evil.clean /workspace/evil/fsmonitor; "
+        "git config filter.evil.smudge /workspace/evil/fsmonitor; "
+        "git config filter.evil.required true; "
+        "git config diff.evil.textconv /workspace/evil/fsmonitor; "
+        "printf '* filter=evil diff=evil\\n' > .gitattributes; echo planted"
+    )
+    provider.script(
+        Text(content=None, calls=(Call(name="exec", arguments={"command": plant}),)),
+        Text(
+            content=None,
+            calls=(
+                Call(name="edit", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"}),
+            ),
+        ),
+        Text(content="Fix add()"),
+    )
+    result = await run_agent(daemon, task(server.url_for("calc.git"), sha))
+    assert tool_results(provider)[0]["stdout"].strip() == "planted", json.dumps(
+        tool_results(provider)[0]
+    )
+    assert result.ok, result.to_json()
+    assert list(marker.iterdir()) == [], "a hook or filter written in the sandbox ran on the host"
+    pushed = read_tree(server.root / "calc.git", f"cogni/{result.run_id}")
+    # The attributes file is content like any other; nothing under .git travels.
+    assert pushed[".gitattributes"][1] == b"* filter=evil diff=evil\n"
+    assert pushed["calc.py"][1] == b"def add(a, b):\n    return a + b\n"
+    assert not any(".git/" in path for path in pushed)
+    assert "evil/fsmonitor" in pushed  # a plain file of the change, never run
+
+
+async def test_a_refused_call_is_told_to_the_model_and_audited(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    provider.script(
+        Text(
+            content=None,
+            calls=(
+                Call(name="read", arguments={"path": "/etc/passwd"}),
+                Call(name="shell", arguments={"command": "id"}),
+                Call(name="read", arguments="{not json"),
+            ),
+        ),
+        Text(content="nothing to do"),
+    )
+    result = await run_agent(daemon, task(server.url_for("calc.git"), sha, push=False))
+    told = tool_results(provider)
+    assert told[0]["error"] == "policy_denied" and "/workspace" in told[0]["message"]
+    assert told[1] == {
+        "error": "bad_request",
+        "message": "there is no tool 'shell'; the tools are read, write, edit, list, exec",
+    }
+    assert told[2]["error"] == "bad_request" and "JSON object" in told[2]["message"]
+    # No change and --no-push: the run is ok with an empty bundle.
+    assert result.ok and result.patches == [] and result.branch is None
+    refused = by_event(result.audit_log, "agent_call_refused")
+    assert [e["detail"]["tool"] for e in refused] == ["shell", "read"]
+    denied = [e for e in result.audit_log if e["kind"] == "call" and e["decision"] == "deny"]
+    assert denied and denied[0]["errorCode"] == "policy_denied"
+
+
+# --- limits: each ends with its error code and a usable partial result ---------------
+
+
+def _edit_then_loop(n: int, command: str = "true") -> list[Text]:
+    edit = Call(name="edit", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"})
+    loop = Call(name="exec", arguments={"command": command})
+    return [Text(content=None, calls=(edit,)), *[Text(content=None, calls=(loop,))] * n]
+
+
+async def _partial(
+    daemon: Daemon, server: GitServer, provider: FakeProvider, script: list[Text], **kw: Any
+) -> tuple[AgentResult, str]:
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    provider.script(*script)
+    result = await run_agent(daemon, task(server.url_for("calc.git"), sha, **kw))
+    assert not result.ok
+    # The partial result: the change made so far, as a patch that applies; nothing pushed.
+    assert len(result.patches) == 1 and "+    return a + b" in result.patches[0]
+    assert result.commit_messages[0].startswith(f"cogni agent run {result.run_id} (stopped:")
+    assert result.branch is None
+    refs = git("--git-dir", str(server.root / "calc.git"), "for-each-ref").decode()
+    assert "cogni/" not in refs
+    ended = by_event(result.audit_log, "agent_run_ended")
+    assert ended and ended[0]["detail"]["errorCode"] == result.error_code
+    return result, sha
+
+
+async def test_the_turn_limit_ends_the_run_as_task_failed(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    result, _ = await _partial(
+        daemon,
+        server,
+        provider,
+        _edit_then_loop(5),
+        limits=AgentLimits(max_turns=3, max_tokens=10_000, max_wall_s=120),
+    )
+    assert result.error_code == "task_failed" and "turn limit (3)" in result.message
+    assert result.turns == 3
+
+
+async def test_the_token_limit_ends_the_run_as_task_failed(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    # Each fake answer counts 11 + 7 tokens: 2 turns spend 36 >= 30.
+    result, _ = await _partial(
+        daemon,
+        server,
+        provider,
+        _edit_then_loop(5),
+        limits=AgentLimits(max_turns=10, max_tokens=30, max_wall_s=120),
+    )
+    assert result.error_code == "task_failed" and "token limit (30)" in result.message
+    assert result.tokens == 36 and result.turns == 2
+    # The model was asked for no more than what was left of the budget.
+    assert provider.chat_requests[1].body["max_tokens"] == 12
+
+
+async def test_the_wall_time_limit_ends_the_run_as_timeout(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    result, _ = await _partial(
+        daemon,
+        server,
+        provider,
+        _edit_then_loop(1, command="sleep 60"),
+        limits=AgentLimits(max_turns=10, max_tokens=10_000, max_wall_s=4),
+    )
+    assert result.error_code == "timeout" and "wall time limit (4 s)" in result.message
+    # The command in flight was stopped, and its call still has its result entry.
+    results = [e for e in result.audit_log if e["kind"] == "result"]
+    assert results[-1]["tool"] == "sandbox.exec" and results[-1]["errorCode"] == "internal"
+
+
+async def test_a_command_killed_for_memory_makes_a_failed_run_oom_killed(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    hog = "python3 -c 'b = bytearray(1 << 30); print(len(b))'"
+    result, _ = await _partial(
+        daemon,
+        server,
+        provider,
+        _edit_then_loop(2, command=hog),
+        limits=AgentLimits(max_turns=3, max_tokens=10_000, max_wall_s=120),
+        max_memory_mb=128,
+    )
+    told = tool_results(provider)
+    assert told[1]["errorCode"] == "oom_killed", told[1]
+    assert result.error_code == "oom_killed" and "out of memory" in result.message
