@@ -448,6 +448,17 @@ class BeneathRoot:
                 prefix = parts[: index + 1]
                 try:
                     os.mkdir(parts[index], NEW_DIR_MODE, dir_fd=fd)
+                    # Owned like its parent (a lent workspace's: the run's uid), not
+                    # gatewayd's; a name swapped in meanwhile is not followed.
+                    parent = os.fstat(fd)
+                    if (parent.st_uid, parent.st_gid) != (os.geteuid(), os.getegid()):
+                        os.chown(
+                            parts[index],
+                            parent.st_uid,
+                            parent.st_gid,
+                            dir_fd=fd,
+                            follow_symlinks=False,
+                        )
                 except FileExistsError:
                     pass  # already there (or raced into being): open it below
                 except OSError as exc:

@@ -535,6 +535,17 @@ def _fsync_dir(parent_fd: int) -> None:
             os.close(fd)
 
 
+def _give_owner(fd: int, like: os.stat_result | None) -> None:
+    """Make the file ``fd`` owned like ``like`` (its directory, or the file it replaces).
+
+    In a workspace lent to a run's uid, a file the host tools make is then the run's
+    like the rest (a command of the run can append to it, and the lease gives it back
+    with the tree), not gatewayd's.
+    """
+    if like is not None and (like.st_uid, like.st_gid) != (os.geteuid(), os.getegid()):
+        os.fchown(fd, like.st_uid, like.st_gid)
+
+
 def _create_temp(parent_fd: int, visible: str) -> tuple[int, str]:
     for _ in range(TEMP_NAME_ATTEMPTS):
         name = f"{TEMP_PREFIX}{secrets.token_hex(16)}"
@@ -597,6 +608,8 @@ def replace_file(
     fd, temp = _create_temp(parent_fd, visible)
     try:
         try:
+            # A replaced file keeps its owner; a new one takes its directory's.
+            _give_owner(fd, existing if mode is not None else os.fstat(parent_fd))
             if mode is not None:
                 os.fchmod(fd, mode)
             _write_all(fd, data)
@@ -627,6 +640,11 @@ def _append(root: BeneathRoot, parent_fd: int, name: str, data: bytes) -> bool:
             dir_fd=parent_fd,
         )
         created = True
+        try:
+            _give_owner(fd, os.fstat(parent_fd))
+        except OSError as exc:
+            os.close(fd)
+            raise translate_oserror(exc, target.visible) from None
     except FileExistsError:
         fd = root.open_name(parent_fd, name, flags)
         created = False

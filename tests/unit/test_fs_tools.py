@@ -1047,3 +1047,36 @@ def test_repeated_double_stars_collapse_into_one() -> None:
         states = glob.step(states, name)
         assert len(states) <= 2
     assert glob.accepts(glob.step(states, "x"))
+
+
+# --- ownership: what the host tools make is owned like its directory ----------------
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+async def test_new_files_and_directories_take_their_directorys_owner(root: Path) -> None:
+    run_uid = 1_234_567  # a run's uid, as in a workspace lent to it
+    os.chown(root, run_uid, run_uid)
+    (root / "kept.txt").write_text("old\n")
+    os.chown(root / "kept.txt", 7_654_321, 7_654_321)
+    grant = make_grant(root)
+
+    await call("fs.write", {"path": "new/deeper/made.txt", "content": "x"}, grant)
+    await call("fs.write", {"path": "log.txt", "content": "a\n", "append": True}, grant)
+    await call("fs.write", {"path": "kept.txt", "content": "new\n"}, grant)
+    await call("fs.edit", {"path": "new/deeper/made.txt", "old": "x", "new": "y"}, grant)
+
+    def owner(rel: str) -> tuple[int, int]:
+        st = os.lstat(root / rel)
+        return st.st_uid, st.st_gid
+
+    for made in ("new", "new/deeper", "new/deeper/made.txt", "log.txt"):
+        assert owner(made) == (run_uid, run_uid), made
+    # A replaced file keeps its owner, as it keeps its mode.
+    assert owner("kept.txt") == (7_654_321, 7_654_321)
+    assert (root / "kept.txt").read_text() == "new\n"
+
+
+async def test_files_in_a_directory_of_our_own_stay_ours(root: Path) -> None:
+    await call("fs.write", {"path": "a/b.txt", "content": "x"}, make_grant(root))
+    assert os.lstat(root / "a" / "b.txt").st_uid == os.geteuid()
+    assert os.lstat(root / "a").st_uid == os.geteuid()
