@@ -18,12 +18,29 @@ import pytest
 from tests.fakeprovider import Call, FakeProvider, Text
 from tests.gitserver import DEFAULT_TOKEN, GitServer, make_bare_repo, ref_sha
 from tests.integration.test_agent_repo import FakeForge
-from tests.integration.test_agent_run import REPO_FILES, base, provider, server  # noqa: F401
+from tests.integration.test_agent_run import REPO_FILES, agent_base
 from tests.integration.test_run_sandbox import _unavailable
 
 pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
 
 PR_URL = "https://forge.invalid/o/calc/pull/3"
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    yield from agent_base()
+
+
+@pytest.fixture
+def provider() -> Iterator[FakeProvider]:
+    with FakeProvider() as fake:
+        yield fake
+
+
+@pytest.fixture
+def server(base: Path) -> Iterator[GitServer]:
+    with GitServer(base / "served", token=DEFAULT_TOKEN) as served:
+        yield served
 
 
 @pytest.fixture

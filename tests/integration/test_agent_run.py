@@ -60,14 +60,19 @@ PROBE = (
 )
 
 
-@pytest.fixture
-def base() -> Iterator[Path]:
+def agent_base() -> Iterator[Path]:
+    """A short directory under /tmp the sandbox's uid may pass through."""
     path = Path(tempfile.mkdtemp(prefix="cg-ag-", dir="/tmp"))
     path.chmod(0o711)
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    yield from agent_base()
 
 
 @pytest.fixture
