@@ -501,9 +501,7 @@ async def test_a_key_echoed_into_tool_call_arguments_is_redacted(
     fake: FakeProvider, key_env: str
 ) -> None:
     # Arguments become file contents and commands in the sandbox: never the key.
-    fake.script(
-        Text(content=None, calls=(Call(name="read", arguments={"path": f"x{KEY}y"}),))
-    )
+    fake.script(Text(content=None, calls=(Call(name="read", arguments={"path": f"x{KEY}y"}),)))
 
     result = await complete(alias_for(fake), MESSAGES, timeout_s=5, tools=[READ_TOOL])
 
