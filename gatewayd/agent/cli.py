@@ -76,6 +76,13 @@ def add_parser(sub: Any, add_daemon_options: Any) -> None:
         "--max-wall-s", type=float, default=1800.0, help="wall time at most, seconds (1800)"
     )
     run.add_argument("--max-memory-mb", type=int, default=2048, help="the sandbox's memory")
+    run.add_argument(
+        "--max-patch-bytes",
+        type=int,
+        default=64 << 20,
+        help="file contents one patch may carry (64 MiB); larger changes are left out and "
+        "listed in the result's skipped",
+    )
     run.add_argument("--actor", default="operator")
     run.add_argument("--tenant", default="local")
     run.add_argument("--result", type=Path, help="write the result JSON here, not to stdout")
@@ -108,6 +115,8 @@ def main(args: argparse.Namespace) -> int:
         return usage(str(exc))
     if not text.strip():
         return usage("the task is empty")
+    if args.max_patch_bytes < 1 or args.max_memory_mb < 64:
+        return usage("--max-patch-bytes must be positive and --max-memory-mb at least 64")
     token: str | None = None
     try:
         token = read_secret(args.git_token_env, holds="the git token").value
@@ -143,6 +152,7 @@ def main(args: argparse.Namespace) -> int:
         actor=args.actor,
         tenant=args.tenant,
         max_memory_mb=args.max_memory_mb,
+        max_patch_bytes=args.max_patch_bytes,
     )
     out: dict[str, Any] = {}
 

@@ -44,6 +44,7 @@ import trio
 
 from gatewayd import model_client
 from gatewayd.agent.repo import (
+    MAX_PATCH_INPUT_BYTES,
     RepoCredentials,
     RepoError,
     checkout_at,
@@ -82,6 +83,8 @@ RUN_TOOL_IDS: Final = tuple(TOOL_MAP.values())
 # One tool result, as the model sees it: enough for a test run's tail, not a flood.
 MAX_TOOL_RESULT_CHARS: Final = 32_000
 MAX_COMMIT_MESSAGE_CHARS: Final = 10_000
+# Tool calls run per answer; more are refused (the conversation is held in memory).
+MAX_CALLS_PER_TURN: Final = 32
 # The largest answer asked for per turn (the token limit may ask for less).
 MAX_TURN_COMPLETION_TOKENS: Final = 8192
 BRANCH_PREFIX: Final = "cogni/"
@@ -134,6 +137,7 @@ class AgentTask:
     actor: str = "operator"
     tenant: str = "local"
     max_memory_mb: int = 2048
+    max_patch_bytes: int = MAX_PATCH_INPUT_BYTES
 
 
 @dataclass(kw_only=True)
@@ -288,7 +292,15 @@ class _Conversation:
                 return
             self.messages.append(_assistant_message(answer))
             for n, call in enumerate(answer.tool_calls):
-                content = await self._call(call, n)
+                if n >= MAX_CALLS_PER_TURN:
+                    content = await self._refuse(
+                        call,
+                        f"turn {self.turns}: {call.name[:32]}",
+                        f"at most {MAX_CALLS_PER_TURN} tool calls are run per answer; "
+                        "ask for the rest in the next one",
+                    )
+                else:
+                    content = await self._call(call, n)
                 self.messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
 
     async def _call(self, call: model_client.ToolCall, n: int) -> str:
@@ -611,7 +623,13 @@ async def _converse_and_collect(
     try:
         made = await trio.to_thread.run_sync(
             lambda: patch_from_tree(
-                mirror, task.sha, session.root, diff, message=message, scratch=work / "patch"
+                mirror,
+                task.sha,
+                session.root,
+                diff,
+                message=message,
+                scratch=work / "patch",
+                max_bytes=task.max_patch_bytes,
             )
         )
     except RepoError as exc:

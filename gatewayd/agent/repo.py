@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from gatewayd.errors import GatewayError
 from gatewayd.protocol import ErrorCode
-from gatewayd.workspace.session import WorkspaceDiff, read_all
+from gatewayd.workspace.session import WorkspaceDiff
 from gatewayd.workspace.treediff import open_parent
 
 # Network operations on a large repository can take minutes; local ones should not.
@@ -52,6 +52,9 @@ LOCAL_TIMEOUT_S: Final = 120.0
 PUSH_TIMEOUT_S: Final = 300.0
 LS_REMOTE_TIMEOUT_S: Final = 60.0
 PR_TIMEOUT_S: Final = 30.0
+# What one patch may carry from the workspace (file contents and link targets).
+MAX_PATCH_INPUT_BYTES: Final = 64 << 20
+COPY_CHUNK_BYTES: Final = 1 << 20
 # Enough of git's stderr to diagnose, short enough for an audit entry.
 STDERR_LIMIT: Final = 2000
 # A forge's answer to "open a pull request" is a few KiB; anything bigger is not one.
@@ -485,9 +488,10 @@ def _refusal(rel: str) -> str | None:
     return None
 
 
-def _read_entry(tree: Path, rel: str) -> tuple[EntryKind, bytes, bool] | None:
-    """(kind, content or link target, executable) of ``tree/rel``; None if it is not a
-    file or link. No symlink is followed in any component (OSError: ELOOP/ENOTDIR)."""
+def _read_entry(tree: Path, rel: str) -> tuple[EntryKind, bytes | int, bool] | None:
+    """(kind, an open descriptor of the file or the link's target, executable) of
+    ``tree/rel``; None if it is not a file or link. The caller closes the descriptor.
+    No symlink is followed in any component (OSError: ELOOP/ENOTDIR)."""
     parent, name = open_parent(tree, rel)
     try:
         mode = os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode
@@ -498,14 +502,12 @@ def _read_entry(tree: Path, rel: str) -> tuple[EntryKind, bytes, bool] | None:
         fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     finally:
         os.close(parent)
-    try:
-        # Mode and content from one descriptor: the sandbox may be swapping the file.
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            return None
-        return "file", read_all(fd), bool(mode & stat.S_IXUSR)
-    finally:
+    # Mode and content from one descriptor: the sandbox may be swapping the file.
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
         os.close(fd)
+        return None
+    return "file", fd, bool(mode & stat.S_IXUSR)
 
 
 def _open_dirs(root: Path, dirs: Sequence[str], *, create: bool) -> int:
@@ -529,8 +531,11 @@ def _open_dirs(root: Path, dirs: Sequence[str], *, create: bool) -> int:
     return fd
 
 
-def _write_entry(root: Path, rel: str, kind: EntryKind, data: bytes, executable: bool) -> None:
-    """Create ``root/rel`` (replacing a file, link or empty directory there)."""
+def _write_entry(
+    root: Path, rel: str, kind: EntryKind, data: bytes | int, executable: bool
+) -> None:
+    """Create ``root/rel`` (replacing a file, link or empty directory there) from
+    ``data``: bytes, or a descriptor to copy from in chunks (any size, little memory)."""
     *dirs, name = rel.split("/")
     fd = _open_dirs(root, dirs, create=True)
     try:
@@ -544,20 +549,29 @@ def _write_entry(root: Path, rel: str, kind: EntryKind, data: bytes, executable:
             else:
                 os.unlink(name, dir_fd=fd)
         if kind == "link":
+            assert isinstance(data, bytes)
             os.symlink(os.fsdecode(data), name, dir_fd=fd)
             return
         mode = 0o755 if executable else 0o644
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         out = os.open(name, flags, mode, dir_fd=fd)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(out, view) :]
+            if isinstance(data, int):
+                while chunk := os.read(data, COPY_CHUNK_BYTES):
+                    _write_all(out, chunk)
+            else:
+                _write_all(out, data)
             os.fchmod(out, mode)  # the umask must not drop the exec bit
         finally:
             os.close(out)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _remove_entry(root: Path, rel: str) -> None:
@@ -599,6 +613,7 @@ def patch_from_tree(
     author: tuple[str, str] = DEFAULT_AUTHOR,
     scratch: Path,
     timeout_s: float = LOCAL_TIMEOUT_S,
+    max_bytes: int = MAX_PATCH_INPUT_BYTES,
 ) -> PatchResult:
     """One commit's ``format-patch`` with the changed entries of the sandbox's ``tree``.
 
@@ -608,7 +623,9 @@ def patch_from_tree(
     either side. Paths with a ``.git`` component are refused and listed in ``skipped``,
     as are entries that vanished, could not be read without following a link, or that
     ``.gitignore`` excludes. Directory entries (``dir/``) are implied by their files;
-    an empty directory cannot be committed.
+    an empty directory cannot be committed. The written entries total ``max_bytes`` at
+    most: the sandbox chooses how much it writes, and the patch is held in memory and
+    in the run's result; an entry past the budget is skipped, and says so.
     """
     if not message.strip():
         raise RepoError("the commit message is empty: describe the change")
@@ -621,6 +638,7 @@ def patch_from_tree(
     removals = [*changes.removed, *(old for old, _ in changes.renamed)]
     writes = [*changes.added, *changes.modified, *(new for _, new in changes.renamed)]
     removed_dirs: list[str] = []
+    budget = max_bytes
     # Removals first: a file replaced by a directory of the same name needs the room.
     for rel in sorted(set(removals)):
         if (why := _refusal(rel)) is not None:
@@ -656,13 +674,25 @@ def patch_from_tree(
         if entry is None:
             skipped.append(f"{rel}: no longer a file or symlink in the workspace")
             continue
+        kind, data, executable = entry
         try:
-            _write_entry(scratch, rel, *entry)
+            size = len(data) if isinstance(data, bytes) else os.fstat(data).st_size
+            if size > budget:
+                skipped.append(
+                    f"{rel}: {size} bytes, over what is left of the patch's "
+                    f"{max_bytes}-byte limit ({budget} bytes)"
+                )
+                continue
+            budget -= size
+            _write_entry(scratch, rel, kind, data, executable)
         except OSError as exc:
             skipped.append(
                 f"{rel}: not written, a parent is a symlink or file, or a non-empty "
                 f"directory is in the way ({exc.strerror})"
             )
+        finally:
+            if isinstance(data, int):
+                os.close(data)
 
     repo = ["-C", str(scratch)]
     _git([*repo, "add", "--all", "--", "."], what="staging the changes", timeout_s=timeout_s)

@@ -6,7 +6,11 @@ Rules (also in docs/workspaces.md):
   content; a symlink by its target (a symlink counts as a file whose content is the
   target). Mode and time changes are not reported.
 * Binary: a NUL byte in the first :data:`BINARY_SNIFF_BYTES`, or not valid UTF-8.
-  Binary files are listed in ``binary`` and get no hunk.
+  Binary files, and text files over :data:`MAX_HUNK_FILE_BYTES`, are listed in
+  ``binary`` and get no hunk.
+* Bounded: files are hashed in chunks, and ``unified`` stops at
+  :data:`MAX_UNIFIED_CHARS` (the sandbox decides how much it writes, not gatewayd's
+  memory).
 * Rename: a removed and an added entry of the same kind with identical content
   (sha256) are paired, in sorted order, one to one; the pair has no hunk.
 * Directories present on one side only are listed with a trailing ``/``.
@@ -17,12 +21,14 @@ backend, only what the overlay's upper directory touches for the overlay backend
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import errno
 import hashlib
 import os
 import stat
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
@@ -31,6 +37,13 @@ from gatewayd.workspace.session import WorkspaceDiff, read_all
 # Like git: a NUL byte in the first 8 KiB marks a file as binary.
 BINARY_SNIFF_BYTES: Final = 8192
 NO_NEWLINE: Final = "\\ No newline at end of file\n"
+# Files are hashed in chunks of this size: memory per file, whatever its size.
+READ_CHUNK_BYTES: Final = 1 << 20
+# A text file larger than this gets no hunk (it is listed in ``binary``): difflib needs
+# both sides in memory, several times over.
+MAX_HUNK_FILE_BYTES: Final = 4 << 20
+# ``unified`` stops growing here; further text files are named in a last line.
+MAX_UNIFIED_CHARS: Final = 16 << 20
 
 Kind = Literal["file", "link", "dir"]
 
@@ -168,8 +181,61 @@ def unified_hunks(old: bytes | None, new: bytes | None, rel_old: str, rel_new: s
     return "".join(out)
 
 
+@dataclass(frozen=True, slots=True)
+class _Print:
+    """What the diff needs of one file or link, read once in chunks (constant memory)."""
+
+    kind: Kind
+    size: int
+    digest: bytes
+    text: bool  # no NUL in the first 8 KiB and valid UTF-8
+
+
+def fingerprint(root: Path, rel: str, kind: Kind) -> _Print:
+    """sha256, size and text-ness of ``root/rel``, read in chunks: a sandbox's 10 GiB
+    file costs gatewayd one chunk of memory, not 10 GiB."""
+    if kind == "link":
+        data = content(root, rel, kind)
+        return _Print(kind, len(data), hashlib.sha256(data).digest(), not is_binary(data))
+    parent, name = open_parent(root, rel)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    finally:
+        os.close(parent)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, f"{rel} is no longer a regular file")
+        sha = hashlib.sha256()
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        text, size = True, 0
+        while chunk := os.read(fd, READ_CHUNK_BYTES):
+            if size < BINARY_SNIFF_BYTES and b"\0" in chunk[: BINARY_SNIFF_BYTES - size]:
+                text = False
+            if text:
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError:
+                    text = False
+            sha.update(chunk)
+            size += len(chunk)
+        if text:
+            try:
+                decoder.decode(b"", final=True)
+            except UnicodeDecodeError:
+                text = False
+        return _Print(kind, size, sha.digest(), text)
+    finally:
+        os.close(fd)
+
+
 def compare_trees(old_root: Path, new_root: Path, scopes: Iterable[str]) -> WorkspaceDiff:
-    """The diff from ``old_root`` to ``new_root``, looking only beneath ``scopes``."""
+    """The diff from ``old_root`` to ``new_root``, looking only beneath ``scopes``.
+
+    Memory stays bounded whatever the trees hold: files are compared by sha256 read in
+    chunks; a text file gets a hunk only up to :data:`MAX_HUNK_FILE_BYTES` (a larger one
+    is listed in ``binary``, without a hunk), and hunks stop once ``unified`` reaches
+    :data:`MAX_UNIFIED_CHARS` (a last line says which files were left out).
+    """
     old: dict[str, Kind] = {}
     new: dict[str, Kind] = {}
     for scope in scopes:
@@ -179,42 +245,56 @@ def compare_trees(old_root: Path, new_root: Path, scopes: Iterable[str]) -> Work
     added: list[str] = []
     removed: list[str] = []
     modified: list[str] = []
-    old_data: dict[str, bytes] = {}
-    new_data: dict[str, bytes] = {}
+    old_prints: dict[str, _Print] = {}
+    new_prints: dict[str, _Print] = {}
     for rel in sorted(set(old) | set(new)):
         before, after = old.get(rel), new.get(rel)
         if before == "dir" and after == "dir":
             continue
         if before is not None and before == after:
-            a, b = content(old_root, rel, before), content(new_root, rel, after)
-            if a != b:
+            a, b = fingerprint(old_root, rel, before), fingerprint(new_root, rel, after)
+            if a.digest != b.digest:
                 modified.append(rel)
-                old_data[rel], new_data[rel] = a, b
+                old_prints[rel], new_prints[rel] = a, b
             continue
         # Kinds differ or one side is missing: a removal and/or an addition.
         if before == "dir":
             removed.append(rel + "/")
         elif before is not None:
             removed.append(rel)
-            old_data[rel] = content(old_root, rel, before)
+            old_prints[rel] = fingerprint(old_root, rel, before)
         if after == "dir":
             added.append(rel + "/")
         elif after is not None:
             added.append(rel)
-            new_data[rel] = content(new_root, rel, after)
+            new_prints[rel] = fingerprint(new_root, rel, after)
 
-    renamed = _pair_renames(added, removed, old, new, old_data, new_data)
+    renamed = _pair_renames(added, removed, old_prints, new_prints)
 
     binary: list[str] = []
     hunks: list[str] = []
+    left_out: list[str] = []
+    budget = MAX_UNIFIED_CHARS
     for rel in sorted(set(added) | set(removed) | set(modified)):
         if rel.endswith("/"):
             continue
-        before_data, after_data = old_data.get(rel), new_data.get(rel)
-        if any(d is not None and is_binary(d) for d in (before_data, after_data)):
+        sides = [p for p in (old_prints.get(rel), new_prints.get(rel)) if p is not None]
+        if not all(p.text and p.size <= MAX_HUNK_FILE_BYTES for p in sides):
             binary.append(rel)
             continue
-        hunks.append(unified_hunks(before_data, after_data, rel, rel))
+        if budget <= 0:
+            left_out.append(rel)
+            continue
+        before_data = content(old_root, rel, old[rel]) if rel in old_prints else None
+        after_data = content(new_root, rel, new[rel]) if rel in new_prints else None
+        hunk = unified_hunks(before_data, after_data, rel, rel)
+        hunks.append(hunk)
+        budget -= len(hunk)
+    if left_out:
+        hunks.append(
+            f"# {len(left_out)} more changed text file(s) without hunks: the diff reached "
+            f"{MAX_UNIFIED_CHARS} characters ({', '.join(left_out[:20])})\n"
+        )
     return WorkspaceDiff(
         unified="".join(hunks),
         added=added,
@@ -228,23 +308,21 @@ def compare_trees(old_root: Path, new_root: Path, scopes: Iterable[str]) -> Work
 def _pair_renames(
     added: list[str],
     removed: list[str],
-    old: dict[str, Kind],
-    new: dict[str, Kind],
-    old_data: dict[str, bytes],
-    new_data: dict[str, bytes],
+    old_prints: dict[str, _Print],
+    new_prints: dict[str, _Print],
 ) -> list[tuple[str, str]]:
     """Pair removed and added entries of one kind with identical sha256, in sorted order."""
     by_digest: dict[tuple[Kind, bytes], list[str]] = {}
     for rel in removed:
         if rel.endswith("/"):
             continue
-        key = (old[rel], hashlib.sha256(old_data[rel]).digest())
+        key = (old_prints[rel].kind, old_prints[rel].digest)
         by_digest.setdefault(key, []).append(rel)
     renamed: list[tuple[str, str]] = []
     for rel in list(added):
         if rel.endswith("/"):
             continue
-        key = (new[rel], hashlib.sha256(new_data[rel]).digest())
+        key = (new_prints[rel].kind, new_prints[rel].digest)
         candidates = by_digest.get(key)
         if candidates:
             source = candidates.pop(0)

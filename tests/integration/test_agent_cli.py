@@ -157,6 +157,7 @@ def test_agent_run_pushes_a_branch_and_opens_a_pull_request(
             "--pull-request needs --forge-api and --forge-repo",
         ),
         (["--sha", "a" * 40, "--max-turns", "0"], "agent limits must be positive"),
+        (["--sha", "a" * 40, "--max-patch-bytes", "0"], "--max-patch-bytes must be positive"),
     ],
 )
 def test_usage_errors_exit_2_with_the_reason(

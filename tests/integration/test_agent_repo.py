@@ -487,6 +487,29 @@ def test_patch_edge_cases(tmp_path: Path, origin: tuple[str, str]) -> None:
         patch_from_tree(mirror, sha, ws, changes, message="m", scratch=tmp_path / "s2")
 
 
+def test_a_patch_carries_at_most_max_bytes_and_says_what_it_left_out(
+    tmp_path: Path, origin: tuple[str, str]
+) -> None:
+    url, sha = origin
+    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
+    fetch_mirror(url, mirror, credentials=CREDS)
+    checkout_at(mirror, sha, ws)
+    checkout_at(mirror, sha, snap)
+    # Written in name order: a (larger than the copy chunk: it streams in pieces), b, c.
+    (ws / "a_chunked.txt").write_text("line\n" * 300_000)
+    (ws / "b_big.bin").write_bytes(os.urandom(4096))
+    (ws / "c_small.txt").write_text("small\n")
+    diff = compare_trees(snap, ws, ["."])
+    result = patch_from_tree(
+        mirror, sha, ws, diff, message="m", scratch=tmp_path / "s", max_bytes=1_503_000
+    )
+    assert [s for s in result.skipped if not s.startswith(".git/")] == [
+        "b_big.bin: 4096 bytes, over what is left of the patch's 1503000-byte limit (3000 bytes)"
+    ]
+    assert "+++ b/c_small.txt" in result.patch and "b_big.bin" not in result.patch
+    assert result.patch.count("+line\n") == 300_000
+
+
 # --- push refusals -------------------------------------------------------------------
 
 

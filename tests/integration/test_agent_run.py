@@ -22,7 +22,13 @@ from typing import Any
 
 import pytest
 
-from gatewayd.agent.loop import AgentLimits, AgentResult, AgentTask, run_agent
+from gatewayd.agent.loop import (
+    MAX_CALLS_PER_TURN,
+    AgentLimits,
+    AgentResult,
+    AgentTask,
+    run_agent,
+)
 from gatewayd.agent.repo import RepoCredentials
 from gatewayd.audit.verify import verify_file
 from gatewayd.config import ModelAlias
@@ -309,12 +315,27 @@ async def test_a_refused_call_is_told_to_the_model_and_audited(
         "message": "there is no tool 'shell'; the tools are read, write, edit, list, exec",
     }
     assert told[2]["error"] == "bad_request" and "JSON object" in told[2]["message"]
+    assert len(told) == 3
     # No change and --no-push: the run is ok with an empty bundle.
     assert result.ok and result.patches == [] and result.branch is None
     refused = by_event(result.audit_log, "agent_call_refused")
     assert [e["detail"]["tool"] for e in refused] == ["shell", "read"]
     denied = [e for e in result.audit_log if e["kind"] == "call" and e["decision"] == "deny"]
     assert denied and denied[0]["errorCode"] == "policy_denied"
+
+
+async def test_tool_calls_past_the_per_answer_cap_are_refused(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    many = tuple(Call(name="list", arguments={"path": "."}) for _ in range(MAX_CALLS_PER_TURN + 2))
+    provider.script(Text(content=None, calls=many), Text(content="done"))
+    result = await run_agent(daemon, task(server.url_for("calc.git"), sha, push=False))
+    told = tool_results(provider)
+    assert len(told) == MAX_CALLS_PER_TURN + 2
+    assert all("error" not in t for t in told[:MAX_CALLS_PER_TURN])
+    assert told[-1]["message"].startswith(f"at most {MAX_CALLS_PER_TURN} tool calls")
+    assert len(by_event(result.audit_log, "agent_call_refused")) == 2
 
 
 # --- limits: each ends with its error code and a usable partial result ---------------

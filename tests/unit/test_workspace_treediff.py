@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from gatewayd.errors import PolicyViolation
+from gatewayd.workspace import treediff
 from gatewayd.workspace.session import split_relative
 from gatewayd.workspace.treediff import (
     BINARY_SNIFF_BYTES,
@@ -106,3 +107,76 @@ def test_content_and_walk_never_go_through_a_symlinked_directory(tmp_path: Path)
     assert walk_entries(root, "") == {"dir": "link"}
     # Seen through the link, 'dir/secret' does not exist (its parent is no directory).
     assert walk_entries(root, "dir/secret") == {}
+
+
+# --- bounded memory: the sandbox decides how much it writes, not gatewayd's memory ---
+
+
+def test_a_huge_file_is_compared_in_chunks_and_listed_without_a_hunk(tmp_path: Path) -> None:
+    import tracemalloc
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    size = 64 << 20
+    for root, fill in ((old, b"a"), (new, b"b")):
+        with open(root / "big.txt", "wb") as f:
+            for _ in range(size // (1 << 20)):
+                f.write(fill * (1 << 20))
+    tracemalloc.start()
+    try:
+        diff = compare_trees(old, new, [""])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert diff.modified == ["big.txt"] and diff.binary == ["big.txt"]
+    assert diff.unified == ""
+    assert peak < 8 << 20, f"peak {peak} bytes for a {size}-byte file"
+
+
+def test_a_text_file_over_the_hunk_limit_is_listed_as_binary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(treediff, "MAX_HUNK_FILE_BYTES", 100)
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    (old / "long.txt").write_text("x\n" * 100)
+    (new / "long.txt").write_text("y\n" * 100)
+    (old / "short.txt").write_text("a\n")
+    (new / "short.txt").write_text("b\n")
+    diff = compare_trees(old, new, [""])
+    assert diff.binary == ["long.txt"]
+    assert "+b" in diff.unified and "long.txt" not in diff.unified
+
+
+def test_hunks_stop_at_the_unified_limit_and_say_which_files_are_left_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(treediff, "MAX_UNIFIED_CHARS", 10)
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    for name in ("a.txt", "b.txt", "c.txt"):
+        (new / name).write_text(f"{name}\n")
+    diff = compare_trees(old, new, [""])
+    assert diff.added == ["a.txt", "b.txt", "c.txt"]
+    assert diff.unified.count("+++ b/") == 1
+    assert diff.unified.endswith(
+        "# 2 more changed text file(s) without hunks: the diff reached 10 characters "
+        "(b.txt, c.txt)\n"
+    )
+
+
+def test_utf8_split_across_chunks_is_still_text(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(treediff, "READ_CHUNK_BYTES", 3)
+    old, new = tmp_path / "old", tmp_path / "new"
+    old.mkdir()
+    new.mkdir()
+    (new / "u.txt").write_text("héllo wörld ✓\n")
+    (new / "bad.txt").write_bytes("é".encode()[:1] + b"abc\n")
+    diff = compare_trees(old, new, [""])
+    assert diff.binary == ["bad.txt"]
+    assert "+héllo wörld ✓" in diff.unified
