@@ -175,6 +175,9 @@ class Daemon:
             self.registry.runs_dir,
             config.netns_prefix if config.os_sandbox else None,
         )
+        agent_dirs = await trio.to_thread.run_sync(_remove_agent_leftovers, config)
+        if agent_dirs:
+            leftovers["agentDirs"] = agent_dirs
         if any(leftovers.values()):
             log.warning("leftovers_removed", **leftovers)
             await self.audit.append("event", event="leftovers_removed", detail=leftovers)
@@ -859,6 +862,16 @@ def _clean_leftovers_quietly(runs_dir: Path, prefix: str | None) -> dict[str, li
     except Exception as exc:  # e.g. not root: namespaces cannot be listed/removed
         log.warning("leftover_cleanup_failed", error=str(exc))
         return {"cleanupFailed": [str(exc)]}
+
+
+def _remove_agent_leftovers(config: DaemonConfig) -> list[str]:
+    from gatewayd.agent.loop import remove_leftovers  # the agent flow, only when needed
+
+    try:
+        return remove_leftovers(config.resolved_agent_dir)
+    except Exception as exc:
+        log.warning("agent_leftover_cleanup_failed", error=str(exc))
+        return [f"cleanup failed: {exc}"]
 
 
 def _state_dir_reachable(state_dir: Path) -> SandboxSupport:

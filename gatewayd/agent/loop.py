@@ -59,8 +59,9 @@ from gatewayd.errors import GatewayError
 from gatewayd.model_client import ModelCallError
 from gatewayd.protocol import PROTOCOL_VERSION, Request, Response
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
-from gatewayd.sandbox.lease import lend
+from gatewayd.sandbox.lease import lend, mount_points_under
 from gatewayd.workspace import HostWorkspace, OverlayWorkspace, WorkspaceDiff, WorkspaceSession
+from gatewayd.workspace.overlay import _unmount as unmount
 
 if TYPE_CHECKING:
     from gatewayd.daemon import Daemon
@@ -773,6 +774,25 @@ def _public_url(url: str) -> str:
         host = parts.hostname or ""
         parts = parts._replace(netloc=host + (f":{parts.port}" if parts.port else ""))
     return urlunsplit(parts)
+
+
+def remove_leftovers(agent_dir: Path) -> list[str]:
+    """What a crashed agent run left in ``agent_dir`` (an overlay still mounted, a
+    checkout still the run uid's): unmounted and removed. Called at daemon start, when
+    no agent run of this state directory can be live (one daemon holds it: the audit
+    log's lock). Returns the work directories removed."""
+    if not agent_dir.is_dir():
+        return []
+    removed = []
+    for entry in sorted(agent_dir.iterdir()):
+        if entry.is_symlink() or not entry.is_dir():
+            continue
+        # Deepest first: the merged view before anything mounted beneath its directory.
+        for point in sorted(mount_points_under(entry), key=len, reverse=True):
+            unmount(Path(point), detach=True)
+        _remove_tree(entry)
+        removed.append(entry.name)
+    return removed
 
 
 def _remove_tree(path: Path) -> None:

@@ -203,7 +203,7 @@ def _rechown(
     ``skip`` are paths left alone with everything beneath them. Other file systems and
     mount points inside the tree are never entered (a bind mount there is not the tree)."""
     changed = 0
-    mounts = _mount_points_under(root)
+    mounts = mount_points_under(root)
 
     def move(name: str, dir_fd: int, st: os.stat_result) -> None:
         nonlocal changed
@@ -281,7 +281,7 @@ def _walk(root: Path, fences: set[str]) -> Iterator[tuple[int, str, os.stat_resu
         os.close(fd)
 
 
-def _mount_points_under(root: Path) -> set[str]:
+def mount_points_under(root: Path) -> set[str]:
     """Mount points strictly inside ``root`` (from this process's mountinfo)."""
     prefix = str(root).rstrip("/") + "/"
     found: set[str] = set()

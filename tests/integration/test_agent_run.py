@@ -427,3 +427,26 @@ async def test_a_command_killed_for_memory_makes_a_failed_run_oom_killed(
     told = tool_results(provider)
     assert told[1]["errorCode"] == "oom_killed", told[1]
     assert result.error_code == "oom_killed" and "out of memory" in result.message
+
+
+async def test_what_a_crashed_agent_run_left_is_unmounted_and_removed_at_start(
+    base: Path, provider: FakeProvider
+) -> None:
+    from gatewayd.workspace import OverlayWorkspace
+
+    config = agent_config(base, provider)
+    work = config.resolved_agent_dir / "0123456789abcdef"
+    (work / "base").mkdir(parents=True)
+    (work / "base" / "f.txt").write_text("x\n")
+    os.chown(work / "base" / "f.txt", 1_999_999_999, 1_999_999_999)  # a run uid's
+    session = OverlayWorkspace.create(work / "base", work / "session")
+    (Path(session.root) / "new.txt").write_text("y\n")
+    assert os.path.ismount(session.root)
+    # gatewayd dies here: no close, no discard. The next daemon on this state directory:
+    async with open_daemon(config) as d:
+        assert not os.path.ismount(session.root)
+        assert list(config.resolved_agent_dir.iterdir()) == []
+        await d.audit.durable(d.audit.last_seq)
+        lines = config.resolved_audit_path.read_text().splitlines()
+    [event] = [json.loads(x) for x in lines if '"leftovers_removed"' in x]
+    assert event["detail"]["agentDirs"] == ["0123456789abcdef"]
