@@ -83,6 +83,13 @@ def add_parser(sub: Any, add_daemon_options: Any) -> None:
         help="file contents one patch may carry (64 MiB); larger changes are left out and "
         "listed in the result's skipped",
     )
+    run.add_argument(
+        "--max-workspace-bytes",
+        type=int,
+        default=1 << 30,
+        help="overlay backend: what the run may write in all, held on a private tmpfs "
+        "(1 GiB; 0: no limit, on disk); past it, writes fail with ENOSPC",
+    )
     run.add_argument("--actor", default="operator")
     run.add_argument("--tenant", default="local")
     run.add_argument("--result", type=Path, help="write the result JSON here, not to stdout")
@@ -115,8 +122,11 @@ def main(args: argparse.Namespace) -> int:
         return usage(str(exc))
     if not text.strip():
         return usage("the task is empty")
-    if args.max_patch_bytes < 1 or args.max_memory_mb < 64:
-        return usage("--max-patch-bytes must be positive and --max-memory-mb at least 64")
+    if args.max_patch_bytes < 1 or args.max_memory_mb < 64 or args.max_workspace_bytes < 0:
+        return usage(
+            "--max-patch-bytes must be positive, --max-workspace-bytes 0 or more, and "
+            "--max-memory-mb at least 64"
+        )
     token: str | None = None
     try:
         token = read_secret(args.git_token_env, holds="the git token").value
@@ -153,6 +163,7 @@ def main(args: argparse.Namespace) -> int:
         tenant=args.tenant,
         max_memory_mb=args.max_memory_mb,
         max_patch_bytes=args.max_patch_bytes,
+        max_workspace_bytes=args.max_workspace_bytes,
     )
     out: dict[str, Any] = {}
 

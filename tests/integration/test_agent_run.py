@@ -338,6 +338,61 @@ async def test_tool_calls_past_the_per_answer_cap_are_refused(
     assert len(by_event(result.audit_log, "agent_call_refused")) == 2
 
 
+async def test_the_overlay_workspace_holds_at_most_max_workspace_bytes(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    fill = "dd if=/dev/zero of=big bs=1M count=64 2>&1; rm -f big; echo after > small.txt"
+    provider.script(
+        Text(content=None, calls=(Call(name="exec", arguments={"command": fill}),)),
+        Text(content="tried"),
+    )
+    result = await run_agent(
+        daemon,
+        task(server.url_for("calc.git"), sha, push=False, max_workspace_bytes=16 << 20),
+    )
+    told = tool_results(provider)[0]
+    assert "No space left on device" in told["stdout"], told
+    # The run went on: what fits is written and makes the patch.
+    assert result.ok and "+++ b/small.txt" in result.patches[0]
+
+
+async def test_control_characters_from_the_model_never_reach_the_terminal(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    provider.script(
+        Text(content=None, calls=(Call(name="\x1b]52;c;aGk=\x07list", arguments={}),)),
+        Text(content="done"),
+    )
+    lines: list[str] = []
+    result = await run_agent(
+        daemon, task(server.url_for("calc.git"), sha, push=False), lines.append
+    )
+    assert not any("\x1b" in line or "\x07" in line for line in lines + result.logs)
+    assert any("\\x1b]52;c;aGk=\\x07list" in line for line in lines)
+
+
+async def test_an_answer_without_usage_is_charged_what_it_could_have_cost(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    look = Call(name="list", arguments={"path": "."})
+    provider.script(*[Text(content=None, calls=(look,), usage=False)] * 3)
+    result = await run_agent(
+        daemon,
+        task(
+            server.url_for("calc.git"),
+            sha,
+            push=False,
+            limits=AgentLimits(max_turns=10, max_tokens=9000, max_wall_s=120),
+        ),
+    )
+    # Turn 1 may cost 8192 (the most asked per turn), turn 2 the 808 left: spent.
+    assert result.error_code == "task_failed" and "token limit (9000)" in result.message
+    assert result.tokens == 9000 and result.turns == 2
+
+
 # --- limits: each ends with its error code and a usable partial result ---------------
 
 
@@ -434,19 +489,35 @@ async def test_what_a_crashed_agent_run_left_is_unmounted_and_removed_at_start(
 ) -> None:
     from gatewayd.workspace import OverlayWorkspace
 
+    import fcntl
+
+    from gatewayd.agent.loop import WORK_MARKER
+
     config = agent_config(base, provider)
     work = config.resolved_agent_dir / "0123456789abcdef"
     (work / "base").mkdir(parents=True)
+    (work / WORK_MARKER).touch()
+    # Not gatewayd's (no marker), and a live run's (its marker locked): both are kept.
+    foreign = config.resolved_agent_dir / "fedcba9876543210"
+    foreign.mkdir()
+    live = config.resolved_agent_dir / "00000000000000aa"
+    live.mkdir()
+    (live / WORK_MARKER).touch()
+    held = os.open(live / WORK_MARKER, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
     (work / "base" / "f.txt").write_text("x\n")
     os.chown(work / "base" / "f.txt", 1_999_999_999, 1_999_999_999)  # a run uid's
     session = OverlayWorkspace.create(work / "base", work / "session")
     (Path(session.root) / "new.txt").write_text("y\n")
     assert os.path.ismount(session.root)
     # gatewayd dies here: no close, no discard. The next daemon on this state directory:
-    async with open_daemon(config) as d:
-        assert not os.path.ismount(session.root)
-        assert list(config.resolved_agent_dir.iterdir()) == []
-        await d.audit.durable(d.audit.last_seq)
-        lines = config.resolved_audit_path.read_text().splitlines()
+    try:
+        async with open_daemon(config) as d:
+            assert not os.path.ismount(session.root)
+            assert sorted(config.resolved_agent_dir.iterdir()) == [live, foreign]
+            await d.audit.durable(d.audit.last_seq)
+            lines = config.resolved_audit_path.read_text().splitlines()
+    finally:
+        os.close(held)
     [event] = [json.loads(x) for x in lines if '"leftovers_removed"' in x]
     assert event["detail"]["agentDirs"] == ["0123456789abcdef"]
