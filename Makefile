@@ -69,6 +69,7 @@ bench: setup
 	$(PY) bench/review_overhead.py
 	$(PY) bench/model_overhead.py
 	$(PY) bench/metrics_cost.py
+	$(PY) bench/workspace.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -278,7 +278,10 @@ def translate_oserror(exc: OSError, visible: str) -> GatewayError:
     if code in (errno.EACCES, errno.EPERM):
         return ToolFailed(f"'{v}': permission denied on the host")
     if code == errno.ENOSPC:
-        return ToolFailed(f"'{v}': no space left on the host's disk")
+        # A workspace's own limit (an agent run's overlay delta) or the host's disk.
+        return ToolFailed(
+            f"'{v}': no space left: the workspace's size limit is reached or the disk is full"
+        )
     if code == errno.EROFS:
         return ToolFailed(f"'{v}': the host file system is read-only")
     if code == errno.EEXIST:

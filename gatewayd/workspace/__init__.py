@@ -1,7 +1,8 @@
 """Workspace backends: the directory a run's sandbox binds, and the session operations
 on it (read, write, list, diff, commit, discard). See docs/workspaces.md.
 
-Not wired into runs yet: this package is a standalone, tested module.
+Agent runs (gatewayd/agent/loop.py) run on a session of either backend; `gatewayd run`
+still binds the workspace directory itself.
 """
 
 from gatewayd.workspace.host import HostWorkspace

@@ -10,10 +10,21 @@ would redo that, less well. Alternatives (hashes only) could not restore on disc
 
 diff compares the snapshot with the directory; commit accepts the changes (drops the
 snapshot); discard restores the directory's contents from the snapshot.
+
+Discard is recoverable: it first writes ``discard.pending`` durably (after flushing the
+snapshot to disk), and only then empties the base. A crash part-way leaves the marker
+and the whole snapshot; :func:`recover_discard` (which :meth:`HostWorkspace.create`
+calls on the state directory) redoes the restore from the start, which is idempotent.
+A snapshot is only ever deleted after being renamed to ``snapshot.dropped``, so a
+``snapshot`` directory left without a marker is always a whole one (a session that was
+never ended), and a ``snapshot.dropped`` is always garbage.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import json
 import os
 import shutil
 import stat
@@ -21,6 +32,7 @@ import subprocess
 from pathlib import Path
 from typing import Final
 
+from gatewayd.atomicfile import write_atomically
 from gatewayd.workspace.session import (
     SessionState,
     WorkspaceDiff,
@@ -31,10 +43,17 @@ from gatewayd.workspace.session import (
 from gatewayd.workspace.treediff import compare_trees
 
 SNAPSHOT_NAME: Final = "snapshot"
+# A snapshot on its way out: renamed first so a half-deleted one is never taken for whole.
+DROPPED_NAME: Final = "snapshot.dropped"
+# Present (durably) from before discard touches the base until the base is restored.
+DISCARD_MARKER_NAME: Final = "discard.pending"
 # Debian's coreutils; a fixed path, never a PATH lookup by the daemon.
 CP: Final = "/usr/bin/cp"
 # Copying a large tree can take a while; a stuck copy (hung NFS) must not hang gatewayd.
 COPY_TIMEOUT_SECONDS: Final = 600
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+_libc: Final = ctypes.CDLL(None, use_errno=True)
 
 
 def copy_tree_contents(source: Path, dest: Path) -> None:
@@ -52,7 +71,7 @@ def copy_tree_contents(source: Path, dest: Path) -> None:
 
 def clear_directory(path: Path) -> None:
     """Remove every entry inside ``path`` (never following a symlink), keeping ``path``."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fd = os.open(path, _DIR_FLAGS)
     try:
         for name in os.listdir(fd):
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -62,6 +81,83 @@ def clear_directory(path: Path) -> None:
                 os.unlink(name, dir_fd=fd)
     finally:
         os.close(fd)
+
+
+def sync_file_system(path: Path) -> None:
+    """Flush every dirty page of the file system holding ``path`` (syncfs(2)).
+
+    cp does not fsync what it copies: without this, a power loss after discard emptied
+    the base could find the snapshot's files (or the restored ones) empty.
+    """
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise WorkspaceError(
+                f"flushing the file system of {path} failed: "
+                f"{errno.errorcode.get(err, err)} ({os.strerror(err)})"
+            )
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _drop_snapshot(state_dir: Path) -> None:
+    """Delete the snapshot: rename (durable), then remove, so no half one keeps its name."""
+    dropped = state_dir / DROPPED_NAME
+    if (state_dir / SNAPSHOT_NAME).exists():
+        os.rename(state_dir / SNAPSHOT_NAME, dropped)
+        _fsync_dir(state_dir)
+    shutil.rmtree(dropped, ignore_errors=True)
+
+
+def _restore(state_dir: Path, base: Path) -> None:
+    """With the marker durable: make ``base`` equal the snapshot, then end the discard."""
+    snapshot = state_dir / SNAPSHOT_NAME
+    marker = state_dir / DISCARD_MARKER_NAME
+    if snapshot.is_dir():
+        clear_directory(base)
+        copy_tree_contents(snapshot, base)
+        sync_file_system(base)
+        # From here the base is whole again: the snapshot may go, marker still set.
+        os.rename(snapshot, state_dir / DROPPED_NAME)
+        _fsync_dir(state_dir)
+    # No snapshot under its name with the marker set: an earlier attempt restored the
+    # base and renamed it (that rename is the last step that needed the snapshot).
+    marker.unlink()
+    _fsync_dir(state_dir)
+    _drop_snapshot(state_dir)
+
+
+def recover_discard(state_dir: Path, base: Path) -> bool:
+    """Finish a discard a crash interrupted in ``state_dir``; True if there was one.
+
+    Error handling: a marker naming another base than ``base`` raises
+    :class:`WorkspaceError` and touches nothing (restoring the wrong directory would
+    destroy it).
+    """
+    state_dir = Path(state_dir)
+    marker = state_dir / DISCARD_MARKER_NAME
+    if not marker.exists():
+        return False
+    base = Path(os.path.realpath(base))
+    try:
+        recorded = json.loads(marker.read_bytes())["base"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise WorkspaceError(f"{marker} is malformed ({exc}); restore {base} by hand") from None
+    if recorded != str(base):
+        raise WorkspaceError(
+            f"{marker} is a pending discard of {recorded}, not of {base}; recover it with that base"
+        )
+    _restore(state_dir, base)
+    return True
 
 
 class HostWorkspace(WorkspaceSession):
@@ -76,11 +172,20 @@ class HostWorkspace(WorkspaceSession):
 
     @classmethod
     def create(cls, base: Path, state_dir: Path) -> HostWorkspace:
-        """Open a session on the directory ``base``; ``state_dir`` must be empty or new."""
+        """Open a session on the directory ``base``; ``state_dir`` must be empty or new.
+
+        A discard a crash interrupted in ``state_dir`` is finished first
+        (:func:`recover_discard`, which restores ``base``), as is the removal of a
+        dropped snapshot; then ``state_dir`` must hold nothing else.
+        """
         base = Path(os.path.realpath(base))
         if not base.is_dir():
             raise WorkspaceError(f"workspace base {base} is not a directory")
-        session = cls(base, make_state_dir(Path(state_dir)))
+        state_dir = Path(state_dir)
+        if state_dir.is_dir():
+            recover_discard(state_dir, base)
+            shutil.rmtree(state_dir / DROPPED_NAME, ignore_errors=True)
+        session = cls(base, make_state_dir(state_dir))
         session.snapshot.mkdir(mode=0o700)
         try:
             copy_tree_contents(base, session.snapshot)
@@ -97,21 +202,23 @@ class HostWorkspace(WorkspaceSession):
     def commit(self) -> None:
         """The changes are already in the base: drop the snapshot."""
         self._require_open()
-        shutil.rmtree(self.snapshot)
         self._state = SessionState.COMMITTED
+        _drop_snapshot(self.state_dir)
 
     def discard(self) -> None:
         """Make the base's contents equal the snapshot again, then drop it.
 
-        A crash here leaves the snapshot in place (it is removed last), so calling
-        discard on a new session object over the same state directory is not
-        possible yet; the snapshot can be copied back by hand.
+        Error handling: a failure (or crash) after the marker is written leaves the
+        marker and the snapshot; :func:`recover_discard`, or a new
+        :meth:`HostWorkspace.create` on the same state directory, finishes the restore.
         """
         self._require_open()
-        clear_directory(self.root)
-        copy_tree_contents(self.snapshot, self.root)
-        shutil.rmtree(self.snapshot)
+        # The snapshot must be on disk before the base it replaces is deleted.
+        sync_file_system(self.snapshot)
+        marker = json.dumps({"base": str(self.base)}).encode()
+        write_atomically(self.state_dir / DISCARD_MARKER_NAME, marker)
         self._state = SessionState.DISCARDED
+        _restore(self.state_dir, self.base)
 
     def close(self) -> None:
         if self._state is SessionState.OPEN:

@@ -22,6 +22,15 @@ to ``commit.journal`` before the base is touched, each file is replaced atomical
 last. After a crash, :func:`recover_commit` (which :meth:`OverlayWorkspace.create`
 calls on the state directory) replays the whole journal; every operation is
 idempotent, and the upper directory it copies from is kept until the journal is gone.
+
+Delta size limit (``max_delta_bytes``): the upper and work directories then live on a
+private tmpfs mounted by gatewayd at ``state_dir/delta`` (``size=<bytes>``, mode 0700,
+``nosuid,nodev``), so the sandbox's writes past the limit fail with ENOSPC instead of
+filling the host's disk. tmpfs carries what an upper directory needs (``trusted.*``
+xattrs for opaque directories, 0/0 character devices for whiteouts). The tmpfs is
+unmounted last: commit reads the upper directory from it while the journal exists. It
+lives in memory (and swap), so it does not survive a reboot: a commit interrupted by a
+reboot cannot be finished (recovery says so); one interrupted by a crash of gatewayd can.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ from gatewayd.workspace.treediff import compare_trees
 
 UPPER_NAME: Final = "upper"
 WORK_NAME: Final = "work"
+# Mount point of the size-limited tmpfs holding upper and work (with max_delta_bytes).
+DELTA_NAME: Final = "delta"
 MERGED_NAME: Final = "merged"
 JOURNAL_NAME: Final = "commit.journal"
 OPAQUE_XATTR: Final = "trusted.overlay.opaque"
@@ -58,6 +69,9 @@ MOUNT_OPTIONS: Final = "redirect_dir=off,metacopy=off,index=off,xino=off"
 MS_NOSUID: Final = 0x2
 MS_NODEV: Final = 0x4
 MNT_DETACH: Final = 0x2
+# The delta tmpfs: only gatewayd enters it; nothing on it is a device or setuid.
+DELTA_MOUNT_FLAGS: Final = MS_NOSUID | MS_NODEV
+DELTA_MODE: Final = 0o700
 
 # Characters the kernel's overlay option parser gives a meaning (separators, escapes).
 _OPTION_UNSAFE: Final = frozenset(",:\\\n")
@@ -88,6 +102,23 @@ def _mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> None:
         raise WorkspaceError(
             f"mounting the overlay at {merged} failed: {errno.errorcode.get(err, err)} "
             f"({os.strerror(err)}); gatewayd needs CAP_SYS_ADMIN and a kernel with overlayfs"
+        )
+
+
+def _mount_delta_tmpfs(path: Path, size: int) -> None:
+    options = f"size={size},mode={DELTA_MODE:o}"
+    rc = _libc.mount(
+        b"tmpfs",
+        os.fsencode(path),
+        b"tmpfs",
+        ctypes.c_ulong(DELTA_MOUNT_FLAGS),
+        os.fsencode(options),
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise WorkspaceError(
+            f"mounting the delta tmpfs at {path} failed: {errno.errorcode.get(err, err)} "
+            f"({os.strerror(err)}); gatewayd needs CAP_SYS_ADMIN"
         )
 
 
@@ -265,7 +296,15 @@ def _replay(state_dir: Path, journal: dict[str, object]) -> None:
     ops = journal["ops"]
     if not isinstance(ops, list):
         raise WorkspaceError(f"{state_dir / JOURNAL_NAME} is malformed")
-    upper = state_dir / UPPER_NAME
+    on_tmpfs = journal.get("delta_on_tmpfs") is True
+    upper = (state_dir / DELTA_NAME if on_tmpfs else state_dir) / UPPER_NAME
+    if not upper.is_dir():
+        raise WorkspaceError(
+            f"the commit journal in {state_dir} cannot be replayed: the delta {upper} is "
+            + ("gone (its tmpfs does not survive a reboot); " if on_tmpfs else "gone; ")
+            + f"{base} holds part of the commit, each file whole; remove "
+            f"{state_dir / JOURNAL_NAME} to give up the rest"
+        )
     base_fd = os.open(base, _DIR_FLAGS)
     try:
         for op, rel in ops:
@@ -287,8 +326,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _remove_delta(state_dir: Path) -> None:
+    """Delete upper and work, wherever they are; unmount and remove a delta tmpfs."""
     for name in (UPPER_NAME, WORK_NAME):
         shutil.rmtree(state_dir / name, ignore_errors=True)
+    delta = state_dir / DELTA_NAME
+    if os.path.ismount(delta):
+        # Unmounting frees the whole delta at once; busy only if someone sits inside.
+        _unmount(delta, detach=True)
+    if delta.is_dir():
+        delta.rmdir()
 
 
 def recover_commit(state_dir: Path) -> bool:
@@ -299,28 +345,46 @@ def recover_commit(state_dir: Path) -> bool:
     _unmount(Path(state_dir) / MERGED_NAME, detach=True)
     journal = json.loads(journal_path.read_bytes())
     _replay(Path(state_dir), journal)
+    merged = Path(state_dir) / MERGED_NAME
+    if merged.is_dir() and not os.path.ismount(merged):
+        merged.rmdir()
     return True
 
 
 class OverlayWorkspace(WorkspaceSession):
     """A copy-on-write view of ``base``: the sandbox binds :attr:`root` (the merged mount)."""
 
-    def __init__(self, base: Path, state_dir: Path) -> None:
+    def __init__(self, base: Path, state_dir: Path, *, max_delta_bytes: int | None = None) -> None:
         super().__init__()
         self.base = base
         self.state_dir = state_dir
-        self.upper = state_dir / UPPER_NAME
-        self.work = state_dir / WORK_NAME
+        self.max_delta_bytes = max_delta_bytes
+        self.delta = state_dir / DELTA_NAME if max_delta_bytes is not None else state_dir
+        self.upper = self.delta / UPPER_NAME
+        self.work = self.delta / WORK_NAME
         self.root = state_dir / MERGED_NAME
         self._mounted = False
 
     @classmethod
-    def create(cls, base: Path, state_dir: Path) -> OverlayWorkspace:
+    def create(
+        cls, base: Path, state_dir: Path, *, max_delta_bytes: int | None = None
+    ) -> OverlayWorkspace:
         """Mount an overlay over ``base`` with its delta under ``state_dir``.
 
         A commit a crash interrupted in ``state_dir`` is finished first
         (:func:`recover_commit`); then ``state_dir`` must hold nothing else.
+        ``max_delta_bytes`` caps what the session may write (new and copied-up files,
+        directories, whiteouts) on a private tmpfs: past it, writes fail with ENOSPC.
         """
+        if max_delta_bytes is not None and (
+            isinstance(max_delta_bytes, bool)
+            or not isinstance(max_delta_bytes, int)
+            or max_delta_bytes <= 0
+        ):
+            raise WorkspaceError(
+                f"max_delta_bytes must be a positive number of bytes or None (no limit), "
+                f"not {max_delta_bytes!r}"
+            )
         base = Path(os.path.realpath(base))
         if not base.is_dir():
             raise WorkspaceError(f"workspace base {base} is not a directory")
@@ -330,10 +394,13 @@ class OverlayWorkspace(WorkspaceSession):
             for leftover in (MERGED_NAME,):
                 if (state_dir / leftover).is_dir() and not os.path.ismount(state_dir / leftover):
                     (state_dir / leftover).rmdir()
-        session = cls(base, make_state_dir(state_dir))
-        for path in (session.upper, session.work, session.root):
-            path.mkdir(mode=0o755)
+        session = cls(base, make_state_dir(state_dir), max_delta_bytes=max_delta_bytes)
         try:
+            if max_delta_bytes is not None:
+                session.delta.mkdir(mode=DELTA_MODE)
+                _mount_delta_tmpfs(session.delta, max_delta_bytes)
+            for path in (session.upper, session.work, session.root):
+                path.mkdir(mode=0o755)
             _mount_overlay(base, session.upper, session.work, session.root)
         except BaseException:
             session._remove_all()
@@ -366,7 +433,11 @@ class OverlayWorkspace(WorkspaceSession):
         _unmount(self.root, detach=False)
         self._mounted = False
         ops = self.delta_operations()
-        journal: dict[str, object] = {"base": str(self.base), "ops": ops}
+        journal: dict[str, object] = {
+            "base": str(self.base),
+            "ops": ops,
+            "delta_on_tmpfs": self.max_delta_bytes is not None,
+        }
         write_atomically(self.state_dir / JOURNAL_NAME, json.dumps(journal).encode())
         self._state = SessionState.COMMITTED
         _replay(self.state_dir, journal)

@@ -487,11 +487,10 @@ async def test_a_command_killed_for_memory_makes_a_failed_run_oom_killed(
 async def test_what_a_crashed_agent_run_left_is_unmounted_and_removed_at_start(
     base: Path, provider: FakeProvider
 ) -> None:
-    from gatewayd.workspace import OverlayWorkspace
-
     import fcntl
 
     from gatewayd.agent.loop import WORK_MARKER
+    from gatewayd.workspace import OverlayWorkspace
 
     config = agent_config(base, provider)
     work = config.resolved_agent_dir / "0123456789abcdef"

@@ -6,15 +6,19 @@ itself fails here (with the kernel's reason); every mount is unmounted in a fina
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import json
 import os
 import stat
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from gatewayd.errors import GatewayError, PolicyViolation
+from gatewayd.errors import GatewayError, PolicyViolation, ToolFailed
 from gatewayd.workspace import (
     HostWorkspace,
     OverlayWorkspace,
@@ -22,12 +26,17 @@ from gatewayd.workspace import (
     WorkspaceSession,
     recover_commit,
 )
+from gatewayd.workspace import host as host_module
 from gatewayd.workspace import overlay as overlay_module
+from gatewayd.workspace.host import recover_discard
+from tests.conftest import ROOT
 
 Tree = dict[str, tuple[object, ...]]
 
 BINARY_OLD = bytes(range(256)) * 4
 BINARY_NEW = b"\x00\xff" + bytes(range(256)) * 4
+# Roomy for every contract test, so the limited overlay runs the whole suite.
+CONTRACT_DELTA_LIMIT = 16 << 20
 
 
 def tree(root: Path) -> Tree:
@@ -47,10 +56,23 @@ def tree(root: Path) -> Tree:
     return found
 
 
-def mounted(path: Path) -> bool:
-    """Whether ``path`` is a mount point, from /proc/self/mountinfo (field 5)."""
+def mount_entry(path: Path) -> list[str] | None:
+    """The /proc/self/mountinfo fields of the mount at ``path`` (field 5), if any."""
     text = Path("/proc/self/mountinfo").read_text()
-    return any(line.split(" ")[4] == str(path) for line in text.splitlines())
+    for line in text.splitlines():
+        if line.split(" ")[4] == str(path):
+            return line.split(" ")
+    return None
+
+
+def mounted(path: Path) -> bool:
+    return mount_entry(path) is not None
+
+
+def unmount_leftovers(state: Path) -> None:
+    for path in (state / "merged", state / "delta"):
+        if mounted(path):
+            subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def make_base(root: Path) -> Path:
@@ -73,7 +95,7 @@ def make_base(root: Path) -> Path:
 Factory = Callable[[Path, Path], WorkspaceSession]
 
 
-@pytest.fixture(params=["host", "overlay"])
+@pytest.fixture(params=["host", "overlay", "overlay-limited"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -86,8 +108,9 @@ def base(tmp_path: Path) -> Path:
 def _open(kind: str, base: Path, state: Path) -> WorkspaceSession:
     if kind == "host":
         return HostWorkspace.create(base, state)
+    limit = CONTRACT_DELTA_LIMIT if kind == "overlay-limited" else None
     try:
-        return OverlayWorkspace.create(base, state)
+        return OverlayWorkspace.create(base, state, max_delta_bytes=limit)
     except WorkspaceError as exc:
         if "mounting the overlay" in str(exc):
             pytest.skip(f"kernel overlayfs is unavailable here: {exc}")
@@ -103,8 +126,7 @@ def session(backend: str, base: Path, tmp_path: Path) -> Iterator[WorkspaceSessi
         try:
             ws.close()
         finally:
-            if mounted(tmp_path / "state" / "merged"):
-                subprocess.run(["umount", "-l", str(tmp_path / "state" / "merged")], check=True)
+            unmount_leftovers(tmp_path / "state")
 
 
 @pytest.fixture
@@ -117,8 +139,7 @@ def overlay_session(base: Path, tmp_path: Path) -> Iterator[OverlayWorkspace]:
         try:
             ws.close()
         finally:
-            if mounted(ws.root):
-                subprocess.run(["umount", "-l", str(ws.root)], check=True)
+            unmount_leftovers(ws.state_dir)
 
 
 def make_every_kind_of_change(ws: WorkspaceSession) -> None:
@@ -439,3 +460,339 @@ def test_a_state_directory_in_use_is_refused(backend: str, base: Path, tmp_path:
     (state / "something").write_text("x")
     with pytest.raises(WorkspaceError, match="not empty"):
         _open(backend, base, state)
+
+
+# --- overlay: the delta size limit (a private tmpfs) --------------------------------
+
+
+def _open_limited(base: Path, state: Path, limit: int) -> OverlayWorkspace:
+    try:
+        return OverlayWorkspace.create(base, state, max_delta_bytes=limit)
+    except WorkspaceError as exc:
+        if "mounting the overlay" in str(exc):
+            pytest.skip(f"kernel overlayfs is unavailable here: {exc}")
+        raise
+
+
+@pytest.fixture
+def limited(base: Path, tmp_path: Path) -> Iterator[OverlayWorkspace]:
+    ws = _open_limited(base, tmp_path / "state", 256 << 10)
+    try:
+        yield ws
+    finally:
+        try:
+            ws.close()
+        finally:
+            unmount_leftovers(tmp_path / "state")
+
+
+def test_the_limited_delta_is_a_private_tmpfs_holding_upper_and_work(
+    limited: OverlayWorkspace,
+) -> None:
+    entry = mount_entry(limited.state_dir / "delta")
+    assert entry is not None
+    mount_options, super_options = entry[5], entry[-1]
+    assert entry[entry.index("-") + 1] == "tmpfs"
+    assert {"nosuid", "nodev"} <= set(mount_options.split(","))
+    assert {"size=256k", "mode=700"} <= set(super_options.split(","))
+    assert limited.upper == limited.state_dir / "delta" / "upper"
+    assert limited.work == limited.state_dir / "delta" / "work"
+    assert f"upperdir={limited.upper}" in (mount_entry(limited.root) or [""])[-1]
+
+
+def test_tmpfs_carries_the_whiteouts_and_opaque_directories_overlay_needs(
+    limited: OverlayWorkspace, base: Path
+) -> None:
+    os.unlink(limited.root / "doomed.txt")
+    for path in sorted((limited.root / "old_dir").rglob("*"), reverse=True):
+        path.unlink() if path.is_file() else path.rmdir()
+    (limited.root / "old_dir").rmdir()
+    limited.write("old_dir/fresh.txt", b"fresh\n")
+    whiteout = os.lstat(limited.upper / "doomed.txt")
+    assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+    assert os.getxattr(limited.upper / "old_dir", "trusted.overlay.opaque") == b"y"
+    diff = limited.diff()
+    assert diff.removed == ["doomed.txt", "old_dir/inner/", "old_dir/inner/gone.txt"]
+    assert diff.added == ["old_dir/fresh.txt"]
+
+
+def test_writing_past_the_delta_limit_fails_with_enospc_and_spares_the_base(
+    limited: OverlayWorkspace, base: Path
+) -> None:
+    before = tree(base)
+    with open(limited.root / "big.bin", "wb") as out:
+        with pytest.raises(OSError) as excinfo:  # noqa: PT012
+            for _ in range(64):  # 1 MiB through the merged view, 256 KiB allowed
+                out.write(b"x" * (16 << 10))
+                out.flush()
+        assert excinfo.value.errno == errno.ENOSPC
+        out.truncate(0)  # so closing it does not flush the rest and fail again
+    with pytest.raises(ToolFailed, match="no space left"):
+        limited.write("big2.bin", b"y" * (1 << 20))
+    assert tree(base) == before
+    limited.discard()
+    assert tree(base) == before
+    assert not mounted(limited.state_dir / "delta")
+    assert os.listdir(limited.state_dir) == []
+
+
+def test_a_commit_within_the_delta_limit_reaches_the_base(
+    limited: OverlayWorkspace, base: Path
+) -> None:
+    make_every_kind_of_change(limited)
+    limited.write("data.bin", b"z" * (100 << 10))
+    expected = tree(limited.root)
+    limited.commit()
+    assert tree(base) == expected
+    assert not mounted(limited.state_dir / "delta")
+    assert os.listdir(limited.state_dir) == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 1.5, "1M"])
+def test_an_invalid_delta_limit_is_refused_before_anything_is_made(
+    base: Path, tmp_path: Path, bad: object
+) -> None:
+    with pytest.raises(WorkspaceError, match="max_delta_bytes must be a positive number"):
+        OverlayWorkspace.create(base, tmp_path / "state", max_delta_bytes=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "state").exists()
+
+
+class _FailingLibc:
+    """libc whose calls named in ``fail`` set ``errno`` and return -1; others pass through."""
+
+    def __init__(self, real: ctypes.CDLL, fail: dict[str, int]) -> None:
+        self._real = real
+        self._fail = fail
+
+    def __getattr__(self, name: str) -> object:
+        if name in self._fail:
+            code = self._fail[name]
+
+            def failing(*args: object) -> int:
+                ctypes.set_errno(code)
+                return -1
+
+            return failing
+        return getattr(self._real, name)
+
+
+def test_a_failed_tmpfs_mount_is_reported_and_leaves_nothing(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        overlay_module, "_libc", _FailingLibc(overlay_module._libc, {"mount": errno.EPERM})
+    )
+    with pytest.raises(WorkspaceError, match=r"mounting the delta tmpfs .* EPERM"):
+        OverlayWorkspace.create(base, tmp_path / "state", max_delta_bytes=1 << 20)
+    assert os.listdir(tmp_path / "state") == []
+
+
+def test_an_interrupted_limited_commit_is_finished_from_the_tmpfs(
+    limited: OverlayWorkspace, base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_every_kind_of_change(limited)
+    expected = tree(limited.root)
+    real_apply = overlay_module.apply_operation
+    calls = 0
+
+    def crash_after_three(base_fd: int, upper: Path, op: str, rel: str) -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 3:
+            raise OSError("simulated crash")
+        real_apply(base_fd, upper, op, rel)
+
+    monkeypatch.setattr(overlay_module, "apply_operation", crash_after_three)
+    with pytest.raises(OSError, match="simulated crash"):
+        limited.commit()
+    state = tmp_path / "state"
+    journal = json.loads((state / overlay_module.JOURNAL_NAME).read_bytes())
+    assert journal["delta_on_tmpfs"] is True
+    assert mounted(state / "delta")  # the delta outlives the failed commit
+    monkeypatch.setattr(overlay_module, "apply_operation", real_apply)
+    assert recover_commit(state)
+    assert tree(base) == expected
+    assert not mounted(state / "delta")
+    assert os.listdir(state) == []
+
+
+def test_a_journal_whose_tmpfs_delta_is_gone_says_so(
+    limited: OverlayWorkspace, base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limited.write("README.md", b"changed\n")
+
+    def crash(base_fd: int, upper: Path, op: str, rel: str) -> None:
+        raise OSError("simulated crash")
+
+    monkeypatch.setattr(overlay_module, "apply_operation", crash)
+    with pytest.raises(OSError, match="simulated crash"):
+        limited.commit()
+    state = tmp_path / "state"
+    subprocess.run(["umount", str(state / "delta")], check=True)  # what a reboot does
+    with pytest.raises(WorkspaceError, match=r"does not survive a reboot.*remove .*journal"):
+        recover_commit(state)
+    with pytest.raises(WorkspaceError, match="does not survive a reboot"):
+        OverlayWorkspace.create(base, state)
+
+
+# --- host: discard survives a crash -------------------------------------------------
+
+
+@pytest.fixture
+def host_session(base: Path, tmp_path: Path) -> Iterator[HostWorkspace]:
+    ws = HostWorkspace.create(base, tmp_path / "state")
+    try:
+        yield ws
+    finally:
+        ws.close()
+
+
+def _crash_when_copying_into(
+    monkeypatch: pytest.MonkeyPatch, target: Path
+) -> Callable[[Path, Path], None]:
+    real_copy = host_module.copy_tree_contents
+
+    def copy(source: Path, dest: Path) -> None:
+        if dest == target:
+            (dest / "half-copied.txt").write_text("partial\n")
+            raise OSError("simulated crash")
+        real_copy(source, dest)
+
+    monkeypatch.setattr(host_module, "copy_tree_contents", copy)
+    return real_copy
+
+
+def test_a_host_discard_interrupted_after_clearing_is_redone_by_recovery(
+    host_session: HostWorkspace, base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = tree(base)
+    make_every_kind_of_change(host_session)
+    real_copy = _crash_when_copying_into(monkeypatch, base)
+    with pytest.raises(OSError, match="simulated crash"):
+        host_session.discard()
+    state = tmp_path / "state"
+    assert tree(base) == {"half-copied.txt": ("file", b"partial\n", 0o644)}  # a half base
+    assert (state / host_module.DISCARD_MARKER_NAME).exists()
+    monkeypatch.setattr(host_module, "copy_tree_contents", real_copy)
+    assert recover_discard(state, base)
+    assert tree(base) == before
+    assert os.listdir(state) == []
+    assert not recover_discard(state, base)
+
+
+def test_create_finishes_a_pending_host_discard_first(
+    host_session: HostWorkspace, base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = tree(base)
+    make_every_kind_of_change(host_session)
+    real_copy = _crash_when_copying_into(monkeypatch, base)
+    with pytest.raises(OSError, match="simulated crash"):
+        host_session.discard()
+    monkeypatch.setattr(host_module, "copy_tree_contents", real_copy)
+    again = HostWorkspace.create(base, tmp_path / "state")
+    try:
+        assert tree(base) == before
+        assert again.diff().empty
+    finally:
+        again.close()
+    assert tree(base) == before
+
+
+def test_a_host_discard_interrupted_after_restoring_is_finished(
+    host_session: HostWorkspace, base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = tree(base)
+    host_session.write("README.md", b"changed\n")
+    state = tmp_path / "state"
+    real_unlink = Path.unlink
+
+    def crash_on_marker(path: Path, missing_ok: bool = False) -> None:
+        if path.name == host_module.DISCARD_MARKER_NAME:
+            raise OSError("simulated crash")
+        real_unlink(path, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", crash_on_marker)
+    with pytest.raises(OSError, match="simulated crash"):
+        host_session.discard()
+    monkeypatch.setattr(Path, "unlink", real_unlink)
+    # Restored and renamed away, marker still set: recovery only tidies up.
+    assert sorted(os.listdir(state)) == [host_module.DISCARD_MARKER_NAME, "snapshot.dropped"]
+    assert recover_discard(state, base)
+    assert tree(base) == before
+    assert os.listdir(state) == []
+
+
+def test_a_failed_snapshot_flush_stops_discard_before_the_base_is_touched(
+    host_session: HostWorkspace, base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host_session.write("README.md", b"changed\n")
+    after = tree(base)
+    monkeypatch.setattr(
+        host_module, "_libc", _FailingLibc(host_module._libc, {"syncfs": errno.EIO})
+    )
+    with pytest.raises(WorkspaceError, match=r"flushing the file system .* EIO"):
+        host_session.discard()
+    assert tree(base) == after
+    assert host_session.is_open
+    assert not (tmp_path / "state" / host_module.DISCARD_MARKER_NAME).exists()
+    monkeypatch.undo()
+    host_session.discard()
+    assert (base / "README.md").read_text() == "# project\n\nline two\nline three\n"
+
+
+def test_a_pending_discard_of_another_base_is_refused_untouched(base: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "snapshot").mkdir()
+    (state / host_module.DISCARD_MARKER_NAME).write_text(json.dumps({"base": "/elsewhere"}))
+    before = tree(base)
+    with pytest.raises(WorkspaceError, match="pending discard of /elsewhere, not of"):
+        recover_discard(state, base)
+    with pytest.raises(WorkspaceError, match="pending discard of /elsewhere"):
+        HostWorkspace.create(base, state)
+    (state / host_module.DISCARD_MARKER_NAME).write_text("{not json")
+    with pytest.raises(WorkspaceError, match=r"is malformed .* restore .* by hand"):
+        recover_discard(state, base)
+    assert tree(base) == before
+
+
+def test_a_snapshot_left_without_a_marker_is_not_restored(
+    host_session: HostWorkspace, base: Path, tmp_path: Path
+) -> None:
+    # A session that was never ended (gatewayd died): its changes may be wanted.
+    host_session.write("README.md", b"changed\n")
+    with pytest.raises(WorkspaceError, match="not empty"):
+        HostWorkspace.create(base, tmp_path / "state")
+    assert (base / "README.md").read_bytes() == b"changed\n"
+
+
+def test_a_dropped_snapshot_left_by_a_crash_is_cleared_by_create(
+    host_session: HostWorkspace, base: Path, tmp_path: Path
+) -> None:
+    host_session.commit()
+    state = tmp_path / "state"
+    (state / "snapshot.dropped" / "sub").mkdir(parents=True)  # a half-removed leftover
+    again = HostWorkspace.create(base, state)
+    try:
+        assert sorted(os.listdir(state)) == ["snapshot"]
+    finally:
+        again.close()
+
+
+# --- bench/workspace.py cannot rot ---------------------------------------------------
+
+
+def test_workspace_bench_runs_on_a_tiny_tree_and_prints_every_row() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "workspace.py"), "--files", "60", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for row in ("cp -a (baseline)", "host", "overlay"):
+        assert row in done.stdout, done.stdout
+    for column in ("create", "diff", "commit", "discard"):
+        assert column in done.stdout
+    assert "round 2/2" in done.stderr
