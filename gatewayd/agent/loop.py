@@ -446,6 +446,13 @@ async def run_agent(
     work, lock = _make_work_dir(daemon.config.resolved_agent_dir)
     try:
         await _run_in(work, daemon, task, result, say)
+    except Exception as exc:  # gatewayd's own failure: the result says so, the log has it
+        log.exception("agent_run_failed", run_id=result.run_id)
+        result.ok, result.error_code = False, "internal"
+        result.message = (
+            f"gatewayd failed during the run ({type(exc).__name__}); gatewayd's log has the details"
+        )
+        say(result.message)
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(_remove_tree, work)
@@ -635,8 +642,13 @@ async def _converse_and_collect(
         if stop.code == "task_failed" and conversation.oom_killed:
             result.error_code = "oom_killed"
             result.message += "; a command was killed for running out of memory"
-    result.turns, result.tokens = conversation.turns, conversation.tokens
-    await daemon.end_run(run.run_id, reason="agent_finished" if result.ok else "agent_stopped")
+    finally:
+        result.turns, result.tokens = conversation.turns, conversation.tokens
+        # Whatever happened above, the run ends here: its sandbox stops before the host
+        # reads the tree (and a failure below never leaves the run serving).
+        with trio.CancelScope(shield=True):
+            reason = "agent_finished" if result.ok else "agent_stopped"
+            await daemon.end_run(run.run_id, reason=reason)
 
     # The sandbox is gone: nothing changes the workspace while the host reads it.
     diff: WorkspaceDiff = await trio.to_thread.run_sync(session.diff)

@@ -520,3 +520,58 @@ async def test_what_a_crashed_agent_run_left_is_unmounted_and_removed_at_start(
         os.close(held)
     [event] = [json.loads(x) for x in lines if '"leftovers_removed"' in x]
     assert event["detail"]["agentDirs"] == ["0123456789abcdef"]
+
+
+async def test_a_failure_inside_gatewayd_ends_the_run_and_says_internal(
+    daemon: Daemon, server: GitServer, provider: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection: a bug while making the patch (nothing real fails there on demand).
+    The run still ends, its files go, and the result says internal, not a traceback."""
+    from gatewayd.agent import loop
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(loop, "patch_from_tree", broken)
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    provider.script(*fixing_script())
+    result = await run_agent(daemon, task(server.url_for("calc.git"), sha))
+    assert not result.ok and result.error_code == "internal"
+    assert result.message == (
+        "gatewayd failed during the run (RuntimeError); gatewayd's log has the details"
+    )
+    assert daemon.registry.all() == []  # the run ended
+    assert list(daemon.config.resolved_agent_dir.iterdir()) == []
+    assert ref_sha(server.root / "calc.git", f"refs/heads/cogni/{result.run_id}") is None
+
+
+async def test_the_policys_rule_review_judges_the_models_commands(
+    daemon: Daemon, server: GitServer, provider: FakeProvider, base: Path
+) -> None:
+    """The same review a cogni-tool call gets: a separate model call, which denies."""
+    shipped = Path(__file__).resolve().parents[2] / "policies" / "agent.yaml"
+    policy = base / "reviewed-agent.yaml"
+    policy.write_text(
+        shipped.read_text().replace("name: agent", "name: reviewed-agent")
+        + f"review:\n  mode: llm\n  model: {ALIAS}\n  tools: [sandbox.exec]\n"
+        "  rules:\n    deny: [Deleting files]\n"
+    )
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    provider.script(
+        Text(content=None, calls=(Call(name="exec", arguments={"command": "rm -rf ./*"}),)),
+        Text(content="DENY: it deletes the repository's files"),  # the reviewer's answer
+        Text(content="I will not delete anything"),
+    )
+    result = await run_agent(
+        daemon, task(server.url_for("calc.git"), sha, push=False, policy=str(policy))
+    )
+    told = tool_results(provider)[0]
+    assert told["error"] == "review_denied", told
+    assert "it deletes the repository's files" in told["message"]
+    # The reviewer saw the command; nothing was deleted (no change, so no patch).
+    review_request = provider.chat_requests[1].body["messages"]
+    assert "rm -rf ./*" in json.dumps(review_request)
+    assert result.ok and result.patches == []
+    [call] = [e for e in result.audit_log if e["kind"] == "call"]
+    assert call["decision"] == "deny" and call["errorCode"] == "review_denied"
+    assert call["review"]["verdict"] == "deny"
