@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator, Mapping
@@ -40,6 +41,8 @@ from tests.integration.test_run_sandbox import _unavailable, sandbox_config
 pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
 
 TOKEN_ENV = "COGNI_TEST_GIT_TOKEN"
+MODEL_KEY_ENV = "COGNI_TEST_AGENT_MODEL_KEY"
+MODEL_KEY = "sk-agent-model-" + secrets.token_hex(12)
 ALIAS = "agent-model"
 
 CALC = b"def add(a, b):\n    return a - b\n"
@@ -96,7 +99,12 @@ def server(base: Path) -> Iterator[GitServer]:
 def agent_config(base: Path, provider: FakeProvider, **changes: Any) -> DaemonConfig:
     config = sandbox_config(base)
     policies = Path(__file__).resolve().parents[2] / "policies"
-    alias = ModelAlias(provider="openai", model="fake-model", api_base=provider.api_base)
+    alias = ModelAlias(
+        provider="openai",
+        model="fake-model",
+        api_base=provider.api_base,
+        api_key_env=MODEL_KEY_ENV,
+    )
     return DaemonConfig(
         state_dir=config.state_dir,
         policy_dirs=(policies,),
@@ -111,11 +119,13 @@ def agent_config(base: Path, provider: FakeProvider, **changes: Any) -> DaemonCo
 @pytest.fixture
 async def daemon(base: Path, provider: FakeProvider) -> AsyncIterator[Daemon]:
     os.environ[TOKEN_ENV] = DEFAULT_TOKEN
+    os.environ[MODEL_KEY_ENV] = MODEL_KEY
     try:
         async with open_daemon(agent_config(base, provider)) as d:
             yield d
     finally:
         os.environ.pop(TOKEN_ENV, None)
+        os.environ.pop(MODEL_KEY_ENV, None)
 
 
 def task(url: str, sha: str, **changes: Any) -> AgentTask:
@@ -154,6 +164,7 @@ def fixing_script(probe_stdin: bool = True) -> list[Text]:
                     name="exec",
                     arguments={"command": PROBE, "stdin": DEFAULT_TOKEN[::-1] + "\n"},
                 ),
+                Call(name="exec", arguments={"command": PROBE, "stdin": MODEL_KEY[::-1] + "\n"}),
             ),
         ),
         Text(content="Fix add() to add\n\nIt subtracted; test_calc passes now."),
@@ -193,8 +204,10 @@ async def test_clone_edit_test_push_end_to_end(
     assert "calc.py" in json.dumps(results[0])
     assert "return a - b" in results[1]["content"]
     assert results[3]["exitCode"] == 0 and "OK" in results[3]["stdout"], results[3]
-    # The probe: only its own canary, and no process environment holds the token.
+    # The probes: only their own canary, and no process environment holds the git token
+    # or the model key.
     assert results[4]["stdout"].split() == ["/tmp/canary", "env:0"], results[4]
+    assert results[5]["stdout"].split() == ["/tmp/canary", "env:0"], results[5]
     # The branch holds exactly the fix; main is untouched.
     branch = f"cogni/{result.run_id}"
     assert result.branch == branch
@@ -230,15 +243,18 @@ async def test_clone_edit_test_push_end_to_end(
         "fs.edit",
         "sandbox.exec",
         "sandbox.exec",
+        "sandbox.exec",
     ]
     assert all(c["decision"] == "allow" and c["peer"]["pid"] == os.getpid() for c in calls)
-    assert len([e for e in entries if e["kind"] == "result"]) == 5
+    assert len([e for e in entries if e["kind"] == "result"]) == 6
     await daemon.audit.durable(daemon.audit.last_seq)
     report = verify_file(daemon.config.resolved_audit_path)
     assert report.ok, report
-    # The token: nowhere in the audit log, the result or the logs.
+    # The token and the key: nowhere in the audit log, the result or the logs, and the
+    # key went to the provider (the host used it).
     everything = daemon.config.resolved_audit_path.read_text() + json.dumps(result.to_json())
-    assert DEFAULT_TOKEN not in everything
+    assert DEFAULT_TOKEN not in everything and MODEL_KEY not in everything
+    assert provider.chat_requests[0].authorization == f"Bearer {MODEL_KEY}"
     # Every request to the git server carried the token (the host's), and the work
     # directory is gone.
     assert server.requests and all(r.auth_ok for r in server.requests)
