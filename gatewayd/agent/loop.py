@@ -445,7 +445,7 @@ async def run_agent(
         return result
     work, lock = _make_work_dir(daemon.config.resolved_agent_dir)
     try:
-        await _run_in(work, daemon, task, result, say)
+        await _run_in(_Job(daemon=daemon, task=task, result=result, say=say, work=work))
     except Exception as exc:  # gatewayd's own failure: the result says so, the log has it
         log.exception("agent_run_failed", run_id=result.run_id)
         result.ok, result.error_code = False, "internal"
@@ -472,15 +472,29 @@ def _make_work_dir(parent: Path) -> tuple[Path, int]:
     return work, lock
 
 
-async def _run_in(
-    work: Path,
-    daemon: Daemon,
-    task: AgentTask,
-    result: AgentResult,
-    say: Callable[[str], None],
-) -> None:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Job:
+    """One agent run's parts, as the steps below share them."""
+
+    daemon: Daemon
+    task: AgentTask
+    result: AgentResult
+    say: Callable[[str], None]
+    work: Path  # the run's work directory in agent_dir
+
+    @property
+    def mirror(self) -> Path:
+        return self.work / "mirror.git"
+
+    @property
+    def base(self) -> Path:
+        return self.work / "base"
+
+
+async def _run_in(job: _Job) -> None:
+    daemon, task, result, say = job.daemon, job.task, job.result, job.say
     started = time.monotonic()
-    mirror, base = work / "mirror.git", work / "base"
+    mirror, base = job.mirror, job.base
     say(f"fetching {_public_url(task.repo_url)} at {task.sha[:12]}")
     try:
         await trio.to_thread.run_sync(
@@ -498,11 +512,11 @@ async def _run_in(
             detail={"repo": _public_url(task.repo_url), "sha": task.sha},
         )
         return
-    session, run = await _start(work, base, daemon, task, result, say)
+    session, run = await _start(job)
     if session is None or run is None:
         return
     try:
-        await _converse_and_collect(work, mirror, session, run, daemon, task, result, say)
+        await _converse_and_collect(job, session, run)
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(session.close)
@@ -533,15 +547,10 @@ async def _run_in(
     )
 
 
-async def _start(
-    work: Path,
-    base: Path,
-    daemon: Daemon,
-    task: AgentTask,
-    result: AgentResult,
-    say: Callable[[str], None],
-) -> tuple[WorkspaceSession | None, Run | None]:
+async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
     """The workspace session and the run on it; (None, None) when either is refused."""
+    daemon, task, result, say = job.daemon, job.task, job.result, job.say
+    work, base = job.work, job.base
     request = RunRequest(
         workspacePath=str(base),
         policy=task.policy,
@@ -616,16 +625,9 @@ async def _start(
     return session, run
 
 
-async def _converse_and_collect(
-    work: Path,
-    mirror: Path,
-    session: WorkspaceSession,
-    run: Run,
-    daemon: Daemon,
-    task: AgentTask,
-    result: AgentResult,
-    say: Callable[[str], None],
-) -> None:
+async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) -> None:
+    daemon, task, result, say = job.daemon, job.task, job.result, job.say
+    work, mirror = job.work, job.mirror
     conversation = _Conversation(daemon, run, task, say)
     try:
         with trio.move_on_after(task.limits.max_wall_s) as wall:
@@ -693,18 +695,12 @@ async def _converse_and_collect(
     )
     say(f"patch: {len(made.patch.encode())} bytes" + _skipped_note(result.skipped))
     if result.ok and task.push and result.patches:
-        await _push(work, mirror, run, daemon, task, result, say)
+        await _push(job, run)
 
 
-async def _push(
-    work: Path,
-    mirror: Path,
-    run: Run,
-    daemon: Daemon,
-    task: AgentTask,
-    result: AgentResult,
-    say: Callable[[str], None],
-) -> None:
+async def _push(job: _Job, run: Run) -> None:
+    daemon, task, result, say = job.daemon, job.task, job.result, job.say
+    work, mirror = job.work, job.mirror
     branch = BRANCH_PREFIX + run.run_id
     try:
         pushed = await trio.to_thread.run_sync(
@@ -839,7 +835,7 @@ def remove_leftovers(agent_dir: Path) -> list[str]:
 def _abandoned(work: Path) -> bool:
     """Does ``work`` carry gatewayd's marker, with no live run holding its lock?"""
     try:
-        fd = os.open(work / WORK_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(work / WORK_MARKER, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return False
     try:

@@ -508,7 +508,9 @@ def _read_entry(tree: Path, rel: str) -> tuple[EntryKind, bytes | int, bool] | N
             return "link", os.fsencode(os.readlink(name, dir_fd=parent)), False
         if not stat.S_ISREG(mode):
             return None
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent
+        )
     finally:
         os.close(parent)
     # Mode and content from one descriptor: the sandbox may be swapping the file.

@@ -137,19 +137,33 @@ def walk_entries(root: Path, scope: str) -> dict[str, Kind]:
 
 def content(root: Path, rel: str, kind: Kind) -> bytes:
     """The bytes a file holds, or a symlink's target; no symlink on the way is followed."""
-    parent, name = open_parent(root, rel)
-    try:
-        if kind == "link":
+    if kind == "link":
+        parent, name = open_parent(root, rel)
+        try:
             return os.fsencode(os.readlink(name, dir_fd=parent))
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
-    finally:
-        os.close(parent)
+        finally:
+            os.close(parent)
+    fd = _open_regular(root, rel)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{rel} is no longer a regular file")
         return read_all(fd)
     finally:
         os.close(fd)
+
+
+def _open_regular(root: Path, rel: str) -> int:
+    """A read descriptor of the regular file ``root/rel``, no symlink followed anywhere;
+    OSError EINVAL when it is no longer a regular file (the caller closes it)."""
+    parent, name = open_parent(root, rel)
+    try:
+        fd = os.open(
+            name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent
+        )
+    finally:
+        os.close(parent)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{rel} is no longer a regular file")
+    return fd
 
 
 def is_binary(data: bytes) -> bool:
@@ -197,14 +211,8 @@ def fingerprint(root: Path, rel: str, kind: Kind) -> _Print:
     if kind == "link":
         data = content(root, rel, kind)
         return _Print(kind, len(data), hashlib.sha256(data).digest(), not is_binary(data))
-    parent, name = open_parent(root, rel)
+    fd = _open_regular(root, rel)
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
-    finally:
-        os.close(parent)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, f"{rel} is no longer a regular file")
         sha = hashlib.sha256()
         decoder = codecs.getincrementaldecoder("utf-8")()
         text, size = True, 0
