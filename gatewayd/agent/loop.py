@@ -63,7 +63,7 @@ from gatewayd.protocol import PROTOCOL_VERSION, Request, Response
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from gatewayd.sandbox.lease import lend, mount_points_under
 from gatewayd.workspace import HostWorkspace, OverlayWorkspace, WorkspaceDiff, WorkspaceSession
-from gatewayd.workspace.overlay import _unmount as unmount
+from gatewayd.workspace.overlay import unmount
 
 if TYPE_CHECKING:
     from gatewayd.daemon import Daemon
@@ -653,7 +653,10 @@ async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) 
             await daemon.end_run(run.run_id, reason=reason)
 
     # The sandbox is gone: nothing changes the workspace while the host reads it.
-    diff: WorkspaceDiff = await trio.to_thread.run_sync(session.diff)
+    diff, git_paths = _without_git_metadata(await trio.to_thread.run_sync(session.diff))
+    if git_paths:
+        # The model ran git inside (status, add, commit): its metadata stays behind.
+        say(f"{git_paths} changed path(s) under .git left out: the host takes files, not git's")
     if diff.empty:
         say("no changes in the workspace")
         if result.ok and task.push:
@@ -767,6 +770,34 @@ def _forge_token(spec: PullRequestSpec) -> str:
     from gatewayd.secrets import read_secret
 
     return read_secret(spec.token_env, holds="the forge's API token").value
+
+
+def _without_git_metadata(diff: WorkspaceDiff) -> tuple[WorkspaceDiff, int]:
+    """``diff`` without the top-level ``.git`` directory (what git inside the sandbox
+    changed), and how many paths that left out. A ``.git`` anywhere else is still in the
+    diff, and the patch refuses it by name (repo.py)."""
+
+    def ours(rel: str) -> bool:
+        return rel != ".git/" and not rel.startswith(".git/")
+
+    # A rename across the boundary (.git/x -> x) keeps its side outside .git.
+    added = [r for r in diff.added if ours(r)] + [
+        new for old, new in diff.renamed if ours(new) and not ours(old)
+    ]
+    removed = [r for r in diff.removed if ours(r)] + [
+        old for old, new in diff.renamed if ours(old) and not ours(new)
+    ]
+    kept = WorkspaceDiff(
+        unified=diff.unified,
+        added=sorted(added),
+        removed=sorted(removed),
+        modified=[r for r in diff.modified if ours(r)],
+        renamed=[(a, b) for a, b in diff.renamed if ours(a) and ours(b)],
+        binary=[r for r in diff.binary if ours(r)],
+    )
+    every = len(diff.added) + len(diff.removed) + len(diff.modified) + 2 * len(diff.renamed)
+    kept_count = len(added) + len(removed) + len(kept.modified) + 2 * len(kept.renamed)
+    return kept, every - kept_count
 
 
 def _commit_message(final_text: str | None, run_id: str, result: AgentResult) -> str:

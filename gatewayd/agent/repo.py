@@ -105,6 +105,7 @@ _SAFE_CONFIG: Final = (
 # ``--no-hardlinks``: a hard-linked object file would be shared with the source, so
 # whoever can write the clone could change the mirror. ``--template=``: no sample hooks.
 _CLONE: Final = ("clone", "--no-hardlinks", "--template=", "--quiet")
+_FORMAT_PATCH: Final = ("format-patch", "-1", "--binary", "--stdout", "--no-signature")
 _COMMIT: Final = ("commit", "--quiet", "--no-verify", "--no-gpg-sign", "--cleanup=strip", "-m")
 
 
@@ -736,9 +737,7 @@ def patch_from_tree(
         extra_env=identity,
     )
     patch = _git(
-        [*repo, "format-patch", "-1", "--binary", "--stdout", "--no-signature", "HEAD"],
-        what="writing the patch",
-        timeout_s=timeout_s,
+        [*repo, *_FORMAT_PATCH, "HEAD"], what="writing the patch", timeout_s=timeout_s
     ).stdout
     # Text files need not be UTF-8; surrogateescape keeps their bytes for `git am`.
     return PatchResult(patch=patch.decode("utf-8", "surrogateescape"), skipped=_capped(skipped))
@@ -750,6 +749,12 @@ def mail_safe(message: str) -> str:
     must not carry a diff of its own into `git am` (nor change the author)."""
     lines = message.splitlines(keepends=True)
     return "".join(" " + line if _MAIL_BREAK_RE.match(line) else line for line in lines)
+
+
+def _after_first_line(patch: bytes) -> bytes:
+    """A patch without its ``From <commit> <date>`` line (the commit id differs after
+    `git am`: its committer date is new)."""
+    return patch.split(b"\n", 1)[1] if b"\n" in patch else b""
 
 
 def _capped(skipped: list[str]) -> list[str]:
@@ -813,13 +818,24 @@ def push_branch_from_patches(
     _clone_at(mirror, base_sha, scratch, timeout_s, "scratch directory")
     repo = ["-C", str(scratch)]
     for index, patch in enumerate(patches, 1):
+        what = f"applying patch {index} of {len(patches)} on {base_sha[:12]}"
+        raw = patch.encode("utf-8", "surrogateescape")
         _git(
             [*repo, "am", "--quiet", "--no-gpg-sign", "--keep-cr"],
-            what=f"applying patch {index} of {len(patches)} on {base_sha[:12]}",
+            what=what,
             timeout_s=timeout_s,
-            stdin=patch.encode("utf-8", "surrogateescape"),
+            stdin=raw,
             extra_env=identity,
         )
+        # The commit must say exactly what the patch said: a message that git's mail
+        # parser read as more patch (or a header) would show here as a difference.
+        again = _git([*repo, *_FORMAT_PATCH, "HEAD"], what=what, timeout_s=timeout_s).stdout
+        if _after_first_line(again) != _after_first_line(raw):
+            raise RepoError(
+                f"patch {index} of {len(patches)} does not come out of `git am` as it went "
+                "in (its message or headers hold what git reads as patch); nothing was "
+                "pushed. Patches must be as patch_from_tree makes them"
+            )
     head = _git([*repo, "rev-parse", "HEAD"], what="reading the new head", timeout_s=timeout_s)
     # The empty lease means "the ref must not exist": creating the branch stays atomic
     # even if someone creates it between the check above and this push.

@@ -122,7 +122,7 @@ def _mount_delta_tmpfs(path: Path, size: int) -> None:
         )
 
 
-def _unmount(path: Path, *, detach: bool) -> None:
+def unmount(path: Path, *, detach: bool) -> None:
     """Unmount ``path`` if it is a mount point; ``detach`` falls back to a lazy unmount."""
     if not os.path.ismount(path):
         return
@@ -332,7 +332,7 @@ def _remove_delta(state_dir: Path) -> None:
     delta = state_dir / DELTA_NAME
     if os.path.ismount(delta):
         # Unmounting frees the whole delta at once; busy only if someone sits inside.
-        _unmount(delta, detach=True)
+        unmount(delta, detach=True)
     if delta.is_dir():
         delta.rmdir()
 
@@ -342,7 +342,7 @@ def recover_commit(state_dir: Path) -> bool:
     journal_path = Path(state_dir) / JOURNAL_NAME
     if not journal_path.exists():
         return False
-    _unmount(Path(state_dir) / MERGED_NAME, detach=True)
+    unmount(Path(state_dir) / MERGED_NAME, detach=True)
     journal = json.loads(journal_path.read_bytes())
     _replay(Path(state_dir), journal)
     merged = Path(state_dir) / MERGED_NAME
@@ -430,7 +430,7 @@ class OverlayWorkspace(WorkspaceSession):
         the journal, so :func:`recover_commit` finishes the commit later.
         """
         self._require_open()
-        _unmount(self.root, detach=False)
+        unmount(self.root, detach=False)
         self._mounted = False
         ops = self.delta_operations()
         journal: dict[str, object] = {
@@ -451,7 +451,7 @@ class OverlayWorkspace(WorkspaceSession):
 
     def _teardown(self) -> None:
         if self._mounted:
-            _unmount(self.root, detach=True)
+            unmount(self.root, detach=True)
             self._mounted = False
         self._remove_all()
 

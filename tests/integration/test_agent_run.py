@@ -306,6 +306,9 @@ async def test_what_the_sandbox_writes_into_git_never_runs_on_the_host(
     assert pushed["calc.py"][1] == b"def add(a, b):\n    return a + b\n"
     assert not any(".git/" in path for path in pushed)
     assert "evil/fsmonitor" in pushed  # a plain file of the change, never run
+    # git's own metadata is left out before the patch, and said so once.
+    assert not any(s.startswith(".git") for s in result.skipped), result.skipped
+    assert any("under .git left out" in line for line in result.logs), result.logs
 
 
 async def test_a_refused_call_is_told_to_the_model_and_audited(
