@@ -436,6 +436,12 @@ async def _partial(
     assert "cogni/" not in refs
     ended = by_event(result.audit_log, "agent_run_ended")
     assert ended and ended[0]["detail"]["errorCode"] == result.error_code
+    # Usable: `git am` applies it on the commit the run started from.
+    clone = server.root.parent / f"partial-{result.run_id}"
+    git("clone", "--quiet", str(server.root / "calc.git"), str(clone))
+    git("-C", str(clone), "checkout", "--quiet", "--detach", sha)
+    git("-C", str(clone), "am", "--quiet", stdin=result.patches[0].encode())
+    assert (clone / "calc.py").read_text() == "def add(a, b):\n    return a + b\n"
     return result, sha
 
 
