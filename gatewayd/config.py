@@ -222,6 +222,17 @@ class GatewaydConfig(_Strict):
         AfterValidator(_check_unique),
     ] = ()
 
+    @model_validator(mode="after")
+    def _agent_dir_outside_state_dir(self) -> GatewaydConfig:
+        agent = self.resolved_agent_dir
+        if agent == self.state_dir or self.state_dir in agent.parents:
+            raise ValueError(
+                f"agent_dir {agent} lies in state_dir {self.state_dir}: a sandbox binds the "
+                "agent's checkout, and nothing under the state directory may be bound; "
+                "put agent_dir beside it (the default is STATE_DIR-agent)"
+            )
+        return self
+
     @field_validator("bwrap")
     @classmethod
     def _bwrap_absolute(cls, value: str) -> str:

@@ -34,6 +34,7 @@ import os
 import re
 import secrets as stdlib_secrets
 import shutil
+import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -186,6 +187,10 @@ class AgentResult:
             "tokens": self.tokens,
             "skipped": self.skipped,
         }
+
+
+class AgentDirError(GatewayError):
+    """agent_dir is not gatewayd's private directory (a misconfiguration)."""
 
 
 class _Stop(Exception):
@@ -435,15 +440,28 @@ async def run_agent(
         if progress is not None:
             progress(line)
 
+    refusal: str | None = None
     if task.model not in daemon.config.models:
         known = ", ".join(sorted(daemon.config.models)) or "none configured"
-        result.error_code, result.message = (
-            "internal",
-            f"model alias {task.model!r} is not in gatewayd's configuration (aliases: {known})",
+        refusal = (
+            f"model alias {task.model!r} is not in gatewayd's configuration (aliases: {known})"
         )
-        say(result.message)
+    else:
+        try:
+            work, lock = _make_work_dir(daemon.config.resolved_agent_dir)
+        except (AgentDirError, OSError) as exc:
+            refusal = f"the agent's work directory could not be made: {exc}"
+    if refusal is not None:
+        result.error_code, result.message = "internal", refusal
+        say(refusal)
+        await daemon.audit.append(
+            "event",
+            event="agent_run_refused",
+            errorCode="internal",
+            safeMessage=refusal,
+            detail={"repo": _public_url(task.repo_url), "sha": task.sha, "model": task.model},
+        )
         return result
-    work, lock = _make_work_dir(daemon.config.resolved_agent_dir)
     try:
         await _run_in(_Job(daemon=daemon, task=task, result=result, say=say, work=work))
     except Exception as exc:  # gatewayd's own failure: the result says so, the log has it
@@ -463,8 +481,19 @@ async def run_agent(
 def _make_work_dir(parent: Path) -> tuple[Path, int]:
     """A fresh work directory, marked as gatewayd's and locked while the run lives
     (returns the lock's descriptor; closing it releases the lock)."""
-    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(parent, 0o700)
+    try:
+        parent.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        st = os.lstat(parent)
+        if (
+            not stat.S_ISDIR(st.st_mode)
+            or st.st_uid != os.geteuid()
+            or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        ):
+            raise AgentDirError(
+                f"agent_dir {parent} must be a directory of gatewayd's own user that no one "
+                "else may write (as gatewayd makes it: mode 0700); choose another agent_dir"
+            ) from None
     work = parent / stdlib_secrets.token_hex(8)
     work.mkdir(mode=0o700)
     lock = os.open(work / WORK_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -604,6 +633,14 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
             f"({run.degraded})"
         )
         say(result.message)
+        await daemon.audit.append(
+            "event",
+            event="agent_run_refused",
+            runId=run.run_id,
+            errorCode="internal",
+            safeMessage=result.message,
+            detail={"repo": _public_url(task.repo_url), "sha": task.sha, "model": task.model},
+        )
         return None, None
     await daemon.audit.append(
         "event",
@@ -616,7 +653,14 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
             "backend": task.backend,
             "taskBytes": len(task.task.encode()),
             "taskDigest": "sha256:" + hashlib.sha256(task.task.encode()).hexdigest(),
-            "limits": dataclasses.asdict(task.limits),
+            "limits": {
+                **dataclasses.asdict(task.limits),
+                "maxMemoryMb": task.max_memory_mb,
+                "maxPatchBytes": task.max_patch_bytes,
+                "maxWorkspaceBytes": task.max_workspace_bytes
+                if task.backend == "overlay"
+                else None,
+            },
             "push": task.push,
             "pullRequest": task.pull_request is not None,
         },
@@ -697,6 +741,13 @@ async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) 
         },
     )
     say(f"patch: {len(made.patch.encode())} bytes" + _skipped_note(result.skipped))
+    if result.ok and task.push and not result.patches:
+        result.ok, result.error_code = False, "task_failed"
+        result.message = (
+            "every change was left out of the patch (ignored by .gitignore, or in skipped); "
+            "nothing to push"
+        )
+        say(result.message)
     if result.ok and task.push and result.patches:
         await _push(job, run)
 

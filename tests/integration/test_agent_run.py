@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
@@ -600,3 +601,39 @@ async def test_the_policys_rule_review_judges_the_models_commands(
     [call] = [e for e in result.audit_log if e["kind"] == "call"]
     assert call["decision"] == "deny" and call["errorCode"] == "review_denied"
     assert call["review"]["verdict"] == "deny"
+
+
+async def test_changes_that_all_stay_out_of_the_patch_fail_a_push_run(
+    daemon: Daemon, server: GitServer, provider: FakeProvider
+) -> None:
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    only_ignored = "mkdir -p __pycache__ && echo x > __pycache__/calc.pyc"
+    provider.script(
+        Text(content=None, calls=(Call(name="exec", arguments={"command": only_ignored}),)),
+        Text(content="done"),
+    )
+    result = await run_agent(daemon, task(server.url_for("calc.git"), sha))
+    assert not result.ok and result.error_code == "task_failed"
+    assert result.message.startswith("every change was left out of the patch")
+    assert result.skipped == ["__pycache__/calc.pyc: ignored by .gitignore"]
+    assert result.branch is None
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+async def test_an_agent_dir_others_may_write_is_refused_and_left_as_it_is(
+    base: Path, provider: FakeProvider, server: GitServer, mode: int
+) -> None:
+    shared = base / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+    async with open_daemon(agent_config(base, provider, agent_dir=shared)) as d:
+        result = await run_agent(d, task(server.url_for("calc.git"), "a" * 40))
+        await d.audit.durable(d.audit.last_seq)
+        lines = d.config.resolved_audit_path.read_text().splitlines()
+    assert result.error_code == "internal"
+    assert "must be a directory of gatewayd's own user that no one else may write" in (
+        result.message
+    )
+    assert stat.S_IMODE(shared.stat().st_mode) == mode  # not chmodded behind the operator
+    assert list(shared.iterdir()) == [] and server.requests == []
+    assert any('"agent_run_refused"' in line for line in lines)

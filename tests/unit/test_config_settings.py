@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pydantic
 import pytest
 
 from gatewayd import cli, config
@@ -497,3 +498,10 @@ def test_config_check_ignores_variables(
 ) -> None:
     monkeypatch.setenv("GATEWAYD_OS_SANDBOX", "maybe")  # bad, but not the file's problem
     assert cli.main(["config", "check", str(write(tmp_path, ""))]) == cli.EXIT_OK
+
+
+@pytest.mark.parametrize("agent_dir", ["/srv/gw", "/srv/gw/agent"])
+def test_an_agent_dir_in_the_state_dir_is_refused(agent_dir: str) -> None:
+    with pytest.raises(pydantic.ValidationError, match=r"agent_dir .* lies in state_dir"):
+        GatewaydConfig(state_dir=Path("/srv/gw"), agent_dir=Path(agent_dir))
+    assert GatewaydConfig(state_dir=Path("/srv/gw")).resolved_agent_dir == Path("/srv/gw-agent")
