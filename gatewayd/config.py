@@ -256,6 +256,8 @@ class GatewaydConfig(_Strict):
 
 def agent_dir_for(state_dir: Path) -> Path:
     """Where agent runs keep their clones by default: beside the state directory."""
+    if not state_dir.name:  # "/" has no name to put a sibling beside
+        return state_dir / "gatewayd-agent"
     return state_dir.with_name(state_dir.name + "-agent")
 
 
