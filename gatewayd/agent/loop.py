@@ -425,9 +425,10 @@ async def run_agent(
     """One agent run, start to end; never raises for the task's own failures (the result
     says what happened), and always removes its workspace.
 
-    Error handling: a bad task (unknown model alias, non-hex sha) is refused before
-    anything is fetched: ``ok`` false, ``errorCode`` ``internal``, the reason in
-    ``message``.
+    Error handling: an unknown model alias or an unusable ``agent_dir`` is refused before
+    anything is fetched (audited as ``agent_run_refused``); a commit the mirror does not
+    hold fails the checkout. Either way: ``ok`` false, ``errorCode`` ``internal``, the
+    reason in ``message``. gatewayd's own failures end the run the same way.
     """
     result = AgentResult(ok=False)
 
