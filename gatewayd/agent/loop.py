@@ -524,6 +524,7 @@ class _Job:
 async def _run_in(job: _Job) -> None:
     daemon, task, result, say = job.daemon, job.task, job.result, job.say
     started = time.monotonic()
+    first_seq = daemon.audit.last_seq + 1  # the run's entries all come after this
     mirror, base = job.mirror, job.base
     say(f"fetching {_public_url(task.repo_url)} at {task.sha[:12]}")
     try:
@@ -570,7 +571,7 @@ async def _run_in(job: _Job) -> None:
                 "durationMs": round((time.monotonic() - started) * 1000),
             },
         )
-        result.audit_log = await _run_entries(daemon, result.run_id)
+        result.audit_log = await _run_entries(daemon, result.run_id, first_seq)
     say(
         f"run {result.run_id} {'finished' if result.ok else 'stopped'}"
         + (f" ({result.error_code}: {result.message})" if not result.ok else "")
@@ -866,8 +867,9 @@ def _skipped_note(skipped: list[str]) -> str:
     return f"; {len(skipped)} path(s) left out: {', '.join(skipped[:5])}" if skipped else ""
 
 
-async def _run_entries(daemon: Daemon, run_id: str) -> list[dict[str, Any]]:
-    """The run's entries of the audit log, as written (after they are durable)."""
+async def _run_entries(daemon: Daemon, run_id: str, since_seq: int) -> list[dict[str, Any]]:
+    """The run's entries of the audit log, as written (after they are durable), read
+    from the segment holding ``since_seq`` on (the run's first entry is later)."""
     audit = daemon.audit
     await audit.durable(audit.last_seq)
     path = daemon.config.resolved_audit_path
@@ -875,7 +877,7 @@ async def _run_entries(daemon: Daemon, run_id: str) -> list[dict[str, Any]]:
     def read() -> list[dict[str, Any]]:
         return [
             record.entry
-            for record in read_log(path)
+            for record in read_log(path, since_seq=since_seq)
             if record.entry is not None and record.entry.get("runId") == run_id
         ]
 

@@ -55,8 +55,12 @@ def read_file(path: Path) -> Iterator[Record]:
             yield Record(path.name, no, content, value if isinstance(value, dict) else None)
 
 
-def read_log(path: Path) -> Iterator[Record]:
+def read_log(path: Path, *, since_seq: int = 0) -> Iterator[Record]:
     """Every line of the log whose active file is ``path``: closed segments first.
+
+    ``since_seq``: start at the segment holding that seq, leaving out the closed segments
+    wholly before it (a reader of recent entries need not read the log's whole history);
+    lines of that segment before the seq are still yielded.
 
     Error handling: FileNotFoundError when there is no log at all (neither the file
     nor a segment of it); other OSErrors from reading pass through.
@@ -64,8 +68,24 @@ def read_log(path: Path) -> Iterator[Record]:
     files = log_files(path)
     if not files:
         raise FileNotFoundError(2, "no audit log", str(path))
-    for file in files:
+    start = 0
+    if since_seq > 0:
+        # The newest file whose first entry is at or before the seq holds it; a file
+        # whose first line is unreadable is passed over (the search reads on, older).
+        for index in range(len(files) - 1, -1, -1):
+            first = _first_seq(files[index])
+            if first is not None and first <= since_seq:
+                start = index
+                break
+    for file in files[start:]:
         yield from read_file(file)
+
+
+def _first_seq(path: Path) -> int | None:
+    for record in read_file(path):
+        seq = record.entry.get("seq") if record.entry is not None else None
+        return seq if isinstance(seq, int) else None
+    return None
 
 
 # -- time -------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from gatewayd import cli
 from gatewayd.audit import open_audit_log
 from gatewayd.audit.chain import read_line
 from gatewayd.audit.export import CSV_COLUMNS
-from gatewayd.audit.query import read_log
+from gatewayd.audit.query import read_file, read_log
 from gatewayd.audit.segments import list_segments
 
 RUN_A = "a" * 32
@@ -403,3 +403,24 @@ def test_run_bundle_of_an_ambiguous_prefix_lists_the_candidates(
     status, _, err = gatewayd(capsys, "audit", "run", "ab", str(path))
     assert status == 1
     assert "2 runs start with 'ab'" in err and "give more of the id" in err
+
+
+def test_read_log_since_a_seq_skips_the_closed_segments_wholly_before_it(
+    known_log: Path,
+) -> None:
+    every = list(read_log(known_log))
+    seqs = [r.entry["seq"] for r in every if r.entry is not None]
+    last = seqs[-1]
+    recent = [r.entry["seq"] for r in read_log(known_log, since_seq=last) if r.entry]
+    # Only the active file is read: it starts at or before the last seq, and every seq
+    # from there on is there, in order.
+    assert recent == seqs[seqs.index(recent[0]) :] and last in recent
+    assert len(recent) < len(seqs)
+    # A seq at or before the first, or none, reads everything.
+    assert [r.raw for r in read_log(known_log, since_seq=1)] == [r.raw for r in every]
+    assert [r.raw for r in read_log(known_log, since_seq=0)] == [r.raw for r in every]
+    # Each segment is read from its start: a seq inside the second segment starts there.
+    segments = list_segments(known_log)
+    second_first = next(r.entry["seq"] for r in read_file(segments[1][1]) if r.entry is not None)
+    from_second = [r.entry["seq"] for r in read_log(known_log, since_seq=second_first) if r.entry]
+    assert from_second[0] == second_first and from_second == seqs[seqs.index(second_first) :]
