@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 from gatewayd.errors import GatewayError
 from gatewayd.protocol import ErrorCode
-from gatewayd.workspace.session import WorkspaceDiff
+from gatewayd.workspace.session import WorkspaceDiff, open_dirs
 from gatewayd.workspace.treediff import open_parent
 
 # Network operations on a large repository can take minutes; local ones should not.
@@ -481,7 +481,6 @@ def _ls_remote(
 
 # --- patches from a sandbox-written tree --------------------------------------------
 
-_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 EntryKind = Literal["file", "link"]
 
 
@@ -522,34 +521,13 @@ def _read_entry(tree: Path, rel: str) -> tuple[EntryKind, bytes | int, bool] | N
     return "file", fd, bool(mode & stat.S_IXUSR)
 
 
-def _open_dirs(root: Path, dirs: Sequence[str], *, create: bool) -> int:
-    """A descriptor of ``root/dirs...``, never following a symlink (OSError if one is in
-    the way); missing directories are created when ``create``."""
-    fd = os.open(root, _DIR_FLAGS)
-    try:
-        for part in dirs:
-            try:
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                os.mkdir(part, 0o755, dir_fd=fd)
-                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _write_entry(
     root: Path, rel: str, kind: EntryKind, data: bytes | int, executable: bool
 ) -> None:
     """Create ``root/rel`` (replacing a file, link or empty directory there) from
     ``data``: bytes, or a descriptor to copy from in chunks (any size, little memory)."""
     *dirs, name = rel.split("/")
-    fd = _open_dirs(root, dirs, create=True)
+    fd = open_dirs(root, dirs, create=True)
     try:
         try:
             existing = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
@@ -589,7 +567,7 @@ def _write_all(fd: int, data: bytes) -> None:
 def _remove_entry(root: Path, rel: str) -> None:
     *dirs, name = rel.split("/")
     try:
-        fd = _open_dirs(root, dirs, create=False)
+        fd = open_dirs(root, dirs, create=False)
     except FileNotFoundError:
         return
     try:
@@ -765,7 +743,7 @@ def _capped(skipped: list[str]) -> list[str]:
 
 def _remove_entry_dir(root: Path, rel: str) -> None:
     *dirs, name = rel.split("/")
-    fd = _open_dirs(root, dirs, create=False)
+    fd = open_dirs(root, dirs, create=False)
     try:
         os.rmdir(name, dir_fd=fd)
     finally:

@@ -34,6 +34,7 @@ from typing import Final
 
 from gatewayd.atomicfile import write_atomically
 from gatewayd.workspace.session import (
+    DIR_FLAGS,
     SessionState,
     WorkspaceDiff,
     WorkspaceError,
@@ -51,7 +52,6 @@ DISCARD_MARKER_NAME: Final = "discard.pending"
 CP: Final = "/usr/bin/cp"
 # Copying a large tree can take a while; a stuck copy (hung NFS) must not hang gatewayd.
 COPY_TIMEOUT_SECONDS: Final = 600
-_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _libc: Final = ctypes.CDLL(None, use_errno=True)
 
@@ -71,7 +71,7 @@ def copy_tree_contents(source: Path, dest: Path) -> None:
 
 def clear_directory(path: Path) -> None:
     """Remove every entry inside ``path`` (never following a symlink), keeping ``path``."""
-    fd = os.open(path, _DIR_FLAGS)
+    fd = os.open(path, DIR_FLAGS)
     try:
         for name in os.listdir(fd):
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
@@ -89,7 +89,7 @@ def sync_file_system(path: Path) -> None:
     cp does not fsync what it copies: without this, a power loss after discard emptied
     the base could find the snapshot's files (or the restored ones) empty.
     """
-    fd = os.open(path, _DIR_FLAGS)
+    fd = os.open(path, DIR_FLAGS)
     try:
         if _libc.syncfs(fd) != 0:
             err = ctypes.get_errno()
@@ -102,7 +102,7 @@ def sync_file_system(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, _DIR_FLAGS)
+    fd = os.open(path, DIR_FLAGS)
     try:
         os.fsync(fd)
     finally:

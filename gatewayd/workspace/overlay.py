@@ -48,11 +48,13 @@ from typing import Final
 
 from gatewayd.atomicfile import write_atomically
 from gatewayd.workspace.session import (
+    DIR_FLAGS,
     SessionState,
     WorkspaceDiff,
     WorkspaceError,
     WorkspaceSession,
     make_state_dir,
+    open_dirs,
 )
 from gatewayd.workspace.treediff import compare_trees
 
@@ -77,7 +79,6 @@ DELTA_MODE: Final = 0o700
 _OPTION_UNSAFE: Final = frozenset(",:\\\n")
 # Setuid, setgid and sticky bits never travel from the sandbox to the host.
 _COMMIT_MODE_MASK: Final = 0o777
-_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 _libc: Final = ctypes.CDLL(None, use_errno=True)
 
@@ -196,18 +197,6 @@ def _scopes(ops: list[list[str]]) -> list[str]:
 # --- applying operations to the base, never through a symlink ------------------
 
 
-def _open_base_dir(base_fd: int, parts: list[str]) -> int:
-    """A descriptor of base/parts, one no-follow component at a time."""
-    fd = os.dup(base_fd)
-    for part in parts:
-        try:
-            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-        finally:
-            os.close(fd)
-        fd = child
-    return fd
-
-
 def _remove_at(parent_fd: int, name: str) -> None:
     try:
         st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
@@ -269,7 +258,7 @@ def _lstat_at(dir_fd: int, name: str) -> int | None:
 def apply_operation(base_fd: int, upper: Path, op: str, rel: str) -> None:
     """Apply one journal operation to the base (idempotent)."""
     *dirs, name = rel.split("/")
-    parent = _open_base_dir(base_fd, dirs)
+    parent = open_dirs(base_fd, dirs)
     try:
         if op == "remove":
             _remove_at(parent, name)
@@ -305,7 +294,7 @@ def _replay(state_dir: Path, journal: dict[str, object]) -> None:
             + f"{base} holds part of the commit, each file whole; remove "
             f"{state_dir / JOURNAL_NAME} to give up the rest"
         )
-    base_fd = os.open(base, _DIR_FLAGS)
+    base_fd = os.open(base, DIR_FLAGS)
     try:
         for op, rel in ops:
             apply_operation(base_fd, upper, op, rel)
@@ -318,7 +307,7 @@ def _replay(state_dir: Path, journal: dict[str, object]) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, _DIR_FLAGS)
+    fd = os.open(path, DIR_FLAGS)
     try:
         os.fsync(fd)
     finally:

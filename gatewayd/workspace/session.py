@@ -13,6 +13,7 @@ import abc
 import enum
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import TracebackType
@@ -61,6 +62,33 @@ class WorkspaceDiff:
     @property
     def empty(self) -> bool:
         return not (self.added or self.removed or self.modified or self.renamed)
+
+
+# A directory opened for walking a tree the sandbox may have written: never through a link.
+DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_dirs(start: Path | int, parts: Sequence[str], *, create: bool = False) -> int:
+    """A descriptor of ``start/parts...``, opened one component at a time with O_NOFOLLOW:
+    OSError (ELOOP, ENOTDIR) when a component is a symlink or not a directory, so gatewayd
+    never walks through a link a sandbox planted (``dir -> /etc``). ``start`` is a path or
+    a directory descriptor (left open). ``create`` makes missing components (0755)."""
+    fd = os.open(start, DIR_FLAGS) if isinstance(start, Path) else os.dup(start)
+    try:
+        for part in parts:
+            try:
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    raise
+                os.mkdir(part, 0o755, dir_fd=fd)
+                child = os.open(part, DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_all(fd: int) -> bytes:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
-from gatewayd.workspace.session import WorkspaceDiff, read_all
+from gatewayd.workspace.session import DIR_FLAGS, WorkspaceDiff, open_dirs, read_all
 
 # Like git: a NUL byte in the first 8 KiB marks a file as binary.
 BINARY_SNIFF_BYTES: Final = 8192
@@ -46,9 +46,6 @@ MAX_HUNK_FILE_BYTES: Final = 4 << 20
 MAX_UNIFIED_CHARS: Final = 16 << 20
 
 Kind = Literal["file", "link", "dir"]
-
-
-_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _kind_of(mode: int) -> Kind | None:
@@ -67,14 +64,7 @@ def open_parent(root: Path, rel: str) -> tuple[int, str]:
     is a symlink: the sandbox may still be changing the tree, and gatewayd, which runs as
     root, must never read through a link it planted (``dir -> /etc``)."""
     *dirs, name = rel.split("/")
-    fd = os.open(root, _DIR_FLAGS)
-    for part in dirs:
-        try:
-            child = os.open(part, _DIR_FLAGS, dir_fd=fd)
-        finally:
-            os.close(fd)
-        fd = child
-    return fd, name
+    return open_dirs(root, dirs), name
 
 
 def entry_kind(root: Path, rel: str) -> Kind | None:
@@ -110,11 +100,11 @@ def walk_entries(root: Path, scope: str) -> dict[str, Kind]:
     if scope:
         parent, name = open_parent(root, scope)
         try:
-            top = os.open(name, _DIR_FLAGS, dir_fd=parent)
+            top = os.open(name, DIR_FLAGS, dir_fd=parent)
         finally:
             os.close(parent)
     else:
-        top = os.open(root, _DIR_FLAGS)
+        top = os.open(root, DIR_FLAGS)
     try:
         for dirpath, dirnames, filenames, dir_fd in os.fwalk(
             ".", dir_fd=top, follow_symlinks=False

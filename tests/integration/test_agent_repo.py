@@ -71,6 +71,16 @@ def origin(git_server: GitServer) -> tuple[str, str]:
     return git_server.url_for("proj.git"), sha
 
 
+def checkouts(tmp_path: Path, url: str, sha: str) -> tuple[Path, Path, Path]:
+    """(mirror, workspace, pristine copy): the workspace to change, the copy to diff it
+    against, both checked out at ``sha`` from a fresh mirror of ``url``."""
+    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
+    fetch_mirror(url, mirror, credentials=CREDS)
+    checkout_at(mirror, sha, ws)
+    checkout_at(mirror, sha, snap)
+    return mirror, ws, snap
+
+
 def assert_no_secret(root: Path) -> None:
     """Neither the token nor its Basic form is in any file under ``root``."""
     for dirpath, _dirs, files in os.walk(root):
@@ -491,10 +501,7 @@ def test_a_patch_carries_at_most_max_bytes_and_says_what_it_left_out(
     tmp_path: Path, origin: tuple[str, str]
 ) -> None:
     url, sha = origin
-    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
-    fetch_mirror(url, mirror, credentials=CREDS)
-    checkout_at(mirror, sha, ws)
-    checkout_at(mirror, sha, snap)
+    mirror, ws, snap = checkouts(tmp_path, url, sha)
     # Written in name order: a (larger than the copy chunk: it streams in pieces), b, c.
     (ws / "a_chunked.txt").write_text("line\n" * 300_000)
     (ws / "b_big.bin").write_bytes(os.urandom(4096))
@@ -516,10 +523,7 @@ def test_many_small_files_are_charged_for_their_paths_and_the_skipped_list_is_ca
 ) -> None:
     monkeypatch.setattr(repo_mod, "MAX_PATCH_ENTRIES", 150)
     url, sha = origin
-    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
-    fetch_mirror(url, mirror, credentials=CREDS)
-    checkout_at(mirror, sha, ws)
-    checkout_at(mirror, sha, snap)
+    mirror, ws, snap = checkouts(tmp_path, url, sha)
     (ws / "many").mkdir()
     for n in range(400):
         (ws / "many" / f"{n:04d}-{'x' * 200}.txt").write_text("1\n")
@@ -537,10 +541,7 @@ def test_a_commit_message_cannot_carry_a_diff_of_its_own(
     """git am splits a mail at '---' or 'diff -': a model's message holding a diff
     would add files the workspace never had. The message is made mail-safe."""
     url, sha = origin
-    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
-    fetch_mirror(url, mirror, credentials=CREDS)
-    checkout_at(mirror, sha, ws)
-    checkout_at(mirror, sha, snap)
+    mirror, ws, snap = checkouts(tmp_path, url, sha)
     (ws / "README.md").write_text("changed\n")
     evil = (
         "Fix the readme\n\nFrom: Mallory <m@evil.invalid>\n---\n"
@@ -570,10 +571,7 @@ def test_a_patch_that_does_not_round_trip_through_git_am_is_not_pushed(
     checked against the patch before anything is pushed."""
     monkeypatch.setattr(repo_mod, "mail_safe", lambda message: message)
     url, sha = origin
-    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
-    fetch_mirror(url, mirror, credentials=CREDS)
-    checkout_at(mirror, sha, ws)
-    checkout_at(mirror, sha, snap)
+    mirror, ws, snap = checkouts(tmp_path, url, sha)
     (ws / "README.md").write_text("changed\n")
     evil = (
         "Fix the readme\n\n---\ndiff --git a/evil.sh b/evil.sh\nnew file mode 100755\n"
@@ -595,10 +593,7 @@ def test_a_patch_that_does_not_round_trip_through_git_am_is_not_pushed(
 def one_patch(tmp_path: Path, origin: tuple[str, str]) -> tuple[Path, str]:
     """(mirror, patch) for a one-line change on the origin's main."""
     url, sha = origin
-    mirror, ws, snap = tmp_path / "mirror", tmp_path / "ws", tmp_path / "snap"
-    fetch_mirror(url, mirror, credentials=CREDS)
-    checkout_at(mirror, sha, ws)
-    checkout_at(mirror, sha, snap)
+    mirror, ws, snap = checkouts(tmp_path, url, sha)
     (ws / "README.md").write_text("changed\n")
     diff = compare_trees(snap, ws, ["."])
     patch = patch_from_tree(mirror, sha, ws, diff, message="m", scratch=tmp_path / "p").patch
