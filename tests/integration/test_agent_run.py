@@ -637,3 +637,34 @@ async def test_an_agent_dir_others_may_write_is_refused_and_left_as_it_is(
     assert stat.S_IMODE(shared.stat().st_mode) == mode  # not chmodded behind the operator
     assert list(shared.iterdir()) == [] and server.requests == []
     assert any('"agent_run_refused"' in line for line in lines)
+
+
+async def test_without_the_os_sandbox_no_agent_run_starts(
+    base: Path, provider: FakeProvider, server: GitServer
+) -> None:
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    shipped = Path(__file__).resolve().parents[2] / "policies" / "agent.yaml"
+    lax = base / "lax-agent.yaml"
+    lax.write_text(
+        shipped.read_text().replace("name: agent", "name: lax-agent")
+        + "require_os_sandbox: false\n"
+    )
+    os.environ[TOKEN_ENV] = DEFAULT_TOKEN
+    try:
+        async with open_daemon(agent_config(base, provider, os_sandbox=False)) as d:
+            # The shipped policy requires the sandbox: the run is refused at its start.
+            strict = await run_agent(d, task(server.url_for("calc.git"), sha))
+            # A policy that would let the run go on without one: still no agent run.
+            degraded = await run_agent(d, task(server.url_for("calc.git"), sha, policy=str(lax)))
+            await d.audit.durable(d.audit.last_seq)
+            entries = [json.loads(x) for x in d.config.resolved_audit_path.read_text().splitlines()]
+    finally:
+        os.environ.pop(TOKEN_ENV, None)
+    assert strict.error_code == "internal" and strict.run_id is None
+    assert strict.message.startswith("the run could not start: policy 'agent' requires the OS")
+    assert degraded.error_code == "internal" and degraded.run_id is not None
+    assert degraded.message.startswith("agent runs execute commands only in an OS sandbox")
+    refused = by_event(entries, "agent_run_refused")
+    assert [e.get("runId") for e in refused] == [degraded.run_id]
+    assert by_event(entries, "run_refused")[0]["errorCode"] == "policy_denied"
+    assert provider.requests == []  # no model was asked anything
