@@ -70,6 +70,8 @@ def gatewayd_run(
     # the gateway, bench/sandbox_launch.py the sandbox. Also, a daemon with the sandbox
     # removes every namespace of its prefix at start, other daemons' included.
     extra = [] if "--no-os-sandbox" in serve_args else ["--no-os-sandbox"]
+    # The control socket names policies: the bench's own is found in its directory.
+    extra += ["--policy-dir", str(Path(policy).parent)]
     cmd = [*program, "serve", "--state-dir", str(state), *extra, *serve_args]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL)
     try:
@@ -86,7 +88,7 @@ def gatewayd_run(
             "/v1/runs",
             {
                 "workspacePath": str(ws),
-                "policy": str(policy),
+                "policy": Path(policy).stem,
                 "actorId": "bench",
                 "tenantId": "bench",
                 "grant": {"allowSandbox": True},

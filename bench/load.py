@@ -1,12 +1,15 @@
 """Load generator for the benchmarks: a separate process, standard library only, so
 the client never competes with the server for the same interpreter.
 
-    load.py SOCKET RUN_ID MODE latency N        N sequential calls on one connection;
-                                                prints the latencies (seconds) as JSON
-    load.py SOCKET RUN_ID MODE load CONNS SECS  CONNS connections, one call in flight on
-                                                each, for SECS; prints {"calls", "seconds"}
+    load.py SOCKET RUN_ID MODE latency N [TOOL]        N sequential calls on one
+                                                       connection; prints the latencies
+                                                       (seconds) as JSON
+    load.py SOCKET RUN_ID MODE load CONNS SECS [TOOL]  CONNS connections, one call in
+                                                       flight on each, for SECS; prints
+                                                       {"calls", "seconds"}
 
-MODE is `gateway` (responses are checked to be ok) or `echo`.
+MODE is `gateway` (responses are checked to be ok) or `echo`. TOOL is `time.now` (the
+default) or `fs.write` (a one-byte file, one of 16 names, relative to /workspace).
 """
 
 from __future__ import annotations
@@ -21,9 +24,15 @@ import time
 HEADER = struct.Struct(">I")
 
 
-def request(run_id: str, i: int) -> bytes:
+# fs.write spreads its calls over this many files, so concurrent calls seldom write the
+# same file while every call still replaces an existing one.
+WRITE_FILES = 16
+
+
+def request(run_id: str, i: int, tool: str = "time.now") -> bytes:
+    args = {"path": f"bench-{i % WRITE_FILES}.txt", "content": "x"} if tool == "fs.write" else {}
     body = json.dumps(
-        {"v": 1, "runId": run_id, "toolCallId": f"b{i}", "tool": "time.now", "args": {}},
+        {"v": 1, "runId": run_id, "toolCallId": f"b{i}", "tool": tool, "args": args},
         separators=(",", ":"),
     ).encode()
     return HEADER.pack(len(body)) + body
@@ -47,13 +56,13 @@ def take_frames(buf: bytearray) -> list[bytes]:
     return out
 
 
-def latency(path: str, run_id: str, mode: str, n: int) -> None:
+def latency(path: str, run_id: str, mode: str, n: int, tool: str) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(path)
     lat = []
     buf = bytearray()
     for i in range(n):
-        data = request(run_id, i)
+        data = request(run_id, i, tool)
         t = time.perf_counter()
         s.sendall(data)
         frames: list[bytes] = []
@@ -68,7 +77,7 @@ def latency(path: str, run_id: str, mode: str, n: int) -> None:
     print(json.dumps(lat))
 
 
-def load(path: str, run_id: str, mode: str, conns: int, seconds: float) -> None:
+def load(path: str, run_id: str, mode: str, conns: int, seconds: float, tool: str) -> None:
     sel = selectors.DefaultSelector()
     bufs: dict[socket.socket, bytearray] = {}
     for _ in range(conns):
@@ -77,7 +86,7 @@ def load(path: str, run_id: str, mode: str, conns: int, seconds: float) -> None:
         bufs[s] = bytearray()
     i = 0
     for s in bufs:
-        s.sendall(request(run_id, i))
+        s.sendall(request(run_id, i, tool))
         i += 1
         s.setblocking(False)
         sel.register(s, selectors.EVENT_READ)
@@ -97,7 +106,7 @@ def load(path: str, run_id: str, mode: str, conns: int, seconds: float) -> None:
                 check(mode, frame)
                 done += 1
                 s.setblocking(True)
-                s.sendall(request(run_id, i))
+                s.sendall(request(run_id, i, tool))
                 s.setblocking(False)
                 i += 1
     print(json.dumps({"calls": done, "seconds": time.perf_counter() - start}))
@@ -106,9 +115,11 @@ def load(path: str, run_id: str, mode: str, conns: int, seconds: float) -> None:
 def main() -> None:
     path, run_id, mode, what = sys.argv[1:5]
     if what == "latency":
-        latency(path, run_id, mode, int(sys.argv[5]))
+        tool = sys.argv[6] if len(sys.argv) > 6 else "time.now"
+        latency(path, run_id, mode, int(sys.argv[5]), tool)
     else:
-        load(path, run_id, mode, int(sys.argv[5]), float(sys.argv[6]))
+        tool = sys.argv[7] if len(sys.argv) > 7 else "time.now"
+        load(path, run_id, mode, int(sys.argv[5]), float(sys.argv[6]), tool)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ from gatewayd.sandbox.launch import (
     sandbox_argv,
 )
 from gatewayd.sandbox.lease import give_back, lend
+from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.sandbox.limits import HostUser, LimitMechanism, SandboxLimits, rlimits
 from gatewayd.sandbox.netns import create_run_netns, remove_run_netns, remove_stale_netns
 from gatewayd.sandbox.plan import SandboxPlan
@@ -431,7 +432,7 @@ class InProcess:
     async def part_netns(self) -> Durations:
         # Through a worker thread, as RunSandbox.open and close call them.
         run_id = secrets.token_hex(16)
-        prefix = self.daemon.config.netns_prefix
+        prefix = self.daemon.config.resolved_netns_prefix
         started = time.perf_counter()
         handle = await trio.to_thread.run_sync(lambda: create_run_netns(run_id, prefix=prefix))
         created = time.perf_counter()
@@ -443,7 +444,9 @@ class InProcess:
         user = self.daemon.uid_pool.acquire()
         try:
             started = time.perf_counter()
-            lease = await trio.to_thread.run_sync(lend, [self.lease_ws], user, self.lease_record)
+            lease = await trio.to_thread.run_sync(
+                lambda: lend([self.lease_ws], user, self.lease_record, roots=LendableRoots())
+            )
             lent = time.perf_counter()
             await trio.to_thread.run_sync(give_back, lease)
             returned = time.perf_counter()
@@ -581,6 +584,9 @@ def live_daemon() -> Iterator[tuple[Path, str]]:
                     prefix,
                     "--sandbox-uids",
                     f"{uids.base}+{uids.count}",
+                    # The control socket names policies; this one is found here.
+                    "--policy-dir",
+                    str(base),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -601,7 +607,7 @@ def live_daemon() -> Iterator[tuple[Path, str]]:
                 "/v1/runs",
                 {
                     "workspacePath": str(ws),
-                    "policy": str(policy),
+                    "policy": policy.stem,
                     "actorId": "bench",
                     "tenantId": "bench",
                     "grant": {"allowSandbox": True},

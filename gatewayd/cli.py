@@ -38,6 +38,9 @@ MIN_FRAME_BYTES: Final = 64
 MAX_FRAME_BYTES: Final = 64 << 20
 # Like timeout(1): the run's command was stopped because the run ran out of time.
 EXIT_MAX_RUNTIME: Final = 124
+# A run spec is a few hundred bytes, like the control socket's run request (whose body
+# cap this is): anything bigger is not a spec.
+MAX_SPEC_BYTES: Final = 1 << 20
 
 
 def _add_daemon_options(p: argparse.ArgumentParser) -> None:
@@ -80,15 +83,26 @@ def _add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--netns-prefix",
         default=None,
-        help="prefix of the runs' network namespaces; another daemon on this host needs "
-        "another one (configuration: netns_prefix; default cogni-)",
+        help="prefix of the runs' network namespaces; no two live daemons on this host may "
+        "share one (configuration: netns_prefix; default: cogni-<8 hex> derived from the "
+        "state directory)",
     )
     p.add_argument(
         "--sandbox-uids",
         type=_uid_range,
         default=None,
-        help="BASE+COUNT: host uids the sandboxes run as, one per live run "
-        "(configuration: sandbox_uids; default 1800000000+1024)",
+        help="BASE+COUNT: host uids the sandboxes run as, one per live run; no two live "
+        "daemons on this host may overlap (configuration: sandbox_uids; default: 1024 uids "
+        "placed by the state directory)",
+    )
+    p.add_argument(
+        "--lendable-root",
+        type=Path,
+        action="append",
+        default=[],
+        help="a directory beneath which workspaces and rw policy paths may be lent to runs "
+        "(repeatable; replaces the configuration's lendable_roots; default /home, /tmp, "
+        "/var/tmp); never a system tree",
     )
     p.add_argument(
         "--max-frame-bytes",
@@ -405,9 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "audit":
         return _audit(args)
     if args.command == "serve":
-        return _serve(args)
+        return _refusing(_serve, args)
     if args.command == "run":
-        return _run(args)
+        return _refusing(_run, args)
     if args.command == "exec":
         return _exec(args)
     if args.command == "image":
@@ -421,8 +435,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "agent":
         from gatewayd.agent import cli as agent_cli
 
-        return agent_cli.main(args)
+        return _refusing(agent_cli.main, args)
     return EXIT_USAGE  # pragma: no cover (argparse enforces the choices)
+
+
+def _refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command that starts a daemon; a refused start (another daemon on this host
+    holds what this one would use, or the host's registry of daemons cannot be used) is
+    its message and EXIT_FAILED, not a traceback."""
+    from gatewayd.sandbox.daemons import DaemonRegistryError
+
+    try:
+        return command(args)
+    except DaemonRegistryError as exc:
+        print(f"gatewayd: refused to start: {exc}", file=sys.stderr)
+        return EXIT_FAILED
 
 
 def _policy_check(path: Path) -> int:
@@ -805,6 +832,12 @@ _SETTING_OPTIONS: Final = (
     ("--audit-max-bytes", "audit_max_bytes", lambda v: v),
     ("--netns-prefix", "netns_prefix", lambda v: v),
     ("--sandbox-uids", "sandbox_uids", lambda v: {"base": v[0], "count": v[1]}),
+    # Normalized: a relative root is taken from the current directory, ".." included.
+    (
+        "--lendable-root",
+        "lendable_roots",
+        lambda v: tuple(Path(os.path.abspath(p)) for p in v) or None,
+    ),
     ("--no-os-sandbox", "os_sandbox", lambda v: False if v else None),
 )
 
@@ -846,11 +879,14 @@ def _config(args: argparse.Namespace) -> DaemonConfig:
         policy_dirs=config.policy_dirs,
         max_frame_bytes=config.max_frame_bytes,
         audit_fsync=config.audit_fsync,
+        audit_reply_after_result=config.audit_reply_after_result,
         audit_max_bytes=config.audit_max_bytes,
         os_sandbox=config.os_sandbox,
         bwrap=config.bwrap,
         netns_prefix=config.netns_prefix,
-        sandbox_uids=config.sandbox_uids.as_range(),
+        # Unset: the daemon derives both from its state directory, as `config show` says.
+        sandbox_uids=None if config.sandbox_uids is None else config.resolved_sandbox_uids,
+        lendable_roots=config.lendable_roots,
         models=config.models,
         secret_env=config.secret_env,
     )
@@ -899,6 +935,13 @@ def _config_command(args: argparse.Namespace) -> int:
             print(
                 "warning: audit_fsync: false: an audit entry is not durable before its "
                 "call's effect (for tests and benchmarks only)",
+                file=sys.stderr,
+            )
+        if not config.audit_reply_after_result:
+            print(
+                "warning: audit_reply_after_result: false: answers leave before their "
+                "result entry is durable, so a crash can lose the results of calls the "
+                "sandbox saw answered (docs/audit.md)",
                 file=sys.stderr,
             )
         return EXIT_OK
@@ -1014,9 +1057,14 @@ def _run_request(args: argparse.Namespace) -> RunRequest:
     from gatewayd.runs import Grant, RunLimits, RunRequest, format_validation_error
 
     if args.spec is not None:
+        from gatewayd import strictjson
+        from gatewayd.inputfile import InputFileError, read_input_file
+
         try:
-            return RunRequest.model_validate(json.loads(args.spec.read_text()))
-        except (OSError, ValueError) as exc:
+            raw = read_input_file(args.spec, max_bytes=MAX_SPEC_BYTES, what="the run spec")
+            strictjson.check(raw)
+            return RunRequest.model_validate_json(raw, strict=True)
+        except (InputFileError, strictjson.JsonInputError, pydantic.ValidationError) as exc:
             detail = (
                 format_validation_error(exc)
                 if isinstance(exc, pydantic.ValidationError)
@@ -1076,7 +1124,7 @@ def _run(args: argparse.Namespace) -> int:
         nonlocal status
         async with open_daemon(config) as daemon:
             try:
-                run = await daemon.start_run(request)
+                run = await daemon.start_run(request, policy_paths=True)
             except GatewayError as exc:  # no grant, no sandbox, a workspace out of reach
                 print(f"gatewayd: {exc.code}: {exc}", file=sys.stderr)
                 return

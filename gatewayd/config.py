@@ -42,7 +42,6 @@ from typing import Annotated, Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
 import pydantic
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -54,10 +53,14 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from gatewayd import strictyaml
+from gatewayd.inputfile import InputFileError, read_input_file
 from gatewayd.policy.section import model_at
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES
-from gatewayd.sandbox.netns import NETNS_PREFIX, _check_prefix
-from gatewayd.sandbox.uids import DEFAULT_UID_BASE, DEFAULT_UID_COUNT, UidRange
+from gatewayd.sandbox.daemons import derived_netns_prefix, derived_uid_range
+from gatewayd.sandbox.lendable import DEFAULT_LENDABLE_ROOTS, SETTING_HINT, root_problem
+from gatewayd.sandbox.netns import _check_prefix
+from gatewayd.sandbox.uids import DEFAULT_UID_COUNT, UidRange, check_derivable_count
 from gatewayd.secrets import NAME_RE as SECRET_NAME_RE
 
 DEFAULT_CONFIG_PATH: Final = Path("/etc/gatewayd/gatewayd.yaml")
@@ -79,9 +82,20 @@ DEFAULT_AUDIT_MAX_BYTES: Final = 64 * 1024 * 1024
 MAX_FRAME_BYTES: Final = 64 << 20
 # One model call; the reviewer's own (shorter) timeout comes from the policy.
 DEFAULT_MODEL_TIMEOUT_S: Final = 60.0
+# The most of one model reply gatewayd reads (decoded bytes; past it the call fails).
+# The longest answers models write (~128k tokens, ~0.5 MiB of text) fit many times over,
+# even as tool call arguments JSON-escaped twice; a reply is held whole while it is
+# parsed, by every call in flight at once, so the cap is what bounds that memory.
+DEFAULT_MAX_REPLY_BYTES: Final = 8 << 20
+# An alias may set its own cap within these: below 64 KiB ordinary answers fail; above
+# 256 MiB one call could take a host's memory.
+MIN_REPLY_BYTES: Final = 64 << 10
+MAX_REPLY_BYTES: Final = 256 << 20
 MAX_CONFIG_BYTES: Final = 1 << 20
 # More policy directories than this is a pasted list, not a search path.
 MAX_POLICY_DIRS: Final = 32
+# Likewise for lendable roots: a few places where workspaces live.
+MAX_LENDABLE_ROOTS: Final = 32
 _ALIAS_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PROVIDER_RE: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _ENV_RE: Final = SECRET_NAME_RE  # a variable name, and so a safe credential file name
@@ -132,6 +146,9 @@ class ModelAlias(_Strict):
     timeout_s: Annotated[float, Field(strict=True, gt=0, le=3600, allow_inf_nan=False)] = (
         DEFAULT_MODEL_TIMEOUT_S
     )
+    max_reply_bytes: Annotated[int, Field(strict=True, ge=MIN_REPLY_BYTES, le=MAX_REPLY_BYTES)] = (
+        DEFAULT_MAX_REPLY_BYTES
+    )
 
     @property
     def litellm_model(self) -> str:
@@ -140,24 +157,33 @@ class ModelAlias(_Strict):
 
 
 class SandboxUids(_Strict):
-    """``count`` host uids from ``base``: one per live sandboxed run (gid = uid)."""
+    """``count`` host uids from ``base``: one per live sandboxed run (gid = uid). No
+    ``base``: one derived from the state directory, so two daemons get two ranges."""
 
-    base: Annotated[int, Field(strict=True)] = DEFAULT_UID_BASE
+    base: Annotated[int, Field(strict=True)] | None = None
     count: Annotated[int, Field(strict=True)] = DEFAULT_UID_COUNT
 
     @model_validator(mode="after")
     def _usable(self) -> SandboxUids:
-        self.as_range()  # UidRange's own check, with its own message
+        # UidRange's own checks, with their own messages
+        if self.base is None:
+            check_derivable_count(self.count)
+        else:
+            UidRange(self.base, self.count)
         return self
 
-    def as_range(self) -> UidRange:
-        """The :class:`UidRange` the daemon's uid pool takes."""
+    def as_range(self, state_dir: Path) -> UidRange:
+        """The :class:`UidRange` the daemon's uid pool takes (``state_dir`` places it
+        when ``base`` is not given)."""
+        if self.base is None:
+            return derived_uid_range(state_dir, self.count)
         return UidRange(self.base, self.count)
 
 
 Alias = Annotated[str, Field(strict=True), _check(_ALIAS_RE, "model alias")]
 SecretName = Annotated[str, Field(strict=True), _check(_ENV_RE, "secret_env name")]
 AbsolutePath = Annotated[Path, AfterValidator(_check_absolute)]
+NetnsPrefix = Annotated[str, Field(strict=True), AfterValidator(_check_netns_prefix)]
 # A few tokens, not a vault: a longer list is a mistake (or a pasted file).
 MAX_SECRET_NAMES: Final = 64
 
@@ -176,6 +202,12 @@ def _check_unique(names: tuple[str, ...]) -> tuple[str, ...]:
     if repeated:
         raise ValueError(f"names a secret more than once: {', '.join(repeated)}")
     return names
+
+
+_LENDABLE_ROOTS_HINT: Final = (
+    f"a lendable root is a directory that holds workspaces, e.g. /srv/workspaces; change "
+    f"{SETTING_HINT}"
+)
 
 
 class GatewaydConfig(_Strict):
@@ -198,6 +230,9 @@ class GatewaydConfig(_Strict):
     # -- the audit log and the wire
     # False only for tests and benchmarks: an entry is then not durable before the effect.
     audit_fsync: Annotated[bool, Field(strict=True)] = True
+    # False trades invariant RESULT_BEFORE_REPLY for speed: an answer no longer waits for
+    # its result entry, which a crash can then lose (docs/audit.md).
+    audit_reply_after_result: Annotated[bool, Field(strict=True)] = True
     # 0: never rotate.
     audit_max_bytes: Annotated[int, Field(strict=True, ge=0)] = DEFAULT_AUDIT_MAX_BYTES
     max_frame_bytes: Annotated[int, Field(strict=True, ge=MIN_FRAME_BYTES, le=MAX_FRAME_BYTES)] = (
@@ -207,10 +242,14 @@ class GatewaydConfig(_Strict):
     # False: behave as on a host without bubblewrap (runs need require_os_sandbox: false).
     os_sandbox: Annotated[bool, Field(strict=True)] = True
     bwrap: Annotated[str, Field(strict=True, min_length=1)] = DEFAULT_BWRAP
-    netns_prefix: Annotated[str, Field(strict=True), AfterValidator(_check_netns_prefix)] = (
-        NETNS_PREFIX
+    # None (both): derived from state_dir, so two daemons on one host get two of each.
+    netns_prefix: NetnsPrefix | None = None
+    sandbox_uids: SandboxUids | None = None
+    # Workspaces and rw policy paths are lent (chowned to the run's uid) only strictly
+    # beneath one of these; no system tree may be one (gatewayd/sandbox/lendable.py).
+    lendable_roots: Annotated[tuple[AbsolutePath, ...], Field(max_length=MAX_LENDABLE_ROOTS)] = (
+        DEFAULT_LENDABLE_ROOTS
     )
-    sandbox_uids: SandboxUids = Field(default_factory=SandboxUids)
     # -- models and secrets
     models: dict[Alias, ModelAlias] = Field(default_factory=dict)
     # Names of further secrets (environment variables or systemd credentials) whose
@@ -233,6 +272,24 @@ class GatewaydConfig(_Strict):
             )
         return self
 
+    @field_validator("lendable_roots")
+    @classmethod
+    def _no_system_tree_lendable(cls, roots: tuple[Path, ...]) -> tuple[Path, ...]:
+        for root in roots:
+            problem = root_problem(str(root))
+            if problem is not None:
+                raise ValueError(f"{problem}; {_LENDABLE_ROOTS_HINT}")
+        return roots
+
+    @model_validator(mode="after")
+    def _lendable_roots_outside_gatewayds_dirs(self) -> GatewaydConfig:
+        reserved = (("state_dir", self.state_dir), ("agent_dir", self.resolved_agent_dir))
+        for root in self.lendable_roots:
+            problem = root_problem(str(root), reserved)
+            if problem is not None:
+                raise ValueError(f"lendable_roots: {problem}; {_LENDABLE_ROOTS_HINT}")
+        return self
+
     @field_validator("bwrap")
     @classmethod
     def _bwrap_absolute(cls, value: str) -> str:
@@ -252,6 +309,14 @@ class GatewaydConfig(_Strict):
     @property
     def resolved_agent_dir(self) -> Path:
         return self.agent_dir or agent_dir_for(self.state_dir)
+
+    @property
+    def resolved_netns_prefix(self) -> str:
+        return self.netns_prefix or derived_netns_prefix(self.state_dir)
+
+    @property
+    def resolved_sandbox_uids(self) -> UidRange:
+        return (self.sandbox_uids or SandboxUids()).as_range(self.state_dir)
 
 
 def agent_dir_for(state_dir: Path) -> Path:
@@ -311,11 +376,9 @@ def _env_uid_range(text: str) -> Any:
 def _env_mapping(text: str) -> Any:
     # The value is never echoed: a pasted key would land in the error message.
     try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise ValueError(f"not a YAML or JSON mapping{where}") from None
+        value = strictyaml.load(text)
+    except strictyaml.YamlInputError as exc:
+        raise ValueError(f"not a YAML or JSON mapping ({exc})") from None
     if not isinstance(value, dict):
         raise ValueError(  # noqa: TRY004 - pydantic reports ValueError
             "must be a YAML or JSON mapping, e.g. {reviewer: {provider: ...}}"
@@ -338,12 +401,14 @@ ENV_SYNTAX: Final[Mapping[str, EnvSyntax]] = {
     "agent_dir": EnvSyntax(_env_text, "/srv/gatewayd-agent"),
     "policy_dirs": EnvSyntax(_env_path_list, "/etc/gatewayd/policies:/srv/policies"),
     "audit_fsync": EnvSyntax(_env_bool, "false"),
+    "audit_reply_after_result": EnvSyntax(_env_bool, "false"),
     "audit_max_bytes": EnvSyntax(_env_int, "268435456"),
     "max_frame_bytes": EnvSyntax(_env_int, "4194304"),
     "os_sandbox": EnvSyntax(_env_bool, "false"),
     "bwrap": EnvSyntax(_env_text, "/usr/local/bin/bwrap"),
     "netns_prefix": EnvSyntax(_env_text, "gw2-"),
     "sandbox_uids": EnvSyntax(_env_uid_range, "1700000000+256"),
+    "lendable_roots": EnvSyntax(_env_path_list, "/srv/workspaces:/home"),
     "models": EnvSyntax(
         _env_mapping, "{reviewer: {provider: openai, model: gpt-4o-mini, api_key_env: OPENAI_KEY}}"
     ),
@@ -354,12 +419,17 @@ ENV_SYNTAX: Final[Mapping[str, EnvSyntax]] = {
 # --- reading and merging ---------------------------------------------------------------
 
 
+# The source `gatewayd config show` names for a value derived from the state directory.
+DERIVED_SOURCE: Final = "default (from state_dir)"
+
+
 @dataclass(frozen=True)
 class Settings:
     """The effective configuration and where each value came from.
 
     ``sources`` maps every setting to ``default``, ``file <path>``, ``env <NAME>`` or
-    ``option <--flag>``; ``unknown_env`` lists ``GATEWAYD_`` variables that are no setting
+    ``option <--flag>`` (:data:`DERIVED_SOURCE` for a default derived from the state
+    directory); ``unknown_env`` lists ``GATEWAYD_`` variables that are no setting
     (most likely a typo), each with a hint.
     """
 
@@ -386,14 +456,14 @@ def load_config(path: Path) -> GatewaydConfig:
     dotted path (with the allowed fields and a close match for an unknown one).
     """
     try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read the configuration: {exc.strerror}") from None
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: over {MAX_CONFIG_BYTES} bytes; this is not a config file")
+        raw = read_input_file(path, max_bytes=MAX_CONFIG_BYTES, what="the configuration")
+    except InputFileError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
     try:
-        data = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
+        data = strictyaml.load(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (bad byte at offset {exc.start})") from None
+    except strictyaml.YamlInputError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if data is None:
         data = {}
@@ -448,6 +518,12 @@ def resolve_settings(
         config = GatewaydConfig.model_validate(values)
     except pydantic.ValidationError as exc:  # a combination no single layer shows
         raise ConfigError(f"the combined settings: {'; '.join(_problems(exc))}") from None
+    if config.netns_prefix is None:
+        sources["netns_prefix"] = DERIVED_SOURCE
+    if config.sandbox_uids is None:
+        sources["sandbox_uids"] = DERIVED_SOURCE
+    elif config.sandbox_uids.base is None:
+        sources["sandbox_uids"] += ", base from state_dir"
     return Settings(config, sources, file, _unknown_env(environ))
 
 
@@ -529,6 +605,11 @@ def shown_values(config: GatewaydConfig) -> dict[str, Any]:
             value = config.resolved_control_socket
         elif name == "agent_dir":
             value = config.resolved_agent_dir
+        elif name == "netns_prefix":
+            value = config.resolved_netns_prefix
+        elif name == "sandbox_uids":
+            uids = config.resolved_sandbox_uids
+            value = {"base": uids.base, "count": uids.count}
         if name == "models":
             value = {
                 alias: {

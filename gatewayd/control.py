@@ -27,13 +27,14 @@ import pydantic
 import structlog
 import trio
 
+from gatewayd import strictjson
 from gatewayd.daemon import Daemon
 from gatewayd.errors import GatewayError
 from gatewayd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.policy import PolicyError
 from gatewayd.protocol import ErrorCode
 from gatewayd.review.rulebook import Applied, Pending, RuleAction, RuleChangeError
-from gatewayd.runs import RunRequest, format_validation_error
+from gatewayd.runs import MAX_PATH_CHARS, RunRequest, format_validation_error
 from gatewayd.sandbox.launch import ExecResult
 from gatewayd.sandbox.session import SandboxUnavailable
 from gatewayd.server import open_unix_listener, peer_credentials
@@ -65,20 +66,27 @@ _PENDING_PATH: Final = re.compile(r"/v1/rules/pending/([0-9a-f]{32})(/confirm)?"
 class RuleRequest(pydantic.BaseModel):
     """``POST /v1/rules``: one change to a policy's plain-language review rules."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    policy: str = pydantic.Field(min_length=1)
+    # A policy's name (a path is refused when it is looked up).
+    policy: str = pydantic.Field(min_length=1, max_length=MAX_PATH_CHARS)
     action: Literal["add_deny", "remove_allow", "add_allow", "remove_deny"]
     rule: str = pydantic.Field(min_length=1, max_length=2000)
     addedBy: str | None = pydantic.Field(default=None, max_length=200)
 
 
-def _parse(model: type[_M], body: bytes) -> _M:
+def _parse(model: type[_M], body: bytes, what: str = "request") -> _M:
+    """A request body as ``model``: one JSON discipline (gatewayd/strictjson.py: no key
+    twice, bounded depth, no NaN), then strict types (``"yes"`` is not ``true``)."""
     try:
-        return model.model_validate_json(body or b"null")
+        strictjson.check(body or b"null")
+    except strictjson.JsonInputError as exc:
+        raise HttpError(400, ErrorCode.BAD_REQUEST, f"body is not acceptable JSON: {exc}") from None
+    try:
+        return model.model_validate_json(body or b"null", strict=True)
     except pydantic.ValidationError as exc:
         raise HttpError(
-            400, ErrorCode.BAD_REQUEST, f"bad request: {format_validation_error(exc)}"
+            400, ErrorCode.BAD_REQUEST, f"bad {what}: {format_validation_error(exc)}"
         ) from None
 
 
@@ -93,7 +101,7 @@ def _applied(applied: Applied) -> dict[str, Any]:
 class ExecRequest(pydantic.BaseModel):
     """``POST /v1/runs/{id}/exec``: a command to run in the run's sandbox."""
 
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
 
     command: tuple[str, ...] = pydantic.Field(min_length=1, max_length=MAX_EXEC_ARGS)
     stdin: str | None = None
@@ -281,18 +289,17 @@ class ControlServer:
             )
         except HttpError as exc:
             return exc.status, _error_body(exc.code, exc.message)
+        except Exception:
+            # gatewayd's fault: the operator still gets an answer, and the connection
+            # (and every other request) goes on.
+            log.exception("control_request_failed", method=method, target=target[:200])
+            return 500, _error_body(
+                ErrorCode.INTERNAL,
+                "gatewayd failed on this request; its log (control_request_failed) has details",
+            )
 
     async def _create(self, body: bytes) -> tuple[int, Any]:
-        try:
-            raw = json.loads(body or b"null")
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise HttpError(400, ErrorCode.BAD_REQUEST, f"body is not JSON: {exc}") from None
-        try:
-            request = RunRequest.model_validate(raw)
-        except pydantic.ValidationError as exc:
-            raise HttpError(
-                400, ErrorCode.BAD_REQUEST, f"bad run request: {format_validation_error(exc)}"
-            ) from None
+        request = _parse(RunRequest, body, "run request")
         try:
             run = await self.daemon.start_run(request)
         except GatewayError as exc:  # AuthzDenied, PolicyViolation, SandboxUnavailable
@@ -318,7 +325,7 @@ class ControlServer:
                 ref = (query.get("policy") or [""])[0]
                 if not ref:
                     raise HttpError(400, ErrorCode.BAD_REQUEST, "name the policy: ?policy=NAME")
-                policy, source = daemon.registry.load_policy(ref)
+                policy, source = daemon.registry.load_policy_by_name(ref)
                 section, rules = daemon.rules.current(source, policy.review)
                 return 200, {
                     "ok": True,
@@ -364,12 +371,7 @@ class ControlServer:
         raise HttpError(404, ErrorCode.BAD_REQUEST, f"no route {method} {target}")
 
     async def _exec(self, run_id: str, body: bytes) -> tuple[int, Any]:
-        try:
-            request = ExecRequest.model_validate_json(body or b"null")
-        except pydantic.ValidationError as exc:
-            raise HttpError(
-                400, ErrorCode.BAD_REQUEST, f"bad exec request: {format_validation_error(exc)}"
-            ) from None
+        request = _parse(ExecRequest, body, "exec request")
         stdin = None if request.stdin is None else request.stdin.encode()
         try:
             result = await self.daemon.exec_in_run(

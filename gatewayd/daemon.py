@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import resource
 import stat
 from collections.abc import AsyncIterator, Mapping
@@ -28,6 +29,7 @@ from gatewayd.egress import EgressProxy, serve_egress
 from gatewayd.errors import GatewayError, PolicyViolation
 from gatewayd.metrics import METRICS
 from gatewayd.policy import Policy, PolicyError, SandboxSection, tool_allowed
+from gatewayd.policy.paths import PathMode
 from gatewayd.policy.rate import TokenBucket
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
 from gatewayd.review.reviewer import Reviewer
@@ -42,9 +44,16 @@ from gatewayd.review.rulebook import (
 )
 from gatewayd.runs import PolicyLoader, Run, RunRegistry, RunRequest, RunState
 from gatewayd.sandbox.cgroup import probe_cgroups, remove_empty_leftovers
+from gatewayd.sandbox.daemons import (
+    DaemonShare,
+    Registration,
+    derived_netns_prefix,
+    derived_uid_range,
+    register_daemon,
+)
 from gatewayd.sandbox.launch import BWRAP, Echo, ExecResult
+from gatewayd.sandbox.lendable import DEFAULT_LENDABLE_ROOTS, LendableRoots
 from gatewayd.sandbox.limits import HostUser
-from gatewayd.sandbox.netns import NETNS_PREFIX
 from gatewayd.sandbox.plan import (
     COGNI_TOOL_VISIBLE_DIR,
     EGRESS_PROXY_PORT,
@@ -95,15 +104,22 @@ class DaemonConfig:
     )
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     audit_fsync: bool = True
+    # Answers wait for their result entry to be durable (False: the documented opt-out).
+    audit_reply_after_result: bool = True
     # Rotate the audit log's active file before it grows past this (0: never).
     audit_max_bytes: int = DEFAULT_MAX_SEGMENT_BYTES
     # False: behave as on a host without bubblewrap (runs need require_os_sandbox: false).
     os_sandbox: bool = True
     bwrap: str = BWRAP
+    # A workspace or rw policy path is lent to a run only strictly beneath one of these
+    # (gatewayd/sandbox/lendable.py); a system tree never is.
+    lendable_roots: tuple[Path, ...] = DEFAULT_LENDABLE_ROOTS
     # Two daemons on one host need different prefixes and uid ranges: each removes the
-    # namespaces with its prefix at start, and hands out the uids of its range.
-    netns_prefix: str = NETNS_PREFIX
-    sandbox_uids: UidRange = field(default_factory=UidRange)
+    # namespaces with its prefix at start, and hands out the uids of its range. None:
+    # derived from state_dir (gatewayd/sandbox/daemons.py); the host's registry of
+    # daemons refuses a start that would share either with a live daemon.
+    netns_prefix: str | None = None
+    sandbox_uids: UidRange | None = None
     # Model aliases (gatewayd's configuration file): the review model, later model.chat.
     models: Mapping[str, ModelAlias] = field(default_factory=dict)
     # Further secrets to scrub from all output (the configuration file's secret_env).
@@ -119,6 +135,24 @@ class DaemonConfig:
     @property
     def resolved_agent_dir(self) -> Path:
         return self.agent_dir or agent_dir_for(self.state_dir)
+
+    @property
+    def resolved_netns_prefix(self) -> str:
+        return self.netns_prefix or derived_netns_prefix(self.state_dir)
+
+    @property
+    def resolved_sandbox_uids(self) -> UidRange:
+        return self.sandbox_uids or derived_uid_range(self.state_dir)
+
+    def host_share(self) -> DaemonShare:
+        """What this daemon takes of the host (the registry's view): its directories as
+        they really are, and, with the OS sandbox, its prefix and uids."""
+        return DaemonShare(
+            state_dir=Path(os.path.realpath(self.state_dir)),
+            agent_dir=Path(os.path.realpath(self.resolved_agent_dir)),
+            netns_prefix=self.resolved_netns_prefix if self.os_sandbox else None,
+            uids=self.resolved_sandbox_uids if self.os_sandbox else None,
+        )
 
 
 class Daemon:
@@ -159,9 +193,10 @@ class Daemon:
             models=config.models,
             scrubber=scrubber or Scrubber.for_config(config.models, config.secret_env),
             resolve=config.resolver,
+            reply_after_result=config.audit_reply_after_result,
         )
         self._nursery = nursery
-        self.uid_pool = UidPool(config.sandbox_uids)
+        self.uid_pool = UidPool(config.resolved_sandbox_uids)
         self.support = SandboxSupport(False, "not probed yet")
         self.sandbox_settings: SandboxSettings | None = None
 
@@ -173,7 +208,7 @@ class Daemon:
         leftovers = await trio.to_thread.run_sync(
             _clean_leftovers_quietly,
             self.registry.runs_dir,
-            config.netns_prefix if config.os_sandbox else None,
+            config.resolved_netns_prefix if config.os_sandbox else None,
         )
         agent_dirs = await trio.to_thread.run_sync(_remove_agent_leftovers, config)
         if agent_dirs:
@@ -191,7 +226,7 @@ class Daemon:
             probe_user = self.uid_pool.acquire()
             try:
                 self.support = await trio.to_thread.run_sync(
-                    probe_os_sandbox, config.bwrap, probe_user, config.netns_prefix
+                    probe_os_sandbox, config.bwrap, probe_user, config.resolved_netns_prefix
                 )
             finally:
                 self.uid_pool.release(probe_user)
@@ -216,7 +251,7 @@ class Daemon:
             detail["cgroupsReason"] = cgroups.reason or None
             self.sandbox_settings = SandboxSettings(
                 bwrap=config.bwrap,
-                netns_prefix=config.netns_prefix,
+                netns_prefix=config.resolved_netns_prefix,
                 state_dir=config.state_dir,
                 cogni_tool_dir=install_cogni_tool(config.state_dir),
                 layout=probe_host_layout(),
@@ -232,20 +267,33 @@ class Daemon:
         *,
         sandbox_user: HostUser | None = None,
         lend_workspace: bool = True,
+        policy_paths: bool = False,
+        own_root: Path | None = None,
     ) -> Run:
         """Create a run and start serving its socket. Refusals are audited, then raised.
         ``sandbox_user`` and ``lend_workspace``: see :meth:`RunSandbox.open` (an agent
         run's overlay workspace is made the run uid's before the run starts).
+        ``own_root``: a directory gatewayd made for this run alone (an agent run's work
+        directory), beneath which its trees may lie besides the lendable roots.
+        ``policy_paths``: the request may name its policy by a file's path (gatewayd's own
+        command line); otherwise only by name, from the configured policy directories.
 
         Error handling: AuthzDenied (no sandbox grant), PolicyError (bad policy),
-        ValueError (bad workspace), OSError (gatewayd could not make the run's files);
-        each is recorded as a ``run_refused`` event with the matching code.
+        ValueError (bad workspace), NotLendable (a workspace or rw path under no lendable
+        root), OSError (gatewayd could not make the run's files); each is recorded as a
+        ``run_refused`` event with the matching code.
         """
+        roots = LendableRoots(
+            configured=self.config.lendable_roots, own=(own_root,) if own_root else ()
+        )
         try:
-            run = self.registry.create(request)
+            run = self.registry.create(request, policy_paths=policy_paths)
             structlog.contextvars.bind_contextvars(run_id=run.run_id)  # this task's lines
             try:
-                await self._isolate(run, sandbox_user, lend_workspace)
+                # Every run, sandboxed or degraded (whose host-side tools write as
+                # gatewayd), before anything of it is touched.
+                _require_lendable(run, roots)
+                await self._isolate(run, roots, sandbox_user, lend_workspace)
             except BaseException:
                 self.registry.remove(run)
                 raise
@@ -292,7 +340,11 @@ class Daemon:
         return run
 
     async def _isolate(
-        self, run: Run, user: HostUser | None = None, lend_workspace: bool = True
+        self,
+        run: Run,
+        roots: LendableRoots,
+        user: HostUser | None = None,
+        lend_workspace: bool = True,
     ) -> None:
         """Give the run its OS sandbox, or make it degraded if its policy allows that.
 
@@ -327,7 +379,7 @@ class Daemon:
         limits = policy.sandbox
         image = run.spec.request.sandboxImage
         async with self._isolating:
-            await self._open_sandbox(run, limits, image, user, lend_workspace)
+            await self._open_sandbox(run, limits, image, user, lend_workspace, roots)
 
     async def _open_sandbox(
         self,
@@ -336,6 +388,7 @@ class Daemon:
         image: str | None,
         user: HostUser | None,
         lend_workspace: bool,
+        roots: LendableRoots,
     ) -> None:
         assert self.sandbox_settings is not None
         busy = [*self._stuck_trees]
@@ -366,6 +419,7 @@ class Daemon:
             services=self._services_for(run),
             user=user,
             lend_workspace=lend_workspace,
+            roots=roots,
         )
 
     def _secret_env_names(self) -> set[str]:
@@ -396,7 +450,7 @@ class Daemon:
         Error handling: PolicyError for an unknown policy; RuleChangeError for a change
         that cannot be made (the message says why and what the rules are).
         """
-        _, source = self.registry.load_policy(policy_ref)
+        _, source = self.registry.load_policy_by_name(policy_ref)
         change = RuleChange(policy=source, action=action, text=text, added_by=added_by)
         outcome = self.rules.request(change)
         if isinstance(outcome, Pending):
@@ -790,11 +844,13 @@ class Daemon:
                 "policy_dirs",
                 "max_frame_bytes",
                 "audit_fsync",
+                "audit_reply_after_result",
                 "audit_max_bytes",
                 "os_sandbox",
                 "bwrap",
                 "netns_prefix",
                 "sandbox_uids",
+                "lendable_roots",
                 "secret_env",
             )
             if getattr(current, name) != getattr(config, name)
@@ -933,6 +989,14 @@ def _sandbox_detail(run: Run) -> dict[str, Any]:
     return {"os": True, "uid": run.sandbox.user.uid, "netns": run.sandbox.netns.name}
 
 
+def _require_lendable(run: Run, roots: LendableRoots) -> None:
+    """The run's workspace and every rw policy path may be lent (NotLendable if not)."""
+    roots.require(run.spec.workspace, what="workspace")
+    for grant in run.spec.grants:
+        if grant.mode is PathMode.RW:
+            roots.require(grant.host_root, what=f"policy path {grant.name!r} (rw)")
+
+
 def _refusal_code(exc: Exception) -> ErrorCode:
     """Whose fault a refused run was: the grant, the request, or gatewayd itself."""
     if isinstance(exc, GatewayError):  # AuthzDenied, PolicyViolation, SandboxUnavailable...
@@ -952,10 +1016,32 @@ def _counts(run: Run) -> dict[str, Any]:
 
 
 @asynccontextmanager
+async def _registered(config: DaemonConfig) -> AsyncIterator[Registration]:
+    """This daemon's entry in the host's registry of daemons, held for its whole life.
+    Taken before the audit log is opened or anything swept: a daemon that would clash
+    with a live one (DaemonClash) is refused having touched nothing."""
+    registration = await trio.to_thread.run_sync(register_daemon, config.host_share())
+    try:
+        if registration.stale:
+            log.warning(
+                "dead_daemons_unregistered", daemons=[s.to_json() for s in registration.stale]
+            )
+        yield registration
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(registration.release)
+
+
+@asynccontextmanager
 async def open_daemon(
     config: DaemonConfig, *, tools: dict[str, ToolSpec[Any]] | None = None
 ) -> AsyncIterator[Daemon]:
     """A running daemon; on exit every run is ended and the audit log closed.
+
+    Error handling: DaemonClash (gatewayd.sandbox.daemons) when another live daemon on
+    this host has this one's state directory, namespace prefix or sandbox uids, and
+    DaemonRegistryError when the host's registry of daemons cannot be used; raised
+    before anything is opened or swept.
 
     ``tools`` replaces the built-in tool table (tests add deliberately slow or
     failing tools to reach the timeout and internal paths).
@@ -963,6 +1049,7 @@ async def open_daemon(
     raise_open_file_limit()
     scrubber = Scrubber.for_config(config.models, config.secret_env)
     async with (
+        _registered(config),
         open_audit_log(
             config.resolved_audit_path,
             fsync=config.audit_fsync,

@@ -2,11 +2,13 @@
 
 identify -> authorize -> rate -> validate -> policy -> audit (write-ahead, durable)
 -> run (with the call's time limit) -> scrub secrets -> cap output -> audit result
--> respond.
+(durable) -> respond.
 
 Every call, allowed or not, leaves a ``call`` entry and a ``result`` entry in the
-audit log. Errors are values: each refusal maps to one ErrorCode with a message
-that says what is allowed; exceptions never reach the socket.
+audit log, and by default its answer is returned only once its ``result`` entry is
+durable (invariant RESULT_BEFORE_REPLY): whatever a client saw answered, the log holds
+in full after a crash. Errors are values: each refusal maps to one ErrorCode with a
+message that says what is allowed; exceptions never reach the socket.
 
 Secrets: every value on its way out (a tool's output, every error message) passes the
 scrubber here, so no configured secret (gatewayd/secrets.py) reaches the sandbox even if
@@ -78,8 +80,14 @@ class Dispatcher:
         scrubber: Scrubber | None = None,
         resolve: Callable[[str, int], Awaitable[tuple[Any, ...]]] | None = None,
         metrics: GatewayMetrics = METRICS,
+        reply_after_result: bool = True,
     ) -> None:
         self.audit = audit
+        # True: every answer waits until its result entry is durable. False (the
+        # operator's audit_reply_after_result: false): answers leave at once and the
+        # result entries ride the audit log's next flush, so a crash can lose the
+        # results of calls already answered (never the call entry of one that ran).
+        self.reply_after_result = reply_after_result
         self.tools = tools
         self.clock = clock
         self.reviewer = reviewer
@@ -117,14 +125,16 @@ class Dispatcher:
 
     # -- frames that never became requests -------------------------------------
 
-    def refuse_frame(self, run: Run, err: FrameError, peer: Peer) -> Response:
+    async def refuse_frame(self, run: Run, err: FrameError, peer: Peer) -> Response:
         """Audit and answer a malformed or oversize frame.
 
-        Its entries are not awaited: the audit log makes them durable within its
-        result sync delay (nothing ran, so there is nothing to write ahead of). A bad
+        Its two entries share one flush, awaited before the answer is returned like
+        any call's result (nothing ran, so there is nothing to write ahead of). A bad
         frame costs a token of the run's call budget like any call, so a flood of
         garbage is answered with ``rate_limited`` (and the connection closed by the
         server) instead of filling the audit disk at full speed.
+
+        Error handling: a log that cannot be written makes the answer ``internal``.
         """
         if not run.bucket.try_take(self.clock()):
             err = FrameError(
@@ -150,16 +160,18 @@ class Dispatcher:
             detail=detail,
             degraded=run.degraded,
         )
-        self.audit.record(
+        seq = self.audit.record(
             "result",
             runId=run.run_id,
             toolCallId=err.tool_call_id,
             errorCode=str(err.code),
             durationMs=0.0,
         )
-        run.count(str(err.code))
-        self._count_denied("", err.code)
-        return error_response(err.tool_call_id, err.code, message)
+        response = error_response(err.tool_call_id, err.code, message)
+        try:
+            return await self._answer(seq, response, run, "", err.code, None)
+        except AuditWriteError:
+            return self._audit_down(run, err.tool_call_id, None)
 
     # -- requests --------------------------------------------------------------
 
@@ -167,7 +179,8 @@ class Dispatcher:
         """Take one request through every step and return its response.
 
         Fails closed: when the audit log cannot be written, no call runs and every
-        answer is ``internal`` until the operator fixes the log.
+        answer is ``internal`` until the operator fixes the log; a call whose result
+        entry cannot be made durable is answered ``internal`` too, never with its value.
         """
         try:
             return await self._handle(run, req, peer)
@@ -186,25 +199,27 @@ class Dispatcher:
         try:
             spec, args = self._admit(run, req)
         except _Refusal as refusal:
-            return self._deny(run, req, peer, refusal, started)
+            return await self._deny(run, req, peer, refusal, started)
         review: dict[str, Any] | None = None
         if spec is not None and self.reviewer is not None:
             try:
                 outcome, ruleset = await self._review(run, req, args[0])
             except _Refusal as refusal:
-                return self._deny(run, req, peer, refusal, started)
+                return await self._deny(run, req, peer, refusal, started)
             except BaseException as exc:
                 if not is_cancellation(exc):
                     raise
-                # No write-ahead entry yet: the call still gets its pair of entries.
+                # No write-ahead entry yet: the call still gets its pair of entries
+                # (record() never awaits; the flusher writes what is queued).
                 stopped = _Refusal(ErrorCode.INTERNAL, CANCELLED_MESSAGE)
-                self._deny(run, req, peer, stopped, started)
+                self._record_denial(run, req, peer, stopped, started)
+                self._tally(run, req.tool, stopped.code, None)
                 raise
             if outcome is not None:
                 review = {**outcome.audit(), "ruleset": ruleset}
                 if not outcome.allowed:
                     denied = _Refusal(ErrorCode.REVIEW_DENIED, _review_message(outcome))
-                    return self._deny(run, req, peer, denied, started, review=review)
+                    return await self._deny(run, req, peer, denied, started, review=review)
 
         call_seq = self.audit.record(
             "call",
@@ -218,11 +233,14 @@ class Dispatcher:
             review=review,
             degraded=run.degraded,
         )
-        # Write-ahead: the entry is durable before the call has any effect. The result
-        # entry below is not awaited: the audit log makes it durable within its result
-        # sync delay, usually with the next call's write-ahead flush.
+        # Write-ahead: a call that can change or reveal anything outside gatewayd runs
+        # only once its entry is durable. A side-effect-free one (tools.list, reads of
+        # local state) skips that flush: nothing of it leaves gatewayd but its answer,
+        # which waits for the result entry, and that one flush writes both entries.
+        # When answers do not wait (the opt-out), every allowed call writes ahead.
         try:
-            await self.audit.durable(call_seq)
+            if (spec is not None and spec.side_effects) or not self.reply_after_result:
+                await self.audit.durable(call_seq)
             value = await self._run(run, spec, args)
             payload = self._scrub_output(encode_json(value), req.tool)
             limit = run.spec.policy.limits.max_output_bytes
@@ -234,25 +252,26 @@ class Dispatcher:
                     "smaller limit or an offset",
                 )
         except _Refusal as refusal:
-            code = str(refusal.code)
             message = self.scrubber.text(refusal.message)
-            self.audit.record(
+            elapsed = self.clock() - started
+            seq = self.audit.record(
                 "result",
                 runId=run.run_id,
                 toolCallId=req.toolCallId,
                 tool=req.tool,
-                errorCode=code,
+                errorCode=str(refusal.code),
                 safeMessage=message,
-                durationMs=round((self.clock() - started) * 1000, 3),
+                durationMs=round(elapsed * 1000, 3),
             )
-            run.count(code)
-            self._count_allowed(req.tool, self.clock() - started, refusal.code)
-            return error_response(req.toolCallId, refusal.code, message)
+            response = error_response(req.toolCallId, refusal.code, message)
+            return await self._answer(seq, response, run, req.tool, refusal.code, elapsed)
         except BaseException as exc:
             if not is_cancellation(exc):
                 raise
-            # The run or the daemon is ending under this call: its write-ahead entry
-            # still gets a result (record() never awaits, so this cannot be cancelled).
+            # The run or the daemon is ending under this call: its call entry still
+            # gets a result (record() never awaits, so this cannot be cancelled; the
+            # flusher writes what is queued, at the latest when the log closes).
+            elapsed = self.clock() - started
             self.audit.record(
                 "result",
                 runId=run.run_id,
@@ -260,25 +279,62 @@ class Dispatcher:
                 tool=req.tool,
                 errorCode=str(ErrorCode.INTERNAL),
                 safeMessage=CANCELLED_MESSAGE,
-                durationMs=round((self.clock() - started) * 1000, 3),
+                durationMs=round(elapsed * 1000, 3),
             )
-            run.count(str(ErrorCode.INTERNAL))
-            self._count_allowed(req.tool, self.clock() - started, ErrorCode.INTERNAL)
+            self._tally(run, req.tool, ErrorCode.INTERNAL, elapsed)
             raise
 
-        self.audit.record(
+        elapsed = self.clock() - started
+        seq = self.audit.record(
             "result",
             runId=run.run_id,
             toolCallId=req.toolCallId,
             tool=req.tool,
-            durationMs=round((self.clock() - started) * 1000, 3),
+            durationMs=round(elapsed * 1000, 3),
             outputDigest=sha256_digest(payload),
             outputBytes=len(payload),
         )
-        run.count(None)
-        self._count_allowed(req.tool, self.clock() - started, None)
         # The value goes out as the bytes just measured and digested: encoded once.
-        return ok_response(req.toolCallId, msgspec.Raw(payload))
+        response = ok_response(req.toolCallId, msgspec.Raw(payload))
+        return await self._answer(seq, response, run, req.tool, None, elapsed)
+
+    async def _answer(
+        self,
+        seq: int,
+        response: Response,
+        run: Run,
+        tool: str,
+        code: ErrorCode | None,
+        ran_s: float | None,
+    ) -> Response:
+        """Step 12: ``response`` once the call's result entry ``seq`` is durable
+        (invariant RESULT_BEFORE_REPLY; at once when the operator opted out), and the
+        call tallied (:meth:`_tally`).
+
+        Error handling: AuditWriteError passes through untallied, so the caller answers
+        ``internal`` instead of ``response`` and tallies that. A cancelled wait (the run
+        or gatewayd is ending) still tallies the call: its entry stays queued and the
+        flusher writes it anyway.
+        """
+        if self.reply_after_result:
+            try:
+                await self.audit.durable(seq)
+            except AuditWriteError:
+                raise
+            except BaseException:
+                self._tally(run, tool, code, ran_s)
+                raise
+        self._tally(run, tool, code, ran_s)
+        return response
+
+    def _tally(self, run: Run, tool: str, code: ErrorCode | None, ran_s: float | None) -> None:
+        """Count one finished call: for its run, and in the metrics as refused before
+        it ran (``ran_s`` None) or as run for ``ran_s`` seconds (failed with ``code``)."""
+        run.count(None if code is None else str(code))
+        if ran_s is not None:
+            self._count_allowed(tool, ran_s, code)
+        elif code is not None:
+            self._count_denied(tool, code)
 
     def _scrub_output(self, payload: bytes, tool: str) -> bytes:
         """Step 10: the output with every configured secret replaced; withheld (a
@@ -448,7 +504,7 @@ class Dispatcher:
             self.metrics.reviews.observe(outcome.latency_ms / 1000, (str(outcome.source),))
         return outcome, rules.digest
 
-    def _deny(
+    async def _deny(
         self,
         run: Run,
         req: Request,
@@ -458,6 +514,24 @@ class Dispatcher:
         *,
         review: dict[str, Any] | None = None,
     ) -> Response:
+        """Audit a call refused before it ran and answer it once both of its entries
+        are durable (one flush: nothing ran, so there is nothing to write ahead of)."""
+        seq, message = self._record_denial(run, req, peer, refusal, started, review=review)
+        response = error_response(req.toolCallId, refusal.code, message)
+        return await self._answer(seq, response, run, req.tool, refusal.code, None)
+
+    def _record_denial(
+        self,
+        run: Run,
+        req: Request,
+        peer: Peer,
+        refusal: _Refusal,
+        started: float,
+        *,
+        review: dict[str, Any] | None = None,
+    ) -> tuple[int, str]:
+        """Record a refused call's ``call`` and ``result`` entries (never awaits); returns
+        the result's seq and the scrubbed message."""
         message = self.scrubber.text(refusal.message)
         common: dict[str, Any] = {
             "runId": run.run_id,
@@ -476,15 +550,13 @@ class Dispatcher:
             review=review,
             degraded=run.degraded,
         )
-        self.audit.record(
+        seq = self.audit.record(
             "result",
             **common,
             errorCode=str(refusal.code),
             durationMs=round((self.clock() - started) * 1000, 3),
         )
-        run.count(str(refusal.code))
-        self._count_denied(req.tool, refusal.code)
-        return error_response(req.toolCallId, refusal.code, message)
+        return seq, message
 
 
 def is_cancellation(exc: BaseException) -> bool:

@@ -12,6 +12,15 @@ is set so litellm never fetches anything at import or call time and never reads 
 ``.env`` file; after it, every logging callback is cleared so nothing but the call
 itself leaves the host.
 
+Replies are bounded: every byte litellm reads from a provider passes
+:class:`CappedTransport`, installed in litellm at import for both of its HTTP paths (the
+OpenAI SDK's client, ``litellm.client_session``, and its own handler's transport,
+``litellm.sync_transport``). It counts the reply while it is read, after decoding (a
+gzip body is inflated a bounded piece at a time), and stops reading and closes the
+connection once the alias's ``max_reply_bytes`` is passed: the call fails as
+``too_large``, having held no more than the cap. Model calls go to the alias's endpoint
+directly: gatewayd's ``HTTP(S)_PROXY`` is not used, so the key goes nowhere else.
+
 Secrets: the key is read at each call from the environment variable ``alias.api_key_env``,
 else from the systemd credential of that name (gatewayd/secrets.py), handed to litellm for
 that call only, and scrubbed (in every encoding gatewayd.secrets covers) from every error
@@ -22,6 +31,7 @@ key) in an in-memory cache between calls.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import enum
 import functools
@@ -33,14 +43,16 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 import trio
 
-from gatewayd.config import ModelAlias
+from gatewayd.config import DEFAULT_MAX_REPLY_BYTES, ModelAlias
 from gatewayd.errors import GatewayError
 from gatewayd.protocol import ErrorCode
 from gatewayd.secrets import MIN_SCRUB_CHARS, REDACTION_PREFIX, SecretError, read_secret, redact
@@ -60,6 +72,14 @@ REDACTED: Final = REDACTION_PREFIX
 KEYLESS_PLACEHOLDER: Final = "no-key"
 # Bound on the __cause__/__context__ chain walked to classify an error.
 MAX_CAUSE_CHAIN: Final = 32
+# A compressed reply is inflated at most this much at a time, so a small body that
+# inflates hugely (a gzip bomb) is counted against the cap before it can fill memory.
+INFLATE_PIECE_BYTES: Final = 64 << 10
+# The one content coding gatewayd asks providers for: zlib inflates it in bounded
+# pieces. A reply in a coding gatewayd cannot bound that way (br, zstd) is refused.
+ACCEPT_ENCODING: Final = "gzip"
+# Codings zlib inflates (its automatic header detection takes gzip and zlib streams).
+_INFLATED_CODINGS: Final = frozenset({"gzip", "x-gzip", "deflate"})
 
 # Set before litellm is imported; each stops a fetch or a file read we did not ask for.
 _LITELLM_ENV: Final = {
@@ -102,6 +122,7 @@ class ModelCallKind(enum.StrEnum):
     PROVIDER_ERROR = "provider_error"  # 5xx, or litellm failed in a way we do not know
     MALFORMED = "malformed"  # an answer came back but is not a readable chat completion
     MISSING_KEY = "missing_key"  # the alias's key is in neither gatewayd's env nor a credential
+    TOO_LARGE = "too_large"  # the reply passed the alias's max_reply_bytes: not read further
 
 
 class ModelCallError(GatewayError):
@@ -161,6 +182,141 @@ class ToolCall:
     arguments: str
 
 
+# --- the reply cap -------------------------------------------------------------------
+
+# The cap of the call running in this thread: complete() sets it around litellm's call,
+# which reads the reply in the same thread. Outside a call the default holds.
+_REPLY_CAP: Final = contextvars.ContextVar(
+    "gatewayd_model_reply_cap", default=DEFAULT_MAX_REPLY_BYTES
+)
+
+
+class ReplyTooLarge(Exception):
+    """A provider's reply passed ``cap`` bytes while it was read; reading stopped there."""
+
+    def __init__(self, cap: int) -> None:
+        super().__init__(f"the provider's reply is over {cap} bytes")
+        self.cap = cap
+
+
+class CappedTransport(httpx.BaseTransport):
+    """An httpx transport whose replies are read at most up to the current call's cap.
+
+    It asks for ``gzip`` only, inflates a compressed reply itself in bounded pieces (the
+    reply then reaches httpx decoded, without Content-Encoding), counts both the bytes on
+    the wire and the decoded ones, and raises :class:`ReplyTooLarge` as soon as either
+    passes the cap, before a byte more is read; httpx then closes the connection. A reply
+    whose Content-Length is over the cap fails before its body is read at all.
+
+    Resource handling: the wrapped transport (its connection pool) is shared by every
+    client litellm builds on it and lives as long as the process; :meth:`close` leaves
+    it open, since litellm closes the clients it evicts from its cache.
+
+    Error handling: :class:`ReplyTooLarge` past the cap; :class:`httpx.DecodingError`
+    for a coding gatewayd did not ask for, stacked codings, or a corrupt gzip body.
+    """
+
+    def __init__(self, inner: httpx.BaseTransport) -> None:
+        self._inner = inner
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.headers["Accept-Encoding"] = ACCEPT_ENCODING
+        cap = _REPLY_CAP.get()
+        response = self._inner.handle_request(request)
+        try:
+            inflate = _inflater(response.headers.get_list("content-encoding", split_commas=True))
+            headers = response.headers
+            if inflate is not None:
+                dropped = {"content-encoding", "content-length"}
+                headers = httpx.Headers(
+                    [(k, v) for k, v in headers.multi_items() if k.lower() not in dropped]
+                )
+            elif _declared_length(headers) > cap:
+                raise ReplyTooLarge(cap)
+        except BaseException:
+            response.close()
+            raise
+        return httpx.Response(
+            response.status_code,
+            headers=headers,
+            stream=_CappedStream(response, inflate, cap),
+            extensions=response.extensions,
+        )
+
+    def close(self) -> None:
+        pass  # the shared pool outlives any one client (see the class docstring)
+
+
+class _CappedStream(httpx.SyncByteStream):
+    """The body of ``inner`` (the wrapped transport's response), counted and inflated."""
+
+    def __init__(self, inner: httpx.Response, inflate: _Inflater | None, cap: int) -> None:
+        self._inner = inner
+        self._inflate = inflate  # None: an identity body
+        self._cap = cap
+
+    def __iter__(self) -> Iterator[bytes]:
+        wire = decoded = 0
+        for chunk in self._inner.iter_raw():
+            wire += len(chunk)
+            if wire > self._cap:
+                raise ReplyTooLarge(self._cap)
+            for piece in self._inflate.feed(chunk) if self._inflate else (chunk,):
+                decoded += len(piece)
+                if decoded > self._cap:
+                    raise ReplyTooLarge(self._cap)
+                yield piece
+
+    def close(self) -> None:
+        self._inner.close()
+
+
+def _inflater(codings: list[str]) -> _Inflater | None:
+    """The inflater for the reply's content coding; None for an identity body."""
+    codings = [c.strip().lower() for c in codings if c.strip().lower() not in ("", "identity")]
+    if not codings:
+        return None
+    if len(codings) > 1:
+        raise httpx.DecodingError(
+            f"the reply has stacked content codings ({', '.join(codings)}); "
+            f"gatewayd asks for {ACCEPT_ENCODING} alone"
+        )
+    if codings[0] not in _INFLATED_CODINGS:
+        raise httpx.DecodingError(
+            f"the reply is in content coding {codings[0][:40]!r}, which gatewayd did not "
+            f"ask for (it asks for {ACCEPT_ENCODING})"
+        )
+    return _Inflater()
+
+
+class _Inflater:
+    """A gzip (or zlib) body, inflated INFLATE_PIECE_BYTES at most at a time."""
+
+    def __init__(self) -> None:
+        self._zlib = zlib.decompressobj(zlib.MAX_WBITS | 32)  # | 32: gzip or zlib header
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        """What ``data`` inflates to, in pieces; the rest of it waits in zlib's tail."""
+        while True:
+            try:
+                piece = self._zlib.decompress(data, INFLATE_PIECE_BYTES)
+            except zlib.error as exc:
+                raise httpx.DecodingError(f"the reply's gzip body is corrupt ({exc})") from None
+            if piece:
+                yield piece
+            data = self._zlib.unconsumed_tail
+            if not data and len(piece) < INFLATE_PIECE_BYTES:
+                return
+
+
+def _declared_length(headers: httpx.Headers) -> int:
+    """The Content-Length, 0 when absent or unreadable (the count while reading holds)."""
+    try:
+        return int(headers.get("content-length", "0"))
+    except ValueError:
+        return 0
+
+
 class _LiteLLM:
     """litellm, imported and configured once, on first use, by whichever thread asks."""
 
@@ -198,13 +354,44 @@ def _import_litellm() -> Any:
     for name in _FIRST_CALL_MODULES:
         with contextlib.suppress(ImportError):  # another litellm release: merely slower
             importlib.import_module(name)
+    _install_reply_cap(litellm)
     return litellm
+
+
+def _install_reply_cap(litellm: Any) -> None:
+    """Route every HTTP reply litellm reads through one :class:`CappedTransport`.
+
+    The OpenAI SDK's providers (``openai``, Azure, ...) use ``litellm.client_session``;
+    litellm's own handler (``anthropic``, ``hosted_vllm``, ``ollama_chat``, ...) builds its
+    clients on ``litellm.sync_transport``. TLS is litellm's own choice (its CA bundle and
+    HTTP/2 settings), so only the reading changes.
+    """
+    verify: Any = True
+    http2 = False
+    with contextlib.suppress(ImportError):  # another litellm release: httpx's defaults
+        handler: Any = importlib.import_module("litellm.llms.custom_httpx.http_handler")
+        http2 = bool(handler.http2_enabled())
+        verify = handler.get_ssl_configuration(http2=http2)
+    # One connection pool for every model call: httpx's default of 100 connections is
+    # more than the worker threads that can be in a model call at once (trio's default
+    # 40 plus the reviewer's MODEL_THREADS), so no call waits for a connection.
+    transport = CappedTransport(httpx.HTTPTransport(verify=verify, http2=http2))
+    litellm.sync_transport = transport
+    # trust_env=False: no proxy from gatewayd's environment (litellm's handler uses none
+    # either once given a transport); the key goes to the alias's endpoint only.
+    # Redirects are followed as litellm's own client does (httpx drops the
+    # Authorization header when one leaves the origin).
+    litellm.client_session = httpx.Client(
+        transport=transport, follow_redirects=True, trust_env=False
+    )
 
 
 _LITELLM: Final = _LiteLLM()
 
 
-def _completion_without_success_logging(litellm: Any, request: dict[str, Any]) -> Any:
+def _completion_without_success_logging(
+    litellm: Any, request: dict[str, Any], max_reply_bytes: int
+) -> Any:
     """``litellm.completion(**request)``, minus the success logging it hands to a
     background thread as it returns (cost maps, payload building: about 1 ms of Python
     that holds the GIL just when the trio thread wants it back; bench/model_overhead.py
@@ -214,15 +401,19 @@ def _completion_without_success_logging(litellm: Any, request: dict[str, Any]) -
     litellm skips it for its own internal calls, marked by a context variable; trio runs
     this in a copy of the caller's context, so the mark ends with the call. A litellm
     without that variable logs as before: correct, merely slower.
+
+    ``max_reply_bytes`` is the reply cap :class:`CappedTransport` applies to this call
+    (litellm reads the reply in this thread).
     """
+    cap = _REPLY_CAP.set(max_reply_bytes)
     internal = _internal_call_marker()
-    if internal is None:
-        return litellm.completion(**request)
-    token = internal.set(True)
+    token = internal.set(True) if internal is not None else None
     try:
         return litellm.completion(**request)
     finally:
-        internal.reset(token)
+        if token is not None:
+            internal.reset(token)
+        _REPLY_CAP.reset(cap)
 
 
 @functools.cache
@@ -273,8 +464,9 @@ async def complete(
     against the timeout) unless :func:`preload` ran.
 
     Error handling: :class:`ModelCallError` for every failure of the call, with a
-    ``kind`` and a message that is safe to show and free of the key. ValueError for a
-    timeout that is not a positive number (a caller's bug).
+    ``kind`` and a message that is safe to show and free of the key; a reply past the
+    alias's ``max_reply_bytes`` is ``too_large`` (read no further than the cap).
+    ValueError for a timeout that is not a positive number (a caller's bug).
     """
     if not (math.isfinite(timeout_s) and timeout_s > 0):
         raise ValueError(f"timeout_s must be a positive number of seconds, not {timeout_s!r}")
@@ -307,7 +499,9 @@ async def complete(
     try:
         with trio.fail_after(limit_s + TIMEOUT_GRACE_S):
             response = await trio.to_thread.run_sync(
-                functools.partial(_completion_without_success_logging, litellm, request),
+                functools.partial(
+                    _completion_without_success_logging, litellm, request, alias.max_reply_bytes
+                ),
                 abandon_on_cancel=True,
                 limiter=limiter,
             )
@@ -467,6 +661,13 @@ def _explain(
     match kind:
         case ModelCallKind.TIMEOUT:
             return kind, _timeout_message(where, limit_s)
+        case ModelCallKind.TOO_LARGE:
+            return kind, (
+                f"{where}: the provider's reply passed the cap of {alias.max_reply_bytes} "
+                "bytes (the alias's max_reply_bytes), so gatewayd stopped reading it and "
+                "the call failed; check the endpoint, or raise max_reply_bytes in "
+                "gatewayd's configuration if this model's replies really are that large"
+            )
         case ModelCallKind.CONNECTION:
             return kind, (
                 f"{where}: could not reach the provider ({detail}); check that the "
@@ -504,13 +705,18 @@ def _classify(litellm: Any, exc: Exception) -> tuple[ModelCallKind, int | None, 
 
     litellm's own exception classes are not reliable here (it reports an HTTP 500 as
     BadRequestError, and a dropped connection as InternalServerError), so the chain is
-    searched for what actually happened: a timeout, an HTTP status, a broken transport,
-    an unparsable body - in that order.
+    searched for what actually happened: a reply over the cap or in a coding gatewayd
+    cannot read, a timeout, an HTTP status, a broken transport, an unparsable body - in
+    that order.
     """
-    import httpx
-
     openai: Any = importlib.import_module("openai")
     links = _cause_chain(exc)
+    # First: the SDK and litellm wrap it as a connection error, which it is not.
+    if any(isinstance(link, ReplyTooLarge) for link in links):
+        return ModelCallKind.TOO_LARGE, None, ""
+    for link in links:
+        if isinstance(link, httpx.DecodingError):
+            return ModelCallKind.MALFORMED, None, _cap(str(link))
     timeouts = (litellm.Timeout, openai.APITimeoutError, httpx.TimeoutException, TimeoutError)
     if any(isinstance(link, timeouts) for link in links):
         return ModelCallKind.TIMEOUT, None, ""

@@ -19,6 +19,8 @@ from typing import Any, Final
 
 import msgspec
 
+from gatewayd import strictjson
+
 PROTOCOL_VERSION: Final = 1
 
 # Large enough for a file page or a model answer, small enough that one connection
@@ -208,34 +210,33 @@ class FrameDecoder:
 
 
 def decode_body(body: bytes) -> RequestReceived | FrameError:
-    """Decode one frame body into a request or a non-fatal error."""
+    """Decode one frame body into a request or a non-fatal error.
+
+    The body must first pass gatewayd's JSON discipline (:mod:`gatewayd.strictjson`: no
+    key twice in an object, nesting bounded, no NaN): msgspec alone would keep the
+    last of two ``"tool"`` keys without a word.
+    """
     try:
+        strictjson.check(body)
         request = _request_decoder.decode(body)
+    except strictjson.JsonInputError as exc:  # also bounds the depth msgspec recurses to
+        return _bad_request(f"frame body is not acceptable JSON: {exc}", body, _recover_id(body))
     except msgspec.ValidationError as exc:
-        return FrameError(
-            code=ErrorCode.BAD_REQUEST,
-            message=f"malformed request: {exc}",
-            tool_call_id=_recover_id(body),
-            fatal=False,
-            raw=body,
-        )
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # msgspec raises the latter
-        return FrameError(  # for invalid UTF-8 inside a string
-            code=ErrorCode.BAD_REQUEST,
-            message=f"frame body is not valid JSON: {exc}",
-            tool_call_id=None,
-            fatal=False,
-            raw=body,
-        )
-    except RecursionError:  # a few KiB of brackets can exhaust a recursive decoder
-        return FrameError(
-            code=ErrorCode.BAD_REQUEST,
-            message="request nests too deeply to decode; flatten the arguments",
-            tool_call_id=None,
-            fatal=False,
-            raw=body,
-        )
+        return _bad_request(f"malformed request: {exc}", body, _recover_id(body))
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+        # What json reads and msgspec does not (a lone surrogate escape in a string).
+        return _bad_request(f"frame body is not valid JSON: {exc}", body, None)
     return RequestReceived(request=request, frame_bytes=len(body))
+
+
+def _bad_request(message: str, body: bytes, tool_call_id: str | None) -> FrameError:
+    return FrameError(
+        code=ErrorCode.BAD_REQUEST,
+        message=message,
+        tool_call_id=tool_call_id,
+        fatal=False,
+        raw=body,
+    )
 
 
 def encode_frame(body: bytes) -> bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -35,6 +36,12 @@ RUN_ID_BYTES: Final = 16
 SOCKET_NAME: Final = "gateway.sock"
 # A unix socket path must fit in sun_path (108 bytes including the NUL).
 MAX_SOCKET_PATH: Final = 107
+# PATH_MAX: a longer path cannot name a file, so a request carrying one is not a request.
+MAX_PATH_CHARS: Final = 4096
+# A policy's name: what its file is called in a policy directory (``<name>.yaml``); the
+# same characters as a policy's own ``name`` field, never a path.
+POLICY_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+POLICY_SUFFIX: Final = ".yaml"
 PRIVATE_DIR_MODE: Final = 0o700
 # The state directory and runs/: nobody but root may list or create anything, but a
 # run's uid may pass through to its own directory (root:<run gid> 0710), whose socket
@@ -65,7 +72,8 @@ class IllegalTransition(RuntimeError):
 
 
 class _Strict(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid", frozen=True)
+    # strict: a request says what it means ("allowSandbox": "yes" is an error, not true).
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Grant(_Strict):
@@ -83,19 +91,21 @@ class RunLimits(_Strict):
 class RunRequest(_Strict):
     """What a caller may ask for. It has no runId field: gatewayd makes the id."""
 
-    workspacePath: str
-    policy: str
+    workspacePath: str = pydantic.Field(min_length=1, max_length=MAX_PATH_CHARS)
+    # A policy's name, looked up in the configured policy directories. Only gatewayd's
+    # own command line may name a file instead (``Daemon.start_run(policy_paths=True)``).
+    policy: str = pydantic.Field(min_length=1, max_length=MAX_PATH_CHARS)
     actorId: str = pydantic.Field(min_length=1, max_length=200)
     tenantId: str = pydantic.Field(min_length=1, max_length=200)
     grant: Grant = Grant()
     toolIds: tuple[str, ...] | None = None
     limits: RunLimits = RunLimits()
     taskInput: str = ""
-    graphId: str = "sandbox:task"
-    billingAccountId: str | None = None
+    graphId: str = pydantic.Field(default="sandbox:task", max_length=200)
+    billingAccountId: str | None = pydantic.Field(default=None, max_length=200)
     # A root filesystem for the sandbox instead of the host's system directories
     # (sandbox_image/README.md); an absolute host path, checked when the run starts.
-    sandboxImage: str | None = None
+    sandboxImage: str | None = pydantic.Field(default=None, max_length=MAX_PATH_CHARS)
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -241,8 +251,14 @@ class RunRegistry:
         make_private_dir(self.runs_dir, PASS_THROUGH_DIR_MODE)
 
     def load_policy(self, ref: str) -> tuple[Policy, str]:
-        """A policy by name or path, as runs load it: (policy, source path)."""
+        """A policy by name or by path (gatewayd's own use: a live run's source file, the
+        local command line): (policy, source path)."""
         return self._load_policy(ref)
+
+    def load_policy_by_name(self, name: str) -> tuple[Policy, str]:
+        """A policy by name only, from the configured policy directories (what the
+        control socket may ask for): (policy, source path)."""
+        return self._load_policy.by_name(name)
 
     def get(self, run_id: str) -> Run | None:
         return self._runs.get(run_id)
@@ -250,8 +266,10 @@ class RunRegistry:
     def all(self) -> list[Run]:
         return list(self._runs.values())
 
-    def create(self, request: RunRequest) -> Run:
+    def create(self, request: RunRequest, *, policy_paths: bool = False) -> Run:
         """Make a run from ``request``; raises AuthzDenied without the sandbox grant.
+        ``policy_paths``: the request's ``policy`` may name a file (gatewayd's own
+        command line); otherwise it is a name in the configured policy directories.
 
         Error handling: AuthzDenied when the grant lacks allowSandbox; PolicyError when
         the policy cannot be loaded or bound; ValueError for a bad workspace.
@@ -267,7 +285,10 @@ class RunRegistry:
         if not workspace.is_dir():
             raise ValueError(f"workspacePath {request.workspacePath!r} is not a directory")
         workspace = workspace.resolve(strict=True)
-        policy, source = self._load_policy(request.policy)
+        if policy_paths:
+            policy, source = self._load_policy(request.policy)
+        else:
+            policy, source = self._load_policy.by_name(request.policy)
         grants = bind_paths(policy, workspace)
         rules = RunRules(
             tool_patterns=tuple(policy.tools.allow),
@@ -319,27 +340,55 @@ class RunRegistry:
 
 
 class PolicyLoader:
-    """Turns the request's ``policy`` string into a loaded policy.
+    """Turns a request's ``policy`` string into a loaded policy: (policy, source path).
 
-    A bare name (``demo``) is looked up as ``<name>.yaml`` in the configured policy
-    directories; a path is loaded as is. Returns (policy, source path).
+    :meth:`by_name` looks a name up as ``<name>.yaml`` in the configured policy
+    directories, in order, and nothing else: what a control-socket caller may ask for.
+    Calling the loader also takes a path (anything with a ``/`` or a ``.yaml``/``.yml``
+    suffix), for gatewayd's own command line and a live run's recorded source.
     """
 
     def __init__(self, search_dirs: tuple[Path, ...]) -> None:
         self.search_dirs = search_dirs
 
-    def __call__(self, ref: str) -> tuple[Policy, str]:
+    def by_name(self, name: str) -> tuple[Policy, str]:
+        """The policy called ``name`` in the policy directories.
+
+        Error handling: PolicyError for a string that is not a policy name (a path, a
+        long string: nothing is looked up) or a name no directory holds.
+        """
         from gatewayd.policy import PolicyError, load_policy
+
+        if not POLICY_NAME_RE.fullmatch(name):
+            shown = (
+                repr(name) if len(name) <= 70 else repr(name[:64]) + f"... ({len(name)} characters)"
+            )
+            raise PolicyError(
+                "policy",
+                [
+                    f"{shown} is not a policy name: give the name of a policy in the "
+                    f"policy directories ({self._where()}), 1-64 letters, digits and ._- "
+                    "(e.g. 'demo'); a path is not accepted here"
+                ],
+            )
+        for directory in self.search_dirs:
+            path = directory / f"{name}{POLICY_SUFFIX}"
+            if os.path.lexists(path):
+                # The source is the file itself: what the audit names and a reload reads.
+                return load_policy(path), os.path.realpath(path)
+        hint = ""
+        if name.endswith((".yaml", ".yml")):
+            stem = name.rsplit(".", 1)[0]
+            hint = f" (a policy's name is its file's name without the suffix: {stem!r})"
+        raise PolicyError(name, [f"no policy named {name!r} in {self._where()}{hint}"])
+
+    def __call__(self, ref: str) -> tuple[Policy, str]:
+        from gatewayd.policy import load_policy
 
         if "/" in ref or ref.endswith((".yaml", ".yml")):
             path = Path(ref)
-        else:
-            candidates = [d / f"{ref}.yaml" for d in self.search_dirs]
-            found = [c for c in candidates if c.is_file()]
-            if not found:
-                where = ", ".join(str(d) for d in self.search_dirs) or "(none configured)"
-                raise PolicyError(ref, [f"no policy named {ref!r} in {where}"])
-            path = found[0]
-        if not path.is_file():
-            raise PolicyError(str(path), ["policy file not found"])
-        return load_policy(path), str(path)
+            return load_policy(path), str(path)
+        return self.by_name(ref)
+
+    def _where(self) -> str:
+        return ", ".join(str(d) for d in self.search_dirs) or "(no policy directory configured)"

@@ -38,7 +38,6 @@ import json
 import math
 import os
 import re
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -49,6 +48,8 @@ from urllib.parse import quote
 
 import msgspec
 import structlog
+
+from gatewayd.inputfile import InputFileError, read_input_file
 
 if TYPE_CHECKING:
     from gatewayd.config import ModelAlias
@@ -159,38 +160,19 @@ def read_secret(
 
 
 def _read_credential(path: Path, name: str, holds: str) -> bytes | None:
-    """The file's bytes, None when it does not exist; SecretError when it cannot be used."""
+    """The file's bytes, None when it does not exist; SecretError when it cannot be used
+    (not a regular file: a FIFO would block the read; larger than any key)."""
     where = f"the credential file {path} that holds {holds} ({name})"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise SecretError(
-            f"{where} cannot be opened: {exc.strerror or errno.errorcode.get(exc.errno or 0)}; "
-            "check its permissions for the user gatewayd runs as"
-        ) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SecretError(f"{where} is not a regular file")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_CREDENTIAL_BYTES:
-            chunk = os.read(fd, MAX_CREDENTIAL_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as exc:
-        raise SecretError(f"{where} cannot be read: {exc.strerror}") from None
-    finally:
-        os.close(fd)
-    if size > MAX_CREDENTIAL_BYTES:
-        raise SecretError(
-            f"{where} is over {MAX_CREDENTIAL_BYTES} bytes, which is not a key; check the "
-            "path given to LoadCredential="
-        )
-    return b"".join(chunks)
+        return read_input_file(path, max_bytes=MAX_CREDENTIAL_BYTES, what=where)
+    except InputFileError as exc:
+        if exc.errno == errno.ENOENT:
+            return None
+        if exc.too_large:
+            todo = "which is not a key; check the path given to LoadCredential="
+        else:
+            todo = "check it and its permissions for the user gatewayd runs as"
+        raise SecretError(f"{exc}, {todo}") from None
 
 
 # --- the encodings a value is looked for in ------------------------------------------------

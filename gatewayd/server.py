@@ -127,6 +127,8 @@ class Connection:
         # counter, not a trio.Semaphore: the common case then costs no schedule point).
         self._inflight = 0
         self._slot_freed: trio.Event | None = None
+        # The toolCallIds of those calls: one id is in flight once per connection.
+        self._inflight_ids: set[str] = set()
 
     async def serve(self) -> None:
         """Read frames until EOF, a fatal frame error or a timeout; answer each."""
@@ -168,12 +170,29 @@ class Connection:
                 partial_since = None
                 if isinstance(event, FrameError):
                     idle.deadline = math.inf
-                    response = self.dispatcher.refuse_frame(self.run, event, self.peer)
+                    response = await self.dispatcher.refuse_frame(self.run, event, self.peer)
                     await self._send(response)
                     if event.fatal or response.errorCode is ErrorCode.RATE_LIMITED:
                         await self._linger()
                         return
                     # A chunk full of bad frames must not hold the event loop.
+                    await trio.lowlevel.checkpoint()
+                    continue
+                call_id = event.request.toolCallId
+                if call_id in self._inflight_ids:
+                    # Two answers with one id could not be told apart: the second call
+                    # is refused (and audited); the first goes on.
+                    idle.deadline = math.inf
+                    duplicate = FrameError(
+                        code=ErrorCode.BAD_REQUEST,
+                        message=f"toolCallId {call_id!r} is already in flight on this "
+                        "connection; give each call its own id",
+                        tool_call_id=call_id,
+                        fatal=False,
+                    )
+                    await self._send(
+                        await self.dispatcher.refuse_frame(self.run, duplicate, self.peer)
+                    )
                     await trio.lowlevel.checkpoint()
                     continue
                 if self._inflight >= MAX_INFLIGHT_PER_CONNECTION:
@@ -182,6 +201,7 @@ class Connection:
                         self._slot_freed = trio.Event()
                         await self._slot_freed.wait()
                 self._inflight += 1
+                self._inflight_ids.add(call_id)
                 calls.start_soon(self._call, event)
         log.info(
             "connection_timeout",
@@ -269,6 +289,7 @@ class Connection:
                 await self._send(response)
         finally:
             self._inflight -= 1
+            self._inflight_ids.discard(event.request.toolCallId)
             if self._slot_freed is not None:
                 self._slot_freed.set()
                 self._slot_freed = None

@@ -96,7 +96,8 @@ class Gateway:
             grant=Grant(allowSandbox=allow_sandbox),
             toolIds=tool_ids,
         )
-        return await self.daemon.start_run(request)
+        # The test is the daemon's local caller, like `gatewayd run`: it names a file.
+        return await self.daemon.start_run(request, policy_paths=True)
 
     async def audit_entries(self) -> list[dict[str, Any]]:
         """Every entry so far, after making all recorded entries durable (result entries

@@ -11,8 +11,9 @@ It speaks just enough of the OpenAI API for litellm's ``openai/<model>`` route:
 Each chat request is answered by the next scripted reply (:meth:`FakeProvider.script`),
 or when none is queued by :attr:`FakeProvider.respond` (default: the text ``"ok"``). A
 reply is one of :class:`Text`, :class:`HttpError`, :class:`Malformed`, :class:`Drop`,
-each with an optional delay before it is sent. Every request is recorded (method, path,
-headers, decoded JSON body) in :attr:`FakeProvider.requests`.
+:class:`Huge`, each with an optional delay before it is sent. Every request is recorded
+(method, path, headers, decoded JSON body) in :attr:`FakeProvider.requests`, and how much
+of each :class:`Huge` reply went out in :attr:`FakeProvider.huge_sent`.
 
 Use it as ``with FakeProvider() as fake:`` or through the ``fake_provider`` fixture.
 """
@@ -26,11 +27,12 @@ import os
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import pytest
 
@@ -44,6 +46,8 @@ STREAM_CHUNK_CHARS: Final = 4
 TRICKLE_PIECE_BYTES: Final = 16
 # serve_forever notices shutdown() at this period: it bounds close(), paid by every test.
 POLL_INTERVAL_S: Final = 0.01
+# A Huge reply is made and sent this many bytes at a time: never whole in the fake's memory.
+HUGE_PIECE_BYTES: Final = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +93,7 @@ class Malformed:
     body: bytes = b"{this is not json"
     status: int = 200
     content_type: str = "application/json"
+    headers: Mapping[str, str] = field(default_factory=dict)  # e.g. a Content-Encoding
     delay_s: float = 0.0
 
 
@@ -99,7 +104,50 @@ class Drop:
     delay_s: float = 0.0
 
 
-Reply = Text | HttpError | Malformed | Drop
+@dataclass(frozen=True, kw_only=True)
+class Huge:
+    """A chat completion of exactly ``size`` bytes, made and sent a piece at a time:
+    its text is ``lead`` then ``pad`` (one byte JSON needs no escape for) repeated to fill
+    it, e.g. ``lead="ALLOW", pad=b" "`` for a verdict padded with whitespace.
+
+    Framing: ``"length"`` (a Content-Length), ``"chunked"`` (HTTP/1.1 chunked transfer
+    coding: no length up front) or ``"close"`` (no length: the body ends when the
+    connection closes). ``gzip``: sent with ``Content-Encoding: gzip`` (``size`` is the
+    inflated size; on the wire it is about a thousandth of that), whatever the client
+    asked for. ``status`` other than 200 makes it an error reply of that size.
+    """
+
+    size: int
+    framing: Literal["length", "chunked", "close"] = "length"
+    gzip: bool = False
+    status: int = 200
+    lead: str = ""
+    pad: bytes = b"x"
+    delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.pad) != 1 or not 0x20 <= self.pad[0] < 0x7F or self.pad in b'"\\':
+            raise ValueError('pad must be one printable ASCII byte other than " and \\')
+        if json.dumps(self.lead)[1:-1] != self.lead:
+            raise ValueError("lead must be text JSON needs no escape for")
+
+    def text(self, model: str) -> str:
+        """The answer's text (``model``: the one the request named, echoed in the reply)."""
+        prefix, suffix = _huge_frame(model)
+        count = self.size - len(prefix) - len(suffix) - len(self.lead.encode())
+        return self.lead + self.pad.decode() * count
+
+
+@dataclass(frozen=True, kw_only=True)
+class HugeSent:
+    """What went out of one :class:`Huge` reply: the body's bytes on the wire, and whether
+    all of them did (False: the client closed the connection before the end)."""
+
+    wire_bytes: int
+    finished: bool
+
+
+Reply = Text | HttpError | Malformed | Drop | Huge
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +175,7 @@ class FakeProvider:
         self.respond: Callable[[Mapping[str, Any]], Reply] = _ok
         self._queue: collections.deque[Reply] = collections.deque()
         self._requests: list[RecordedRequest] = []
+        self._huge_sent: list[HugeSent] = []
         self._lock = threading.Lock()
         self._closing = threading.Event()
         self._server = _Server(("127.0.0.1", 0), _Handler, self)
@@ -153,6 +202,22 @@ class FakeProvider:
             return list(self._requests)
 
     @property
+    def huge_sent(self) -> list[HugeSent]:
+        """One entry per :class:`Huge` reply whose sending has ended, oldest first."""
+        with self._lock:
+            return list(self._huge_sent)
+
+    def wait_huge_sent(
+        self, count: int = 1, timeout_s: float = SHUTDOWN_TIMEOUT_S
+    ) -> list[HugeSent]:
+        """:attr:`huge_sent` once it holds ``count`` entries (the handler thread records
+        one when its writes end, which may be just after the client gave up)."""
+        deadline = time.monotonic() + timeout_s
+        while len(sent := self.huge_sent) < count and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL_S)
+        return sent
+
+    @property
     def chat_requests(self) -> list[RecordedRequest]:
         return [r for r in self.requests if r.path.endswith("/chat/completions")]
 
@@ -166,6 +231,7 @@ class FakeProvider:
         with self._lock:
             self._queue.clear()
             self._requests.clear()
+            self._huge_sent.clear()
             self.respond = _ok
 
     def __enter__(self) -> FakeProvider:
@@ -193,6 +259,10 @@ class FakeProvider:
     def _record(self, request: RecordedRequest) -> None:
         with self._lock:
             self._requests.append(request)
+
+    def _record_huge(self, sent: HugeSent) -> None:
+        with self._lock:
+            self._huge_sent.append(sent)
 
     def _next_reply(self, body: Mapping[str, Any]) -> Reply:
         with self._lock:
@@ -247,9 +317,17 @@ class _Handler(BaseHTTPRequestHandler):
             RecordedRequest(method=self.command, path=self.path, headers=headers, body=body)
         )
 
-    def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes,
+        content_type: str = "application/json",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -279,7 +357,7 @@ class _Handler(BaseHTTPRequestHandler):
             case Drop():
                 self.close_connection = True  # the handler closes without a status line
             case Malformed(body=raw, status=status, content_type=content_type):
-                self._send(status, raw, content_type)
+                self._send(status, raw, content_type, reply.headers)
             case HttpError():
                 self.send_response(reply.status)
                 for name, value in reply.headers.items():
@@ -289,6 +367,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
+            case Huge():
+                self._huge(body, reply)
             case Text() if body.get("stream"):
                 self._stream(body, reply)
             case Text():
@@ -303,6 +383,45 @@ class _Handler(BaseHTTPRequestHandler):
                         return
                     self.wfile.write(payload[start : start + step])
                     self.wfile.flush()
+
+    def _huge(self, request: Mapping[str, Any], reply: Huge) -> None:
+        pieces = _huge_pieces(reply, str(request.get("model", "fake-model")))
+        if reply.gzip:
+            pieces = _gzipped(pieces)
+        if reply.framing == "length":
+            body = b"".join(pieces) if reply.gzip else None  # a gzip body is small
+            length = len(body) if body is not None else reply.size
+            pieces = iter([body]) if body is not None else pieces
+        if reply.framing == "chunked":
+            self.protocol_version = "HTTP/1.1"  # chunked needs it; this reply only
+        self.send_response(reply.status)
+        self.send_header("Content-Type", "application/json")
+        if reply.gzip:
+            self.send_header("Content-Encoding", "gzip")
+        if reply.framing == "length":
+            self.send_header("Content-Length", str(length))
+        elif reply.framing == "chunked":
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Connection", "close")
+        self.end_headers()
+        self.close_connection = True
+        sent = 0
+        try:
+            for piece in pieces:
+                if not piece:
+                    continue  # an empty chunk would end a chunked body
+                if reply.framing == "chunked":
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                else:
+                    self.wfile.write(piece)
+                sent += len(piece)
+            if reply.framing == "chunked":
+                self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except ConnectionError:  # the client stopped reading and closed: what caps do
+            self.server.fake._record_huge(HugeSent(wire_bytes=sent, finished=False))
+            return
+        self.server.fake._record_huge(HugeSent(wire_bytes=sent, finished=True))
 
     def _stream(self, request: Mapping[str, Any], reply: Text) -> None:
         self.send_response(200)
@@ -362,6 +481,34 @@ def _completion(request: Mapping[str, Any], reply: Text) -> dict[str, Any]:
     if reply.usage:
         answer["usage"] = _usage(reply)
     return answer
+
+
+def _huge_frame(model: str) -> tuple[bytes, bytes]:
+    """The completion's JSON before and after its text."""
+    answer = _completion({"model": model}, Text(content="\x00"))
+    before, after = json.dumps(answer).encode().split(b"\\u0000")
+    return before, after
+
+
+def _huge_pieces(reply: Huge, model: str) -> Iterator[bytes]:
+    """The body, HUGE_PIECE_BYTES at a time."""
+    prefix, suffix = _huge_frame(model)
+    lead = reply.lead.encode()
+    count = reply.size - len(prefix) - len(suffix) - len(lead)
+    if count < 0:
+        raise ValueError(f"a Huge reply needs at least {reply.size - count} bytes")
+    yield prefix + lead
+    for start in range(0, count, HUGE_PIECE_BYTES):
+        yield reply.pad * min(HUGE_PIECE_BYTES, count - start)
+    yield suffix
+
+
+def _gzipped(pieces: Iterator[bytes]) -> Iterator[bytes]:
+    gzip = zlib.compressobj(9, zlib.DEFLATED, zlib.MAX_WBITS | 16)
+    for piece in pieces:
+        if out := gzip.compress(piece):
+            yield out
+    yield gzip.flush()
 
 
 def _chunks(request: Mapping[str, Any], reply: Text) -> Iterator[dict[str, Any]]:

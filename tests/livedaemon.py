@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 BIN = Path(sys.executable).parent
+SHIPPED = Path(__file__).resolve().parent.parent / "policies"
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -53,10 +54,26 @@ class LiveDaemon:
         conn.close()
         return resp.status, data
 
+    @property
+    def policy_dir(self) -> Path:
+        """The daemon's own policy directory (first on its --policy-dir list)."""
+        return self.state.parent / f"{self.state.name}-policies"
+
+    def policy_name(self, policy: Path) -> str:
+        """The name the control socket knows ``policy`` by: a link to it in the daemon's
+        policy directory (the control socket takes names only), so a test that edits
+        the file and reloads still edits what the run reads."""
+        for link in self.policy_dir.iterdir():
+            if link.is_symlink() and Path(os.readlink(link)) == policy.absolute():
+                return link.stem
+        name = f"{policy.stem}-{len(list(self.policy_dir.iterdir()))}"
+        (self.policy_dir / f"{name}.yaml").symlink_to(policy.absolute())
+        return name
+
     def create_run(self, workspace: Path, policy: Path, **extra: Any) -> dict[str, Any]:
         body = {
             "workspacePath": str(workspace),
-            "policy": str(policy),
+            "policy": self.policy_name(policy),
             "actorId": "tester",
             "tenantId": "t1",
             "grant": {"allowSandbox": True},
@@ -89,16 +106,30 @@ def sandbox_options() -> list[str]:
     return ["--netns-prefix", f"cgt{tag}-", "--sandbox-uids", f"{base}+64"]
 
 
-def start_daemon(state: Path, *extra: str, sandbox: bool = False) -> LiveDaemon:
+def policy_options(state: Path) -> list[str]:
+    """``--policy-dir`` options for a daemon on ``state``: its own directory, where
+    :meth:`LiveDaemon.policy_name` links a test's policy files, then the shipped ones."""
+    policy_dir = state.parent / f"{state.name}-policies"
+    policy_dir.mkdir(exist_ok=True)
+    options = ["--policy-dir", str(policy_dir)]
+    return [*options, "--policy-dir", str(SHIPPED), "--policy-dir", str(SHIPPED / "examples")]
+
+
+def start_daemon(
+    state: Path, *extra: str, sandbox: bool = False, random_ids: bool = True
+) -> LiveDaemon:
     """A `gatewayd serve` on ``state``; without ``sandbox`` it has no OS sandbox (its
     clients are the test itself, on the host), so its policies say
-    ``require_os_sandbox: false``."""
+    ``require_os_sandbox: false``. A sandboxed one gets a random prefix and uid range
+    (:func:`sandbox_options`), or with ``random_ids=False`` the ones gatewayd derives
+    from ``state``."""
     log_path = state.parent / "gatewayd.log"
     log = open(log_path, "wb")  # noqa: SIM115 (the process owns it)
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
-    mode = sandbox_options() if sandbox else ["--no-os-sandbox"]
+    mode = (sandbox_options() if random_ids else []) if sandbox else ["--no-os-sandbox"]
+    policies = policy_options(state)
     proc = subprocess.Popen(
-        [str(BIN / "gatewayd"), "serve", "--state-dir", str(state), *mode, *extra],
+        [str(BIN / "gatewayd"), "serve", "--state-dir", str(state), *mode, *policies, *extra],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,

@@ -45,7 +45,7 @@ import msgspec
 import structlog
 import trio
 
-from gatewayd import model_client
+from gatewayd import model_client, strictjson
 from gatewayd.agent.repo import (
     MAX_PATCH_INPUT_BYTES,
     RepoCredentials,
@@ -63,6 +63,7 @@ from gatewayd.model_client import ModelCallError
 from gatewayd.protocol import PROTOCOL_VERSION, Request, Response
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from gatewayd.sandbox.lease import lend, mount_points_under
+from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.workspace import HostWorkspace, OverlayWorkspace, WorkspaceDiff, WorkspaceSession
 from gatewayd.workspace.overlay import unmount
 
@@ -335,9 +336,12 @@ class _Conversation:
                 f"there is no tool {call.name[:64]!r}; the tools are {', '.join(TOOL_MAP)}",
             )
         try:
-            args = json.loads(call.arguments or "{}")
-        except ValueError:
-            args = None
+            # The model's text, under the same JSON discipline as a frame on the socket.
+            args = strictjson.loads(call.arguments or "{}")
+        except strictjson.JsonInputError as exc:
+            return await self._refuse(
+                call, where, f"the arguments are not a JSON object ({exc}); send them as one"
+            )
         if not isinstance(args, dict):
             return await self._refuse(
                 call, where, "the arguments are not a JSON object; send them as one"
@@ -606,17 +610,22 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
             # every file; the whole tree is removed after the run.
             user = daemon.uid_pool.acquire()
             owner = user
-            await trio.to_thread.run_sync(lambda: lend([base], owner, work))
+            # The clone lies in the run's own work directory (gatewayd's, 0700): the one
+            # root it may be lent beneath, wherever agent_dir is.
+            roots = LendableRoots(configured=(), own=(work,))
+            await trio.to_thread.run_sync(lambda: lend([base], owner, work, roots=roots))
             limit = task.max_workspace_bytes or None
             session = await trio.to_thread.run_sync(
                 lambda: OverlayWorkspace.create(base, state, max_delta_bytes=limit)
             )
             os.chown(session.root, user.uid, user.gid)
             request = request.model_copy(update={"workspacePath": str(session.root)})
-            run = await daemon.start_run(request, sandbox_user=user, lend_workspace=False)
+            run = await daemon.start_run(
+                request, sandbox_user=user, lend_workspace=False, policy_paths=True, own_root=work
+            )
         else:
             session = await trio.to_thread.run_sync(lambda: HostWorkspace.create(base, state))
-            run = await daemon.start_run(request)
+            run = await daemon.start_run(request, policy_paths=True, own_root=work)
     except (GatewayError, ValueError, OSError) as exc:
         if user is not None:
             daemon.uid_pool.release(user)

@@ -225,6 +225,8 @@ def decode_body(body: bytes) -> AuditEntry:
         raise EntryFormatError(f"it does not fit the entry schema ({exc})") from None
     except msgspec.DecodeError as exc:
         raise EntryFormatError(f"it is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise EntryFormatError("it nests too deeply to be an entry") from None
     if _encoder.encode(entry) != body:
         raise EntryFormatError("its JSON is not in the form gatewayd writes")
     if not is_hash_hex(entry.prev):

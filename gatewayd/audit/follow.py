@@ -19,24 +19,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Final
 
-import msgspec
-
 from gatewayd.audit.entry import MAX_LINE_BYTES
+from gatewayd.audit.line import parse_object
 from gatewayd.audit.query import Record, read_file
 from gatewayd.audit.segments import list_segments
 
 # How often ``tail -f`` looks for new lines: quick enough to feel live.
 POLL_INTERVAL_S: Final = 0.2
 
-_decoder: Final = msgspec.json.Decoder()
-
 
 def _record(name: str, no: int, content: bytes) -> Record:
-    try:
-        value = _decoder.decode(content)
-    except msgspec.DecodeError:
-        value = None
-    return Record(name, no, content, value if isinstance(value, dict) else None)
+    return Record(name, no, content, parse_object(content))
 
 
 class Follower:

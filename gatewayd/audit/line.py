@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Final
+from typing import Any, Final
+
+import msgspec
 
 HASH_HEX_CHARS: Final = 64
 # The ``prev`` of the first entry: there is nothing before it.
@@ -27,6 +29,20 @@ _SUFFIX_TAIL: Final = b'"}'
 HASH_SUFFIX_BYTES: Final = len(_SUFFIX_HEAD) + HASH_HEX_CHARS + len(_SUFFIX_TAIL)
 _HEX: Final = frozenset(b"0123456789abcdef")
 _HEX_CHARS: Final = frozenset("0123456789abcdef")
+
+
+_any_decoder: Final = msgspec.json.Decoder()
+
+
+def parse_object(content: bytes) -> dict[str, Any] | None:
+    """A line's JSON object, for the readers that show or filter the log (verify checks
+    lines its own way), or None when it is none: not JSON, nested too deep to decode,
+    or not an object. Never raises: a damaged or hostile log is shown as damaged."""
+    try:
+        value = _any_decoder.decode(content)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class LineFormatError(ValueError):

@@ -17,12 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import msgspec
-
 from gatewayd.audit.entry import MAX_LINE_BYTES, AuditEvent
+from gatewayd.audit.line import parse_object
 from gatewayd.audit.segments import log_files
 
-_decoder: Final = msgspec.json.Decoder()
 BROKEN_REASON: Final = "not a JSON object (run 'gatewayd audit verify')"
 
 
@@ -48,11 +46,7 @@ def read_file(path: Path) -> Iterator[Record]:
     with path.open("rb") as file:
         for no, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), 1):
             content = raw[:-1] if raw.endswith(b"\n") else raw
-            try:
-                value = _decoder.decode(content)
-            except msgspec.DecodeError:
-                value = None
-            yield Record(path.name, no, content, value if isinstance(value, dict) else None)
+            yield Record(path.name, no, content, parse_object(content))
 
 
 def read_log(path: Path, *, since_seq: int = 0) -> Iterator[Record]:

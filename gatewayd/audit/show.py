@@ -15,6 +15,7 @@ from typing import Any, Final
 import msgspec
 
 from gatewayd.audit.entry import MAX_LINE_BYTES
+from gatewayd.audit.line import parse_object
 
 # Column widths: seq, time (to the millisecond), run id prefix, tool, decision or
 # kind, error code, duration; the message takes what is left of a 160-column line.
@@ -23,8 +24,6 @@ _MESSAGE_CHARS: Final = 60
 _HEADERS: Final = ("SEQ", "TIME (UTC)", "RUN", "TOOL", "WHAT", "ERROR", "MS", "MESSAGE")
 # C0 and C1 controls and DEL become visible escapes (terminal injection).
 _CONTROL: Final = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
-
-_decoder: Final = msgspec.json.Decoder()
 
 
 def read_entries(path: Path) -> Iterator[dict[str, Any]]:
@@ -35,11 +34,8 @@ def read_entries(path: Path) -> Iterator[dict[str, Any]]:
     """
     with path.open("rb") as file:
         for no, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), 1):
-            try:
-                value = _decoder.decode(raw)
-            except msgspec.DecodeError:
-                value = None
-            if isinstance(value, dict):
+            value = parse_object(raw)
+            if value is not None:
                 yield value
             else:
                 yield {"line": no, "broken": "not a JSON object (run 'gatewayd audit verify')"}

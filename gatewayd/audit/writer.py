@@ -13,8 +13,9 @@ trio: while calls keep arriving, the disk stays busy.
 
 The flusher flushes when a ``durable()`` waiter wants an entry it has not taken yet,
 or when the oldest queued entry has waited ``RESULT_SYNC_DELAY_S``: an entry nobody
-waits for (a call's ``result``, a denied call) is durable within that delay anyway,
-usually riding along with the next call's write-ahead flush.
+waits for (an event; a call's ``result`` when the dispatcher does not wait for it,
+``audit_reply_after_result: false``) is durable within that delay anyway, usually
+riding along with the next flush someone waits for.
 
 Thread boundary: the chain (sealing, hashing) lives on the trio thread; only the
 sealed ``(line, digest)`` pairs and the wanted seq cross to the flusher, under one
@@ -91,11 +92,11 @@ MAX_BATCH_BYTES: Final = 4 * 1024 * 1024
 # How much of the tail open will read: a torn batch plus the line before it. Beyond
 # this the file was not left by a crash of this writer, and open refuses.
 MAX_TAIL_SCAN_BYTES: Final = 2 * MAX_BATCH_BYTES + 2 * MAX_LINE_BYTES
-# An entry nobody waits for (a result) is flushed at most this long after it was
-# queued. Short enough that a crash right after a response loses at most ~2 ms of
-# result entries (never a call entry: those are durable before the call runs); long
-# enough that under load it rides along with the next call's write-ahead flush
-# instead of costing an fdatasync of its own.
+# An entry nobody waits for (an event; a result when the dispatcher's opt-out does not
+# wait for it) is flushed at most this long after it was queued. Short enough that a
+# crash loses at most ~2 ms of such entries; long enough that under load it rides
+# along with the next flush someone waits for instead of costing an fdatasync of its
+# own.
 RESULT_SYNC_DELAY_S: Final = 0.002
 # Counting lines without a head file reads the whole log once, in chunks of this.
 _COUNT_CHUNK_BYTES: Final = 1024 * 1024

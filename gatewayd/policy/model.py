@@ -22,7 +22,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Final, Literal
 
-import yaml
 from pydantic import (
     AfterValidator,
     Field,
@@ -32,6 +31,8 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
+from gatewayd import strictyaml
+from gatewayd.inputfile import InputFileError, read_input_file
 from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode
 from gatewayd.policy.review_section import Domain, ReviewSection
 from gatewayd.policy.section import (
@@ -493,54 +494,28 @@ class Policy(Section):
 # --- loading --------------------------------------------------------------------------
 
 
-class _StrictSafeLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses duplicate keys (PyYAML keeps the last one silently,
-    so a second ``mode:`` line would quietly override the first)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            try:
-                duplicate = key in seen
-            except TypeError:  # unhashable: the base class reports it properly
-                break
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    "while reading a mapping",
-                    node.start_mark,
-                    f"found key {key!r} twice",
-                    key_node.start_mark,
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 def load_policy(path: Path) -> Policy:
     """Read and validate the policy file at ``path``.
 
-    Error handling: every failure (unreadable, too large, not UTF-8, bad YAML, invalid
-    fields) is a :class:`PolicyError` whose source is ``str(path)``.
+    Error handling: every failure (unreadable, not a regular file, too large, not
+    UTF-8, bad YAML, invalid fields) is a :class:`PolicyError` whose source is
+    ``str(path)``.
     """
     return validate_policy(read_policy_mapping(path), str(path))
 
 
 def read_policy_mapping(path: Path) -> dict[str, Any]:
-    """The policy file at ``path`` parsed, not yet validated: size-capped, UTF-8, strict
-    YAML (no duplicate keys), a mapping at the top. For tools that edit a policy.
+    """The policy file at ``path`` parsed, not yet validated: a regular file, size-capped,
+    UTF-8, strict YAML (see :mod:`gatewayd.strictyaml`), a mapping at the top. For tools
+    that edit a policy.
 
     Error handling: :class:`PolicyError` whose source is ``str(path)``.
     """
     source = str(path)
     try:
-        with path.open("rb") as f:
-            data = f.read(MAX_POLICY_BYTES + 1)
-    except OSError as exc:
-        raise PolicyError(source, [f"cannot read the policy file: {exc.strerror}"]) from None
-    if len(data) > MAX_POLICY_BYTES:
-        raise PolicyError(
-            source, [f"policy file is larger than {MAX_POLICY_BYTES} bytes; is it a policy?"]
-        )
+        data = read_input_file(path, max_bytes=MAX_POLICY_BYTES, what="the policy file")
+    except InputFileError as exc:
+        raise PolicyError(source, [str(exc)]) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -556,12 +531,16 @@ def load_policy_text(text: str, source: str) -> Policy:
 
 
 def parse_policy_text(text: str, source: str) -> dict[str, Any]:
-    """Policy YAML parsed strictly into its top-level mapping (not validated)."""
+    """Policy YAML parsed strictly into its top-level mapping (not validated).
+
+    A document that does not say it is a policy (no top-level ``version`` key) is
+    refused with one message that quotes nothing of it: a name that leads to another
+    file (``/etc/shadow``) must not answer with that file's lines as "unknown fields".
+    """
     try:
-        # A SafeLoader subclass: only plain data types are ever constructed.
-        data = yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506
-    except yaml.YAMLError as exc:
-        raise PolicyError(source, [_yaml_problem(exc)]) from None
+        data = strictyaml.load(text)
+    except strictyaml.YamlInputError as exc:
+        raise PolicyError(source, [str(exc)]) from None
     if data is None:
         raise PolicyError(
             source, ["the file is empty; a policy needs at least 'version: 1' and 'name: ...'"]
@@ -574,6 +553,14 @@ def parse_policy_text(text: str, source: str) -> dict[str, Any]:
                 f"not a {_yaml_kind(data)}"
             ],
         )
+    if "version" not in data:
+        raise PolicyError(
+            source,
+            [
+                "not a policy: it has no top-level 'version' key (a policy starts with "
+                f"'version: {POLICY_VERSION}' and 'name: ...'); its content is not shown"
+            ],
+        )
     return data
 
 
@@ -583,16 +570,6 @@ def validate_policy(data: Mapping[str, Any], source: str) -> Policy:
         return Policy.model_validate(data)
     except ValidationError as exc:
         raise PolicyError(source, [_field_problem(e) for e in exc.errors()]) from None
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    if isinstance(exc, yaml.MarkedYAMLError):
-        mark = exc.problem_mark or exc.context_mark
-        what = exc.problem or exc.context or "invalid YAML"
-        if mark is not None:
-            return f"line {mark.line + 1}, column {mark.column + 1}: YAML syntax: {what}"
-        return f"YAML syntax: {what}"
-    return f"YAML syntax: {exc}"
 
 
 def _yaml_kind(value: object) -> str:

@@ -55,6 +55,7 @@ def model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseMode
     (for "unknown key" hints naming the keys that model allows); None past a leaf."""
     current: Any = root
     for part in loc:
+        current = _unless_none(current)
         if isinstance(current, type) and issubclass(current, BaseModel):
             field = current.model_fields.get(str(part))
             if field is None:
@@ -64,4 +65,13 @@ def model_at(root: type[BaseModel], loc: tuple[int | str, ...]) -> type[BaseMode
             current = typing.get_args(current)[1]
         else:
             return None
+    current = _unless_none(current)
     return current if isinstance(current, type) and issubclass(current, BaseModel) else None
+
+
+def _unless_none(annotation: Any) -> Any:
+    """``X`` for an optional ``X | None`` (a setting whose default is derived)."""
+    args = typing.get_args(annotation)
+    if type(None) in args and len(args) == 2:
+        return next(arg for arg in args if arg is not type(None))
+    return annotation

@@ -39,9 +39,11 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 import msgspec
 import trio
 
+from gatewayd import strictjson
 from gatewayd.argsummary import summarize
 from gatewayd.config import ModelAlias
 from gatewayd.errors import GatewayError
+from gatewayd.inputfile import InputFileError, read_input_file
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.protocol import TOOL_NAME_RE
 from gatewayd.review.reviewer import Reviewer, ReviewOutcome, Source
@@ -226,14 +228,10 @@ def load_calls(
     """
     source = str(path)
     try:
-        with path.open("rb") as f:
-            data = f.read(MAX_CALLS_FILE_BYTES + 1)
-    except OSError as exc:
-        raise CallsFileError(source, [f"cannot read the calls file: {exc.strerror}"]) from None
-    if len(data) > MAX_CALLS_FILE_BYTES:
-        raise CallsFileError(
-            source, [f"larger than {MAX_CALLS_FILE_BYTES} bytes; split it into several replays"]
-        )
+        data = read_input_file(path, max_bytes=MAX_CALLS_FILE_BYTES, what="the calls file")
+    except InputFileError as exc:
+        hint = "; split it into several replays" if "larger than" in str(exc) else ""
+        raise CallsFileError(source, [f"{exc}{hint}"]) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -278,26 +276,11 @@ def parse_calls(
     return tuple(calls)
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"key {key!r} appears twice in one object")
-        seen[key] = value
-    return seen
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON (the gateway's wire format refuses it)")
-
-
 def _parse_line(text: str, number: int, tools: Mapping[str, ToolSpec[Any]] | None) -> RecordedCall:
     try:
-        data = json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
-    except RecursionError:
-        raise ValueError("nested too deeply to be a tool call") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        data = strictjson.loads(text)
+    except strictjson.JsonInputError as exc:
+        raise ValueError(str(exc)) from None
     if not isinstance(data, dict):
         raise ValueError(f"a call is a JSON object, not {_json_type(data)}")  # noqa: TRY004
     unknown = sorted(set(data) - set(_KNOWN_KEYS))

@@ -99,6 +99,8 @@ _FAILURE_WORDS: Final = {
     "auth": ("the reviewer is not configured correctly", False),
     "missing_key": ("the reviewer is not configured correctly", False),
     "bad_request": ("the reviewer refused the request", False),
+    # A verdict is one line: a reply past the alias's cap is a broken or hostile endpoint.
+    "too_large": ("the reviewer's reply was too large", False),
 }
 
 

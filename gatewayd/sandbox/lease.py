@@ -8,25 +8,44 @@ every entry the run's uid owns, whether lent or created by the run, goes back to
 original owner. Entries of other owners are never touched, so a tree with mixed owners
 comes back as it was.
 
+Only what may be lent is lent (:mod:`gatewayd.sandbox.lendable`): every tree must lie
+strictly beneath one of the roots the caller passes, and must not be (or show, through a
+bind mount) a system tree; :func:`lend` checks this itself before the first chown, so
+no caller can lend /usr.
+
 Crash safety: the lease is written (atomically, fsynced) into the run's private
 directory before the first chown, so a daemon that dies mid-run leaves a record its
 successor uses to give everything back (:func:`read_lease`, then :func:`give_back`).
 
-Hard-linked files (more than one link) are not lent: another name of the inode may lie
-outside the tree (a workspace holding a link to /etc/passwd), and lending it would give
-the run a host file. The sandbox cannot make such links itself (link(2) fails across
-mounts, and nothing outside its workspace is writable).
+Entries that are never lent (they stay their owner's; the sandbox writes them only if
+their mode lets others write):
 
-Safe against a hostile tree: the walk never follows a symlink (``os.fwalk`` with
-``follow_symlinks=False`` opens each directory relative to its verified parent), and
-ownership changes use ``lchown`` semantics. Returning happens only once every process
+- Hard-linked files (more than one link): another name of the inode may lie outside the
+  tree (a workspace holding a link to /etc/passwd), and lending it would give the run a
+  host file. The sandbox cannot make such links itself (link(2) fails across mounts, and
+  nothing outside its workspace is writable).
+- Set-user-ID and set-group-ID files, and files with capabilities (the
+  ``security.capability`` attribute): the kernel clears all three when a non-directory
+  changes owner, and giving the file back would not bring them back. Left alone, they
+  keep their bits, owner and capabilities, and the run cannot rewrite them.
+- Anything but directories, regular files and symlinks: a device node the run's uid
+  owned would open a host device, a socket the run owned would connect it to a host
+  service.
+
+So after a run that changes nothing, every entry of a tree has exactly the owner, group,
+mode (set-user-ID, set-group-ID and sticky bits included) and capabilities it had before:
+a directory keeps its mode through a chown, and every other entry lent has no bit a
+chown clears.
+
+Safe against a hostile tree: the walk never follows a symlink (:func:`_walk` opens each
+directory by name relative to its verified parent, with ``O_NOFOLLOW``), and ownership
+changes use ``lchown`` semantics. Returning happens only once every process
 of the run's uid is gone, so nothing can swap entries under the walk.
-Note: the kernel clears set-user-ID and set-group-ID bits on a chowned file; they are
-not restored.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -37,10 +56,15 @@ from typing import Final
 
 from gatewayd.atomicfile import write_atomically
 from gatewayd.errors import GatewayError
+from gatewayd.sandbox.lendable import PROC_SELF_MOUNTINFO, LendableRoots, parse_mountinfo
 from gatewayd.sandbox.limits import HostUser
 
 LEASE_FILE: Final = "lease.json"
 _KEEP: Final = -1  # chown: leave this id as it is
+# The extended attribute holding a file's capabilities; a chown removes it.
+CAPABILITY_XATTR: Final = "security.capability"
+# A file system without extended attributes, or a file without this one.
+_NO_XATTR: Final = (errno.ENODATA, errno.ENOTSUP)
 
 
 class LeaseError(GatewayError):
@@ -105,21 +129,27 @@ def lend(
     user: HostUser,
     record_dir: Path,
     *,
+    roots: LendableRoots,
     keep: Sequence[Path] = (),
     sandbox_owned: Callable[[int], bool] = lambda uid: False,
 ) -> Lease:
     """Lend every tree to ``user``; the lease is durable in ``record_dir`` first.
 
+    ``roots``: every tree must lie strictly beneath one of them and show no system tree
+    (:meth:`LendableRoots.require`), checked here again whatever the caller checked.
     ``keep`` are roots inside the trees that stay their owner's (read-only grants: lent,
     the run could rewrite them through another name of a parent directory it renamed).
     ``sandbox_owned`` says whether a uid belongs to a sandbox: a tree whose root a
     sandbox owns is another live run's (or a lost lease), and lending it again would
     record the wrong owner to give it back to.
 
-    Error handling: :class:`LeaseError` when a root is not a real directory or is
-    sandbox-owned; anything already lent is given back before it is raised.
+    Error handling: :class:`~gatewayd.sandbox.lendable.NotLendable` for a tree beneath
+    no root, before anything is recorded or chowned; :class:`LeaseError` when a root is
+    not a real directory, is sandbox-owned, or is replaced between the check and the
+    lending; anything already lent is given back before it is raised.
     """
     lent: list[LentTree] = []
+    checked: dict[str, tuple[int, int]] = {}
     for path in outermost(trees):
         try:
             st = os.lstat(path)
@@ -127,6 +157,7 @@ def lend(
             raise LeaseError(f"cannot lend {path} to the sandbox: {exc.strerror}") from exc
         if not stat.S_ISDIR(st.st_mode):
             raise LeaseError(f"cannot lend {path} to the sandbox: it is not a directory")
+        checked[str(path)] = roots.require(path)
         if st.st_uid == user.uid or sandbox_owned(st.st_uid):
             raise LeaseError(
                 f"{path} is owned by sandbox uid {st.st_uid}: another live run holds it, or "
@@ -145,8 +176,9 @@ def lend(
                 tree.owner_gid,
                 user.uid,
                 user.gid,
-                skip_hard_links=True,
+                lending=True,
                 skip=skip,
+                expect=checked[tree.path],
             )
     except Exception as exc:
         give_back(lease)
@@ -193,15 +225,16 @@ def _rechown(
     to_uid: int,
     to_gid: int,
     *,
-    skip_hard_links: bool = False,
+    lending: bool = False,
     skip: Collection[str] = (),
+    expect: tuple[int, int] | None = None,
 ) -> int:
     """chown every entry of ``root`` (root included) owned by ``from_uid`` to ``to_uid``;
-    its group becomes ``to_gid`` only where it was ``from_gid``. ``skip_hard_links``
-    leaves files with more than one link alone (when lending: another name of the same
-    inode may lie outside the tree, e.g. /etc/passwd, and must never become the run's);
-    ``skip`` are paths left alone with everything beneath them. Other file systems and
-    mount points inside the tree are never entered (a bind mount there is not the tree)."""
+    its group becomes ``to_gid`` only where it was ``from_gid``. ``lending`` leaves alone
+    what must never be lent (:func:`_never_lent`); ``skip`` are paths left alone with
+    everything beneath them; ``expect`` is the (device, inode) ``root`` must still be.
+    Other file systems and mount points inside the tree are never entered (a bind mount
+    there is not the tree)."""
     changed = 0
     mounts = mount_points_under(root)
 
@@ -209,13 +242,13 @@ def _rechown(
         nonlocal changed
         if st.st_uid != from_uid:
             return
-        if skip_hard_links and st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):
+        if lending and _never_lent(name, dir_fd, st):
             return
         gid = to_gid if st.st_gid == from_gid else _KEEP
         os.chown(name, to_uid, gid, dir_fd=dir_fd, follow_symlinks=False)
         changed += 1
 
-    for dir_fd, name, st in _walk(root, mounts | set(skip)):
+    for dir_fd, name, st in _walk(root, mounts | set(skip), expect=expect):
         if dir_fd < 0:  # the root itself
             if st.st_uid == from_uid:
                 os.chown(root, to_uid, to_gid if st.st_gid == from_gid else _KEEP)
@@ -225,20 +258,46 @@ def _rechown(
     return changed
 
 
-def _walk(root: Path, fences: set[str]) -> Iterator[tuple[int, str, os.stat_result]]:
+def _never_lent(name: str, dir_fd: int, st: os.stat_result) -> bool:
+    """An entry lending must leave its owner's: a hard-linked file, a set-user-ID or
+    set-group-ID file, a file with capabilities (a chown clears all three, for good), or
+    anything but a directory, a regular file or a symlink (a device node or socket the
+    run's uid owned would reach the host)."""
+    mode = st.st_mode
+    if stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
+        return False
+    if not stat.S_ISREG(mode):
+        return True
+    if st.st_nlink > 1 or mode & (stat.S_ISUID | stat.S_ISGID):
+        return True
+    try:
+        # The directory by its descriptor, the name without following a symlink.
+        os.getxattr(f"/proc/self/fd/{dir_fd}/{name}", CAPABILITY_XATTR, follow_symlinks=False)
+    except OSError as exc:
+        return exc.errno not in _NO_XATTR  # unreadable: keep it the owner's
+    return True
+
+
+def _walk(
+    root: Path, fences: set[str], *, expect: tuple[int, int] | None = None
+) -> Iterator[tuple[int, str, os.stat_result]]:
     """Every entry of the tree at ``root``: ``(dir_fd, name, stat)``, the root first
     with ``dir_fd`` -1. Depth-first without recursion and with one directory open at a
     time (a tree thousands of levels deep, as a sandbox can make, neither overflows the
     stack nor the descriptor table): it descends by name with O_NOFOLLOW and climbs back
     by "..", checking each directory's (device, inode) both ways. Entries on another
     device, or at a path in ``fences`` (mount points, kept subtrees), are not entered;
-    fenced paths are not yielded either. The tree must not change during the walk: the
-    caller lends before the sandbox exists and gives back once its processes are gone.
+    fenced paths are not yielded either. ``expect``: the (device, inode) the root must
+    be (the directory checked as lendable, not whatever its path names now). The tree
+    must not change during the walk: the caller lends before the sandbox exists and
+    gives back once its processes are gone.
     """
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     fd = os.open(root, flags)
     try:
         top = os.fstat(fd)
+        if expect is not None and (top.st_dev, top.st_ino) != expect:
+            raise LeaseError(f"{root} was replaced after it was checked; nothing of it is lent")
         yield -1, "", top
         # One frame per directory on the current path: its identity, its path, and the
         # names still to visit.
@@ -284,25 +343,9 @@ def _walk(root: Path, fences: set[str]) -> Iterator[tuple[int, str, os.stat_resu
 def mount_points_under(root: Path) -> set[str]:
     """Mount points strictly inside ``root`` (from this process's mountinfo)."""
     prefix = str(root).rstrip("/") + "/"
-    found: set[str] = set()
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as info:
-            for line in info:
-                fields = line.split(" ")
-                if len(fields) > 4:
-                    point = _unescape(fields[4])
-                    if point.startswith(prefix):
-                        found.add(point.rstrip("/"))
+        with open(PROC_SELF_MOUNTINFO, encoding="utf-8", errors="surrogateescape") as info:
+            mounts = parse_mountinfo(info.read())
     except OSError:
-        pass
-    return found
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes."""
-    return (
-        field.replace("\\040", " ")
-        .replace("\\011", "\t")
-        .replace("\\012", "\n")
-        .replace("\\134", "\\")
-    )
+        return set()
+    return {m.point.rstrip("/") for m in mounts if m.point.startswith(prefix)}

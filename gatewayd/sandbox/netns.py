@@ -34,9 +34,10 @@ from typing import Any
 # symlink to /run on Debian). We always hand pyroute2 the full path, so both agree.
 NETNS_RUN_DIR = Path("/run/netns")
 
-# Prefix of every namespace gatewayd creates; stale-namespace cleanup matches on it.
-# Two daemons on one host must use different prefixes, or one's startup cleanup would
-# remove the other's live namespaces.
+# The stem of every prefix gatewayd derives (``cogni-<8 hex of the state directory's
+# hash>-``, gatewayd.sandbox.daemons), and the prefix of callers that name none. A
+# daemon's start removes every namespace with its prefix (:func:`sweeps`), so two live
+# daemons never share one: the host's registry of daemons refuses the second.
 NETNS_PREFIX = "cogni-"
 
 # A netns name is a file name under /run/netns, so the file system's NAME_MAX applies;
@@ -162,24 +163,47 @@ def remove_run_netns(name: str) -> bool:
     return True
 
 
-def stale_netns(prefix: str = NETNS_PREFIX) -> list[str]:
-    """Names under /run/netns that look like ours: ``prefix`` followed by a 32-hex run id.
+def sweeps(prefix: str, name: str) -> bool:
+    """Does the start-up sweep of a daemon with ``prefix`` take the namespace ``name``?
+    Exactly when ``name`` is ``prefix`` followed by a 32-hex run id. Pure."""
+    _check_prefix(prefix)
+    return (
+        name.startswith(prefix)
+        and len(name) == len(prefix) + RUN_ID_LENGTH
+        and _RUN_ID_RE.fullmatch(name, len(prefix)) is not None
+    )
 
-    At daemon start no run exists yet, so every such name is a crashed daemon's leftover.
-    Other namespaces (other prefixes, or ours without a run id) are never listed. Sorted.
+
+def prefixes_clash(a: str, b: str) -> bool:
+    """Would a daemon with prefix ``a`` sweep a namespace of one with ``b``, or the other
+    way round? Only when ``a == b``: a run's name is its prefix and exactly 32 hex
+    digits, so two names of equal length have prefixes of equal length, and a prefix
+    ends with "-", which no run id holds. Pure; ``ValueError`` for an invalid prefix."""
+    _check_prefix(a)
+    _check_prefix(b)
+    return a == b
+
+
+def stale_netns(prefix: str) -> list[str]:
+    """Names under /run/netns that look like ours: ``prefix`` followed by a 32-hex run id
+    (:func:`sweeps`).
+
+    At daemon start no run of this daemon exists yet, so every such name is a crashed
+    daemon's leftover (no other live daemon has this prefix: the registry of daemons
+    sees to that). Other namespaces (other prefixes, or ours without a run id) are never
+    listed. Sorted.
     """
     _check_prefix(prefix)
-    pattern = re.compile(re.escape(prefix) + _RUN_ID_RE.pattern)
     try:
         entries = os.listdir(NETNS_RUN_DIR)
     except FileNotFoundError:
         return []  # no namespace was ever pinned on this host since boot
     except OSError as exc:
         raise NetnsError(prefix, _explain(f"cannot list {NETNS_RUN_DIR}", exc)) from exc
-    return sorted(entry for entry in entries if pattern.fullmatch(entry))
+    return sorted(entry for entry in entries if sweeps(prefix, entry))
 
 
-def remove_stale_netns(prefix: str = NETNS_PREFIX) -> list[str]:
+def remove_stale_netns(prefix: str) -> list[str]:
     """Remove every :func:`stale_netns` namespace; return the names removed.
 
     Tries them all before failing, so one stuck namespace does not keep the others;
@@ -215,7 +239,8 @@ def _check_prefix(prefix: str) -> None:
         raise ValueError(
             f"namespace prefix {prefix!r} is not allowed: use at most {MAX_PREFIX_LENGTH} "
             "characters, lowercase letters, digits and '-', starting with a letter and "
-            "ending with '-' (the default is 'cogni-')"
+            "ending with '-' (unset, gatewayd derives one from its state directory, "
+            "e.g. 'cogni-1a2b3c4d-')"
         )
 
 

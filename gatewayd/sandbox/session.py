@@ -36,6 +36,7 @@ from gatewayd.sandbox.cgroup import CgroupSupport
 from gatewayd.sandbox.image import ImageError, require_image
 from gatewayd.sandbox.launch import Echo, ExecResult, run_in_sandbox
 from gatewayd.sandbox.lease import Lease, LeaseError, give_back, lend, read_lease
+from gatewayd.sandbox.lendable import LendableRoots, NotLendable
 from gatewayd.sandbox.limits import HostUser, SandboxLimits
 from gatewayd.sandbox.netns import (
     NetnsError,
@@ -201,6 +202,7 @@ class RunSandbox:
         grants: Sequence[PathGrant],
         env_names: Sequence[str],
         limits: CommandLimits,
+        roots: LendableRoots,
         image_dir: Path | None = None,
         busy_trees: Sequence[Path] = (),
         services: Services | None = None,
@@ -208,13 +210,16 @@ class RunSandbox:
         lend_workspace: bool = True,
     ) -> RunSandbox:
         """Make the run's sandbox resources; on any failure, undo what was made.
+        ``roots``: what the writable trees must lie beneath (the lease checks them).
         ``busy_trees`` are the trees other live runs hold: overlapping one is refused.
         ``user``: a uid the caller took from ``pool`` already (it is released like one
         taken here). ``lend_workspace=False``: the caller made the workspace the run's
         own and disposes of it (an agent run's overlay, gatewayd/agent/), so it is not
         lent and not given back.
 
-        Error handling: :class:`SandboxUnavailable` naming the step and the cause.
+        Error handling: :class:`SandboxUnavailable` naming the step and the cause;
+        :class:`~gatewayd.sandbox.lendable.NotLendable` for a writable tree that may not
+        be lent (nothing was lent).
         """
         user = user or pool.acquire()
         netns: NetnsHandle | None = None
@@ -265,6 +270,7 @@ class RunSandbox:
                     writable,
                     user,
                     run_dir,
+                    roots=roots,
                     keep=read_only,
                     sandbox_owned=lambda uid: uid in pool.range,
                 )
@@ -277,7 +283,7 @@ class RunSandbox:
                     name = netns.name
                     await trio.to_thread.run_sync(remove_run_netns, name)
                 pool.release(user)
-            if isinstance(exc, SandboxUnavailable):
+            if isinstance(exc, SandboxUnavailable | NotLendable):
                 raise
             if isinstance(exc, LeaseError):  # the workspace's state, not gatewayd's fault
                 raise WorkspaceInUse(f"cannot lend run {run_id}'s workspace: {exc}") from exc

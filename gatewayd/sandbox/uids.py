@@ -6,8 +6,11 @@ run leaves behind are told apart by their owner. The uid is also the sandbox's o
 identity on the host: it owns nothing outside the run's workspace, which gatewayd lends
 to it for the run's lifetime (see :mod:`gatewayd.sandbox.lease`).
 
-The default range lies in systemd's "container" uid range (524288-1879048191), which no
-login or system user is given; an operator changes it with the daemon's configuration.
+Unless the daemon's configuration sets one, the range lies in systemd's "container" uid
+range (524288-1879048191), which no login or system user is given, at a place derived
+from the state directory (:func:`gatewayd.sandbox.daemons.derived_uid_range`), so two
+daemons on one host get two ranges; the host's registry of daemons refuses a daemon
+whose range overlaps a live one's, whatever the settings.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from typing import Final
 from gatewayd.errors import GatewayError
 from gatewayd.sandbox.limits import MAX_ID, HostUser
 
-DEFAULT_UID_BASE: Final = 1_800_000_000
 DEFAULT_UID_COUNT: Final = 1024
 _MIN_UID_BASE: Final = 1000  # below: system users (Debian's policy, /etc/adduser.conf)
+# systemd's range for container uids (systemd.io/UIDS-GIDS): derived ranges lie in it.
+CONTAINER_UID_FIRST: Final = 0x0008_0000  # 524288
+CONTAINER_UID_LAST: Final = 0x6FFF_FFFF  # 1879048191
 
 
 class UidPoolExhausted(GatewayError):
@@ -33,19 +38,38 @@ class UidPoolExhausted(GatewayError):
 class UidRange:
     """``count`` uids starting at ``base``; the gid is the same number."""
 
-    base: int = DEFAULT_UID_BASE
+    base: int
     count: int = DEFAULT_UID_COUNT
 
     def __post_init__(self) -> None:
         if self.count < 1 or self.base < _MIN_UID_BASE or self.base + self.count - 1 > MAX_ID:
             raise ValueError(
                 f"sandbox uid range {self.base}+{self.count} is not usable: it must lie "
-                f"within {_MIN_UID_BASE}..{MAX_ID} and hold at least one uid "
-                f"(default {DEFAULT_UID_BASE}+{DEFAULT_UID_COUNT})"
+                f"within {_MIN_UID_BASE}..{MAX_ID} and hold at least one uid (unset, "
+                f"gatewayd derives {DEFAULT_UID_COUNT} uids from its state directory)"
             )
 
     def __contains__(self, uid: object) -> bool:
         return isinstance(uid, int) and self.base <= uid < self.base + self.count
+
+    def overlaps(self, other: UidRange) -> bool:
+        """Do the two ranges share a uid?"""
+        return self.base < other.base + other.count and other.base < self.base + self.count
+
+    def describe(self) -> str:
+        """``first..last`` (``BASE+COUNT``), as an operator reads and writes it."""
+        return f"{self.base}..{self.base + self.count - 1} ({self.base}+{self.count})"
+
+
+def check_derivable_count(count: int) -> None:
+    """A range of ``count`` uids can be derived in the container range; else
+    ``ValueError`` saying the limit."""
+    span = CONTAINER_UID_LAST - CONTAINER_UID_FIRST + 1
+    if not 1 <= count <= span:
+        raise ValueError(
+            f"sandbox_uids count {count} cannot be placed in systemd's container uid range "
+            f"({CONTAINER_UID_FIRST}..{CONTAINER_UID_LAST}): give 1..{span}, or set base too"
+        )
 
 
 class UidPool:

@@ -84,6 +84,12 @@ NEW_DIR_MODE: Final = 0o755
 
 OUTSIDE_MESSAGE: Final = "leads outside the readable paths (symlinks may not point outside)"
 
+# Why a file with more than one name is neither read, written nor described by the
+# tools: another of its names may lie outside the grants (see :func:`hard_linked`).
+HARD_LINK_REASON: Final = (
+    "a hard link can make a file from outside the readable paths appear inside them"
+)
+
 
 class Resolver(enum.Enum):
     """How paths are resolved beneath a root (see the module docstring)."""
@@ -206,6 +212,26 @@ def describe_mode(mode: int) -> str:
     return "special file"
 
 
+def hard_linked(st: os.stat_result) -> bool:
+    """Whether ``st`` (from ``lstat`` or ``fstat``) is a non-directory with more than one name.
+
+    Nothing on the inode says which name came first, so any of them may have been made
+    inside a grant for a file that lives outside it (``ln /etc/shadow workspace/x``):
+    its contents, size, times and mode are that file's, and its link count is how many
+    names it has elsewhere. Directories cannot be hard linked, so theirs are their own.
+    """
+    return not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1
+
+
+def hard_link_refusal(visible: str, remedy: str) -> PolicyViolation:
+    """The refusal of a hard-linked file; it never says how many links it has (see above)."""
+    return PolicyViolation(
+        f"'{shown(visible)}' is one of several hard links to the same file; "
+        f"{HARD_LINK_REASON}, so only files with a single link can be read or written "
+        f"({remedy})"
+    )
+
+
 def require_single_link_regular(fd: int, visible: str) -> os.stat_result:
     """``fstat`` an opened file and refuse anything but a regular file with one link.
 
@@ -227,12 +253,8 @@ def require_single_link_regular(fd: int, visible: str) -> os.stat_result:
             f"'{shown(visible)}' is a {describe_mode(st.st_mode)}, not a regular file; "
             "only regular files can be read or written"
         )
-    if st.st_nlink > 1:
-        raise PolicyViolation(
-            f"'{shown(visible)}' has {st.st_nlink} hard links; a hard link can make a file "
-            "from outside the readable paths appear inside them, so only files with a "
-            "single link can be read or written (copy the file to get one)"
-        )
+    if hard_linked(st):
+        raise hard_link_refusal(visible, "copy the file to get one")
     return st
 
 

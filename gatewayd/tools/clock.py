@@ -41,4 +41,5 @@ TIME_NOW: ToolSpec[NowArgs] = ToolSpec(
     summary="The current time on the host, in UTC (ISO 8601 and milliseconds since the epoch).",
     args_type=NowArgs,
     run=run_now,
+    side_effects=False,
 )

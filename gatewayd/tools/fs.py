@@ -31,8 +31,11 @@ import trio
 from gatewayd.errors import InvalidArguments, PolicyViolation, ToolFailed
 from gatewayd.policy.paths import MAX_PATH_BYTES, PathAccess, PathGrant, ResolvedPath, shown
 from gatewayd.tools.beneath import (
+    HARD_LINK_REASON,
     BeneathRoot,
     describe_mode,
+    hard_link_refusal,
+    hard_linked,
     open_child_dir,
     require_single_link_regular,
     translate_oserror,
@@ -162,7 +165,10 @@ class EditArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class ListArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """List a directory's entries matching a glob; symlinks are reported, never followed."""
+    """List a directory's entries matching a glob; symlinks are reported, never followed.
+
+    A file with more than one hard link is listed without its size (``hardLinked``).
+    """
 
     path: Annotated[
         str,
@@ -194,7 +200,10 @@ class ListArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class StatArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Describe one path (type, size, mtime, mode); a symlink is described, not followed."""
+    """Describe one path (type, size, mtime, mode); a symlink is described, not followed.
+
+    A file with more than one hard link is described by its type only (``hardLinked``).
+    """
 
     path: PathArg
 
@@ -589,12 +598,8 @@ def replace_file(
         if stat.S_ISDIR(kind):
             raise ToolFailed(f"'{shown(visible)}' is a directory; name a file to write")
         if stat.S_ISREG(kind):
-            if existing.st_nlink > 1:
-                raise PolicyViolation(
-                    f"'{shown(visible)}' has {existing.st_nlink} hard links; a hard link can "
-                    "make a file from outside the readable paths appear inside them, so only "
-                    "files with a single link can be read or written (delete it and write anew)"
-                )
+            if hard_linked(existing):
+                raise hard_link_refusal(visible, "delete it and write anew")
             mode = stat.S_IMODE(kind) & 0o777  # never carry set-id bits over
         elif not stat.S_ISLNK(kind):
             raise PolicyViolation(
@@ -817,6 +822,45 @@ def _entry_type(mode: int) -> str:
     return "other"
 
 
+# fs.stat's word on an entry whose facts are withheld, saying why and what helps.
+HARD_LINK_NOTE: Final = (
+    f"one of several hard links to the same file: {HARD_LINK_REASON}, so its size, time "
+    "and mode are not shown and fs.read and fs.write refuse it (a copy has a single link)"
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EntryFacts:
+    """What fs.stat and fs.list may tell about one directory entry.
+
+    Only facts of an inode that is the grant's own. A hard-linked entry may be a name
+    for a file outside the grants, so it gets its type and ``hard_linked`` and nothing
+    else (not even its link count). A symlink's size is the length of where it points,
+    which may spell a host path, and a FIFO, socket or device has no contents to
+    measure: neither gets a size.
+    """
+
+    type: str
+    size: int | None
+    mtime: str | None
+    mode: str | None
+    hard_linked: bool
+
+
+def entry_facts(st: os.stat_result) -> EntryFacts:
+    """The facts of ``st``, the ``lstat`` (or the root's ``fstat``) of one entry."""
+    kind = _entry_type(st.st_mode)
+    if hard_linked(st):
+        return EntryFacts(type=kind, size=None, mtime=None, mode=None, hard_linked=True)
+    return EntryFacts(
+        type=kind,
+        size=st.st_size if kind in ("file", "dir") else None,
+        mtime=iso_utc(st.st_mtime_ns),
+        mode=f"{stat.S_IMODE(st.st_mode):04o}",
+        hard_linked=False,
+    )
+
+
 @dataclass(slots=True)
 class _Listing:
     glob: Glob
@@ -853,13 +897,15 @@ class _Listing:
                 if len(self.entries) >= self.limit:
                     self.truncated = True
                     return False
-                self.entries.append(
-                    {
-                        "path": str(self.base.joinpath(*rel, name)),
-                        "type": kind,
-                        "size": st.st_size if kind == "file" else None,
-                    }
-                )
+                facts = entry_facts(st)
+                listed: dict[str, Any] = {
+                    "path": str(self.base.joinpath(*rel, name)),
+                    "type": kind,
+                    "size": facts.size if kind == "file" else None,
+                }
+                if facts.hard_linked:
+                    listed["hardLinked"] = True
+                self.entries.append(listed)
             if kind != "dir" or not self.glob.can_descend(following):
                 continue
             if len(rel) + 1 >= LIST_MAX_DEPTH:
@@ -927,14 +973,19 @@ def stat_path(target: ResolvedPath) -> dict[str, Any]:
                 st = os.fstat(root_fd)
             finally:
                 os.close(root_fd)
-    # A symlink's target is not reported: it may spell a host path.
-    return {
+    # Neither a symlink's target nor its length is reported (see EntryFacts).
+    facts = entry_facts(st)
+    result: dict[str, Any] = {
         "path": target.visible,
-        "type": _entry_type(st.st_mode),
-        "size": st.st_size,
-        "mtime": iso_utc(st.st_mtime_ns),
-        "mode": f"{stat.S_IMODE(st.st_mode):04o}",
+        "type": facts.type,
+        "size": facts.size,
+        "mtime": facts.mtime,
+        "mode": facts.mode,
     }
+    if facts.hard_linked:
+        result["hardLinked"] = True
+        result["note"] = HARD_LINK_NOTE
+    return result
 
 
 # --- runners -------------------------------------------------------------------------
@@ -1014,6 +1065,7 @@ FS_READ: ToolSpec[ReadArgs] = ToolSpec(
     args_type=ReadArgs,
     run=run_read,
     paths=read_paths,
+    side_effects=False,
 )
 FS_WRITE: ToolSpec[WriteArgs] = ToolSpec(
     name="fs.write",
@@ -1035,6 +1087,7 @@ FS_LIST: ToolSpec[ListArgs] = ToolSpec(
     args_type=ListArgs,
     run=run_list,
     paths=list_paths,
+    side_effects=False,
 )
 FS_STAT: ToolSpec[StatArgs] = ToolSpec(
     name="fs.stat",
@@ -1042,4 +1095,5 @@ FS_STAT: ToolSpec[StatArgs] = ToolSpec(
     args_type=StatArgs,
     run=run_stat,
     paths=stat_paths,
+    side_effects=False,
 )

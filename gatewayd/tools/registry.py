@@ -59,6 +59,12 @@ class ToolSpec(Generic[A]):
     args_type: type[A]
     run: Callable[[A, ToolContext, tuple[ResolvedPath, ...]], Awaitable[Any]]
     paths: Callable[[A], tuple[PathAccess, ...]] = no_paths
+    # Can a call change or reveal anything outside gatewayd before its answer is sent
+    # (write a file, send a request, spend a model's budget, start a process)? Then its
+    # ``call`` entry is made durable before it runs (write-ahead). False only for reads
+    # of local state: nothing of such a call leaves gatewayd but its answer, which waits
+    # for both entries anyway, so one flush covers them. Fail safe: True unless declared.
+    side_effects: bool = True
 
     def args_schema(self) -> dict[str, Any]:
         """The argument schema as JSON Schema (what ``tools.list`` shows)."""

@@ -323,6 +323,9 @@ async def test_a_refused_call_is_told_to_the_model_and_audited(
                 Call(name="read", arguments={"path": "/etc/passwd"}),
                 Call(name="shell", arguments={"command": "id"}),
                 Call(name="read", arguments="{not json"),
+                # The socket's JSON discipline holds for the model's arguments too.
+                Call(name="read", arguments='{"path": "calc.py", "path": "/etc/passwd"}'),
+                Call(name="list", arguments='{"path": ' + "[" * 100_000 + "]" * 100_000 + "}"),
             ),
         ),
         Text(content="nothing to do"),
@@ -335,11 +338,14 @@ async def test_a_refused_call_is_told_to_the_model_and_audited(
         "message": "there is no tool 'shell'; the tools are read, write, edit, list, exec",
     }
     assert told[2]["error"] == "bad_request" and "JSON object" in told[2]["message"]
-    assert len(told) == 3
+    assert told[3]["error"] == "bad_request"
+    assert "the key 'path' appears twice in one object" in told[3]["message"]
+    assert told[4]["error"] == "bad_request" and "at most 64 are accepted" in told[4]["message"]
+    assert len(told) == 5
     # No change and --no-push: the run is ok with an empty bundle.
     assert result.ok and result.patches == [] and result.branch is None
     refused = by_event(result.audit_log, "agent_call_refused")
-    assert [e["detail"]["tool"] for e in refused] == ["shell", "read"]
+    assert [e["detail"]["tool"] for e in refused] == ["shell", "read", "read", "list"]
     denied = [e for e in result.audit_log if e["kind"] == "call" and e["decision"] == "deny"]
     assert denied and denied[0]["errorCode"] == "policy_denied"
 

@@ -238,7 +238,7 @@ def test_serve_control_socket_works_with_curl(base: Path) -> None:
             json.dumps(
                 {
                     "workspacePath": str(base / "ws"),
-                    "policy": str(write_policy(base, OPEN_POLICY)),
+                    "policy": daemon.policy_name(write_policy(base, OPEN_POLICY)),
                     "actorId": "op",
                     "tenantId": "t",
                     "grant": {"allowSandbox": True},
@@ -362,6 +362,7 @@ def test_gatewayd_rules_tightens_at_once_and_loosens_only_when_confirmed(base: P
     )
     daemon = start_daemon(base / "state")
     state = ["--state-dir", str(base / "state")]
+    name = daemon.policy_name(policy)  # the control socket takes names only
 
     def rules(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -369,13 +370,13 @@ def test_gatewayd_rules_tightens_at_once_and_loosens_only_when_confirmed(base: P
         )
 
     try:
-        shown = rules("show", "--policy", str(policy))
+        shown = rules("show", "--policy", name)
         assert shown.returncode == 0, shown.stderr
         assert "1. Reading notes" in shown.stdout and "1. Writing keys" in shown.stdout
-        tightened = rules("add-deny", "--policy", str(policy), "Deleting files", "--by", "ops")
+        tightened = rules("add-deny", "--policy", name, "Deleting files", "--by", "ops")
         assert tightened.returncode == 0 and tightened.stdout.startswith("APPLIED add_deny")
         assert "Deleting files" in policy.read_text()
-        loosened = rules("add-allow", "--policy", str(policy), "Writing anything")
+        loosened = rules("add-allow", "--policy", name, "Writing anything")
         assert loosened.returncode == 0 and loosened.stdout.startswith("PENDING ")
         confirmation = loosened.stdout.split()[1].rstrip(":")
         assert "Writing anything" not in policy.read_text()
@@ -384,7 +385,7 @@ def test_gatewayd_rules_tightens_at_once_and_loosens_only_when_confirmed(base: P
         confirmed = rules("confirm", confirmation)
         assert confirmed.returncode == 0 and confirmed.stdout.startswith("APPLIED add_allow")
         assert "Writing anything" in policy.read_text()
-        missing = rules("remove-allow", "--policy", str(policy), "No such rule")
+        missing = rules("remove-allow", "--policy", name, "No such rule")
         assert missing.returncode == 1 and "no allow rule 'No such rule'" in missing.stderr
         unknown = rules("confirm", "0" * 32)
         assert unknown.returncode == 1 and "no pending rule change" in unknown.stderr

@@ -27,7 +27,7 @@ from gatewayd.tools.registry import ToolContext, ToolSpec
 from tests.conftest import frame, make_gateway, raw_exchange, request
 from tests.fakeprovider import FakeProvider, HttpError
 from tests.integration.test_secrets import FORGE, FORGE_ENV, KEY, KEY_ENV, echoing, leaks
-from tests.livedaemon import BIN, LiveDaemon, _healthy
+from tests.livedaemon import BIN, LiveDaemon, _healthy, policy_options
 
 POLICY = """
 version: 1
@@ -95,6 +95,7 @@ def start_logged(base: Path, fake: FakeProvider) -> Logged:
                 str(BIN / "gatewayd"),
                 "serve",
                 *("--config", str(config), "--state-dir", str(base / "state")),
+                *policy_options(base / "state"),
                 "--no-os-sandbox",
             ],
             stdout=stdout,

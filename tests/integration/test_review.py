@@ -251,7 +251,7 @@ async def test_a_rule_change_invalidates_the_cache_for_live_runs(
     fake.script(Text(content="ALLOW"), Text(content="DENY: the new rule forbids it"))
     run = await gw.create_run(ws, REVIEWED)
     assert (await call(run, "fs.read", {"path": "notes.md"}, "a"))["ok"]
-    source = run.spec.policy_source
+    source = Path(run.spec.policy_source).stem  # rule changes name a policy
     await gw.daemon.change_rule(source, RuleAction.ADD_DENY, "Reading notes.md", "alice")
     answer = await call(run, "fs.read", {"path": "notes.md"}, "b")
     assert answer["errorCode"] == "review_denied"
@@ -301,17 +301,18 @@ async def test_tightening_is_immediate_and_loosening_waits_for_confirmation(
 ) -> None:
     run = await gw.create_run(ws, REVIEWED)
     source = run.spec.policy_source
-    applied = await gw.daemon.change_rule(source, RuleAction.ADD_DENY, "No JSON files", "bob")
+    name = Path(source).stem  # rule changes name a policy
+    applied = await gw.daemon.change_rule(name, RuleAction.ADD_DENY, "No JSON files", "bob")
     assert not isinstance(applied, Pending)
     assert "No JSON files" in Path(source).read_text()  # persisted
-    pending = await gw.daemon.change_rule(source, RuleAction.ADD_ALLOW, "Anything at all", "eve")
+    pending = await gw.daemon.change_rule(name, RuleAction.ADD_ALLOW, "Anything at all", "eve")
     assert isinstance(pending, Pending)
     assert "Anything at all" not in Path(source).read_text()  # not yet
     section, _ = gw.daemon.rules.current(source, run.spec.policy.review)
     assert "Anything at all" not in [r.text for r in section.rules.allow]
     await gw.daemon.confirm_rule(pending.confirmation_id)
     assert "Anything at all" in Path(source).read_text()
-    removed = await gw.daemon.change_rule(source, RuleAction.REMOVE_DENY, "No JSON files", "eve")
+    removed = await gw.daemon.change_rule(name, RuleAction.REMOVE_DENY, "No JSON files", "eve")
     assert isinstance(removed, Pending)
     await gw.daemon.cancel_rule(removed.confirmation_id)
     assert "No JSON files" in Path(source).read_text()
@@ -324,7 +325,7 @@ async def test_a_rule_change_that_cannot_be_made_says_why(
     gw: Gateway, ws: Path, fake: FakeProvider
 ) -> None:
     run = await gw.create_run(ws, REVIEWED)
-    source = run.spec.policy_source
+    source = Path(run.spec.policy_source).stem  # rule changes name a policy
     with pytest.raises(RuleChangeError, match="no allow rule 'Nothing like this'"):
         await gw.daemon.change_rule(source, RuleAction.REMOVE_ALLOW, "Nothing like this", None)
     with pytest.raises(RuleChangeError, match="already there"):

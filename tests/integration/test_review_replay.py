@@ -177,7 +177,7 @@ def test_calls_file_with_bad_lines_is_refused_naming_every_line_and_what_is_wron
     assert "dotted lowercase tool name" in problems[5]
     assert "'args' must be a JSON object, not an array" in problems[6]
     assert "key 'tool' appears twice" in problems[7]
-    assert "NaN is not JSON" in problems[8]
+    assert "NaN is not a JSON number" in problems[8]
     assert str(caught.value).startswith("calls.jsonl: line 2: ")
 
 

@@ -101,7 +101,7 @@ class Sandboxed:
             grant=Grant(allowSandbox=grant),
             limits=RunLimits(maxMemoryMb=memory_mb),
         )
-        return await self.daemon.start_run(request)
+        return await self.daemon.start_run(request, policy_paths=True)
 
     async def py(self, run: Run, code: str, *args: str, timeout: float = 30) -> ExecResult:
         return await self.daemon.exec_in_run(

@@ -19,6 +19,7 @@ import trio
 from gatewayd.policy.paths import PathGrant, PathMode
 from gatewayd.sandbox.launch import LaunchError, run_in_sandbox
 from gatewayd.sandbox.lease import give_back, lend
+from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.plan import Bind, PlanError, validate
 from gatewayd.sandbox.session import UnsafeMounts, _pin_sources
@@ -130,7 +131,7 @@ def test_the_lease_never_enters_a_mount_inside_the_tree(tmp: Path) -> None:
     subprocess.run(["mount", "--bind", str(outside), str(ws / "cache")], check=True)
     borrower = HostUser(uid=4_000_003, gid=4_000_003)
     try:
-        lease = lend([ws], borrower, run_dir)
+        lease = lend([ws], borrower, run_dir, roots=LendableRoots())
         assert os.stat(ws).st_uid == borrower.uid
         assert os.stat(outside / "app.conf").st_uid == 0  # behind the mount: not lent
         give_back(lease)

@@ -14,6 +14,7 @@ import pytest
 
 from gatewayd import cli, config
 from gatewayd.config import (
+    DERIVED_SOURCE,
     ENV_SYNTAX,
     ConfigError,
     GatewaydConfig,
@@ -23,6 +24,7 @@ from gatewayd.config import (
     resolve_settings,
 )
 from gatewayd.daemon import DaemonConfig
+from gatewayd.sandbox.daemons import derived_uid_range
 from gatewayd.sandbox.uids import UidRange
 
 # Every setting: the text of its variable, and the value it must give (not the default).
@@ -33,12 +35,14 @@ ENV_CASES: dict[str, tuple[str, Any]] = {
     "agent_dir": ("/srv/gw-agent", Path("/srv/gw-agent")),
     "policy_dirs": ("/etc/gw/p:/srv/p", (Path("/etc/gw/p"), Path("/srv/p"))),
     "audit_fsync": ("false", False),
+    "audit_reply_after_result": ("off", False),
     "audit_max_bytes": ("0", 0),
     "max_frame_bytes": ("4_194_304", 4 << 20),
     "os_sandbox": ("No", False),
     "bwrap": ("/usr/local/bin/bwrap", "/usr/local/bin/bwrap"),
     "netns_prefix": ("gw2-", "gw2-"),
     "sandbox_uids": ("1700000000+256", SandboxUids(base=1_700_000_000, count=256)),
+    "lendable_roots": ("/srv/workspaces:/home", (Path("/srv/workspaces"), Path("/home"))),
     "models": (
         '{"r": {"provider": "openai", "model": "m", "api_key_env": "K"}}',
         {"r": ModelAlias(provider="openai", model="m", api_key_env="K")},
@@ -73,7 +77,11 @@ def test_every_variable_parses_into_its_setting(setting: str) -> None:
     settings = resolve_settings(file=None, environ={env_name(setting): text})
     assert getattr(settings.config, setting) == expected
     assert settings.sources[setting] == f"env {env_name(setting)}"
-    others = {name for name, source in settings.sources.items() if source != "default"}
+    others = {
+        name
+        for name, source in settings.sources.items()
+        if source not in ("default", DERIVED_SOURCE)
+    }
     assert others == {setting}
 
 
@@ -135,20 +143,24 @@ def test_an_option_beats_a_variable_beats_the_file_beats_the_default(
 ) -> None:
     path = write(tmp_path, file_text + "\n")
     environ = {env_name(setting): env_text}
+    default = getattr(GatewaydConfig(), setting)
+    # netns_prefix and sandbox_uids default to values derived from the state directory
+    default_source = DERIVED_SOURCE if default is None else "default"
+    from_option = object()  # the option's value, as the setting reads it
     layers = [
-        (None, {}, {}, getattr(GatewaydConfig(), setting), "default"),
+        (None, {}, {}, default, default_source),
         (path, {}, {}, values[0], f"file {path}"),
         (path, environ, {}, values[1], f"env {env_name(setting)}"),
         (None, environ, {}, values[1], f"env {env_name(setting)}"),
-        (path, environ, {setting: option}, None, f"option {option[0]}"),
-        (path, {}, {setting: option}, None, f"option {option[0]}"),
+        (path, environ, {setting: option}, from_option, f"option {option[0]}"),
+        (path, {}, {setting: option}, from_option, f"option {option[0]}"),
     ]
     for file, env, options, expected, source in layers:
         settings = resolve_settings(file=file, environ=env, options=options)
         got = getattr(settings.config, setting)
-        if expected is not None:
+        if expected is not from_option:
             assert got == expected, (file, env, options)
-        else:  # the option's value, as the setting reads it
+        else:
             assert got == getattr(GatewaydConfig.model_validate({setting: option[1]}), setting)
         assert settings.sources[setting] == source
 
@@ -316,6 +328,7 @@ audit_path: /srv/audit.jsonl
 control_socket: /run/gw.sock
 policy_dirs: [/etc/gw/policies]
 audit_fsync: false
+audit_reply_after_result: false
 audit_max_bytes: 1000000
 max_frame_bytes: 4096
 os_sandbox: false
@@ -335,6 +348,7 @@ def test_the_daemon_is_built_from_every_setting_of_the_file(tmp_path: Path) -> N
         audit_path=Path("/srv/audit.jsonl"),
         policy_dirs=(Path("/etc/gw/policies"),),
         audit_fsync=False,
+        audit_reply_after_result=False,
         audit_max_bytes=1_000_000,
         max_frame_bytes=4096,
         os_sandbox=False,
@@ -428,7 +442,11 @@ def test_config_show_gives_every_value_and_its_source(
     assert settings["netns_prefix"] == {"value": "env-", "source": "env GATEWAYD_NETNS_PREFIX"}
     assert settings["max_frame_bytes"] == {"value": 8192, "source": "option --max-frame-bytes"}
     assert settings["audit_path"] == {"value": "/srv/gw/audit/audit.jsonl", "source": "default"}
-    assert settings["sandbox_uids"]["value"] == {"base": 1_800_000_000, "count": 1024}
+    derived = derived_uid_range(Path("/srv/gw"))
+    assert settings["sandbox_uids"] == {
+        "value": {"base": derived.base, "count": 1024},
+        "source": DERIVED_SOURCE,
+    }
 
 
 def test_config_show_prints_no_secret(
@@ -478,6 +496,10 @@ def test_config_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     out, err = capsys.readouterr()
     assert out.startswith(f"{good}: OK; sets state_dir, audit_path")
     assert "audit_fsync: false" in err  # the warning
+    # and the opt-out's: what it risks, and where to read more
+    assert "audit_reply_after_result: false" in err
+    assert "a crash can lose the results of calls the sandbox saw answered" in err
+    assert "docs/audit.md" in err
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     assert cli.main(["config", "check", str(empty)]) == cli.EXIT_OK

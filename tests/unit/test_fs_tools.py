@@ -6,7 +6,10 @@ import base64
 import itertools
 import os
 import re
+import shutil
+import socket
 import stat
+import tempfile
 import threading
 import time
 from pathlib import Path, PurePosixPath
@@ -447,7 +450,7 @@ async def test_write_to_a_hard_linked_file_is_refused_and_leaves_it_alone(
 ) -> None:
     os.link(outside / "secret.txt", root / "hl.txt")
     for append in (False, True):
-        with pytest.raises(PolicyViolation, match="has 2 hard links"):
+        with pytest.raises(PolicyViolation, match="is one of several hard links"):
             await call(
                 "fs.write", {"path": "hl.txt", "content": "x", "append": append}, make_grant(root)
             )
@@ -1080,3 +1083,285 @@ async def test_files_in_a_directory_of_our_own_stay_ours(root: Path) -> None:
     await call("fs.write", {"path": "a/b.txt", "content": "x"}, make_grant(root))
     assert os.lstat(root / "a" / "b.txt").st_uid == os.geteuid()
     assert os.lstat(root / "a").st_uid == os.geteuid()
+
+
+# --- fs.stat and fs.list tell nothing about what is outside a grant ----------------------
+
+# Facts of an inode outside the grant, each one distinctive, so a leak is recognised
+# wherever it turns up in a result.
+OUTSIDE_SIZE = 31_337
+OUTSIDE_MODE = 0o4751
+OUTSIDE_MTIME_NS = 1_000_000_000_123_000_000
+OUTSIDE_FACTS = ("31337", "4751", "2001-09-09T01:46:40.123Z")
+# The entries' own facts, where they are the grant's own inodes.
+INSIDE_MTIME_NS = 1_767_323_045_678_000_000
+INSIDE_MTIME = "2026-01-02T03:04:05.678Z"
+# A symlink's target as long as a name may be: its length must not show either.
+LONG_TARGET = "/nonexistent/" + "t" * 242
+
+
+def make_socket(path: Path) -> None:
+    """A unix socket file at ``path``: bound in a short directory (sun_path holds 107
+    bytes), then moved there (the same file system: pytest's tmp_path is under /tmp)."""
+    short = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(short / "s"))
+        os.rename(short / "s", path)
+    finally:
+        shutil.rmtree(short)
+
+
+def make_device(path: Path, mode: int) -> None:
+    """A character device node (the numbers of /dev/null; only its name is ever used)."""
+    os.mknod(path, stat.S_IFCHR | mode, os.makedev(1, 3))
+
+
+def plant_outside(outside: Path, kind: str) -> Path:
+    """An inode of ``kind`` outside the grant, with the distinctive facts above."""
+    path = outside / f"outside-{kind}"
+    if kind == "file":
+        path.write_bytes(b"x" * OUTSIDE_SIZE)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "socket":
+        make_socket(path)
+    elif kind == "device":
+        make_device(path, 0o600)
+    if kind == "symlink":
+        path.symlink_to("/etc/" + "s" * 137)
+    else:
+        os.chmod(path, OUTSIDE_MODE)
+    os.utime(path, ns=(OUTSIDE_MTIME_NS, OUTSIDE_MTIME_NS), follow_symlinks=False)
+    return path
+
+
+def plant_inside(path: Path, kind: str, outside: Path) -> None:
+    """A single-link entry of ``kind`` at ``path``, with INSIDE_MTIME as its own time."""
+    if kind == "fifo":
+        os.mkfifo(path, 0o640)
+    elif kind == "socket":
+        make_socket(path)
+        os.chmod(path, 0o750)
+    elif kind == "device":
+        make_device(path, 0o600)
+    elif kind == "symlink-absolute":
+        path.symlink_to(outside / "secret.txt")
+    elif kind == "symlink-relative":
+        path.symlink_to(os.path.relpath(outside / "secret.txt", path.parent))
+    elif kind == "symlink-dangling":
+        path.symlink_to(LONG_TARGET)
+    elif kind == "symlink-proc":
+        path.symlink_to("/proc/self/root/etc/shadow")
+    elif kind == "symlink-inside":
+        path.symlink_to("../README.md")
+    else:
+        raise AssertionError(f"no such kind: {kind}")
+    os.utime(path, ns=(INSIDE_MTIME_NS, INSIDE_MTIME_NS), follow_symlinks=False)
+
+
+CAN_MKNOD = os.geteuid() == 0
+needs_mknod = pytest.mark.skipif(not CAN_MKNOD, reason="making a device node needs root")
+
+# (name in the grant, how it is made, the type fs.stat and fs.list say, its own mode).
+# "hardlink-*": the test, on the host, links an inode that lives outside into the grant
+# (the sandbox cannot: the grant is another mount there); nothing of that inode may
+# show, its mode included. Every other kind has a single name, but may point outside
+# (symlinks, whatever their target) or has no size of its own (FIFO, socket, device).
+WITHHELD_KINDS: list[tuple[str, str, str, str | None]] = [
+    ("hl-file", "hardlink-file", "file", None),
+    ("hl-fifo", "hardlink-fifo", "other", None),
+    ("hl-socket", "hardlink-socket", "other", None),
+    ("hl-device", "hardlink-device", "other", None),
+    ("hl-symlink", "hardlink-symlink", "symlink", None),
+    ("ln-abs", "symlink-absolute", "symlink", "0777"),
+    ("ln-rel", "symlink-relative", "symlink", "0777"),
+    ("ln-dangling", "symlink-dangling", "symlink", "0777"),
+    ("ln-proc", "symlink-proc", "symlink", "0777"),
+    ("ln-inside", "symlink-inside", "symlink", "0777"),
+    ("fifo", "fifo", "other", "0640"),
+    ("sock", "socket", "other", "0750"),
+    ("dev", "device", "other", "0600"),
+]
+PLANTABLE_KINDS = [k for k in WITHHELD_KINDS if CAN_MKNOD or "device" not in k[1]]
+
+
+def plant(directory: Path, name: str, kind: str, outside: Path) -> None:
+    if kind.startswith("hardlink-"):
+        source = plant_outside(outside, kind.removeprefix("hardlink-"))
+        os.link(source, directory / name, follow_symlinks=False)
+        assert os.lstat(directory / name).st_nlink == 2
+    else:
+        plant_inside(directory / name, kind, outside)
+
+
+def expected_stat(visible: str, kind: str, type_: str, mode: str | None) -> dict[str, Any]:
+    if kind.startswith("hardlink-"):
+        return {
+            "path": visible,
+            "type": type_,
+            "size": None,
+            "mtime": None,
+            "mode": None,
+            "hardLinked": True,
+        }
+    return {"path": visible, "type": type_, "size": None, "mtime": INSIDE_MTIME, "mode": mode}
+
+
+def assert_nothing_from_outside(result: dict[str, Any], tmp_path: Path) -> None:
+    wire = msgspec.json.encode(result).decode()
+    for fact in (*OUTSIDE_FACTS, str(tmp_path), SECRET, "/etc/", "/proc/", LONG_TARGET):
+        assert fact not in wire, f"{fact!r} from outside the grant is in {wire}"
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "type_", "mode"),
+    [
+        pytest.param(*k, id=k[1], marks=[needs_mknod] if "device" in k[1] else [])
+        for k in WITHHELD_KINDS
+    ],
+)
+async def test_stat_tells_nothing_of_an_outside_inode_or_of_where_a_symlink_points(
+    resolver: Resolver,
+    root: Path,
+    outside: Path,
+    tmp_path: Path,
+    name: str,
+    kind: str,
+    type_: str,
+    mode: str | None,
+) -> None:
+    (root / "README.md").write_text("readme")
+    (root / "sub").mkdir()
+    plant(root / "sub", name, kind, outside)
+    result = await call("fs.stat", {"path": f"sub/{name}"}, make_grant(root))
+    note = result.pop("note", None)
+    assert result == expected_stat(f"/workspace/sub/{name}", kind, type_, mode)
+    assert_nothing_from_outside(result, tmp_path)
+    if kind.startswith("hardlink-"):
+        # It says why nothing is shown and what helps, as fs.read's refusal does.
+        assert note is not None
+        assert "one of several hard links" in note
+        assert "size, time and mode are not shown" in note
+        assert "a copy has a single link" in note
+    else:
+        assert note is None
+
+
+@pytest.mark.parametrize(
+    ("args", "base"),
+    [
+        ({"path": "/workspace/sub"}, "/workspace/sub"),  # the directory's own entries
+        ({"path": "/workspace", "pattern": "**"}, "/workspace/sub"),  # every depth
+        ({"path": "/workspace", "pattern": "sub/*"}, "/workspace/sub"),  # a nested glob
+        ({"path": "/workspace", "pattern": "**/sub/*"}, "/workspace/sub"),
+    ],
+    ids=["own-entries", "double-star", "nested-glob", "double-star-nested"],
+)
+async def test_list_tells_nothing_of_an_outside_inode_at_any_depth_or_pattern(
+    resolver: Resolver,
+    root: Path,
+    outside: Path,
+    tmp_path: Path,
+    args: dict[str, Any],
+    base: str,
+) -> None:
+    # Every kind side by side with ordinary files and a directory, whose sizes stay.
+    sub = root / "sub"
+    sub.mkdir()
+    (root / "README.md").write_text("readme")
+    (sub / "plain.txt").write_bytes(b"p" * 12)
+    (sub / "dir").mkdir()
+    expected: list[dict[str, Any]] = [
+        {"path": f"{base}/dir", "type": "dir", "size": None},
+        {"path": f"{base}/plain.txt", "type": "file", "size": 12},
+    ]
+    for name, kind, type_, _mode in PLANTABLE_KINDS:
+        plant(sub, name, kind, outside)
+        entry: dict[str, Any] = {"path": f"{base}/{name}", "type": type_, "size": None}
+        if kind.startswith("hardlink-"):
+            entry["hardLinked"] = True
+        expected.append(entry)
+    expected.sort(key=lambda e: str(e["path"]))
+    result = await call("fs.list", args, make_grant(root))
+    listed = [e for e in result["entries"] if e["path"].startswith(f"{base}/")]
+    assert listed == expected
+    assert_nothing_from_outside(result, tmp_path)
+    if args.get("pattern") == "**":
+        readme = {"path": "/workspace/README.md", "type": "file", "size": 6}
+        assert readme in result["entries"]
+
+
+async def test_stat_keeps_a_directorys_facts_and_a_file_is_its_own_once_its_other_name_goes(
+    root: Path,
+) -> None:
+    (root / "d").mkdir()
+    os.chmod(root / "d", 0o750)
+    os.utime(root / "d", ns=(INSIDE_MTIME_NS, INSIDE_MTIME_NS))
+    result = await call("fs.stat", {"path": "d"}, make_grant(root))
+    assert result == {
+        "path": "/workspace/d",
+        "type": "dir",
+        "size": os.stat(root / "d").st_size,
+        "mtime": INSIDE_MTIME,
+        "mode": "0750",
+    }
+    # A file whose other name is gone has one link again: it is the grant's own.
+    (root / "d" / "f.txt").write_text("once")
+    os.link(root / "d" / "f.txt", root / "f2.txt")
+    assert (await call("fs.stat", {"path": "f2.txt"}, make_grant(root)))["hardLinked"] is True
+    os.unlink(root / "d" / "f.txt")
+    again = await call("fs.stat", {"path": "f2.txt"}, make_grant(root))
+    assert (again["size"], "hardLinked" in again) == (4, False)
+
+
+async def test_a_symlink_into_another_grant_is_described_without_its_target(
+    resolver: Resolver, root: Path, nested: tuple[PathGrant, ...]
+) -> None:
+    (root / "lnk").symlink_to("docs/key.pem")
+    stat_result = await call_nested("fs.stat", {"path": "/workspace/lnk"}, nested)
+    assert (stat_result["type"], stat_result["size"]) == ("symlink", None)
+    listing = await call_nested("fs.list", {"path": "/workspace", "pattern": "**"}, nested)
+    assert {"path": "/workspace/lnk", "type": "symlink", "size": None} in listing["entries"]
+
+
+# An outside inode with this many names: a refusal must not count them.
+OUTSIDE_NAMES = 7
+
+REFUSING_CALLS = [
+    pytest.param("fs.read", {}, "copy the file to get one", id="read"),
+    pytest.param("fs.write", {"content": "x"}, "delete it and write anew", id="write"),
+    pytest.param(
+        "fs.write", {"content": "x", "append": True}, "copy the file to get one", id="append"
+    ),
+    pytest.param("fs.edit", {"old": "x", "new": "y"}, "copy the file to get one", id="edit"),
+]
+
+
+@pytest.mark.parametrize(("tool", "extra", "remedy"), REFUSING_CALLS)
+async def test_a_hard_link_refusal_does_not_tell_how_many_names_the_file_has(
+    resolver: Resolver,
+    root: Path,
+    outside: Path,
+    tmp_path: Path,
+    tool: str,
+    extra: dict[str, Any],
+    remedy: str,
+) -> None:
+    source = outside / "secret.txt"
+    for index in range(OUTSIDE_NAMES - 2):
+        os.link(source, outside / f"name-{index}")
+    os.link(source, root / "hl.txt")
+    assert os.stat(root / "hl.txt").st_nlink == OUTSIDE_NAMES
+    with pytest.raises(PolicyViolation) as caught:
+        await call(tool, {"path": "hl.txt", **extra}, make_grant(root))
+    message = str(caught.value)
+    assert caught.value.code.value == "policy_denied"
+    assert message == (
+        "'/workspace/hl.txt' is one of several hard links to the same file; a hard link "
+        "can make a file from outside the readable paths appear inside them, so only "
+        f"files with a single link can be read or written ({remedy})"
+    )
+    assert str(OUTSIDE_NAMES) not in message
+    assert_safe(caught.value, tmp_path)
+    assert source.read_text() == SECRET

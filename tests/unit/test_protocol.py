@@ -81,8 +81,8 @@ def test_several_frames_in_one_read_give_several_events() -> None:
         (b"{nope", "not valid JSON", None),
         (b"", "not valid JSON", None),
         (b"[]", "malformed request", None),
-        (body(runId=...)[:-1] + b', "runId": "\xb2x"}', "not valid JSON", None),
-        (b'{"v": 1, "tool": "\xff"}', "not valid JSON", None),
+        (body(runId=...)[:-1] + b', "runId": "\xb2x"}', "not UTF-8", "c1"),
+        (b'{"v": 1, "tool": "\xff"}', "not UTF-8 text", None),
         (body(v=2), "v=1", "c1"),
         (body(runId=...), "runId", "c1"),
         (body(tool="FS.READ"), "dotted lowercase", "c1"),
@@ -91,6 +91,35 @@ def test_several_frames_in_one_read_give_several_events() -> None:
         (body(toolCallId="x" * 129), "toolCallId", None),
         (body(args=[1]), "args", "c1"),
         (body(extra=1), "extra", "c1"),
+        # The JSON discipline: a key twice (at the top, in args, deep in args), nesting
+        # past the cap, numbers that are not JSON numbers.
+        (body()[:-1] + b', "tool": "fs.write"}', "the key 'tool' appears twice", "c1"),
+        (body()[:-1] + b', "runId": "other"}', "the key 'runId' appears twice", "c1"),
+        (
+            body(args={"path": "x"})[:-2] + b', "path": "/etc/shadow"}}',
+            "'path' appears twice",
+            "c1",
+        ),
+        (body(args={"a": [{"b": 1}]})[:-4] + b', "b": 2}]}}', "'b' appears twice", "c1"),
+        (
+            body(args={"a": "PLACE"}).replace(b'"PLACE"', b"[" * 100_000 + b"]" * 100_000),
+            "nests 100002 levels",
+            None,
+        ),
+        (
+            body(args={"a": "PLACE"}).replace(b'"PLACE"', b'{"k":' * 65 + b"1" + b"}" * 65),
+            "at most 64",
+            "c1",
+        ),
+        (body(args={"a": "PLACE"}).replace(b'"PLACE"', b"[" * 200_000), "nests", None),
+        (body(args={"n": "PLACE"}).replace(b'"PLACE"', b"NaN"), "NaN is not a JSON number", None),
+        (body(args={"n": "PLACE"}).replace(b'"PLACE"', b"-Infinity"), "-Infinity is not", None),
+        (body(args={"n": "PLACE"}).replace(b'"PLACE"', b"1e999"), "overflows to infinity", "c1"),
+        (
+            body(args={"n": "PLACE"}).replace(b'"PLACE"', b"9" * 100_000),
+            "more than 4300 digits",
+            "c1",
+        ),
     ],
 )
 def test_malformed_bodies_are_bad_request_and_keep_the_stream(

@@ -135,7 +135,9 @@ def test_a_variable_that_is_not_utf8_is_refused() -> None:
 
 def test_an_oversize_credential_file_is_refused_after_a_bounded_read(creds: Path) -> None:
     (creds / "K").write_bytes(b"x" * (MAX_CREDENTIAL_BYTES + 1))
-    with pytest.raises(SecretError, match=f"is over {MAX_CREDENTIAL_BYTES} bytes.*LoadCredential"):
+    with pytest.raises(
+        SecretError, match=f"is larger than {MAX_CREDENTIAL_BYTES} bytes.*LoadCredential"
+    ):
         read_secret("K", {"CREDENTIALS_DIRECTORY": str(creds)})
     (creds / "K").write_bytes(b"x" * MAX_CREDENTIAL_BYTES)  # the cap itself is fine
     assert len(read_secret("K", {"CREDENTIALS_DIRECTORY": str(creds)}).value) == (
@@ -147,13 +149,17 @@ def test_a_credential_that_is_not_a_regular_file_is_refused_without_blocking(
     creds: Path,
 ) -> None:
     os.mkfifo(creds / "K")  # opening a FIFO for reading would wait for a writer
-    with pytest.raises(SecretError, match=r"credential file .*/K .* is not a regular file"):
+    with pytest.raises(
+        SecretError, match=r"credential file .*/K .* must be a regular file, not a FIFO"
+    ):
         read_secret("K", {"CREDENTIALS_DIRECTORY": str(creds)})
 
 
 def test_an_unopenable_credential_says_what_to_check(creds: Path) -> None:
     (creds / "K").symlink_to(creds / "K")  # a loop: ELOOP, whoever runs the test
-    with pytest.raises(SecretError, match=r"cannot be opened: .*symbolic links.*permissions"):
+    with pytest.raises(
+        SecretError, match=r"cannot read the credential file .*symbolic links.*permissions"
+    ):
         read_secret("K", {"CREDENTIALS_DIRECTORY": str(creds)})
 
 

@@ -1,0 +1,341 @@
+"""What gatewayd may lend to a sandbox: directories strictly beneath a lendable root,
+never a system tree.
+
+Lending a tree (:mod:`gatewayd.sandbox.lease`) chowns what it holds to the run's uid, and
+the run then rewrites whatever it likes there. Lent a system directory, a run could
+rewrite a script root runs later, and the chown alone would clear set-user-ID bits. So
+what may be lent is an allowlist, in three checks:
+
+1. The operator names the lendable roots (the ``lendable_roots`` setting; by default
+   :data:`DEFAULT_LENDABLE_ROOTS`, where workspaces live on a fresh host). Each root is
+   checked when the configuration is read (:func:`root_problem`): ``/`` and ``/srv`` are
+   never roots, nor is any path at, above or beneath a system tree (:data:`SYSTEM_TREES`)
+   or gatewayd's own state and agent directories. So not even an operator makes /usr
+   lendable by mistake.
+2. Every run's workspace and ``rw`` policy path must lie strictly beneath a root, on its
+   real path (symlinks and ``..`` resolved): a root itself is never lent whole, since it
+   holds what every user keeps there (:meth:`LendableRoots.require`). gatewayd checks
+   this when it creates the run, sandboxed or degraded, and the lease checks it again
+   before the first chown.
+3. A bind mount under a root can show a system tree there (``mount --bind /usr
+   /tmp/x``). The real path of such a tree is under the root, so the last check looks at
+   what the mounts crossed between the root and the tree show: the device and path
+   within its file system of each (from ``/proc/self/mountinfo``), and the (device,
+   inode) of every directory on the way, compared with the system trees'. A bind of a
+   system tree, of a directory in one, or of ``/`` itself is refused.
+
+Directories gatewayd made itself for one run (an agent run's work directory, mode 0700,
+its own) are *own* roots: nothing of the host is in them, so they need not pass check 1
+(the default ``agent_dir`` lies in /var/lib); checks 2 and 3 still apply beneath them.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import stat
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from gatewayd.errors import GatewayError
+from gatewayd.protocol import ErrorCode
+
+# Where workspaces live on a fresh host; the tests put theirs under /tmp.
+DEFAULT_LENDABLE_ROOTS: Final[tuple[Path, ...]] = (Path("/home"), Path("/tmp"), Path("/var/tmp"))
+# Trees that hold the system, root's own files or the kernel's: no lendable root may lie
+# at, above or beneath one, and no bind mount may bring one under a root.
+SYSTEM_TREES: Final[tuple[str, ...]] = (
+    "/usr",
+    "/etc",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/boot",
+    "/opt",
+    "/root",
+    "/run",
+    "/proc",
+    "/sys",
+    "/dev",
+    "/var/lib",
+    "/var/cache",
+    "/var/log",
+    "/var/spool",
+    "/var/mail",
+    "/var/backups",
+    "/snap",
+)
+# Never a root themselves, though a root beneath them may be: / holds everything, and
+# /srv holds the data of the host's services (a web root served as root, say); an
+# operator who keeps workspaces there names the directory that holds them
+# (/srv/workspaces), never /srv.
+NEVER_ROOTS: Final[tuple[str, ...]] = ("/", "/srv")
+# What an own root must look like: a directory of gatewayd's own user that nobody else
+# may enter (as gatewayd makes an agent run's work directory).
+_OWN_ROOT_FORBIDDEN_BITS: Final = 0o077
+# The system trees a message names as examples.
+_EXAMPLES: Final = ("/usr", "/etc", "/opt", "/root", "/var/lib")
+SETTING_HINT: Final = "lendable_roots (option --lendable-root, variable GATEWAYD_LENDABLE_ROOTS)"
+PROC_SELF_MOUNTINFO: Final = "/proc/self/mountinfo"
+
+
+class NotLendable(GatewayError):
+    """A workspace or ``rw`` policy path lies under no lendable root, or is a system tree
+    in disguise; nothing was lent. The caller's request, not gatewayd's fault."""
+
+    code = ErrorCode.BAD_REQUEST
+
+
+# --- the roots (pure) --------------------------------------------------------------------
+
+
+def root_problem(root: str, reserved: Iterable[tuple[str, Path]] = ()) -> str | None:
+    """Why ``root`` cannot be a lendable root, or None when it can. ``reserved`` are
+    gatewayd's own directories by setting name (``state_dir``, ``agent_dir``): a root
+    at or beneath one would lend gatewayd's state."""
+    if not is_clean_absolute(root):
+        return f"{root!r} must be an absolute, normalized path (no '..', '.', '//')"
+    if root == "/":
+        return "/ holds the whole system; name the directory that holds the workspaces"
+    if root in NEVER_ROOTS:
+        return (
+            f"{root} itself holds the host's service data; name the directory beneath it that "
+            f"holds the workspaces (e.g. {root}/workspaces)"
+        )
+    for tree in SYSTEM_TREES:
+        if is_within(root, tree):
+            return f"{root} lies in the system tree {tree}, which is never lent"
+        if is_within(tree, root):
+            return f"{root} holds the system tree {tree}, which is never lent"
+    for setting, path in reserved:
+        if is_within(root, str(path)):
+            return f"{root} lies in gatewayd's own {setting} {path}, which is never lent"
+    return None
+
+
+def is_clean_absolute(path: str) -> bool:
+    """``path`` is absolute and normalized: no ``..``, ``.``, ``//`` or trailing ``/``."""
+    return (
+        path.startswith("/")
+        and not path.startswith("//")
+        and posixpath.normpath(path) == path
+        and "\0" not in path
+    )
+
+
+def is_within(path: str, tree: str) -> bool:
+    """``path`` is ``tree`` or lies beneath it (both clean absolute paths)."""
+    return tree in ("/", path) or path.startswith(tree + "/")
+
+
+# --- mounts (pure) -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mount:
+    """One line of mountinfo: file system ``device`` (major:minor), the directory of it
+    that is mounted (``root``), and where (``point``)."""
+
+    device: str
+    root: str
+    point: str
+
+
+def parse_mountinfo(text: str) -> tuple[Mount, ...]:
+    """The mounts of a mountinfo text, in its order (a later mount at the same point
+    hides an earlier one). Lines too short to hold the fields are skipped."""
+    mounts = []
+    for line in text.splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4:
+            mounts.append(
+                Mount(device=fields[2], root=unescape(fields[3]), point=unescape(fields[4]))
+            )
+    return tuple(mounts)
+
+
+def unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    return (
+        field.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
+    )
+
+
+def locate(mounts: Sequence[Mount], path: str) -> tuple[str, str]:
+    """Where ``path`` is: (device, its path within that file system), through the mount
+    that holds it (the deepest mount point at or above it, the last one mounted there)."""
+    best: Mount | None = None
+    for mount in mounts:
+        if is_within(path, mount.point) and (best is None or len(mount.point) >= len(best.point)):
+            best = mount
+    if best is None:
+        return ("", path)
+    rest = posixpath.relpath(path, best.point)
+    return (best.device, posixpath.normpath(posixpath.join(best.root, rest)))
+
+
+def system_tree_shown(mounts: Sequence[Mount], path: str) -> str | None:
+    """The system tree whose files ``path`` shows (at, beneath or above it, on the same
+    file system), or None. ``/`` counts only when ``path`` shows all of it: a bind of
+    another directory of the root file system shows none of the system."""
+    device, where = locate(mounts, path)
+    root_device, root_where = locate(mounts, "/")
+    if (device, where) == (root_device, root_where):
+        return "/"
+    for tree in SYSTEM_TREES:
+        tree_device, tree_where = locate(mounts, tree)
+        if device == tree_device and (is_within(where, tree_where) or is_within(tree_where, where)):
+            return tree
+    return None
+
+
+def mounts_crossed(mounts: Sequence[Mount], root: str, tree: str) -> list[str]:
+    """Mount points strictly beneath ``root`` and at or above ``tree``."""
+    return sorted(
+        {
+            mount.point
+            for mount in mounts
+            if mount.point != root and is_within(mount.point, root) and is_within(tree, mount.point)
+        }
+    )
+
+
+# --- the check (reads the host) ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LendableRoots:
+    """The roots a run's trees may be lent beneath: the operator's ``configured`` ones,
+    and ``own`` directories gatewayd made for this run alone (see the module's doc)."""
+
+    configured: tuple[Path, ...] = DEFAULT_LENDABLE_ROOTS
+    own: tuple[Path, ...] = ()
+
+    def require(self, tree: Path, *, what: str = "") -> tuple[int, int]:
+        """Refuse ``tree`` unless it may be lent; returns the (device, inode) of the
+        directory checked, so the caller can make sure it lends that one.
+
+        The tree is opened once (``O_PATH``, no symlink at its end) and judged by the
+        kernel's name for what was opened, so a symlink or ``..`` anywhere in ``tree``
+        is judged where it leads.
+
+        Error handling: :class:`NotLendable` naming the tree, the roots and the setting
+        to change.
+        """
+        label = f"{what} {tree}".strip()
+        try:
+            fd = os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            why = "it is a symlink" if os.path.islink(tree) else exc.strerror
+            raise NotLendable(f"{label} cannot be lent: {why}; name a directory") from exc
+        try:
+            real = os.readlink(f"/proc/self/fd/{fd}")
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        shown = label if real == str(tree) else f"{label} (really {real})"
+        mounts = _read_mounts(shown)
+        roots, unusable = self._usable(mounts)
+        for root in roots:
+            if real == root:
+                raise NotLendable(
+                    f"{shown} is a lendable root itself; a root is never lent whole (it "
+                    "holds what every user keeps there): use a directory beneath it"
+                )
+        beneath = [root for root in roots if is_within(real, root)]
+        if not beneath:
+            raise NotLendable(
+                f"{shown} lies under no lendable root, and gatewayd lends (chowns to the "
+                f"run's uid) only directories strictly beneath one of: "
+                f"{', '.join(str(r) for r in self.configured) or '(none)'}"
+                + "".join(f"; {note}" for note in unusable)
+                + f". Use a directory there, or add a root above it to {SETTING_HINT}; a "
+                f"system tree ({', '.join(_EXAMPLES)}, ...) can never be one"
+            )
+        root = max(beneath, key=len)
+        for point in mounts_crossed(mounts, root, real):
+            system = system_tree_shown(mounts, point)
+            if system is not None:
+                raise NotLendable(
+                    f"{shown}: {point} is a mount that shows the system tree {system}, "
+                    "which is never lent; lend a directory of its own, not a bind mount of "
+                    "the system"
+                )
+        _refuse_system_identity(shown, Path(root), Path(real))
+        return (st.st_dev, st.st_ino)
+
+    def _usable(self, mounts: Sequence[Mount]) -> tuple[list[str], list[str]]:
+        """The real paths of the roots that are roots here, and why each other configured
+        root is not: a configured root must pass the configuration's check on its real
+        path too (a symlink to /usr is no root) and must not be a mount showing a system
+        tree; an own root must be a directory of gatewayd's user nobody else may enter."""
+        usable: list[str] = []
+        unusable: list[str] = []
+        for root in self.configured:
+            real = os.path.realpath(root)
+            problem = root_problem(real)
+            if problem is None and (system := system_tree_shown(mounts, real)) is not None:
+                problem = f"it shows the system tree {system} (a mount)"
+            if problem is None:
+                usable.append(real)
+            else:
+                unusable.append(f"{root} is no root here: {problem}")
+        for root in self.own:
+            try:
+                st = os.lstat(root)
+            except OSError as exc:
+                unusable.append(f"gatewayd's own {root} is no root here: {exc.strerror}")
+                continue
+            if (
+                stat.S_ISDIR(st.st_mode)
+                and st.st_uid == os.geteuid()
+                and not st.st_mode & _OWN_ROOT_FORBIDDEN_BITS
+            ):
+                usable.append(os.path.realpath(root))
+            else:
+                unusable.append(
+                    f"gatewayd's own {root} is no root here: it must be a directory of "
+                    f"uid {os.geteuid()} that nobody else may enter (mode 0700)"
+                )
+        return usable, unusable
+
+
+def _read_mounts(shown: str) -> tuple[Mount, ...]:
+    try:
+        with open(PROC_SELF_MOUNTINFO, encoding="utf-8", errors="surrogateescape") as info:
+            return parse_mountinfo(info.read())
+    except OSError as exc:  # no way to tell a bind mount of /usr: fail closed
+        raise NotLendable(
+            f"{shown} cannot be checked for bind mounts of system trees: "
+            f"{PROC_SELF_MOUNTINFO}: {exc.strerror}"
+        ) from exc
+
+
+def _refuse_system_identity(shown: str, root: Path, real: Path) -> None:
+    """No directory from beneath ``root`` down to ``real`` may be a system tree itself
+    (the same device and inode): a bind mount of one, whatever mountinfo says."""
+    identities: dict[tuple[int, int], str] = {}
+    for tree in ("/", *SYSTEM_TREES):
+        try:
+            st = os.stat(tree)
+        except OSError:
+            continue
+        identities.setdefault((st.st_dev, st.st_ino), tree)
+    for directory in (real, *real.parents):
+        if directory == root or root not in directory.parents:
+            break
+        st = os.stat(directory)
+        system = identities.get((st.st_dev, st.st_ino))
+        if system is not None:
+            raise NotLendable(
+                f"{shown}: {directory} is the system tree {system} (a bind mount of it), "
+                "which is never lent"
+            )

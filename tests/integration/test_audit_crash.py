@@ -1,0 +1,241 @@
+"""A crash under load loses no answered call's entries (invariant RESULT_BEFORE_REPLY).
+
+A real `gatewayd serve`, two real runs, several clients on real unix socket
+connections with many requests in flight each (pipelined), a mix of every kind of call:
+allowed with a side effect (fs.write), allowed without one (time.now, fs.read,
+tools.list), refused by policy, invalid arguments, unknown tool, malformed frames, and a
+run whose rate limit refuses most of its calls. At a random moment under load the daemon
+is killed with SIGKILL. Then every toolCallId any client saw answered must have both its
+``call`` and its ``result`` entry in the log the crash left. The next round starts the
+daemon again on the same state (which recovers the log), and so on; at the end a clean
+start and stop, and `gatewayd audit verify` must pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gatewayd.audit.query import read_log
+from tests.conftest import write_policy
+from tests.livedaemon import BIN, LiveDaemon, start_daemon
+
+HEADER = struct.Struct(">I")
+ROUNDS = 5
+# Connections to the main run, and requests each keeps in flight.
+CLIENTS = 4
+IN_FLIGHT = 8
+# The kill comes once this many answers have arrived (the load is running), then after
+# a random pause of up to KILL_SPREAD_S: anywhere in a flush cycle, or between them.
+MIN_ANSWERS_BEFORE_KILL = 200
+KILL_SPREAD_S = 0.25
+# Bounds on waiting for something that takes milliseconds, for a loaded machine.
+PATIENCE_S = 30.0
+
+POLICY = """
+version: 1
+name: crash
+tools: {allow: [time.now, "fs.*"]}
+filesystem:
+  paths:
+    workspace: {root: ., mode: rw, suffixes: [.txt, .md], max_file_bytes: 100000}
+    docs: {root: docs, mode: ro}
+limits: {call_timeout_s: 5, calls_per_second: 1000000, burst: 1000000, max_concurrent_calls: 64}
+require_os_sandbox: false
+"""
+# Most calls of this run are refused as rate_limited.
+TIGHT_POLICY = """
+version: 1
+name: tight
+tools: {allow: [time.now]}
+limits: {call_timeout_s: 5, calls_per_second: 50, burst: 10}
+require_os_sandbox: false
+"""
+
+
+def body(obj: dict[str, Any]) -> bytes:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    return HEADER.pack(len(data)) + data
+
+
+def mixed_call(run_id: str, tcid: str, i: int) -> bytes:
+    """The i-th call of a client: every kind in turn."""
+    base = {"v": 1, "runId": run_id, "toolCallId": tcid}
+    kinds: list[dict[str, Any]] = [
+        {
+            "tool": "fs.write",
+            "args": {"path": f"out/{tcid.partition('-')[0]}.txt", "content": tcid},
+        },
+        {"tool": "time.now", "args": {}},
+        {"tool": "fs.read", "args": {"path": "notes.md"}},
+        {"tool": "tools.list", "args": {}},
+        {"tool": "fs.write", "args": {"path": "docs/x.md", "content": "x"}},  # read-only
+        {"tool": "time.now", "args": {"zone": "utc"}},  # invalid arguments
+        {"tool": "no.such", "args": {}},  # unknown tool
+        {},  # malformed: no tool, no args (the toolCallId is recovered)
+    ]
+    return body({**base, **kinds[i % len(kinds)]})
+
+
+def now_call(run_id: str, tcid: str, _i: int) -> bytes:
+    return body({"v": 1, "runId": run_id, "toolCallId": tcid, "tool": "time.now", "args": {}})
+
+
+class Client(threading.Thread):
+    """One connection keeping IN_FLIGHT requests in flight until the daemon dies; records
+    every toolCallId answered (including answers read after the daemon died: they left
+    it before)."""
+
+    def __init__(self, sock: str, run_id: str, name: str, make: Callable[[str, str, int], bytes]):
+        super().__init__(daemon=True)
+        self.sock, self.run_id, self.name_, self.make = sock, run_id, name, make
+        self.answered: list[str | None] = []
+        self.sent = 0
+
+    def _send_next(self, conn: socket.socket) -> bool:
+        try:
+            conn.sendall(self.make(self.run_id, f"{self.name_}-{self.sent}", self.sent))
+        except OSError:
+            return False  # the daemon is gone; keep reading what it sent before
+        self.sent += 1
+        return True
+
+    def run(self) -> None:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(PATIENCE_S)
+        conn.connect(self.sock)
+        buf = bytearray()
+        sending = all(self._send_next(conn) for _ in range(IN_FLIGHT))
+        try:
+            while True:
+                try:
+                    data = conn.recv(65536)
+                except OSError:
+                    return  # reset: everything sent before the crash was read first
+                if not data:
+                    return
+                buf += data
+                while len(buf) >= 4 and len(buf) >= 4 + HEADER.unpack_from(buf)[0]:
+                    (n,) = HEADER.unpack_from(buf)
+                    self.answered.append(json.loads(buf[4 : 4 + n])["toolCallId"])
+                    del buf[: 4 + n]
+                    if sending:
+                        sending = self._send_next(conn)
+        finally:
+            conn.close()
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cg-crash-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def create_run(daemon: LiveDaemon, ws: Path, policy: str) -> dict[str, Any]:
+    """A run of the policy named ``policy`` (in the daemon's --policy-dir)."""
+    status, data = daemon.control(
+        "POST",
+        "/v1/runs",
+        {
+            "workspacePath": str(ws),
+            "policy": policy,
+            "actorId": "tester",
+            "tenantId": "t1",
+            "grant": {"allowSandbox": True},
+        },
+    )
+    assert status == 201, data
+    run: dict[str, Any] = data["run"]
+    return run
+
+
+def crash_under_load(daemon: LiveDaemon, ws: Path, round_no: int, rng: random.Random) -> list[str]:
+    """Load the daemon from several clients, kill it, return every answered toolCallId."""
+    main = create_run(daemon, ws, "crash")
+    tight = create_run(daemon, ws, "tight")
+    clients = [
+        Client(main["socket"], main["runId"], f"r{round_no}c{i}", mixed_call)
+        for i in range(CLIENTS)
+    ]
+    clients.append(Client(tight["socket"], tight["runId"], f"r{round_no}t", now_call))
+    for client in clients:
+        client.start()
+    deadline = time.monotonic() + PATIENCE_S
+    while sum(len(c.answered) for c in clients) < MIN_ANSWERS_BEFORE_KILL:
+        assert time.monotonic() < deadline, "the load never got going"
+        assert all(c.is_alive() for c in clients), "a client stopped before the crash"
+        time.sleep(0.005)
+    time.sleep(rng.uniform(0, KILL_SPREAD_S))
+    daemon.proc.kill()  # SIGKILL: no clean-up, no last flush
+    daemon.proc.wait()
+    for client in clients:
+        client.join(PATIENCE_S)
+        assert not client.is_alive(), "a client still reads from a dead daemon"
+    assert all(c.answered for c in clients), "a client was never answered"
+    answered = [tcid for c in clients for tcid in c.answered]
+    assert None not in answered, "an answer without its toolCallId"
+    return [tcid for tcid in answered if tcid is not None]
+
+
+def entries_by_call(audit_path: Path) -> dict[str, set[str]]:
+    kinds: dict[str, set[str]] = {}
+    for record in read_log(audit_path):
+        entry = record.entry
+        if entry is not None and entry.get("toolCallId") and entry["kind"] in ("call", "result"):
+            kinds.setdefault(entry["toolCallId"], set()).add(entry["kind"])
+    return kinds
+
+
+def test_every_call_answered_before_a_kill_9_under_load_has_its_call_and_result_entries(
+    base: Path,
+) -> None:
+    seed = random.randrange(1 << 32)
+    rng = random.Random(seed)
+    ws = base / "ws"
+    (ws / "docs").mkdir(parents=True)
+    (ws / "notes.md").write_text("line one\nline two\n")
+    policies = base / "policies"
+    policies.mkdir()
+    write_policy(policies, POLICY, "crash.yaml")
+    write_policy(policies, TIGHT_POLICY, "tight.yaml")
+    state = base / "state"
+    options = ("--policy-dir", str(policies))
+    for round_no in range(ROUNDS):
+        daemon = start_daemon(state, *options)  # recovers what the previous crash left
+        try:
+            answered = crash_under_load(daemon, ws, round_no, rng)
+        finally:
+            daemon.stop()
+        entries = entries_by_call(daemon.audit_path)
+        lost = [t for t in answered if entries.get(t) != {"call", "result"}]
+        assert not lost, (
+            f"round {round_no} (seed {seed}): {len(lost)} of {len(answered)} answered calls "
+            f"lack an entry, e.g. {[(t, sorted(entries.get(t, ()))) for t in lost[:5]]}"
+        )
+    daemon = start_daemon(state, *options)
+    assert daemon.stop() == 0
+    verify = subprocess.run(
+        [str(BIN / "gatewayd"), "audit", "verify", str(daemon.audit_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert verify.stdout.startswith("OK: "), verify.stdout

@@ -1,0 +1,225 @@
+"""What may be lent, decided without touching the host: which paths may be lendable
+roots, what a mount table says a mount point shows, and how the configuration refuses a
+system tree as a root (gatewayd/sandbox/lendable.py, gatewayd/config.py)."""
+
+from __future__ import annotations
+
+import posixpath
+from pathlib import Path
+
+import pydantic
+import pytest
+
+from gatewayd.config import ConfigError, GatewaydConfig, resolve_settings
+from gatewayd.sandbox.lendable import (
+    DEFAULT_LENDABLE_ROOTS,
+    NEVER_ROOTS,
+    SYSTEM_TREES,
+    Mount,
+    mounts_crossed,
+    parse_mountinfo,
+    root_problem,
+    system_tree_shown,
+)
+
+HINT = "lendable_roots (option --lendable-root, variable GATEWAYD_LENDABLE_ROOTS)"
+
+# --- roots --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tree", SYSTEM_TREES)
+def test_a_system_tree_and_everything_beneath_it_is_never_a_root(tree: str) -> None:
+    assert root_problem(tree) == f"{tree} lies in the system tree {tree}, which is never lent"
+    deeper = f"{tree}/local/workspaces"
+    assert root_problem(deeper) == f"{deeper} lies in the system tree {tree}, which is never lent"
+
+
+@pytest.mark.parametrize(
+    "tree", sorted({t for t in SYSTEM_TREES if posixpath.dirname(t) != "/"}, key=str)
+)
+def test_a_directory_holding_a_system_tree_is_never_a_root(tree: str) -> None:
+    above = posixpath.dirname(tree)  # /var holds /var/lib, /var/log, ...
+    problem = root_problem(above)
+    assert problem is not None and problem.startswith(f"{above} holds the system tree /var/")
+
+
+@pytest.mark.parametrize("root", NEVER_ROOTS)
+def test_slash_and_srv_themselves_are_never_roots(root: str) -> None:
+    problem = root_problem(root)
+    assert problem is not None
+    assert "name the directory" in problem  # what to do instead
+
+
+@pytest.mark.parametrize(
+    "root",
+    [
+        *(str(r) for r in DEFAULT_LENDABLE_ROOTS),
+        "/srv/workspaces",
+        "/srv/gatewayd/ws",
+        "/mnt/data",
+        "/media/disk/work",
+        "/data/workspaces",
+        "/home/alice/projects",
+        "/var/tmp/ci",
+    ],
+)
+def test_places_where_workspaces_live_may_be_roots(root: str) -> None:
+    assert root_problem(root) is None
+
+
+@pytest.mark.parametrize("root", ["/tmp/../usr", "/tmp/./x", "//tmp", "/tmp/", "tmp", ""])
+def test_a_root_must_be_absolute_and_normalized(root: str) -> None:
+    assert root_problem(root) == (
+        f"{root!r} must be an absolute, normalized path (no '..', '.', '//')"
+    )
+
+
+def test_a_root_in_gatewayds_own_directories_is_refused() -> None:
+    reserved = [("state_dir", Path("/srv/gw")), ("agent_dir", Path("/srv/gw-agent"))]
+    assert root_problem("/srv/gw", reserved) == (
+        "/srv/gw lies in gatewayd's own state_dir /srv/gw, which is never lent"
+    )
+    assert root_problem("/srv/gw-agent/x", reserved) == (
+        "/srv/gw-agent/x lies in gatewayd's own agent_dir /srv/gw-agent, which is never lent"
+    )
+    # Above the state directory is the plan's concern (it never binds anything that
+    # holds the state directory), and a root there lends its other directories.
+    assert root_problem("/srv/workspaces", reserved) is None
+
+
+# --- the configuration ----------------------------------------------------------------------
+
+
+def test_the_default_roots_are_where_workspaces_live_on_a_fresh_host() -> None:
+    assert GatewaydConfig().lendable_roots == (Path("/home"), Path("/tmp"), Path("/var/tmp"))
+
+
+@pytest.mark.parametrize(
+    ("roots", "says"),
+    [
+        (["/usr/local"], "/usr/local lies in the system tree /usr"),
+        (["/srv/workspaces", "/"], "/ holds the whole system"),
+        (["/var"], "/var holds the system tree /var/lib"),
+        (["/var/lib/gatewayd-ws"], "lies in the system tree /var/lib"),
+        (["/srv"], "/srv itself holds the host's service data"),
+        (["/tmp/../etc"], "must be an absolute, normalized path"),
+    ],
+)
+def test_the_file_refuses_a_root_naming_the_setting_and_what_to_do(
+    roots: list[str], says: str
+) -> None:
+    with pytest.raises(pydantic.ValidationError) as caught:
+        GatewaydConfig.model_validate({"lendable_roots": roots})
+    text = str(caught.value)
+    assert "lendable_roots" in text and says in text, text
+    assert "e.g. /srv/workspaces" in text and HINT in text, text
+
+
+def test_a_root_beneath_the_state_or_agent_directory_is_refused_with_both_settings() -> None:
+    with pytest.raises(pydantic.ValidationError, match="gatewayd's own state_dir /srv/gw"):
+        GatewaydConfig.model_validate({"state_dir": "/srv/gw", "lendable_roots": ["/srv/gw/ws"]})
+    with pytest.raises(pydantic.ValidationError, match="gatewayd's own agent_dir /srv/gw-agent"):
+        GatewaydConfig.model_validate(
+            {"state_dir": "/srv/gw", "lendable_roots": ["/srv/gw-agent/ws"]}
+        )
+
+
+def test_the_variable_and_the_option_are_named_when_they_give_a_system_tree() -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve_settings(
+            file=None,
+            environ={"GATEWAYD_LENDABLE_ROOTS": "/srv/workspaces:/boot/x"},
+            options={"lendable_roots": ("--lendable-root", (Path("/opt"),))},
+        )
+    text = str(caught.value)
+    assert "GATEWAYD_LENDABLE_ROOTS: /boot/x lies in the system tree /boot" in text, text
+    assert "--lendable-root: /opt lies in the system tree /opt" in text, text
+
+
+def test_configured_roots_replace_the_defaults_and_say_where_they_came_from() -> None:
+    settings = resolve_settings(
+        file=None, environ={"GATEWAYD_LENDABLE_ROOTS": "/srv/workspaces::/home/ci"}
+    )
+    assert settings.config.lendable_roots == (Path("/srv/workspaces"), Path("/home/ci"))
+    assert settings.sources["lendable_roots"] == "env GATEWAYD_LENDABLE_ROOTS"
+
+
+# --- what a mount shows -------------------------------------------------------------------
+
+ROOT_FS = "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw"
+
+
+def _mounts(*lines: str) -> tuple[Mount, ...]:
+    return parse_mountinfo("\n".join((ROOT_FS, *lines)))
+
+
+def _line(mount_id: int, device: str, root: str, point: str) -> str:
+    return f"{mount_id} 22 {device} {root} {point} rw,relatime - ext4 /dev/x rw"
+
+
+@pytest.mark.parametrize(
+    ("extra", "tree", "shows"),
+    [
+        ((), "/tmp/ws", None),
+        ((_line(30, "8:1", "/usr", "/tmp/x"),), "/tmp/x/local/lib/probe", "/usr"),
+        ((_line(30, "8:1", "/usr/local/lib", "/tmp/x"),), "/tmp/x/probe", "/usr"),
+        ((_line(30, "8:1", "/", "/tmp/x"),), "/tmp/x/usr/local", "/"),
+        ((_line(30, "8:1", "/", "/tmp/x"),), "/tmp/x", "/"),
+        ((_line(30, "8:1", "/var", "/tmp/x"),), "/tmp/x/www", "/var/lib"),  # holds /var/lib
+        ((_line(30, "8:1", "/etc/ssl", "/tmp/x"),), "/tmp/x/certs", "/etc"),
+        ((_line(30, "8:1", "/home/me/data", "/tmp/x"),), "/tmp/x/ws", None),
+        ((_line(30, "0:50", "/", "/tmp/x"),), "/tmp/x/ws", None),  # a tmpfs of its own
+        # /boot is a partition of its own: a bind of it shows /boot however it is named.
+        (
+            (_line(25, "8:2", "/", "/boot"), _line(30, "8:2", "/grub", "/tmp/x")),
+            "/tmp/x/ws",
+            "/boot",
+        ),
+        # The same file system mounted again shows what the path within it says.
+        (
+            (_line(25, "8:2", "/", "/boot"), _line(30, "8:1", "/opt/app", "/tmp/x")),
+            "/tmp/x",
+            "/opt",
+        ),
+        # Mounts stack: the last one at a point is what the point shows.
+        ((_line(30, "8:1", "/usr", "/tmp/x"), _line(31, "0:51", "/", "/tmp/x")), "/tmp/x", None),
+    ],
+)
+def test_a_mount_between_the_root_and_the_tree_is_judged_by_what_it_shows(
+    extra: tuple[str, ...], tree: str, shows: str | None
+) -> None:
+    mounts = _mounts(*extra)
+    crossed = mounts_crossed(mounts, "/tmp", tree)
+    found = [s for s in (system_tree_shown(mounts, p) for p in crossed) if s is not None]
+    assert found == ([shows] if shows else [])
+
+
+def test_subvolumes_of_one_file_system_are_told_apart_by_their_path_within_it() -> None:
+    mounts = parse_mountinfo(
+        "\n".join(
+            (
+                "22 1 0:31 /@ / rw - btrfs /dev/sda2 rw,subvol=/@",
+                "23 22 0:31 /@home /home rw - btrfs /dev/sda2 rw,subvol=/@home",
+                "30 23 0:31 /@/usr /home/me/x rw - btrfs /dev/sda2 rw,subvol=/@",
+            )
+        )
+    )
+    assert system_tree_shown(mounts, "/home") is None
+    assert system_tree_shown(mounts, "/home/me/ws") is None
+    assert system_tree_shown(mounts, "/home/me/x") == "/usr"
+
+
+def test_only_mounts_strictly_beneath_the_root_and_at_or_above_the_tree_are_crossed() -> None:
+    mounts = _mounts(
+        _line(30, "0:50", "/", "/tmp"),
+        _line(31, "0:51", "/", "/tmp/a"),
+        _line(32, "0:52", "/", "/tmp/a/b"),
+        _line(33, "0:53", "/", "/tmp/other"),
+        _line(34, "0:54", "/", "/tmp/a/b/c/d"),
+    )
+    assert mounts_crossed(mounts, "/tmp", "/tmp/a/b/c") == ["/tmp/a", "/tmp/a/b"]
+
+
+def test_mountinfo_escapes_are_read_back() -> None:
+    (mount,) = parse_mountinfo(r"30 22 8:1 /usr/my\040dir /tmp/a\134b\011c rw - ext4 /dev/x rw")
+    assert (mount.device, mount.root, mount.point) == ("8:1", "/usr/my dir", "/tmp/a\\b\tc")
