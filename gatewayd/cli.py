@@ -441,13 +441,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def _refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a command that starts a daemon; a refused start (another daemon on this host
-    holds what this one would use, or the host's registry of daemons cannot be used) is
-    its message and EXIT_FAILED, not a traceback."""
+    holds what this one would use, the host's registry of daemons cannot be used, or the
+    audit log cannot be continued) is its message and EXIT_FAILED, not a traceback."""
+    from gatewayd.audit.writer import AuditOpenError
     from gatewayd.sandbox.daemons import DaemonRegistryError
 
     try:
         return command(args)
-    except DaemonRegistryError as exc:
+    except (DaemonRegistryError, AuditOpenError) as exc:
+        # AuditOpenError: the audit log is another daemon's (locked) or cannot be continued.
         print(f"gatewayd: refused to start: {exc}", file=sys.stderr)
         return EXIT_FAILED
 

@@ -207,6 +207,7 @@ class CappedTransport(httpx.BaseTransport):
     the wire and the decoded ones, and raises :class:`ReplyTooLarge` as soon as either
     passes the cap, before a byte more is read; httpx then closes the connection. A reply
     whose Content-Length is over the cap fails before its body is read at all.
+    A redirect reaches the client without its ``Location``, so it is never followed.
 
     Resource handling: the wrapped transport (its connection pool) is shared by every
     client litellm builds on it and lives as long as the process; :meth:`close` leaves
@@ -226,13 +227,20 @@ class CappedTransport(httpx.BaseTransport):
         try:
             inflate = _inflater(response.headers.get_list("content-encoding", split_commas=True))
             headers = response.headers
+            dropped: set[str] = set()
+            if response.is_redirect:
+                # Never followed: a redirect would carry the request, and a key in a header
+                # httpx does not strip across origins (x-api-key), to wherever it points.
+                # Without its Location the reply is an error status like any other.
+                dropped.add("location")
             if inflate is not None:
-                dropped = {"content-encoding", "content-length"}
+                dropped |= {"content-encoding", "content-length"}
+            elif _declared_length(headers) > cap:
+                raise ReplyTooLarge(cap)
+            if dropped:
                 headers = httpx.Headers(
                     [(k, v) for k, v in headers.multi_items() if k.lower() not in dropped]
                 )
-            elif _declared_length(headers) > cap:
-                raise ReplyTooLarge(cap)
         except BaseException:
             response.close()
             raise

@@ -337,6 +337,16 @@ def live_daemons(directory: Path = DAEMONS_DIR) -> list[DaemonShare]:
         os.close(dfd)
 
 
+def sandbox_uid_ranges(directory: Path = DAEMONS_DIR) -> list[UidRange]:
+    """The sandbox uid ranges of every live daemon on this host (none when no daemon ever
+    registered). A tree owned by one of them is a live run's, whichever daemon lent it:
+    lending it again would record that run's uid as the owner to give it back to.
+    Blocking; :class:`DaemonRegistryError` when the registry cannot be read."""
+    if not os.path.lexists(directory):
+        return []
+    return [daemon.uids for daemon in live_daemons(directory) if daemon.uids is not None]
+
+
 # --- internals ---------------------------------------------------------------------------
 
 _HOW_TO_FIX = (

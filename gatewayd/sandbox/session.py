@@ -21,7 +21,7 @@ import os
 import shutil
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -33,6 +33,7 @@ from gatewayd.errors import GatewayError
 from gatewayd.policy.paths import PathGrant, PathMode
 from gatewayd.protocol import ErrorCode
 from gatewayd.sandbox.cgroup import CgroupSupport
+from gatewayd.sandbox.daemons import DaemonRegistryError, sandbox_uid_ranges
 from gatewayd.sandbox.image import ImageError, require_image
 from gatewayd.sandbox.launch import Echo, ExecResult, run_in_sandbox
 from gatewayd.sandbox.lease import Lease, LeaseError, give_back, lend, read_lease
@@ -272,7 +273,7 @@ class RunSandbox:
                     run_dir,
                     roots=roots,
                     keep=read_only,
-                    sandbox_owned=lambda uid: uid in pool.range,
+                    sandbox_owned=_sandbox_owned(pool),
                 )
             )
         except BaseException as exc:
@@ -287,7 +288,7 @@ class RunSandbox:
                 raise
             if isinstance(exc, LeaseError):  # the workspace's state, not gatewayd's fault
                 raise WorkspaceInUse(f"cannot lend run {run_id}'s workspace: {exc}") from exc
-            if isinstance(exc, GatewayError | OSError | ValueError):
+            if isinstance(exc, GatewayError | OSError | ValueError | DaemonRegistryError):
                 raise SandboxUnavailable(f"cannot make run {run_id}'s sandbox: {exc}") from exc
             raise
         return cls(
@@ -492,6 +493,13 @@ def _kill_uid(uid: int) -> int:
                 killed += 1
         time.sleep(KILL_POLL_S)  # SIGKILL is delivered asynchronously
     return killed
+
+
+def _sandbox_owned(pool: UidPool) -> Callable[[int], bool]:
+    """Whether a uid is a sandbox's: of this daemon's pool, or of any live daemon's on
+    this host (another daemon's live run holds the tree). Blocking (reads the registry)."""
+    ranges = [pool.range, *sandbox_uid_ranges()]
+    return lambda uid: any(uid in uids for uids in ranges)
 
 
 def _policy_mounts(grants: Sequence[PathGrant], workspace: Path) -> tuple[PolicyMount, ...]:

@@ -586,3 +586,44 @@ def test_a_daemon_that_cannot_use_the_registry_does_not_start(base: Path) -> Non
     ) in done.stderr
     assert "run gatewayd as root or with the systemd unit's capabilities" in done.stderr
     assert not (base / "b" / "state").exists()
+
+
+def test_a_second_daemon_on_a_live_daemons_audit_log_is_refused_without_a_traceback(
+    base: Path,
+) -> None:
+    audit = base / "shared-audit.jsonl"
+    (base / "a").mkdir()
+    first = start_daemon(base / "a" / "state", "--audit", str(audit))
+    try:
+        (base / "ws").mkdir()
+        options = ["--state-dir", str(base / "b" / "state"), "--audit", str(audit)]
+        options += ["--policy", "demo", "--workspace", str(base / "ws")]
+        second = subprocess.run(
+            [GATEWAYD, "run", "--no-os-sandbox", *options, "--", "true"],
+            capture_output=True,
+            text=True,
+            timeout=REFUSAL_WAIT_S,
+        )
+        assert second.returncode == 1, second.stderr
+        assert second.stderr.startswith("gatewayd: refused to start: audit log ")
+        assert "is locked by another process (another gatewayd?)" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.control("GET", "/v1/health")[0] == 200
+    finally:
+        first.stop()
+
+
+def test_a_workspace_another_daemons_live_run_holds_is_not_lent_again(
+    base: Path, holder: Holder
+) -> None:
+    netns = holder.netns()
+    lease = json.loads((holder.run_dir / "lease.json").read_text())
+    ws = holder.home / "ws"
+    # Another daemon (its own state directory, prefix and uids) asked for the same tree:
+    # lending it would record the first run's uid as the owner to give it back to.
+    done = one_shot(holder.home, "--state-dir", str(base / "b" / "state"))
+    assert done.returncode == 1, done.stderr
+    assert f"is owned by sandbox uid {lease['uid']}: another live run holds it" in done.stderr
+    assert os.stat(ws).st_uid == lease["uid"]
+    assert os.stat(ws / "notes.md").st_uid == lease["uid"]
+    holder.assert_whole(netns)

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -217,9 +218,28 @@ def test_a_hostile_calls_file_is_refused_with_its_reason(hostile: Path, name: st
         path.write_bytes(content + b"\n")
     else:
         path, says = make_file(hostile, name), SPECIAL_FILES[name][1]
-    with pytest.raises(CallsFileError) as refused:
-        load_calls(path, tools=builtin_tools())
-    assert says in str(refused.value)
+    outcome = in_thread_with_deadline(lambda: load_calls(path, tools=builtin_tools()))
+    assert isinstance(outcome, CallsFileError), outcome
+    assert says in str(outcome)
+
+
+def in_thread_with_deadline(call: Callable[[], object]) -> object:
+    """What ``call`` returned or raised; a call that hangs (an open of a FIFO waiting for
+    a writer) fails the test instead of the whole run."""
+    outcome: list[object] = []
+
+    def target() -> None:
+        try:
+            outcome.append(call())
+        except Exception as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    worker.join(COMMAND_TIMEOUT_S)
+    if worker.is_alive():
+        pytest.fail(f"still running after {COMMAND_TIMEOUT_S} s: a hang")
+    return outcome[0]
 
 
 def test_a_calls_file_past_its_cap_is_refused_before_it_is_read(hostile: Path) -> None:

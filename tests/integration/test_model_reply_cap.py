@@ -348,3 +348,22 @@ async def test_an_agent_run_whose_model_reply_is_too_large_ends_internal(
         assert result.turns == 2 and result.branch is None
         assert len(result.patches) == 1 and "+    return a + b" in result.patches[0]
         assert_cut_short(provider, reply)
+
+
+# --- redirects ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+async def test_a_redirect_from_the_provider_is_never_followed(
+    fake: FakeProvider, route: str, status: int
+) -> None:
+    # Where the redirect points: another origin, which must never see the request (nor,
+    # with a provider that sends its key as x-api-key, the key).
+    with FakeProvider() as elsewhere:
+        target = f"{elsewhere.api_base}/chat/completions"
+        fake.script(Malformed(status=status, body=b"", headers={"Location": target}))
+        error = await failing_call(alias_for(fake, route))
+        assert elsewhere.requests == []
+    assert str(status) in str(error) and KEY not in str(error)
+    assert len(fake.chat_requests) == 1
