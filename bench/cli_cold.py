@@ -4,7 +4,7 @@ start, `python3 -I -S -c pass`, with the same interpreter binary, in the same ru
 
     .venv/bin/python bench/cli_cold.py [--runs 40]
 
-Target (issue 2): cogni-tool at most 1.5x the bare start plus 5 ms.
+Target: cogni-tool at most 1.5x the bare start plus 5 ms.
 """
 
 from __future__ import annotations

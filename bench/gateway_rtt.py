@@ -5,7 +5,7 @@ trio unix-socket echo server with the same framing, measured in the same run.
 
 Prints p50/p99 latency over one persistent connection, and calls per second with 1,
 8 and 64 concurrent connections (each connection one call in flight), with the
-ratio to the echo baseline. Targets (issue 2): p50 <= 2x echo; >= 8,000 calls/s at 8.
+ratio to the echo baseline. Targets: p50 <= 2x echo; >= 8,000 calls/s at 8.
 """
 
 from __future__ import annotations

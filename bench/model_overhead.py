@@ -1,5 +1,5 @@
 """What `model.chat` through the gateway adds to a model call, beside the same call to
-the same fake provider through litellm directly, measured in the same run (issue 5).
+the same fake provider through litellm directly, measured in the same run.
 
     .venv/bin/python bench/model_overhead.py [--rounds 6] [--calls 200] [--warmup 50]
                                              [--quick] [--stages] [--no-fsync]
@@ -47,7 +47,7 @@ Diagnostics (not gatewayd's configuration; gatewayd is then started through a wr
 ``DIAG_LAUNCHER``, that leaves its code as it is): ``--stages`` stamps each model.chat
 call inside gatewayd (``complete``, ``litellm.completion`` and litellm's own success
 logging); ``--no-fsync`` turns the audit's fdatasync off, to show what the durable
-write-ahead entry costs. Target (issue 5): at most 2 ms added at p50, judged with the
+write-ahead entry costs. Target: at most 2 ms added at p50, judged with the
 defaults and no diagnostic. Figures, never assertions.
 """
 

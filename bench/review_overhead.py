@@ -1,5 +1,5 @@
 """What the rule review (step 7) adds to a call, beside the same call without review,
-measured in the same run (issue 4).
+measured in the same run.
 
     .venv/bin/python bench/review_overhead.py [--rounds 12] [--calls 1000] [--miss-calls 150]
                                               [--load-rounds 5] [--conns 8] [--seconds 2]
@@ -31,7 +31,7 @@ is steady where wall time is not: it decides MET / NOT MET. Then its parts: the
 ``review`` field, and each piece of a hit alone; and a miss split into its parts (prompt,
 litellm, bare HTTP, thread hand-off). ``--profile`` adds cProfile output for both.
 
-Target (issue 4): a cache hit adds at most 50 microseconds. Figures, never assertions.
+Target: a cache hit adds at most 50 microseconds. Figures, never assertions.
 """
 
 from __future__ import annotations

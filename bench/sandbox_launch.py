@@ -1,5 +1,5 @@
 """Starting a command in a run's sandbox, and making and ending a run, with their
-baselines measured in the same process run (issue 3).
+baselines measured in the same process run.
 
     .venv/bin/python bench/sandbox_launch.py [--iterations 200] [--warmup 10] [--cli-iterations 30]
 
@@ -32,7 +32,7 @@ drift and after-effects (a cgroup or pid namespace still being torn down) hit al
 Then, separately, the full CLI path: ``gatewayd exec RUN -- /bin/true`` against a live
 ``gatewayd serve``, with fewer iterations; Python start-up dominates it.
 
-Targets (issue 3): exec at most 1.5x raw bwrap; run create + teardown under 50 ms.
+Targets: exec at most 1.5x raw bwrap; run create + teardown under 50 ms.
 Prints medians and p90 in ms, never asserts on time.
 """
 
@@ -96,8 +96,8 @@ UID_REGION_SLICES: Final = 50_000
 UID_COUNT: Final = 64
 # "A small workspace": this many files in two directories, so the lease walks a tree.
 WORKSPACE_FILES: Final = 8
-EXEC_TARGET_RATIO: Final = 1.5  # issue 3: exec at most 1.5x raw bwrap
-CREATE_TARGET_MS: Final = 50.0  # issue 3: run create + teardown under 50 ms
+EXEC_TARGET_RATIO: Final = 1.5  # the target: exec at most 1.5x raw bwrap
+CREATE_TARGET_MS: Final = 50.0  # the target: run create + teardown under 50 ms
 # A fixed seed: the shuffled orders are the same from run to run.
 ORDER_SEED: Final = 3
 # The raw cgroup variant retries rmdir this often: far below the launcher's 10 ms poll,

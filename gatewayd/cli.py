@@ -441,16 +441,30 @@ def main(argv: list[str] | None = None) -> int:
 
 def _refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a command that starts a daemon; a refused start (another daemon on this host
-    holds what this one would use, the host's registry of daemons cannot be used, or the
-    audit log cannot be continued) is its message and EXIT_FAILED, not a traceback."""
+    holds what this one would use, the host's registry of daemons cannot be used, the
+    audit log cannot be continued, or the control socket's path is taken) is its message
+    and EXIT_FAILED, not a traceback."""
     from gatewayd.audit.writer import AuditOpenError
+    from gatewayd.control import ControlSocketInUse
     from gatewayd.sandbox.daemons import DaemonRegistryError
 
+    refusals = (DaemonRegistryError, AuditOpenError, ControlSocketInUse)
     try:
         return command(args)
-    except (DaemonRegistryError, AuditOpenError) as exc:
+    except refusals as exc:
         # AuditOpenError: the audit log is another daemon's (locked) or cannot be continued.
         print(f"gatewayd: refused to start: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except BaseExceptionGroup as group:
+        # Raised inside the daemon's nursery (a control socket path something else
+        # holds, ControlServer.serve): a refusal still, if that is all the group holds.
+        refused, rest = group.split(refusals)
+        if refused is None or rest is not None:
+            raise
+        first: BaseException = refused
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"gatewayd: refused to start: {first}", file=sys.stderr)
         return EXIT_FAILED
 
 
@@ -978,6 +992,8 @@ def _config_command(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     import structlog
     import trio
 
@@ -986,10 +1002,12 @@ def _serve(args: argparse.Namespace) -> int:
     from gatewayd.logs import configure_logging
     from gatewayd.sdnotify import notify
 
-    config = _config(args)
+    control_path = _control_socket(args)
+    # Registered with the daemon: a second daemon that would bind it (or a file of this
+    # one's audit log) is refused before it touches anything.
+    config = dataclasses.replace(_config(args), control_socket=control_path)
     # JSON lines on stdout: journald's under systemd (docs/metrics.md, "Logs").
     configure_logging(logging.INFO, scrubber=_log_scrubber(config), stream=sys.stdout)
-    control_path = _control_socket(args)
 
     async def serve() -> None:
         async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
@@ -1106,6 +1124,7 @@ def child_environment(run: Run) -> dict[str, str]:
 def _run(args: argparse.Namespace) -> int:
     import trio
 
+    from gatewayd.audit import AuditWriteError
     from gatewayd.daemon import open_daemon
     from gatewayd.errors import GatewayError
     from gatewayd.logs import configure_logging
@@ -1174,7 +1193,7 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 rc = proc.returncode
                 status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
-            daemon.audit.record(
+            seq = daemon.audit.record(
                 "event",
                 event="exec_ended",
                 runId=run.run_id,
@@ -1185,6 +1204,12 @@ def _run(args: argparse.Namespace) -> int:
                 },
                 degraded=run.degraded,
             )
+            try:
+                # The exit status says how the command ended: only once the log does.
+                await daemon.durable_before_answer(seq)
+            except AuditWriteError as exc:
+                print(_exec_end_not_audited(exc.detail), file=sys.stderr)
+                status = EXIT_FAILED
             await _end_one_shot(daemon, run, f"exit {rc}")
 
     trio.run(one_shot)
@@ -1205,6 +1230,7 @@ async def _end_one_shot(daemon: Daemon, run: Run, outcome: str) -> None:
 
 async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime: int) -> int:
     """The one-shot run's command, in the run's sandbox; returns gatewayd's exit status."""
+    from gatewayd.audit import AuditWriteError
     from gatewayd.errors import GatewayError
 
     sys.stdout.flush()
@@ -1213,6 +1239,10 @@ async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime:
     echo = (_writer(sys.stdout.fileno()), _writer(sys.stderr.fileno()))
     try:
         result = await daemon.exec_in_run(run.run_id, cmd, timeout_s=max_runtime, echo=echo)
+    except AuditWriteError as exc:
+        print(_exec_end_not_audited(exc.detail), file=sys.stderr)
+        await _end_one_shot(daemon, run, "its end not audited")
+        return EXIT_FAILED
     except GatewayError as exc:
         print(f"gatewayd: the sandbox could not start: {exc}", file=sys.stderr)
         await _end_one_shot(daemon, run, "not started")
@@ -1221,6 +1251,16 @@ async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime:
     outcome = _describe_exec(result.exitCode, result.signal, _str_or_none(result.errorCode))
     await _end_one_shot(daemon, run, outcome)
     return status
+
+
+def _exec_end_not_audited(detail: str) -> str:
+    """`gatewayd run`'s word when its command's end cannot be made durable: the
+    command's exit status is not passed on (EXIT_FAILED instead), as a call's value is
+    withheld."""
+    return (
+        f"gatewayd: the audit log cannot be written ({detail}), so the command's exit "
+        f"status is not passed on (exit {EXIT_FAILED}); fix the audit log"
+    )
 
 
 def _str_or_none(value: object) -> str | None:

@@ -58,7 +58,7 @@ from gatewayd.inputfile import InputFileError, read_input_file
 from gatewayd.policy.section import model_at
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES
 from gatewayd.sandbox.daemons import derived_netns_prefix, derived_uid_range
-from gatewayd.sandbox.lendable import DEFAULT_LENDABLE_ROOTS, SETTING_HINT, root_problem
+from gatewayd.sandbox.lendable import DEFAULT_LENDABLE_ROOTS, SETTING_HINT, real_root_problem
 from gatewayd.sandbox.netns import _check_prefix
 from gatewayd.sandbox.uids import DEFAULT_UID_COUNT, UidRange, check_derivable_count
 from gatewayd.secrets import NAME_RE as SECRET_NAME_RE
@@ -275,17 +275,22 @@ class GatewaydConfig(_Strict):
     @field_validator("lendable_roots")
     @classmethod
     def _no_system_tree_lendable(cls, roots: tuple[Path, ...]) -> tuple[Path, ...]:
+        # On the real path too: /var/run/x is /run/x, which the daemon would refuse.
         for root in roots:
-            problem = root_problem(str(root))
+            problem = real_root_problem(root)
             if problem is not None:
                 raise ValueError(f"{problem}; {_LENDABLE_ROOTS_HINT}")
         return roots
 
     @model_validator(mode="after")
     def _lendable_roots_outside_gatewayds_dirs(self) -> GatewaydConfig:
-        reserved = (("state_dir", self.state_dir), ("agent_dir", self.resolved_agent_dir))
+        # As configured and as they really are: a symlink on either side hides nothing.
+        reserved: list[tuple[str, Path]] = []
+        own = (("state_dir", self.state_dir), ("agent_dir", self.resolved_agent_dir))
+        for setting, path in own:
+            reserved += [(setting, path), (setting, Path(os.path.realpath(path)))]
         for root in self.lendable_roots:
-            problem = root_problem(str(root), reserved)
+            problem = real_root_problem(root, reserved)
             if problem is not None:
                 raise ValueError(f"lendable_roots: {problem}; {_LENDABLE_ROOTS_HINT}")
         return self

@@ -8,7 +8,13 @@ command in the run's sandbox and wait for its result), ``GET /v1/metrics`` (Prom
 text format, docs/metrics.md). HTTP parsing is h11's (sans-IO);
 this module only routes. No run socket can reach it: it lives in the state
 directory, which no sandbox sees, and it refuses peers other than root or the
-daemon's own user.
+daemon's own user. A query parameter a route does not take, or one given twice, is
+refused (400), never ignored.
+
+The socket's path is its own: a start refuses a path where something listens (another
+gatewayd's socket, a run's) or that is not a socket (an audit log, any file), and
+replaces only a socket nobody listens on (a crashed daemon's); a stop removes the
+path only while it is still the socket this server bound.
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import contextlib
 import json
 import os
 import re
+import socket
+import stat
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
-from urllib.parse import parse_qs
+from urllib.parse import parse_qsl
 
 import h11
 import pydantic
@@ -28,6 +36,7 @@ import structlog
 import trio
 
 from gatewayd import strictjson
+from gatewayd.audit import AuditWriteError
 from gatewayd.daemon import Daemon
 from gatewayd.errors import GatewayError
 from gatewayd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -58,6 +67,18 @@ _STATUS: Final = {
 }
 # The longest argv an exec may carry (ARG_MAX-like; more is not a command but a payload).
 MAX_EXEC_ARGS: Final = 4096
+# The query parameters each route takes; any other, or one given twice, is refused (a
+# parameter silently dropped would be a request answered as if it said something else).
+_QUERY_PARAMETERS: Final[dict[tuple[str, str], frozenset[str]]] = {
+    ("GET", "/v1/rules"): frozenset({"policy"}),
+}
+# No route takes more than one parameter; a longer query is refused before it is
+# parsed further.
+MAX_QUERY_FIELDS: Final = 16
+# Whether something listens on a control socket path is asked with one connect(): a
+# live listener accepts at once (or its backlog is full: EAGAIN); nobody there is
+# ECONNREFUSED at once. This long without an answer counts as someone there.
+CONTROL_PROBE_TIMEOUT_S: Final = 2.0
 
 
 _PENDING_PATH: Final = re.compile(r"/v1/rules/pending/([0-9a-f]{32})(/confirm)?")
@@ -152,8 +173,100 @@ class _Text(str):
     """A response body sent as it is (the metrics), not as JSON."""
 
 
+class ControlSocketInUse(Exception):
+    """The control socket's path is not this daemon's to take: something listens there,
+    or it is not a socket. ``str(exc)`` says what is there and what to change; nothing
+    was touched."""
+
+
+_CHANGE_SOCKET = "give this daemon another --control-socket (control_socket)"
+
+
+def control_socket_problem(path: Path) -> str | None:
+    """Why a new control socket may not be bound at ``path`` (taken as its real path),
+    or None: nothing is there, or a socket nobody listens on (a crashed daemon's, which
+    :meth:`ControlServer.serve` replaces). Blocking (one connect)."""
+    real = Path(os.path.realpath(path))
+    shown = f"{path}" if real == path else f"{path} (really {real})"
+    try:
+        st = os.lstat(real)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"the control socket path {shown} cannot be read ({exc.strerror}): {_CHANGE_SOCKET}"
+    if not stat.S_ISSOCK(st.st_mode):
+        return (
+            f"the control socket path {shown} is {_kind(st.st_mode)}, not a socket, and "
+            "gatewayd replaces nothing there but a socket nobody listens on (this may be "
+            f"another daemon's audit log or any file of the host's): {_CHANGE_SOCKET}"
+        )
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(CONTROL_PROBE_TIMEOUT_S)
+    try:
+        probe.connect(os.fspath(real))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return None  # nobody listens: a crashed daemon's socket
+    except OSError as exc:
+        why = exc.strerror or type(exc).__name__  # a full backlog, a timeout, EACCES
+        return (
+            f"the control socket {shown} could not be asked whether something listens "
+            f"there ({why}), so it is not taken: {_CHANGE_SOCKET}, or remove it once "
+            "nothing uses it"
+        )
+    finally:
+        probe.close()
+    return (
+        f"something listens on the control socket {shown} (another gatewayd, or a "
+        f"run's socket); it is not taken from it: {_CHANGE_SOCKET}, or stop what listens "
+        f"there (`ss -xlp | grep {real}` names it)"
+    )
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    return "a device, a pipe or another special file"
+
+
 def _error_body(code: ErrorCode, message: str) -> dict[str, Any]:
     return {"ok": False, "errorCode": str(code), "message": message}
+
+
+def _query_parameters(method: str, target: str, query: str) -> dict[str, str]:
+    """The query of a request to ``target``: each parameter the route takes, at most
+    once. HttpError (400) for a malformed query, a parameter the route does not take,
+    or one given twice."""
+    try:
+        fields = parse_qsl(
+            query,
+            keep_blank_values=True,
+            strict_parsing=True,
+            max_num_fields=MAX_QUERY_FIELDS,
+            errors="strict",
+        )
+    except ValueError as exc:  # UnicodeDecodeError too
+        raise HttpError(400, ErrorCode.BAD_REQUEST, f"malformed query string: {exc}") from None
+    takes = _QUERY_PARAMETERS.get((method, target), frozenset())
+    params: dict[str, str] = {}
+    for name, value in fields:
+        if name not in takes:
+            allowed = ", ".join(sorted(takes)) or "no query parameters"
+            raise HttpError(
+                400,
+                ErrorCode.BAD_REQUEST,
+                f"unknown query parameter {name[:100]!r} for {method} {target}; it takes: "
+                f"{allowed}",
+            )
+        if name in params:
+            raise HttpError(
+                400,
+                ErrorCode.BAD_REQUEST,
+                f"query parameter {name!r} is given more than once; give it once",
+            )
+        params[name] = value
+    return params
 
 
 class ControlServer:
@@ -165,18 +278,34 @@ class ControlServer:
     async def serve(
         self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """Listen on ``path`` (removed first if a stale socket is there) until cancelled."""
-        if path.is_socket():
-            path.unlink()
+        """Listen on ``path`` (its real path) until cancelled. A socket nobody listens on
+        there is replaced; at the end the path is removed if it is still this socket.
+
+        Error handling: ControlSocketInUse (:func:`control_socket_problem`) when
+        something listens there or it is not a socket; nothing is touched then.
+        """
+        path = Path(os.path.realpath(path))
+        problem = await trio.to_thread.run_sync(control_socket_problem, path)
+        if problem is not None:
+            raise ControlSocketInUse(problem)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                path.unlink()  # nobody listens on it: a crashed daemon's
         listener = await open_unix_listener(path, mode=0o600)
-        try:
-            async with listener, trio.open_nursery() as nursery:
-                task_status.started()
-                while True:
-                    stream = await listener.accept()
-                    nursery.start_soon(self._connection, stream)
-        finally:
-            path.unlink(missing_ok=True)
+        async with listener:
+            bound = os.lstat(path)
+            try:
+                async with trio.open_nursery() as nursery:
+                    task_status.started()
+                    while True:
+                        stream = await listener.accept()
+                        nursery.start_soon(self._connection, stream)
+            finally:
+                # Only our own socket: whatever took the path since is not ours to remove.
+                with contextlib.suppress(OSError):
+                    now = os.lstat(path)
+                    if (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):
+                        path.unlink()
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
@@ -252,8 +381,10 @@ class ControlServer:
 
     async def _route(self, request: h11.Request, body: bytes) -> tuple[int, Any]:
         method = request.method.decode()
-        target = request.target.decode().split("?", 1)[0].rstrip("/")
+        path, _, query = request.target.decode().partition("?")
+        target = path.rstrip("/")
         try:
+            params = _query_parameters(method, target, query)
             if target == "/v1/health" and method == "GET":
                 return 200, {"ok": True, "runs": len(self.daemon.registry.all())}
             if target == "/v1/metrics" and method == "GET":
@@ -263,7 +394,7 @@ class ControlServer:
             if target == "/v1/runs" and method == "POST":
                 return await self._create(body)
             if target.startswith("/v1/rules"):
-                return await self._rules(method, target, request, body)
+                return await self._rules(method, target, params, body)
             exec_match = _EXEC_PATH.fullmatch(target)
             if exec_match and method == "POST":
                 return await self._exec(exec_match.group(1), body)
@@ -314,15 +445,14 @@ class ControlServer:
         return 201, {"ok": True, "run": run.summary()}
 
     async def _rules(
-        self, method: str, target: str, request: h11.Request, body: bytes
+        self, method: str, target: str, params: dict[str, str], body: bytes
     ) -> tuple[int, Any]:
         """Review rules: read them, change them (tightening at once, loosening pending),
         confirm or cancel a pending change. Only here: no run socket reaches rules."""
         daemon = self.daemon
         try:
             if target == "/v1/rules" and method == "GET":
-                query = parse_qs(request.target.decode().partition("?")[2])
-                ref = (query.get("policy") or [""])[0]
+                ref = params.get("policy", "")
                 if not ref:
                     raise HttpError(400, ErrorCode.BAD_REQUEST, "name the policy: ?policy=NAME")
                 policy, source = daemon.registry.load_policy_by_name(ref)
@@ -381,6 +511,17 @@ class ControlServer:
             raise HttpError(404, ErrorCode.BAD_REQUEST, f"no such run {run_id}") from None
         except SandboxUnavailable as exc:
             raise HttpError(409, exc.code, str(exc)) from None
+        except AuditWriteError as exc:
+            # The command ran (or failed to start) and its end is not on the record:
+            # its result is withheld, as a call's value is.
+            log.error("exec_end_not_audited", run_id=run_id, error=exc.detail)
+            raise HttpError(
+                500,
+                ErrorCode.INTERNAL,
+                "the audit log cannot be written, so the command's result is withheld; "
+                "gatewayd's log (exec_end_not_audited) says why: fix the audit log and "
+                "restart gatewayd",
+            ) from None
         except GatewayError as exc:  # the plan or bwrap failed: gatewayd's or the host's fault
             log.exception("exec_failed", run_id=run_id)
             raise HttpError(

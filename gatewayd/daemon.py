@@ -52,7 +52,13 @@ from gatewayd.sandbox.daemons import (
     register_daemon,
 )
 from gatewayd.sandbox.launch import BWRAP, Echo, ExecResult
-from gatewayd.sandbox.lendable import DEFAULT_LENDABLE_ROOTS, LendableRoots
+from gatewayd.sandbox.lendable import (
+    DEFAULT_LENDABLE_ROOTS,
+    SETTING_HINT,
+    LendableRoots,
+    OwnDirectory,
+    real_root_problem,
+)
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.plan import (
     COGNI_TOOL_VISIBLE_DIR,
@@ -127,6 +133,61 @@ class DaemonConfig:
     # How http.fetch and the egress proxy resolve names (tests map names to loopback);
     # None: the host's resolver.
     resolver: Resolver | None = None
+    # The control socket `gatewayd serve` listens on (None: this daemon has none). Only
+    # registered here, so that no second daemon binds it or a file of this one's log.
+    control_socket: Path | None = None
+
+    def __post_init__(self) -> None:
+        # The configuration file's check, for a configuration made any other way: no
+        # lendable root at or beneath a system tree or gatewayd's own directories, on
+        # real paths (a root that is a symlink into /run is no root).
+        private = [(d.setting, d.path) for d in self.own_directories() if d.private]
+        for root in self.lendable_roots:
+            problem = real_root_problem(root, private)
+            if problem is not None:
+                raise ValueError(f"lendable_roots: {problem}; change {SETTING_HINT}")
+
+    def with_real_dirs(self) -> DaemonConfig:
+        """This configuration with gatewayd's own paths (the state and agent directories,
+        the audit log's and the control socket's directories) as real paths, resolved once
+        when the daemon starts: every later comparison of a path with them (the sandbox
+        plan's, the lease's) is then of real paths, whatever symlink or '..' a setting
+        holds. The namespace prefix and uid range stay those derived from the state
+        directory as configured."""
+        socket = self.control_socket
+        return dataclasses.replace(
+            self,
+            state_dir=_real(self.state_dir),
+            audit_path=_real_parent(self.resolved_audit_path),
+            agent_dir=_real(self.resolved_agent_dir),
+            control_socket=None if socket is None else _real_parent(socket),
+            netns_prefix=self.resolved_netns_prefix,
+            sandbox_uids=self.resolved_sandbox_uids,
+        )
+
+    def own_directories(self) -> tuple[OwnDirectory, ...]:
+        """gatewayd's own directories, by their real paths: no tree lent to a sandbox may
+        hold one (the sandbox would write the audit log, the cogni-tool copy or the control
+        socket's directory), and none may lie in the state or agent directory (other runs'
+        files) but an agent run's own work directory."""
+        found = [
+            OwnDirectory(setting="state_dir", path=_real(self.state_dir), private=True),
+            OwnDirectory(setting="agent_dir", path=_real(self.resolved_agent_dir), private=True),
+            OwnDirectory(
+                setting="audit_path's directory",
+                path=_real(self.resolved_audit_path.parent),
+                private=False,
+            ),
+        ]
+        if self.control_socket is not None:
+            found.append(
+                OwnDirectory(
+                    setting="control_socket's directory",
+                    path=_real(self.control_socket.parent),
+                    private=False,
+                )
+            )
+        return tuple(found)
 
     @property
     def resolved_audit_path(self) -> Path:
@@ -145,13 +206,17 @@ class DaemonConfig:
         return self.sandbox_uids or derived_uid_range(self.state_dir)
 
     def host_share(self) -> DaemonShare:
-        """What this daemon takes of the host (the registry's view): its directories as
-        they really are, and, with the OS sandbox, its prefix and uids."""
+        """What this daemon takes of the host (the registry's view): its directories, audit
+        log and control socket as they really are, and, with the OS sandbox, its prefix
+        and uids."""
+        socket = self.control_socket
         return DaemonShare(
             state_dir=Path(os.path.realpath(self.state_dir)),
             agent_dir=Path(os.path.realpath(self.resolved_agent_dir)),
             netns_prefix=self.resolved_netns_prefix if self.os_sandbox else None,
             uids=self.resolved_sandbox_uids if self.os_sandbox else None,
+            audit_path=Path(os.path.realpath(self.resolved_audit_path)),
+            control_socket=None if socket is None else Path(os.path.realpath(socket)),
         )
 
 
@@ -284,7 +349,9 @@ class Daemon:
         ``run_refused`` event with the matching code.
         """
         roots = LendableRoots(
-            configured=self.config.lendable_roots, own=(own_root,) if own_root else ()
+            configured=self.config.lendable_roots,
+            own=(own_root,) if own_root else (),
+            reserved=self.config.own_directories(),
         )
         try:
             run = self.registry.create(request, policy_paths=policy_paths)
@@ -520,12 +587,16 @@ class Daemon:
         timeout_s: float | None = None,
         echo: Echo | None = None,
     ) -> ExecResult:
-        """Run ``command`` in the run's sandbox (host to sandbox, issue 3 item 8); audited
-        before it starts and when it ends.
+        """Run ``command`` in the run's sandbox (host to sandbox); audited before it
+        starts (durable before bwrap runs) and when it ends: the result (or the error)
+        is returned only once ``exec_ended`` is durable, so whoever is told the exit code
+        finds it in the log after a crash (unless the operator opted out:
+        :meth:`durable_before_answer`).
 
         Error handling: LookupError for an unknown run; SandboxUnavailable for a run
         without a sandbox or one that is ending; PlanError/LaunchError if bwrap cannot
-        start (also audited).
+        start (also audited); AuditWriteError when ``exec_ended`` cannot be made durable
+        (the command ran; its result must not be given).
         """
         run = self.registry.get(run_id)
         if run is None:
@@ -545,15 +616,16 @@ class Daemon:
         try:
             result = await run.sandbox.exec(command, stdin=stdin, timeout_s=timeout_s, echo=echo)
         except Exception as exc:
-            self.audit.record(
+            seq = self.audit.record(
                 "event",
                 event="exec_ended",
                 runId=run_id,
                 errorCode=str(ErrorCode.INTERNAL),
                 safeMessage=str(exc),
             )
+            await self.durable_before_answer(seq)
             raise
-        self.audit.record(
+        seq = self.audit.record(
             "event",
             event="exec_ended",
             runId=run_id,
@@ -570,7 +642,19 @@ class Daemon:
                 "stderrTruncated": result.stderrTruncated,
             },
         )
+        await self.durable_before_answer(seq)
         return result
+
+    async def durable_before_answer(self, seq: int) -> None:
+        """Return once the entry ``seq`` (what an answer about to leave gatewayd reports:
+        a command's end, its exit code) is durable, as every call's answer waits for its
+        result entry (invariant RESULT_BEFORE_REPLY); at once when the operator opted out
+        (``audit_reply_after_result: false``: the entry rides the next flush).
+
+        Error handling: AuditWriteError when the log cannot take it; the answer must
+        then not say what the entry would have."""
+        if self.config.audit_reply_after_result:
+            await self.audit.durable(seq)
 
     async def _serve(self, run: Run, *, task_status: trio.TaskStatus[None]) -> None:
         # Every line logged by this task and the tasks it starts (the run's connections,
@@ -635,6 +719,7 @@ class Daemon:
                 network=run.spec.policy.network,
                 audit=self.audit,
                 resolve=self.config.resolver or resolve_host,
+                reply_after_result=self.config.audit_reply_after_result,
             )
             run.egress = proxy  # a policy reload updates its allowlist
             await nursery.start(
@@ -836,6 +921,7 @@ class Daemon:
         restart too, and until then the aliases stay as they were.
         """
         current = self.config
+        config = config.with_real_dirs()  # as the running daemon's own were made at start
         restart = [
             name
             for name in (
@@ -910,6 +996,16 @@ def raise_open_file_limit() -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
             soft = hard
     return soft
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def _real_parent(path: Path) -> Path:
+    """``path`` in its directory's real path (a symlink at its own name is left to the
+    code that opens it, which refuses one)."""
+    return _real(path.parent) / path.name
 
 
 def _clean_leftovers_quietly(runs_dir: Path, prefix: str | None) -> dict[str, list[str]]:
@@ -1039,7 +1135,8 @@ async def open_daemon(
     """A running daemon; on exit every run is ended and the audit log closed.
 
     Error handling: DaemonClash (gatewayd.sandbox.daemons) when another live daemon on
-    this host has this one's state directory, namespace prefix or sandbox uids, and
+    this host has this one's state directory, namespace prefix, sandbox uids, a file of
+    its audit log or its control socket, and
     DaemonRegistryError when the host's registry of daemons cannot be used; raised
     before anything is opened or swept.
 
@@ -1047,6 +1144,7 @@ async def open_daemon(
     failing tools to reach the timeout and internal paths).
     """
     raise_open_file_limit()
+    config = config.with_real_dirs()
     scrubber = Scrubber.for_config(config.models, config.secret_env)
     async with (
         _registered(config),

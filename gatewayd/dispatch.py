@@ -33,6 +33,7 @@ from gatewayd.config import ModelAlias
 from gatewayd.errors import GatewayError
 from gatewayd.metrics import METRICS, UNKNOWN_TOOL, GatewayMetrics, ToolMeter
 from gatewayd.policy import Allow, allowed_tools, decide, tool_allowed
+from gatewayd.policy.review_section import ReviewSection
 from gatewayd.protocol import (
     ErrorCode,
     FrameError,
@@ -42,7 +43,7 @@ from gatewayd.protocol import (
     error_response,
     ok_response,
 )
-from gatewayd.review.reviewer import Reviewer, ReviewOutcome, Source
+from gatewayd.review.reviewer import Reviewer, ReviewOutcome, Source, review_crashed
 from gatewayd.review.rulebook import RuleBook
 from gatewayd.review.ruleset import RuleSet
 from gatewayd.runs import Run
@@ -216,7 +217,9 @@ class Dispatcher:
                 self._tally(run, req.tool, stopped.code, None)
                 raise
             if outcome is not None:
-                review = {**outcome.audit(), "ruleset": ruleset}
+                review = outcome.audit()
+                if ruleset is not None:
+                    review["ruleset"] = ruleset
                 if not outcome.allowed:
                     denied = _Refusal(ErrorCode.REVIEW_DENIED, _review_message(outcome))
                     return await self._deny(run, req, peer, denied, started, review=review)
@@ -242,7 +245,18 @@ class Dispatcher:
             if (spec is not None and spec.side_effects) or not self.reply_after_result:
                 await self.audit.durable(call_seq)
             value = await self._run(run, spec, args)
-            payload = self._scrub_output(encode_json(value), req.tool)
+            try:
+                payload = self._scrub_output(encode_json(value), req.tool)
+            except _Refusal:
+                raise
+            except Exception:
+                # A value gatewayd cannot encode is gatewayd's bug: the call still gets its
+                # result entry and an answer, and the connection goes on.
+                log.exception("output_unencodable", run_id=run.run_id, tool=req.tool)
+                raise _Refusal(
+                    ErrorCode.INTERNAL,
+                    f"{req.tool} failed inside gatewayd; the operator's log has details",
+                ) from None
             limit = run.spec.policy.limits.max_output_bytes
             if len(payload) > limit:
                 raise _Refusal(
@@ -466,16 +480,47 @@ class Dispatcher:
             "(limits.call_timeout_s) and was stopped",
         )
 
-    async def _review(self, run: Run, req: Request, args: Any) -> tuple[ReviewOutcome | None, str]:
-        """Step 7: the rule review, if the run's (live) review rules cover this call."""
+    async def _review(
+        self, run: Run, req: Request, args: Any
+    ) -> tuple[ReviewOutcome | None, str | None]:
+        """Step 7: the rule review, if the run's (live) review rules cover this call;
+        the outcome and the hash of the rule set it was made under.
+
+        Error handling: _Refusal when no call slot frees in time. Any other exception of
+        the step (a bug, or a reply the reviewer could not survive) is a failed review: a
+        deny (invariant FAIL_CLOSED), audited and answered like any other, never an
+        exception that would drop the connection and the calls in flight on it. The
+        hash is None only when the rules themselves could not be read.
+        """
         assert self.reviewer is not None
+        started = self.clock()
         section = run.spec.policy.review
-        if self.rules is not None:
-            section, rules = self.rules.current(run.spec.policy_source, section)
-        else:
-            rules = RuleSet.from_section(section)
-        if not self.reviewer.applies(section, req.tool):
-            return None, rules.digest
+        digest: str | None = None
+        try:
+            if self.rules is not None:
+                section, rules = self.rules.current(run.spec.policy_source, section)
+            else:
+                rules = RuleSet.from_section(section)
+            digest = rules.digest
+            if not self.reviewer.applies(section, req.tool):
+                return None, digest
+            outcome = await self._ask_reviewer(run, req, args, section, rules)
+        except _Refusal:
+            raise
+        except Exception as exc:
+            log.exception("review_crashed", run_id=run.run_id, tool=req.tool)
+            outcome = review_crashed(
+                exc, model=section.model, latency_ms=(self.clock() - started) * 1000
+            )
+        if outcome is not None:
+            self.metrics.reviews.observe(outcome.latency_ms / 1000, (str(outcome.source),))
+        return outcome, digest
+
+    async def _ask_reviewer(
+        self, run: Run, req: Request, args: Any, section: ReviewSection, rules: RuleSet
+    ) -> ReviewOutcome | None:
+        """The reviewer's outcome, within a call slot of the run."""
+        assert self.reviewer is not None
         # The arguments as the tool will use them, defaults filled in: an fs.list without
         # a path lists /workspace, and a path rule must see that. A review counts against
         # the run's concurrent calls like the call itself.
@@ -495,14 +540,9 @@ class Dispatcher:
                     "try again when fewer calls are in flight",
                 ) from None
         try:
-            outcome = await self.reviewer.review(
-                req.tool, msgspec.to_builtins(args), section, rules
-            )
+            return await self.reviewer.review(req.tool, msgspec.to_builtins(args), section, rules)
         finally:
             run.limiter.release()
-        if outcome is not None:
-            self.metrics.reviews.observe(outcome.latency_ms / 1000, (str(outcome.source),))
-        return outcome, rules.digest
 
     async def _deny(
         self,

@@ -21,8 +21,16 @@ scheme (``https`` for CONNECT, ``http`` for plain requests), method, the host ag
 address passes the SSRF guard (``network.allow_private``), and a connection to those
 checked addresses only. Bodies are streamed, never buffered whole; each connection is cut
 past ``network.proxy.max_connection_bytes`` and closed after ``idle_timeout_s`` without a
-byte. Every connection is audited once when it ends (an ``egress`` event); no upstream
-byte ever enters the audit log.
+byte. Every connection is audited once (an ``egress`` event); no upstream byte ever
+enters the audit log.
+
+What is durable when (invariant RESULT_BEFORE_REPLY): an allowed connection's
+``egress_opened`` entry before it is made, so before the ``200`` to a CONNECT or any
+forwarded byte; a refusal's or failure's ``egress`` entry before its error answer
+(403, 429, 502, 503, 504...), at once with the operator's opt-out
+(``audit_reply_after_result: false``). The ``egress`` entry of a connection that was
+relayed ends it, after its last byte went out: a stream has no single answer to hold
+back, and its destination was on the record before it started.
 """
 
 from __future__ import annotations
@@ -91,6 +99,8 @@ LINGER_MAX_BYTES: Final = 1 << 20
 # The audit entry of a finished connection is waited for at most this long: a stuck
 # disk must not hold a connection's task (the entry stays queued and is written later).
 AUDIT_WAIT_S: Final = 5.0
+# The answer when an entry cannot be made durable (503): nothing goes out unaudited.
+_AUDIT_DOWN: Final = "gatewayd's audit log cannot be written, so no connection goes out"
 
 # Hop-by-hop headers (RFC 9110 7.6.1) are the proxy's own: never forwarded either way.
 HOP_BY_HOP_HEADERS: Final = frozenset(
@@ -149,6 +159,10 @@ class _Outcome:
     # The HTTP status to answer with, if the client has not been answered yet.
     status: int | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    # When the connection was accepted (trio's clock), and whether its ``egress`` entry
+    # is recorded already (before an error answer): it is recorded once.
+    started: float = 0.0
+    recorded: bool = False
 
     def fail(self, code: ErrorCode | None, reason: str, status: int | None = None) -> None:
         """Record why the connection failed; the first failure is the one that counts."""
@@ -316,7 +330,8 @@ class EgressProxy:
 
     ``resolve`` looks host names up (injectable so tests can name hosts); ``degraded``
     marks every audit entry of a run without the OS sandbox; ``head_timeout_s`` bounds
-    the wait for a request head (tests shorten it).
+    the wait for a request head (tests shorten it); ``reply_after_result`` False is the
+    operator's opt-out: error answers leave without waiting for their entry.
     """
 
     def __init__(
@@ -328,6 +343,7 @@ class EgressProxy:
         resolve: Resolver = resolve_host,
         degraded: str | None = None,
         head_timeout_s: float = HEAD_TIMEOUT_S,
+        reply_after_result: bool = True,
     ) -> None:
         self.run_id = run_id
         self.network = network
@@ -335,6 +351,7 @@ class EgressProxy:
         self._resolve = resolve
         self._degraded = degraded
         self._head_timeout_s = head_timeout_s
+        self._reply_after_result = reply_after_result
         # Connections being handled right now, audit entry included (status, tests).
         self.active = 0
 
@@ -342,7 +359,8 @@ class EgressProxy:
         """Serve one client connection (one request, or one CONNECT tunnel), then close it.
 
         Resource handling: the client stream and any upstream connection are closed
-        before this returns, also when cancelled; the audit entry is recorded then.
+        before this returns, also when cancelled; the audit entry is recorded then,
+        unless an error answer needed it first.
 
         Error handling: never raises for anything the client or the upstream does; each
         refusal or failure is an HTTP answer (if the client has had none yet) and the
@@ -350,7 +368,7 @@ class EgressProxy:
         as ``internal``.
         """
         start = trio.current_time()
-        outcome = _Outcome()
+        outcome = _Outcome(started=start)
         self.active += 1
         try:
             await self._serve(stream, outcome, peer)
@@ -363,7 +381,8 @@ class EgressProxy:
                 outcome.fail(None, "closed by gatewayd: the run is ending")
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
-                await self._record(outcome, trio.current_time() - start, peer)
+                if not outcome.recorded:
+                    await self._record(outcome, trio.current_time() - start, peer)
             self.active -= 1
 
     async def refuse(
@@ -379,26 +398,29 @@ class EgressProxy:
         """Answer a connection refused before it is read (an outsider, one over the
         limit) and close it. As on the run socket (server.py), ``throttle`` audits at most
         one such refusal per code per second (the next entry counts those left out) and
-        lets only a few linger for their client to read the answer."""
+        lets only a few linger for their client to read the answer. An audited refusal
+        is answered once its entry is durable; one left out has no entry to wait for."""
         start = trio.current_time()
         METRICS.egress_connections.inc((DENIED,))
         suppressed = throttle.admit(str(code), start)
         lingering = throttle.lingering < MAX_LINGERING_REFUSALS
         throttle.lingering += lingering
         try:
-            await _answer(stream, error_response(status, message), linger=lingering)
+            if suppressed is not None:
+                outcome = _Outcome(started=start)
+                outcome.fail(code, message)
+                if suppressed:
+                    outcome.extra["suppressedSinceLast"] = suppressed
+                await self._answer_on_record(
+                    stream, outcome, peer, status, message, linger=lingering
+                )
+            else:
+                log.info("egress_refused", run_id=self.run_id, code=str(code))
+                await _answer(stream, error_response(status, message), linger=lingering)
         finally:
             throttle.lingering -= lingering
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(stream)
-                if suppressed is not None:
-                    outcome = _Outcome()
-                    outcome.fail(code, message)
-                    if suppressed:
-                        outcome.extra["suppressedSinceLast"] = suppressed
-                    await self._record(outcome, trio.current_time() - start, peer)
-                else:
-                    log.info("egress_refused", run_id=self.run_id, code=str(code))
 
     def record_suppressed(self, code: str, count: int) -> None:
         """Count refusals the throttle left out of the audit (at shutdown; never awaits)."""
@@ -434,19 +456,21 @@ class EgressProxy:
             upstream = await self._connect(host, port, addresses)
         except _Refused as refusal:
             outcome.fail(refusal.code, refusal.reason, refusal.status)
-            await _answer(
+            await self._answer_on_record(
                 stream,
-                error_response(
-                    refusal.status, refusal.reason, head_only=head_only, headers=refusal.headers
-                ),
-                linger=True,
+                outcome,
+                peer,
+                refusal.status,
+                refusal.reason,
+                head_only=head_only,
+                headers=refusal.headers,
             )
             return
         try:
             if request.method == b"CONNECT":
                 await self._tunnel(stream, conn, upstream, outcome)
             else:
-                await self._exchange(stream, conn, request, url, upstream, outcome)
+                await self._exchange(stream, conn, request, url, upstream, outcome, peer)
         finally:
             with trio.CancelScope(shield=True):
                 await upstream.aclose()
@@ -589,6 +613,7 @@ class EgressProxy:
         url: httpx.URL,
         upstream: httpcore.AsyncNetworkStream,
         outcome: _Outcome,
+        peer: Peer | None,
     ) -> None:
         """Forward one plain-HTTP request (head, then body as it arrives) and stream the
         answer back; both re-framed by h11, so what reaches either side is well formed."""
@@ -618,11 +643,37 @@ class EgressProxy:
                 nursery.cancel_scope.cancel()
         meter.settle()
         if not exchange.answered and outcome.status is not None and outcome.reason is not None:
-            await _answer(
-                client,
-                error_response(outcome.status, outcome.reason, head_only=head_for_client),
-                linger=True,
+            await self._answer_on_record(
+                client, outcome, peer, outcome.status, outcome.reason, head_only=head_for_client
             )
+
+    async def _answer_on_record(
+        self,
+        stream: trio.abc.Stream,
+        outcome: _Outcome,
+        peer: Peer | None,
+        status: int,
+        reason: str,
+        *,
+        head_only: bool = False,
+        headers: tuple[tuple[str, str], ...] = (),
+        linger: bool = True,
+    ) -> None:
+        """The connection's last word, an error answer, sent once its ``egress`` entry
+        (which says so) is durable, or at once with the operator's opt-out; a 503 when
+        the log cannot take the entry."""
+        outcome.recorded = True
+        durable = await self._record(
+            outcome,
+            trio.current_time() - outcome.started,
+            peer,
+            wait=self._reply_after_result,
+        )
+        if durable:
+            answer = error_response(status, reason, head_only=head_only, headers=headers)
+        else:
+            answer = error_response(503, _AUDIT_DOWN, head_only=head_only)
+        await _answer(stream, answer, linger=linger)
 
     async def _record_opening(self, outcome: _Outcome, peer: Peer | None) -> None:
         """The write-ahead entry of an allowed connection, durable before it is made.
@@ -646,13 +697,15 @@ class EgressProxy:
                 )
         except (AuditWriteError, ValueError, trio.TooSlowError) as exc:
             log.error("egress_audit_failed", run_id=self.run_id, error=str(exc))
-            raise _Refused(
-                503,
-                ErrorCode.INTERNAL,
-                "gatewayd's audit log cannot be written, so no connection goes out",
-            ) from None
+            raise _Refused(503, ErrorCode.INTERNAL, _AUDIT_DOWN) from None
 
-    async def _record(self, outcome: _Outcome, duration_s: float, peer: Peer | None) -> None:
+    async def _record(
+        self, outcome: _Outcome, duration_s: float, peer: Peer | None, *, wait: bool = True
+    ) -> bool:
+        """Record the connection's ``egress`` entry and, with ``wait``, wait (at most
+        AUDIT_WAIT_S) until it is durable. True once it is (or, without ``wait``, once
+        it is queued); False, logged, when the log cannot take it or not in time (the
+        entry stays queued then)."""
         detail: dict[str, object] = {
             "domain": outcome.domain,
             "port": outcome.port,
@@ -665,20 +718,28 @@ class EgressProxy:
             detail["reason"] = outcome.reason
         detail.update(outcome.extra)
         try:
+            seq = self._audit.record(
+                "event",
+                event=EGRESS_EVENT,
+                runId=self.run_id,
+                durationMs=round(duration_s * 1000, 3),
+                errorCode=None if outcome.code is None else str(outcome.code),
+                safeMessage=outcome.reason if outcome.code is not None else None,
+                peer=peer,
+                detail=detail,
+                degraded=self._degraded,
+            )
+            if not wait:
+                return True
             with trio.move_on_after(AUDIT_WAIT_S):
-                await self._audit.append(
-                    "event",
-                    event=EGRESS_EVENT,
-                    runId=self.run_id,
-                    durationMs=round(duration_s * 1000, 3),
-                    errorCode=None if outcome.code is None else str(outcome.code),
-                    safeMessage=outcome.reason if outcome.code is not None else None,
-                    peer=peer,
-                    detail=detail,
-                    degraded=self._degraded,
-                )
-        except (AuditWriteError, ValueError) as exc:
+                await self._audit.durable(seq)
+                return True
+            log.error("egress_audit_slow", run_id=self.run_id, seconds=AUDIT_WAIT_S, **detail)
+        except AuditWriteError as exc:
+            log.error("egress_audit_failed", run_id=self.run_id, error=exc.detail, **detail)
+        except ValueError as exc:
             log.error("egress_audit_failed", run_id=self.run_id, error=str(exc), **detail)
+        return False
 
 
 class _Exchange:

@@ -52,6 +52,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import trio
 
+from gatewayd import strictjson
 from gatewayd.config import DEFAULT_MAX_REPLY_BYTES, ModelAlias
 from gatewayd.errors import GatewayError
 from gatewayd.protocol import ErrorCode
@@ -72,6 +73,17 @@ REDACTED: Final = REDACTION_PREFIX
 KEYLESS_PLACEHOLDER: Final = "no-key"
 # Bound on the __cause__/__context__ chain walked to classify an error.
 MAX_CAUSE_CHAIN: Final = 32
+# An error body is parsed for its message only up to this size: a provider's error is a
+# sentence, and a body of megabytes (the reply cap allows 8 MiB) is quoted, not parsed,
+# so explaining a failure costs neither the memory nor the time of a document.
+MAX_ERROR_BODY_CHARS: Final = 64 << 10
+# A usage count above this is no count (no model's context is near it) and is read as
+# "not reported"; JSON readers of the audit log (JavaScript, jq) hold integers exactly
+# only up to 2**53 - 1.
+MAX_REPORTED_TOKENS: Final = (1 << 53) - 1
+# litellm quotes a Python traceback (host paths of gatewayd's install) in some messages;
+# the quoted text stops where it starts.
+_TRACEBACK_MARK: Final = "Traceback (most recent call last)"
 # A compressed reply is inflated at most this much at a time, so a small body that
 # inflates hugely (a gzip bomb) is counted against the cap before it can fill memory.
 INFLATE_PIECE_BYTES: Final = 64 << 10
@@ -473,7 +485,11 @@ async def complete(
 
     Error handling: :class:`ModelCallError` for every failure of the call, with a
     ``kind`` and a message that is safe to show and free of the key; a reply past the
-    alias's ``max_reply_bytes`` is ``too_large`` (read no further than the cap).
+    alias's ``max_reply_bytes`` is ``too_large`` (read no further than the cap). Whatever
+    the provider sends (any body, success or error, any shape, any nesting) ends as a
+    ModelCallError: nothing else a reply could provoke (a RecursionError, a MemoryError,
+    a KeyError in litellm or here) leaves this function, and a string of the answer that
+    is not text (a lone UTF-16 surrogate) is ``malformed``.
     ValueError for a timeout that is not a positive number (a caller's bug).
     """
     if not (math.isfinite(timeout_s) and timeout_s > 0):
@@ -518,11 +534,21 @@ async def complete(
             ModelCallKind.TIMEOUT, _timeout_message(where, limit_s), where=where
         ) from None
     except Exception as exc:  # anything litellm raises becomes one safe, keyless error
-        kind, message = _explain(litellm, exc, alias, where, limit_s)
+        kind, message = _explain_safely(litellm, exc, alias, where, limit_s)
         # from None: the original's text may hold the key, and tracebacks print it.
         raise ModelCallError(kind, _scrub(message, key, alias.api_key_env), where=where) from None
     latency_ms = (time.perf_counter() - started) * 1000.0
-    completion = _read_completion(response, alias, where, latency_ms)
+    try:
+        completion = _read_completion(response, alias, where, latency_ms)
+    except ModelCallError:
+        raise
+    except Exception as exc:  # an answer of a shape neither litellm nor gatewayd expects
+        raise ModelCallError(
+            ModelCallKind.MALFORMED,
+            f"{where}: the answer is not a readable chat completion ({type(exc).__name__} "
+            "while reading it); check that the endpoint speaks the OpenAI-compatible chat API",
+            where=where,
+        ) from None
     if alias.api_key_env is not None and len(key) >= MIN_SCRUB_CHARS:
         # The key this call sent, out of its answer: the daemon's scrubber re-reads
         # keys once a second, and a key rotated within that second must not leak.
@@ -610,15 +636,38 @@ def _read_completion(response: Any, alias: ModelAlias, where: str, latency_ms: f
     if not prompt_tokens and not completion_tokens:
         prompt_tokens = completion_tokens = None  # litellm's stand-in for "not reported"
     model = getattr(response, "model", None)
-    return Completion(
+    finish_reason = getattr(choice, "finish_reason", None)
+    completion = Completion(
         text=content,
         model=model if isinstance(model, str) and model else alias.model,
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         latency_ms=latency_ms,
         tool_calls=tool_calls,
-        finish_reason=getattr(choice, "finish_reason", None),
+        finish_reason=finish_reason if isinstance(finish_reason, str) else None,
     )
+    _require_text(completion, where)
+    return completion
+
+
+def _require_text(completion: Completion, where: str) -> None:
+    """Refuse an answer with a string that is not text: JSON's ``"\\ud800"`` decodes to a
+    lone surrogate no UTF-8 encoder can write, so the answer could reach neither the
+    sandbox (the reply frame) nor the audit log (the entry naming it)."""
+    strings = [completion.text, completion.model, completion.finish_reason or ""]
+    for call in completion.tool_calls:
+        strings += (call.id, call.name, call.arguments)
+    for value in strings:
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ModelCallError(
+                    ModelCallKind.MALFORMED,
+                    f"{where}: the answer holds a lone UTF-16 surrogate escape "
+                    "(\\ud800-\\udfff), which is not text; check the endpoint",
+                    where=where,
+                ) from None
 
 
 def _tool_calls(choice: Any, where: str) -> tuple[ToolCall, ...]:
@@ -645,8 +694,12 @@ def _tool_calls(choice: Any, where: str) -> tuple[ToolCall, ...]:
 
 
 def _tokens(usage: Any, field: str) -> int | None:
+    """A usage count, or None when it is absent or no count (not an integer, negative,
+    past MAX_REPORTED_TOKENS): a budget is never given tokens back by a provider."""
     value = getattr(usage, field, None)
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    return value if 0 <= value <= MAX_REPORTED_TOKENS else None
 
 
 # --- errors --------------------------------------------------------------------------
@@ -657,6 +710,22 @@ def _timeout_message(where: str, limit_s: float) -> str:
         f"{where}: no answer within {limit_s:g} s; the provider is slow or overloaded. "
         "Retry later, or raise the timeout if it is too tight for this model"
     )
+
+
+def _explain_safely(
+    litellm: Any, exc: Exception, alias: ModelAlias, where: str, limit_s: float
+) -> tuple[ModelCallKind, str]:
+    """:func:`_explain`, or a plain ``provider_error`` when explaining fails too: the
+    evidence is the provider's reply, and no reply may turn a failed call into an
+    exception of another type (it would escape the caller's handling)."""
+    try:
+        return _explain(litellm, exc, alias, where, limit_s)
+    except Exception as failure:
+        return ModelCallKind.PROVIDER_ERROR, (
+            f"{where}: the provider failed ({type(exc).__name__}), and its reply could not "
+            f"be read to say why ({type(failure).__name__}); retry later, and check the "
+            "endpoint if it persists"
+        )
 
 
 def _explain(
@@ -712,10 +781,10 @@ def _classify(litellm: Any, exc: Exception) -> tuple[ModelCallKind, int | None, 
     """Kind, HTTP status and provider detail, from the evidence in the cause chain.
 
     litellm's own exception classes are not reliable here (it reports an HTTP 500 as
-    BadRequestError, and a dropped connection as InternalServerError), so the chain is
-    searched for what actually happened: a reply over the cap or in a coding gatewayd
-    cannot read, a timeout, an HTTP status, a broken transport, an unparsable body - in
-    that order.
+    BadRequestError, a dropped connection as InternalServerError, and an answer it could
+    not parse as APIConnectionError), so the chain is searched for what actually
+    happened: a reply over the cap or in a coding gatewayd cannot read, a timeout, an HTTP
+    status, a broken transport, an unparsable body - in that order.
     """
     openai: Any = importlib.import_module("openai")
     links = _cause_chain(exc)
@@ -732,17 +801,24 @@ def _classify(litellm: Any, exc: Exception) -> tuple[ModelCallKind, int | None, 
         if isinstance(link, httpx.HTTPStatusError):
             status = link.response.status_code
             return _kind_for_status(status), status, _provider_text(link.response)
-    broken = [
-        link
-        for link in links
-        if isinstance(link, (openai.APIConnectionError, httpx.TransportError, OSError))
-    ]
+    # The transport's own errors, not the SDK's or litellm's APIConnectionError: litellm
+    # raises that one for an answer it could not parse too.
+    broken = [link for link in links if isinstance(link, (httpx.TransportError, OSError))]
     if broken:
         return ModelCallKind.CONNECTION, None, _cap(str(broken[-1]) or type(broken[-1]).__name__)
     for link in links:
         if isinstance(link, json.JSONDecodeError):
             return ModelCallKind.MALFORMED, None, f"not JSON: {link.msg} at character {link.pos}"
-    readers = (litellm.InternalServerError, litellm.APIError, litellm.APIResponseValidationError)
+        if isinstance(link, RecursionError):
+            return ModelCallKind.MALFORMED, None, "the answer nests too deeply to be parsed"
+        if isinstance(link, MemoryError):
+            return ModelCallKind.MALFORMED, None, "parsing the answer ran out of memory"
+    readers = (
+        litellm.InternalServerError,
+        litellm.APIError,
+        litellm.APIResponseValidationError,
+        openai.APIConnectionError,  # with no transport error in its chain (above)
+    )
     if isinstance(exc, readers):  # litellm wraps "could not read the answer" like this
         return ModelCallKind.MALFORMED, None, _litellm_text(exc)
     reported = getattr(exc, "status_code", None)
@@ -773,14 +849,20 @@ def _cause_chain(exc: BaseException) -> list[BaseException]:
 
 
 def _provider_text(response: Any) -> str:
-    """The ``error.message`` of an OpenAI-style error body, else the body's start."""
+    """The ``error.message`` of an OpenAI-style error body, else the body's start.
+
+    The body is parsed under gatewayd's JSON discipline (gatewayd/strictjson.py: no
+    nesting deep enough to exhaust the parser), and only when it is small enough to be an
+    error's sentence (MAX_ERROR_BODY_CHARS)."""
     try:
         text = str(response.text)
-    except Exception:  # a streamed body not read: say nothing rather than fail
+    except Exception:  # a streamed body not read, or not decodable: say nothing
         return ""
+    if len(text) > MAX_ERROR_BODY_CHARS:
+        return _cap(text)
     try:
-        body = json.loads(text)
-    except ValueError:
+        body = strictjson.loads(text)
+    except strictjson.JsonInputError:
         return _cap(text)
     error = body.get("error") if isinstance(body, dict) else None
     message = error.get("message") if isinstance(error, dict) else error
@@ -788,4 +870,5 @@ def _provider_text(response: Any) -> str:
 
 
 def _litellm_text(exc: BaseException) -> str:
-    return _cap(_LITELLM_PREFIX_RE.sub("", str(exc), count=1))
+    text = _LITELLM_PREFIX_RE.sub("", str(exc), count=1)
+    return _cap(text.split(_TRACEBACK_MARK, 1)[0].strip() or type(exc).__name__)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Final
 import structlog
 import trio
 
-from gatewayd.audit import Peer
+from gatewayd.audit import AuditWriteError, Peer
 from gatewayd.dispatch import Dispatcher
 from gatewayd.protocol import (
     NEED_DATA,
@@ -86,8 +86,11 @@ async def open_unix_listener(
     """Listen on a fresh unix socket at ``path`` (which must not exist).
 
     The socket is bound under a temporary name, given its group and mode, set listening,
-    and only then renamed into place: a client that sees ``path`` can connect at once,
-    and never finds it with the wrong permissions.
+    and only then linked into place: a client that sees ``path`` can connect at once,
+    and never finds it with the wrong permissions. A link, not a rename: a rename would
+    replace whatever appeared at ``path`` (another daemon's socket, a log file).
+
+    Error handling: FileExistsError when ``path`` exists; nothing there is touched.
     """
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -97,7 +100,8 @@ async def open_unix_listener(
             os.chown(staging, -1, group)
         os.chmod(staging, mode)
         sock.listen(LISTEN_BACKLOG)
-        os.rename(staging, path)
+        os.link(staging, path)
+        os.unlink(staging)
     except BaseException:
         sock.close()
         staging.unlink(missing_ok=True)
@@ -219,7 +223,7 @@ class Connection:
         )
 
     async def refuse_outsider(self, throttle: RefusalThrottle) -> None:
-        """Answer a peer outside the run's sandbox (issue 3 item 6) and close."""
+        """Answer a peer outside the run's sandbox and close."""
         await self.refuse(
             throttle,
             ErrorCode.AUTHZ_DENIED,
@@ -230,44 +234,66 @@ class Connection:
     async def refuse(self, throttle: RefusalThrottle, code: ErrorCode, message: str) -> None:
         """Audit a refused connection, answer it with one error frame, then close it.
 
+        An audited refusal is answered once its ``connection_refused`` entry is durable
+        (invariant RESULT_BEFORE_REPLY; at once with the operator's opt-out), or, when
+        the log cannot take it, with ``internal``.
+
         A flood of refused connections (a sandbox connecting in a loop) must neither fill
         the audit log nor hold the daemon's descriptors: ``throttle`` audits at most one
-        refusal per code per second per run (the next entry counts the ones left out),
-        and lets only a few refused connections linger for their client to read the
-        error; the rest are answered and closed at once.
+        refusal per code per second per run (the next entry counts the ones left out:
+        those are answered at once, with no entry of their own to wait for), and lets
+        only a few refused connections linger for their client to read the error; the
+        rest are answered and closed at once.
         """
         now = trio.current_time()
         suppressed = throttle.admit(str(code), now)
-        if suppressed is not None:
-            log.warning(
-                "connection_refused",
-                run_id=self.run.run_id,
-                peer_pid=self.peer.pid,
-                code=str(code),
-                suppressed=suppressed,
-            )
-            self.dispatcher.audit.record(
-                "event",
-                event="connection_refused",
-                runId=self.run.run_id,
-                errorCode=str(code),
-                safeMessage=message,
-                peer=self.peer,
-                detail={"suppressedSinceLast": suppressed} if suppressed else None,
-            )
+        answer = error_response(None, code, message)
         lingering = throttle.lingering < MAX_LINGERING_REFUSALS
         throttle.lingering += lingering
         try:
+            if suppressed is not None:
+                answer = await self._audit_refusal(answer, code, message, suppressed)
             with contextlib.suppress(
                 trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError
             ):
                 with trio.fail_after(LINGER_S):
-                    await self._send(error_response(None, code, message))
+                    await self._send(answer)
                 if lingering:
                     await self._linger()
         finally:
             throttle.lingering -= lingering
             await trio.aclose_forcefully(self.stream)
+
+    async def _audit_refusal(
+        self, answer: Response, code: ErrorCode, message: str, suppressed: int
+    ) -> Response:
+        """Record a refused connection's entry; ``answer`` once it is durable, or an
+        ``internal`` answer when the log cannot take it."""
+        log.warning(
+            "connection_refused",
+            run_id=self.run.run_id,
+            peer_pid=self.peer.pid,
+            code=str(code),
+            suppressed=suppressed,
+        )
+        audit = self.dispatcher.audit
+        seq = audit.record(
+            "event",
+            event="connection_refused",
+            runId=self.run.run_id,
+            errorCode=str(code),
+            safeMessage=message,
+            peer=self.peer,
+            detail={"suppressedSinceLast": suppressed} if suppressed else None,
+        )
+        if not self.dispatcher.reply_after_result:
+            return answer
+        try:
+            await audit.durable(seq)
+        except AuditWriteError as exc:
+            log.error("audit_unavailable", run_id=self.run.run_id, error=exc.detail)
+            return error_response(None, ErrorCode.INTERNAL, str(exc))
+        return answer
 
     async def _linger(self) -> None:
         """Half-close and drain briefly: closing with unread input would reset the

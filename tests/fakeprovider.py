@@ -6,7 +6,11 @@ It speaks just enough of the OpenAI API for litellm's ``openai/<model>`` route:
 
 * ``POST /v1/chat/completions``: non-streaming, and ``"stream": true`` as SSE chunks
   ending with ``data: [DONE]``;
-* ``GET /v1/models``.
+* ``GET /v1/models``;
+* the chat routes of litellm's own handler for other providers (:data:`OTHER_CHAT_ROUTES`:
+  Anthropic's ``.../messages``, Ollama's ``.../api/chat``), answered with the same scripted
+  replies; a :class:`Text` there is still OpenAI-shaped, so they serve tests of replies
+  that fail (:class:`HttpError`, :class:`Malformed`, :class:`Drop`, :class:`Huge`).
 
 Each chat request is answered by the next scripted reply (:meth:`FakeProvider.script`),
 or when none is queued by :attr:`FakeProvider.respond` (default: the text ``"ok"``). A
@@ -48,6 +52,9 @@ TRICKLE_PIECE_BYTES: Final = 16
 POLL_INTERVAL_S: Final = 0.01
 # A Huge reply is made and sent this many bytes at a time: never whole in the fake's memory.
 HUGE_PIECE_BYTES: Final = 1 << 20
+# Where litellm's own handler posts a chat for providers other than OpenAI's: Anthropic
+# (``anthropic/``) and Ollama (``ollama_chat/``), below whatever api_base says.
+OTHER_CHAT_ROUTES: Final = ("/messages", "/api/chat")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -343,7 +350,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = self._read_body()
         self._record(body)
-        if not self.path.rstrip("/").endswith("/chat/completions"):
+        if not self.path.rstrip("/").endswith(("/chat/completions", *OTHER_CHAT_ROUTES)):
             self._send(404, _error_body(f"no route POST {self.path}", "not_found", None))
             return
         if not isinstance(body, dict):

@@ -816,10 +816,25 @@ async def _push(job: _Job, run: Run) -> None:
                 token=token,
             )
         )
-    except (RepoError, GatewayError) as exc:
+    except Exception as exc:
+        # The branch is pushed whatever happens here: the result and the audit say so,
+        # and that the pull request failed, even for a failure gatewayd did not expect.
+        if isinstance(exc, (RepoError, GatewayError)):
+            why = str(exc)
+        else:
+            log.exception("agent_pull_request_failed", run_id=run.run_id)
+            why = f"gatewayd failed opening it ({type(exc).__name__}); its log has the details"
         result.ok, result.error_code = False, "internal"
-        result.message = f"the branch was pushed, but the pull request failed: {exc}"
+        result.message = f"the branch was pushed, but the pull request failed: {why}"
         say(result.message)
+        await daemon.audit.append(
+            "event",
+            event="agent_pull_request",
+            runId=run.run_id,
+            errorCode="internal",
+            safeMessage=result.message,
+            detail={"branch": pushed.branch, "repository": spec.repository},
+        )
         return
     result.pull_request_url = url
     await daemon.audit.append(

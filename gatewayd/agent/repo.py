@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Final, Literal
 from urllib.parse import urlsplit
 
+from gatewayd import strictjson
 from gatewayd.errors import GatewayError
 from gatewayd.protocol import ErrorCode
 from gatewayd.workspace.session import WorkspaceDiff, open_dirs
@@ -68,6 +70,11 @@ _MAIL_BREAK_RE: Final = re.compile(r"^(?:diff -|Index: |---|From |From:|Subject:
 STDERR_LIMIT: Final = 2000
 # A forge's answer to "open a pull request" is a few KiB; anything bigger is not one.
 FORGE_RESPONSE_LIMIT: Final = 1 << 20
+# A pull request's URL goes into the run's result, its progress line and the audit log:
+# a forge's is well under this; a longer one is not the URL of a pull request.
+MAX_PR_URL_CHARS: Final = 2048
+# The forge's words quoted in an error: enough to say what it refused.
+FORGE_QUOTE_CHARS: Final = 200
 
 # Only system directories: git must not pick up helpers from an attacker-writable PATH.
 SAFE_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
@@ -838,23 +845,60 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 def _forge_message(raw: bytes, token: str) -> str:
-    """The forge's own words: GitHub's ``{"message", "errors": [...]}``, else the text."""
+    """The forge's own words: GitHub's ``{"message", "errors": [...]}``, else the text.
+
+    Parsed under gatewayd's JSON discipline (gatewayd/strictjson.py): an answer nested
+    deep enough to exhaust a parser, or of any other shape, is quoted, never a failure of
+    its own."""
     try:
-        doc = json.loads(raw)
-    except ValueError:
-        return _scrub(raw.decode("utf-8", "replace"), [token]) or "no message"
+        doc = strictjson.loads(raw)
+    except strictjson.JsonInputError:
+        doc = None
     if not isinstance(doc, dict):
-        return _scrub(str(doc), [token])
-    text = str(doc.get("message") or "no message")
+        return _scrub(_quoted(raw), [token]) or "no message"
+    text = _shown(doc.get("message")) or "no message"
+    errors = doc.get("errors")
     details = []
-    for item in doc.get("errors") or []:
-        if isinstance(item, dict):
-            details.append(str(item.get("message") or item.get("code") or item))
-        else:
-            details.append(str(item))
+    for item in errors if isinstance(errors, list) else []:
+        said = item.get("message") or item.get("code") or item if isinstance(item, dict) else item
+        details.append(_shown(said))
     if details:
         text += " (" + "; ".join(details) + ")"
     return _scrub(text, [token])
+
+
+def _shown(value: object) -> str:
+    """A value of the forge's answer as a short line of text."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return " ".join(text.split())[:FORGE_QUOTE_CHARS]
+
+
+def _quoted(raw: bytes) -> str:
+    """The start of an answer that is not the JSON expected, as one line of text."""
+    return " ".join(raw[: FORGE_QUOTE_CHARS * 4].decode("utf-8", "replace").split())[
+        :FORGE_QUOTE_CHARS
+    ]
+
+
+def _pull_request_url(raw: bytes) -> tuple[str | None, str]:
+    """The ``html_url`` of the forge's answer to a new pull request, or None and why not.
+
+    Only an http(s) URL of printable ASCII, at most MAX_PR_URL_CHARS long, is one: it is
+    shown to the operator and written to the audit log."""
+    try:
+        doc = strictjson.loads(raw)
+    except strictjson.JsonInputError as exc:
+        return None, f"it is not JSON gatewayd accepts ({exc})"
+    url = doc.get("html_url") if isinstance(doc, dict) else None
+    if not isinstance(url, str):
+        return None, "it has no html_url"
+    if len(url) > MAX_PR_URL_CHARS:
+        return None, f"its html_url is {len(url)} characters long (at most {MAX_PR_URL_CHARS})"
+    if not url.isascii() or not url.isprintable() or " " in url:
+        return None, "its html_url holds characters a URL cannot"
+    if urlsplit(url).scheme not in ("https", "http"):
+        return None, "its html_url is not an http(s) URL"
+    return url, ""
 
 
 def open_pull_request(
@@ -903,10 +947,16 @@ def open_pull_request(
         with opener.open(request, timeout=timeout_s) as response:
             raw = response.read(FORGE_RESPONSE_LIMIT)
     except urllib.error.HTTPError as exc:
-        detail = _forge_message(exc.read(FORGE_RESPONSE_LIMIT), token)
+        detail = _forge_message(_error_body(exc), token)
         raise RepoError(
             f"opening a pull request {source_branch} -> {target_branch} on {where} failed: "
             f"the forge answered {exc.code}: {detail}"
+        ) from None
+    except http.client.HTTPException as exc:  # an answer that is not HTTP, or cut short
+        raise RepoError(
+            f"the forge's answer to opening a pull request on {where} could not be read "
+            f"({type(exc).__name__}: {_scrub(_quoted(str(exc).encode()), [token])}); the "
+            "pull request may or may not exist: check the forge, and its API URL"
         ) from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
@@ -914,13 +964,18 @@ def open_pull_request(
             f"could not reach the forge to open a pull request on {where}: "
             f"{_scrub(str(reason), [token])}; check the API URL and the network"
         ) from None
-    try:
-        html_url = json.loads(raw)["html_url"]
-    except (ValueError, KeyError, TypeError):
-        html_url = None
-    if not isinstance(html_url, str):
+    html_url, why = _pull_request_url(raw)
+    if html_url is None:
         raise RepoError(
-            f"the forge's answer to opening a pull request on {where} has no html_url: "
-            f"{_scrub(raw[:200].decode('utf-8', 'replace'), [token])}"
+            f"the forge's answer to opening a pull request on {where} is not a pull "
+            f"request: {why}: {_scrub(_quoted(raw), [token]) or 'an empty answer'}"
         )
     return html_url
+
+
+def _error_body(exc: urllib.error.HTTPError) -> bytes:
+    """As much of an error answer's body as arrives; the status says enough without it."""
+    try:
+        return exc.read(FORGE_RESPONSE_LIMIT)
+    except (http.client.HTTPException, OSError, ValueError):  # ValueError: a closed body
+        return b""

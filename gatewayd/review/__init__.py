@@ -1,4 +1,4 @@
-"""LLM rule review (issue 4): a separate model checks a run's tool calls against the
+"""LLM rule review: a separate model checks a run's tool calls against the
 policy's plain-language allow and deny rules before they run.
 
 The pure core, each module one idea and none doing I/O or reading a clock:

@@ -1,4 +1,4 @@
-"""Review verdicts remembered per rule set, tool and arguments (issue 4, item 5).
+"""Review verdicts remembered per rule set, tool and arguments.
 
 The key is a digest of the rule set's hash, the tool and the arguments' canonical
 encoding (msgpack with sorted keys: floats kept bit for bit, so ``inf`` is not ``null``

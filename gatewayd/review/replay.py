@@ -1,4 +1,4 @@
-"""Replaying recorded calls through a policy's rule review (issue 4, item 8).
+"""Replaying recorded calls through a policy's rule review.
 
 ``gatewayd review replay CALLS.jsonl --policy P`` lets a security team evaluate a rule
 set on its own traffic with its own model: every recorded call is reviewed afresh, and

@@ -3,9 +3,9 @@ the review model; anything but a clean ALLOW is a deny (invariant FAIL_CLOSED).
 
 The outcome always says where the verdict came from (``structured``, ``cache``, ``model``
 or ``failed``) and carries what the audit records: model, latency, tokens, verdict,
-reason, cache hit. A failed review (error, timeout, unparseable answer) says the review
-failed, never that a rule said no, so the agent and the reviewer of the audit log can
-tell the two apart.
+reason, cache hit. A failed review (error, timeout, unparseable answer, or an exception
+gatewayd did not expect while reviewing) says the review failed, never that a rule said
+no, so the agent and the reviewer of the audit log can tell the two apart.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
+import structlog
 import trio
 
 from gatewayd.config import ModelAlias
@@ -27,6 +28,8 @@ from gatewayd.review.prompt import build_review_prompt
 from gatewayd.review.ruleset import RuleSet
 from gatewayd.review.structured import decide_structured
 from gatewayd.review.verdict import UNPARSEABLE_REASON, Verdict, parse_verdict
+
+log = structlog.get_logger("gatewayd.review")
 
 # A verdict is one word or one line: the model needs no room to ramble.
 REVIEW_MAX_TOKENS: Final = 200
@@ -102,6 +105,23 @@ _FAILURE_WORDS: Final = {
     # A verdict is one line: a reply past the alias's cap is a broken or hostile endpoint.
     "too_large": ("the reviewer's reply was too large", False),
 }
+# What the agent reads when reviewing raised an exception gatewayd did not expect: a bug
+# of gatewayd's or a reply it could not survive; the operator's log has the traceback.
+CRASHED_WORDS: Final = ("the reviewer failed inside gatewayd", False)
+
+
+def review_crashed(exc: BaseException, *, model: str | None, latency_ms: float) -> ReviewOutcome:
+    """The outcome of a review that raised ``exc``: a deny (invariant FAIL_CLOSED) whose
+    audited ``failure`` names the exception's type only (its text may quote the reply)."""
+    return ReviewOutcome(
+        allowed=False,
+        reason=review_failed_reason(CRASHED_WORDS[0], transient=CRASHED_WORDS[1]),
+        source=Source.FAILED,
+        model=model or None,
+        latency_ms=latency_ms,
+        failure=f"gatewayd's review step failed ({type(exc).__name__}); gatewayd's log "
+        "has the traceback",
+    )
 
 
 class Reviewer:
@@ -135,8 +155,25 @@ class Reviewer:
         """The verdict on one call under ``section``/``rules``; None when nothing reviews
         it (no structured rule matches and the model does not review this tool). Never
         raises for a review that goes wrong: that is a deny with the reason "the rule
-        review failed (...)"."""
+        review failed (...)", whatever went wrong (an exception of any type included;
+        only cancellation passes)."""
         started = self.clock()
+        try:
+            return await self._review(tool, args, section, rules, started)
+        except Exception as exc:
+            log.exception("review_crashed", tool=tool, model=section.model)
+            return review_crashed(
+                exc, model=section.model, latency_ms=(self.clock() - started) * 1000
+            )
+
+    async def _review(
+        self,
+        tool: str,
+        args: Mapping[str, Any],
+        section: ReviewSection,
+        rules: RuleSet,
+        started: float,
+    ) -> ReviewOutcome | None:
         decided = decide_structured(tool, args, rules.structured_compiled)
         if decided is not None and (decided.effect == "deny" or decided.skip_model):
             allowed = decided.effect == "allow"

@@ -1,4 +1,4 @@
-"""Deterministic review rules, decided before any model is asked (issue 4, item 4).
+"""Deterministic review rules, decided before any model is asked.
 
 A :class:`~gatewayd.policy.review_section.StructuredRule` matches a call when its tool
 glob and every matcher it gives match; the rules are tried in order and the first match

@@ -15,7 +15,8 @@ from typing import Final
 
 ALLOW_ANSWER: Final = "ALLOW"
 DENY_PREFIX: Final = "DENY:"
-# The reason an answer that is neither clean form gets, word for word (the issue fixes it).
+# The reason an answer that is neither clean form gets, word for word (docs/review.md
+# quotes it, and operators search the audit log for it).
 UNPARSEABLE_REASON: Final = "unparseable review"
 # The reason is shown to the agent and written to the audit log: one sentence is the
 # format asked for, and a model that writes an essay should not fill either.

@@ -13,7 +13,11 @@ What a daemon takes of the host, and how its start treats it:
   ``<prefix><run id>`` under /run/netns (:func:`gatewayd.sandbox.netns.sweeps`);
 - its **sandbox uid range**: a uid is handed out when no process holds it, checked
   before the sandbox's first process exists, so two pools over one uid can hand it to
-  two runs in that window.
+  two runs in that window;
+- its **audit log** (the active file, its head file and closed segments) and its
+  **control socket** (``gatewayd serve``): one daemon writes one log, and a daemon
+  that bound another's control socket path would take its operators' requests and
+  remove the path when it stops.
 
 Command cgroups are named after random run ids and swept only for this state directory's
 run directories; the probe's cgroup has a random name; so neither is shared.
@@ -50,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from gatewayd.audit.head import head_path
+from gatewayd.audit.segments import segment_number
 from gatewayd.sandbox.netns import NETNS_PREFIX, prefixes_clash
 from gatewayd.sandbox.uids import (
     CONTAINER_UID_FIRST,
@@ -95,12 +101,20 @@ class DaemonClash(DaemonRegistryError):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DaemonShare:
     """What one daemon takes of the host. ``netns_prefix`` and ``uids`` are None for a
-    daemon without the OS sandbox: it makes and sweeps no namespace and uses no uid."""
+    daemon without the OS sandbox: it makes and sweeps no namespace and uses no uid.
+    ``control_socket`` is None for a daemon without one (``gatewayd run``, ``agent
+    run``); ``audit_path`` and ``control_socket`` are None in an entry written by a
+    gatewayd that did not register them yet (its audit log's flock still guards the
+    active file and head file).
+    Every path is a real path (no symbolic link, no ``..``): entries are compared as
+    strings."""
 
     state_dir: Path
     agent_dir: Path
     netns_prefix: str | None
     uids: UidRange | None
+    audit_path: Path | None = None
+    control_socket: Path | None = None
     pid: int = field(default_factory=os.getpid)
 
     def to_json(self) -> dict[str, Any]:
@@ -110,6 +124,8 @@ class DaemonShare:
             "agentDir": str(self.agent_dir),
             "netnsPrefix": self.netns_prefix,
             "uids": None if self.uids is None else [self.uids.base, self.uids.count],
+            "auditPath": None if self.audit_path is None else str(self.audit_path),
+            "controlSocket": None if self.control_socket is None else str(self.control_socket),
         }
 
     @classmethod
@@ -123,6 +139,8 @@ class DaemonShare:
                 agent_dir=Path(_text(data["agentDir"])),
                 netns_prefix=None if data["netnsPrefix"] is None else _text(data["netnsPrefix"]),
                 uids=None if uids is None else UidRange(_int(uids[0]), _int(uids[1])),
+                audit_path=_optional_path(data, "auditPath"),
+                control_socket=_optional_path(data, "controlSocket"),
             )
         except (KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"not a daemon entry: {type(exc).__name__}: {exc}") from None
@@ -138,6 +156,14 @@ def _text(value: Any) -> str:
     if not isinstance(value, str):
         raise TypeError(f"{value!r} is not a string")
     return value
+
+
+def _optional_path(data: Any, key: str) -> Path | None:
+    """A path an entry may leave out: a live daemon of an earlier gatewayd wrote none."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{data!r} is not an object")
+    value = data.get(key)
+    return None if value is None else Path(_text(value))
 
 
 def _state_dir_hash(state_dir: Path) -> bytes:
@@ -169,6 +195,20 @@ def _overlap(a: Path, b: Path) -> bool:
     return a == b or a in b.parents or b in a.parents
 
 
+def _log_file(log: Path, path: Path) -> bool:
+    """Is ``path`` one of the files of the audit log whose active file is ``log``: the
+    active file, its head file, or a closed segment (``log.000001``...)?"""
+    return path in (log, head_path(log)) or segment_number(log, path) is not None
+
+
+def _swept_by(state_dir: Path, path: Path) -> bool:
+    """Would a start on ``state_dir`` remove ``path``? It removes every directory it
+    finds in ``state_dir/runs`` (a crashed daemon's run directories), with what is in
+    them."""
+    runs = state_dir / "runs"
+    return runs in path.parents and path.parent != runs
+
+
 def clashes(mine: DaemonShare, other: DaemonShare) -> list[str]:
     """Why ``mine`` may not start while ``other`` lives, each reason with the setting to
     change; empty when the two cannot break each other.
@@ -178,7 +218,12 @@ def clashes(mine: DaemonShare, other: DaemonShare) -> list[str]:
       the other's leases and remove its run directories (or its clones);
     - the same namespace prefix (:func:`gatewayd.sandbox.netns.prefixes_clash`: the only
       way one start's sweep matches the other's namespaces);
-    - overlapping uid ranges.
+    - overlapping uid ranges;
+    - one audit log, or its control socket among the other's audit files, or the other
+      way round: a file is one daemon's alone (the socket would replace a log file);
+    - one control socket: binding it would take the other's, and stopping remove it;
+    - an audit log or control socket of one beneath the other's ``runs/``, which that
+      daemon's (next) start removes.
 
     Two daemons may share an agent_dir: its sweep only removes work directories no live
     run holds the lock of.
@@ -223,6 +268,71 @@ def clashes(mine: DaemonShare, other: DaemonShare) -> list[str]:
             "--sandbox-uids (sandbox_uids) range clear of it (unset, it is derived from the "
             "state directory)"
         )
+    reasons += _file_clashes(mine, other)
+    return reasons
+
+
+def _file_clashes(mine: DaemonShare, other: DaemonShare) -> list[str]:
+    """The reasons of :func:`clashes` about the audit log and the control socket."""
+    reasons = []
+    audit_setting = "give this daemon another --audit (audit_path)"
+    socket_setting = "give this daemon another --control-socket (control_socket)"
+    if (
+        mine.audit_path is not None
+        and other.audit_path is not None
+        and (
+            _log_file(other.audit_path, mine.audit_path)
+            or _log_file(mine.audit_path, other.audit_path)
+        )
+    ):
+        reasons.append(
+            f"this daemon's audit log {mine.audit_path} is its audit log "
+            f"{other.audit_path} or shares a file with it (the head file "
+            f"{head_path(other.audit_path).name}, closed segments "
+            f"{other.audit_path.name}.NNNNNN), and one daemon writes one log: "
+            f"{audit_setting}"
+        )
+    if (
+        mine.control_socket is not None
+        and other.audit_path is not None
+        and _log_file(other.audit_path, mine.control_socket)
+    ):
+        reasons.append(
+            f"this daemon's control socket {mine.control_socket} is a file of its audit "
+            f"log {other.audit_path}, which the socket would replace: {socket_setting}"
+        )
+    if (
+        mine.audit_path is not None
+        and other.control_socket is not None
+        and _log_file(mine.audit_path, other.control_socket)
+    ):
+        reasons.append(
+            f"this daemon's audit log {mine.audit_path} would be written at its control "
+            f"socket {other.control_socket}: {audit_setting}"
+        )
+    if mine.control_socket is not None and mine.control_socket == other.control_socket:
+        reasons.append(
+            f"this daemon's control socket {mine.control_socket} is its control socket: "
+            "this one would take the operators' requests meant for it, and remove the "
+            f"socket when it stops: {socket_setting}"
+        )
+    for what, path in (("audit log", other.audit_path), ("control socket", other.control_socket)):
+        if path is not None and _swept_by(mine.state_dir, path):
+            reasons.append(
+                f"its {what} {path} lies in a directory of this daemon's "
+                f"{mine.state_dir / 'runs'}, and a start removes those: give this daemon "
+                "another --state-dir (state_dir)"
+            )
+    for what, path, setting in (
+        ("audit log", mine.audit_path, audit_setting),
+        ("control socket", mine.control_socket, socket_setting),
+    ):
+        if path is not None and _swept_by(other.state_dir, path):
+            reasons.append(
+                f"this daemon's {what} {path} lies in a directory of its "
+                f"{other.state_dir / 'runs'}, which that daemon's next start would remove: "
+                f"{setting}"
+            )
     return reasons
 
 

@@ -1,6 +1,6 @@
 """Run ONE command in a run's sandbox and return what happened: the host-to-sandbox path.
 
-Order of events for one command (issue 3, items 3, 4 and 8):
+Order of events for one command:
 
 1. In gatewayd: when the host offers cgroups (``cgroups=probe_cgroups()``), the command's
    own cgroup is made with its memory (swap included) and pids limits; the plan's generated

@@ -10,8 +10,8 @@ comes back as it was.
 
 Only what may be lent is lent (:mod:`gatewayd.sandbox.lendable`): every tree must lie
 strictly beneath one of the roots the caller passes, and must not be (or show, through a
-bind mount) a system tree; :func:`lend` checks this itself before the first chown, so
-no caller can lend /usr.
+bind mount) a system tree or hold gatewayd's own directories; :func:`lend` checks this
+itself before the first chown, so no caller can lend /usr.
 
 Crash safety: the lease is written (atomically, fsynced) into the run's private
 directory before the first chown, so a daemon that dies mid-run leaves a record its
@@ -37,10 +37,17 @@ mode (set-user-ID, set-group-ID and sticky bits included) and capabilities it ha
 a directory keeps its mode through a chown, and every other entry lent has no bit a
 chown clears.
 
-Safe against a hostile tree: the walk never follows a symlink (:func:`_walk` opens each
-directory by name relative to its verified parent, with ``O_NOFOLLOW``), and ownership
-changes use ``lchown`` semantics. Returning happens only once every process
-of the run's uid is gone, so nothing can swap entries under the walk.
+Safe against a hostile tree, and against whoever owns the directory that holds it: every
+name may be swapped at any moment (``renameat2(RENAME_EXCHANGE)`` with a symlink to
+/usr/bin/su, or with another directory), so no path is trusted after it was looked at.
+Each tree is opened once (``O_PATH``, no symlink at its end); that descriptor is what is
+judged lendable, compared with the directory the run's sandbox binds, recorded by its
+(device, inode), walked and chowned. Every entry is opened by name relative to its
+verified parent without following a symlink, judged by ``fstat`` of that descriptor and
+chowned through it (``/proc/self/fd/N``), so the inode that changes owner is the one that
+was judged, whatever its name leads to by then. Giving back walks the descriptor the run
+held when there is one (a live run), and otherwise (a crashed daemon's record) opens the
+recorded path and gives back nothing unless it is still the directory lent.
 """
 
 from __future__ import annotations
@@ -49,14 +56,20 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from gatewayd.atomicfile import write_atomically
 from gatewayd.errors import GatewayError
-from gatewayd.sandbox.lendable import PROC_SELF_MOUNTINFO, LendableRoots, parse_mountinfo
+from gatewayd.sandbox.lendable import (
+    PROC_SELF_MOUNTINFO,
+    TREE_FLAGS,
+    LendableRoots,
+    open_tree,
+    parse_mountinfo,
+)
 from gatewayd.sandbox.limits import HostUser
 
 LEASE_FILE: Final = "lease.json"
@@ -65,19 +78,35 @@ _KEEP: Final = -1  # chown: leave this id as it is
 CAPABILITY_XATTR: Final = "security.capability"
 # A file system without extended attributes, or a file without this one.
 _NO_XATTR: Final = (errno.ENODATA, errno.ENOTSUP)
+# An entry of a tree, opened to be judged and changed: the inode its name leads to now,
+# never through a symlink (a symlink is opened as itself), with no access to its data
+# (a FIFO does not block, a device is not opened).
+_ENTRY_FLAGS: Final = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+# A directory of a tree, opened to list it.
+_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+Identity = tuple[int, int]  # (st_dev, st_ino)
 
 
 class LeaseError(GatewayError):
-    """A tree could not be lent (gatewayd refuses the run); the message says which and why."""
+    """A tree could not be lent (gatewayd refuses the run) or given back (the record
+    stays for the next start); the message says which and why."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LentTree:
-    """One directory tree lent to ``Lease.uid``; ``owner`` is who gets it back."""
+    """One directory tree lent to ``Lease.uid``: ``owner`` is who gets it back, and
+    (``device``, ``inode``) is the directory lent, whatever ``path`` leads to later."""
 
     path: str
     owner_uid: int
     owner_gid: int
+    device: int
+    inode: int
+
+    @property
+    def identity(self) -> Identity:
+        return (self.device, self.inode)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,7 +121,13 @@ class Lease:
                 "uid": self.uid,
                 "gid": self.gid,
                 "trees": [
-                    {"path": t.path, "ownerUid": t.owner_uid, "ownerGid": t.owner_gid}
+                    {
+                        "path": t.path,
+                        "ownerUid": t.owner_uid,
+                        "ownerGid": t.owner_gid,
+                        "device": t.device,
+                        "inode": t.inode,
+                    }
                     for t in self.trees
                 ],
             }
@@ -106,7 +141,11 @@ class Lease:
             gid=int(raw["gid"]),
             trees=tuple(
                 LentTree(
-                    path=str(t["path"]), owner_uid=int(t["ownerUid"]), owner_gid=int(t["ownerGid"])
+                    path=str(t["path"]),
+                    owner_uid=int(t["ownerUid"]),
+                    owner_gid=int(t["ownerGid"]),
+                    device=int(t["device"]),
+                    inode=int(t["inode"]),
                 )
                 for t in raw["trees"]
             ),
@@ -130,81 +169,151 @@ def lend(
     record_dir: Path,
     *,
     roots: LendableRoots,
-    keep: Sequence[Path] = (),
+    keep: Collection[Identity] = (),
+    pinned: Mapping[Path, Identity] | None = None,
     sandbox_owned: Callable[[int], bool] = lambda uid: False,
 ) -> Lease:
     """Lend every tree to ``user``; the lease is durable in ``record_dir`` first.
 
-    ``roots``: every tree must lie strictly beneath one of them and show no system tree
-    (:meth:`LendableRoots.require`), checked here again whatever the caller checked.
-    ``keep`` are roots inside the trees that stay their owner's (read-only grants: lent,
-    the run could rewrite them through another name of a parent directory it renamed).
+    ``roots``: every tree must lie strictly beneath one of them, show no system tree and
+    hold none of gatewayd's own directories (:meth:`LendableRoots.judge`), checked here
+    again, on the descriptor that is then lent, whatever the caller checked.
+    ``keep`` are the (device, inode) of directories inside the trees that stay their
+    owner's with everything beneath them (read-only grants: lent, the run could
+    rewrite them through another name of a parent directory it renamed).
+    ``pinned``: the directory the run's sandbox binds for a tree, by the tree's path; the
+    directory lent must be that one (its path may have been swapped in between).
     ``sandbox_owned`` says whether a uid belongs to a sandbox: a tree whose root a
     sandbox owns is another live run's (or a lost lease), and lending it again would
     record the wrong owner to give it back to.
 
-    Error handling: :class:`~gatewayd.sandbox.lendable.NotLendable` for a tree beneath
-    no root, before anything is recorded or chowned; :class:`LeaseError` when a root is
-    not a real directory, is sandbox-owned, or is replaced between the check and the
-    lending; anything already lent is given back before it is raised.
+    Error handling: :class:`~gatewayd.sandbox.lendable.NotLendable` for a tree that may
+    not be lent (beneath no root, a symlink, not a directory), before anything is
+    recorded or chowned; :class:`LeaseError` when a tree is sandbox-owned, is not the
+    directory pinned, or changes while it is lent; anything already lent is given back
+    before it is raised.
     """
-    lent: list[LentTree] = []
-    checked: dict[str, tuple[int, int]] = {}
-    for path in outermost(trees):
-        try:
-            st = os.lstat(path)
-        except OSError as exc:
-            raise LeaseError(f"cannot lend {path} to the sandbox: {exc.strerror}") from exc
-        if not stat.S_ISDIR(st.st_mode):
-            raise LeaseError(f"cannot lend {path} to the sandbox: it is not a directory")
-        checked[str(path)] = roots.require(path)
-        if st.st_uid == user.uid or sandbox_owned(st.st_uid):
-            raise LeaseError(
-                f"{path} is owned by sandbox uid {st.st_uid}: another live run holds it, or "
-                "a run's lease was not returned (gatewayd returns leftovers at start); one "
-                "workspace serves one run at a time"
-            )
-        lent.append(LentTree(path=str(path), owner_uid=st.st_uid, owner_gid=st.st_gid))
-    lease = Lease(uid=user.uid, gid=user.gid, trees=tuple(lent))
-    write_atomically(record_dir / LEASE_FILE, lease.to_json().encode())
-    skip = {str(path) for path in keep}
+    opened: dict[str, int] = {}
     try:
-        for tree in lease.trees:
-            _rechown(
-                Path(tree.path),
-                tree.owner_uid,
-                tree.owner_gid,
-                user.uid,
-                user.gid,
-                lending=True,
-                skip=skip,
-                expect=checked[tree.path],
+        lent: list[LentTree] = []
+        for path in outermost(trees):
+            fd = open_tree(path, str(path))
+            opened[str(path)] = fd
+            identity = roots.judge(fd, path)
+            want = (pinned or {}).get(path)
+            if want is not None and want != identity:
+                raise LeaseError(
+                    f"{path} is no longer the directory the run's sandbox binds (device and "
+                    f"inode {_show(want)}, now {_show(identity)}: it was replaced after the "
+                    "run was created); nothing was lent"
+                )
+            st = os.fstat(fd)
+            if st.st_uid == user.uid or sandbox_owned(st.st_uid):
+                raise LeaseError(
+                    f"{path} is owned by sandbox uid {st.st_uid}: another live run holds it, "
+                    "or a run's lease was not returned (gatewayd returns leftovers at start); "
+                    "one workspace serves one run at a time"
+                )
+            lent.append(
+                LentTree(
+                    path=str(path),
+                    owner_uid=st.st_uid,
+                    owner_gid=st.st_gid,
+                    device=identity[0],
+                    inode=identity[1],
+                )
             )
-    except Exception as exc:
-        give_back(lease)
-        raise LeaseError(f"cannot lend the workspace to the sandbox: {exc}") from exc
-    return lease
+        lease = Lease(uid=user.uid, gid=user.gid, trees=tuple(lent))
+        write_atomically(record_dir / LEASE_FILE, lease.to_json().encode())
+        try:
+            for tree in lease.trees:
+                _rechown(
+                    opened[tree.path],
+                    tree.owner_uid,
+                    tree.owner_gid,
+                    user.uid,
+                    user.gid,
+                    lending=True,
+                    fenced=keep,
+                )
+        except Exception as exc:
+            give_back(lease, held=opened)
+            raise LeaseError(f"cannot lend the workspace to the sandbox: {exc}") from exc
+        return lease
+    finally:
+        for fd in opened.values():
+            os.close(fd)
 
 
-def give_back(lease: Lease) -> int:
+def give_back(lease: Lease, *, held: Mapping[str, int] | None = None) -> int:
     """Return every entry the lease's uid owns in its trees to the tree's owner; returns
     how many entries changed. Call only once no process of the uid is alive.
 
+    ``held``: descriptors of the trees (by their recorded path) the caller kept since it
+    lent them, as a live run does: each is given back wherever it is now, and a tree
+    deleted meanwhile has nothing to give back. A tree without one (a crashed daemon's
+    record) is opened by its path, and given back only if that is still the directory
+    lent (its device and inode), never through a symlink.
+
     Error handling: tries every tree, then raises :class:`LeaseError` naming each that
-    could not be given back completely (the record stays for the next start)."""
+    could not be given back completely and why (the caller keeps the record for the
+    next start)."""
     changed = 0
     failures: list[str] = []
     for tree in lease.trees:
-        root = Path(tree.path)
-        if not root.is_dir() or root.is_symlink():
-            continue  # removed by the operator meanwhile: nothing to give back
+        fd = (held or {}).get(tree.path)
         try:
-            changed += _rechown(root, lease.uid, lease.gid, tree.owner_uid, tree.owner_gid)
+            if fd is not None:
+                changed += _give_back_held(lease, tree, fd)
+            else:
+                changed += _give_back_by_path(lease, tree)
         except Exception as exc:
-            failures.append(f"{root}: {exc}")
+            failures.append(f"{tree.path}: {exc}")
     if failures:
         raise LeaseError("could not give back: " + "; ".join(failures))
     return changed
+
+
+def _give_back_held(lease: Lease, tree: LentTree, fd: int) -> int:
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != tree.identity:
+        raise LeaseError(
+            f"the descriptor held is not the directory lent (device and inode "
+            f"{_show((st.st_dev, st.st_ino))}, lent {_show(tree.identity)})"
+        )
+    if st.st_nlink == 0:
+        return 0  # deleted meanwhile: nothing left to give back
+    return _rechown(fd, lease.uid, lease.gid, tree.owner_uid, tree.owner_gid)
+
+
+def _give_back_by_path(lease: Lease, tree: LentTree) -> int:
+    kept = (
+        f"nothing of it was changed, and the lease record stays so the next start tries "
+        f"again: put the directory lent back at {tree.path}, or, if it was deleted, "
+        "remove the run's directory under STATE/runs"
+    )
+    try:
+        fd = os.open(tree.path, TREE_FLAGS)  # a symlink is opened as itself, never followed
+    except OSError as exc:
+        raise LeaseError(
+            f"it no longer leads to the directory lent ({exc.strerror}); {kept}"
+        ) from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            raise LeaseError(f"it no longer leads to the directory lent (a symlink now); {kept}")
+        if (st.st_dev, st.st_ino) != tree.identity:
+            raise LeaseError(
+                f"it leads to another directory than the one lent (device and inode "
+                f"{_show((st.st_dev, st.st_ino))}, lent {_show(tree.identity)}); {kept}"
+            )
+        return _rechown(fd, lease.uid, lease.gid, tree.owner_uid, tree.owner_gid)
+    finally:
+        os.close(fd)
+
+
+def _show(identity: Identity) -> str:
+    return f"{identity[0]}:{identity[1]}"
 
 
 def read_lease(run_dir: Path) -> Lease | None:
@@ -214,51 +323,69 @@ def read_lease(run_dir: Path) -> Lease | None:
         return Lease.from_json(record.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except KeyError as exc:
+        raise LeaseError(
+            f"unreadable lease record {record}: it has no {exc.args[0]!r} (written by an "
+            "older gatewayd, or damaged), so nothing of it was given back: return its trees "
+            f"to their owners by hand, then remove {run_dir}"
+        ) from exc
+    except (OSError, ValueError, TypeError) as exc:
         raise LeaseError(f"unreadable lease record {record}: {exc}") from exc
 
 
 def _rechown(
-    root: Path,
+    tree: int,
     from_uid: int,
     from_gid: int,
     to_uid: int,
     to_gid: int,
     *,
     lending: bool = False,
-    skip: Collection[str] = (),
-    expect: tuple[int, int] | None = None,
+    fenced: Collection[Identity] = (),
 ) -> int:
-    """chown every entry of ``root`` (root included) owned by ``from_uid`` to ``to_uid``;
-    its group becomes ``to_gid`` only where it was ``from_gid``. ``lending`` leaves alone
-    what must never be lent (:func:`_never_lent`); ``skip`` are paths left alone with
-    everything beneath them; ``expect`` is the (device, inode) ``root`` must still be.
-    Other file systems and mount points inside the tree are never entered (a bind mount
-    there is not the tree)."""
+    """chown every entry of the tree open at ``tree`` (an ``O_PATH`` descriptor of its
+    root; the root included) owned by ``from_uid`` to ``to_uid``; its group becomes
+    ``to_gid`` only where it was ``from_gid``. ``lending`` leaves alone what must never be
+    lent (:func:`_never_lent`); ``fenced`` are directories (by device and inode) left
+    alone with everything beneath them. Other file systems and mount points inside the
+    tree are never entered (a bind mount there is not the tree). Every change goes
+    through the descriptor the entry was judged by."""
     changed = 0
-    mounts = mount_points_under(root)
-
-    def move(name: str, dir_fd: int, st: os.stat_result) -> None:
-        nonlocal changed
+    base = _real_path(tree)
+    for entry, st in _walk(tree, base, mount_points_under(Path(base)), set(fenced)):
         if st.st_uid != from_uid:
-            return
-        if lending and _never_lent(name, dir_fd, st):
-            return
-        gid = to_gid if st.st_gid == from_gid else _KEEP
-        os.chown(name, to_uid, gid, dir_fd=dir_fd, follow_symlinks=False)
-        changed += 1
-
-    for dir_fd, name, st in _walk(root, mounts | set(skip), expect=expect):
-        if dir_fd < 0:  # the root itself
-            if st.st_uid == from_uid:
-                os.chown(root, to_uid, to_gid if st.st_gid == from_gid else _KEEP)
-                changed += 1
             continue
-        move(name, dir_fd, st)
+        if lending and _never_lent(entry, st):
+            continue
+        gid = to_gid if st.st_gid == from_gid else _KEEP
+        # Through the descriptor: the inode judged, wherever its name leads by now. The
+        # magic link is followed to the inode itself (a symlink's own, not its target's).
+        os.chown(_through(entry), to_uid, gid)
+        changed += 1
     return changed
 
 
-def _never_lent(name: str, dir_fd: int, st: os.stat_result) -> bool:
+def _real_path(fd: int) -> str:
+    """Where the directory open at ``fd`` is now (the kernel's name for it).
+
+    Error handling: :class:`LeaseError` without /proc, which lending and giving back
+    need (every change goes through ``/proc/self/fd``)."""
+    try:
+        return os.readlink(_through(fd))
+    except OSError as exc:
+        raise LeaseError(
+            f"cannot tell where the tree is ({_through(fd)}: {exc.strerror}): gatewayd "
+            "changes a tree only through /proc/self/fd, so /proc must be mounted; nothing "
+            "of it was changed"
+        ) from exc
+
+
+def _through(fd: int) -> str:
+    """The path that leads to the inode open at ``fd``, whatever its name is now."""
+    return f"/proc/self/fd/{fd}"
+
+
+def _never_lent(entry: int, st: os.stat_result) -> bool:
     """An entry lending must leave its owner's: a hard-linked file, a set-user-ID or
     set-group-ID file, a file with capabilities (a chown clears all three, for good), or
     anything but a directory, a regular file or a symlink (a device node or socket the
@@ -271,43 +398,42 @@ def _never_lent(name: str, dir_fd: int, st: os.stat_result) -> bool:
     if st.st_nlink > 1 or mode & (stat.S_ISUID | stat.S_ISGID):
         return True
     try:
-        # The directory by its descriptor, the name without following a symlink.
-        os.getxattr(f"/proc/self/fd/{dir_fd}/{name}", CAPABILITY_XATTR, follow_symlinks=False)
+        os.getxattr(_through(entry), CAPABILITY_XATTR)  # the regular file judged
     except OSError as exc:
         return exc.errno not in _NO_XATTR  # unreadable: keep it the owner's
     return True
 
 
 def _walk(
-    root: Path, fences: set[str], *, expect: tuple[int, int] | None = None
-) -> Iterator[tuple[int, str, os.stat_result]]:
-    """Every entry of the tree at ``root``: ``(dir_fd, name, stat)``, the root first
-    with ``dir_fd`` -1. Depth-first without recursion and with one directory open at a
-    time (a tree thousands of levels deep, as a sandbox can make, neither overflows the
-    stack nor the descriptor table): it descends by name with O_NOFOLLOW and climbs back
-    by "..", checking each directory's (device, inode) both ways. Entries on another
-    device, or at a path in ``fences`` (mount points, kept subtrees), are not entered;
-    fenced paths are not yielded either. ``expect``: the (device, inode) the root must
-    be (the directory checked as lendable, not whatever its path names now). The tree
-    must not change during the walk: the caller lends before the sandbox exists and
-    gives back once its processes are gone.
+    tree: int, base: str, mounts: set[str], fenced: set[Identity]
+) -> Iterator[tuple[int, os.stat_result]]:
+    """Every entry of the tree open at ``tree`` (an ``O_PATH`` descriptor of its root,
+    whose real path is ``base``): ``(descriptor, stat)`` of the entry, the root first;
+    each descriptor is open only until the next entry is asked for.
+
+    Depth-first without recursion and with one directory open at a time besides the
+    entry (a tree thousands of levels deep, as a sandbox can make, neither overflows the
+    stack nor the descriptor table): each entry is opened by name with ``O_PATH`` and
+    ``O_NOFOLLOW`` relative to its parent; a directory is entered through that very
+    descriptor, and the walk climbs back by ".." checking that it reached the parent it
+    left (device and inode). Entries at a path in ``mounts`` (mount points), or whose
+    (device, inode) is in ``fenced``, are neither yielded nor entered; directories on
+    another device are yielded but not entered.
+    A directory that is not where the walk left it stops the walk (:class:`LeaseError`).
     """
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(root, flags)
+    top = os.fstat(tree)
+    yield tree, top
+    fd = os.open(".", _DIR_FLAGS, dir_fd=tree)
     try:
-        top = os.fstat(fd)
-        if expect is not None and (top.st_dev, top.st_ino) != expect:
-            raise LeaseError(f"{root} was replaced after it was checked; nothing of it is lent")
-        yield -1, "", top
         # One frame per directory on the current path: its identity, its path, and the
         # names still to visit.
-        frames = [((top.st_dev, top.st_ino), str(root), os.listdir(fd))]
+        frames = [((top.st_dev, top.st_ino), base, os.listdir(fd))]
         while frames:
             _identity, path, names = frames[-1]
             if not names:
                 frames.pop()
                 if frames:  # climb back to the parent, and make sure it is the parent
-                    parent = os.open("..", flags, dir_fd=fd)
+                    parent = os.open("..", _DIR_FLAGS, dir_fd=fd)
                     os.close(fd)
                     fd = parent
                     st = os.fstat(fd)
@@ -316,36 +442,44 @@ def _walk(
                 continue
             name = names.pop()
             child_path = f"{path}/{name}"
-            if child_path in fences:
+            if child_path in mounts:
                 continue
             try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                entry = os.open(name, _ENTRY_FLAGS, dir_fd=fd)
             except FileNotFoundError:
-                continue
-            yield fd, name, st
-            if not stat.S_ISDIR(st.st_mode) or st.st_dev != top.st_dev:
-                continue
+                continue  # removed meanwhile
             try:
-                child = os.open(name, flags, dir_fd=fd)
-            except OSError:
-                continue  # replaced meanwhile (a symlink now): nothing to enter
-            seen = os.fstat(child)
-            if (seen.st_dev, seen.st_ino) != (st.st_dev, st.st_ino):
-                os.close(child)
-                continue
+                st = os.fstat(entry)
+                identity = (st.st_dev, st.st_ino)
+                if identity in fenced:
+                    continue
+                yield entry, st
+                # Not entered: another file system's directory (an overlay's files may
+                # show their layer's device, so only directories are told apart by it).
+                if not stat.S_ISDIR(st.st_mode) or st.st_dev != top.st_dev:
+                    continue
+                child = os.open(".", _DIR_FLAGS, dir_fd=entry)  # the directory judged
+            finally:
+                os.close(entry)
             os.close(fd)
             fd = child
-            frames.append(((seen.st_dev, seen.st_ino), child_path, os.listdir(fd)))
+            frames.append((identity, child_path, os.listdir(fd)))
     finally:
         os.close(fd)
 
 
 def mount_points_under(root: Path) -> set[str]:
-    """Mount points strictly inside ``root`` (from this process's mountinfo)."""
+    """Mount points strictly inside ``root`` (from this process's mountinfo).
+
+    Error handling: :class:`LeaseError` when the mount table cannot be read: without it
+    a bind mount inside the tree cannot be told from the tree, so nothing is walked."""
     prefix = str(root).rstrip("/") + "/"
     try:
         with open(PROC_SELF_MOUNTINFO, encoding="utf-8", errors="surrogateescape") as info:
             mounts = parse_mountinfo(info.read())
-    except OSError:
-        return set()
+    except OSError as exc:
+        raise LeaseError(
+            f"cannot tell the mounts inside {root} ({PROC_SELF_MOUNTINFO}: {exc.strerror}); "
+            "nothing of it was changed"
+        ) from exc
     return {m.point.rstrip("/") for m in mounts if m.point.startswith(prefix)}

@@ -27,6 +27,15 @@ what may be lent is an allowlist, in three checks:
 Directories gatewayd made itself for one run (an agent run's work directory, mode 0700,
 its own) are *own* roots: nothing of the host is in them, so they need not pass check 1
 (the default ``agent_dir`` lies in /var/lib); checks 2 and 3 still apply beneath them.
+
+gatewayd's own directories (:class:`OwnDirectory`: the state directory, the agent
+directory, the audit log's and the control socket's) are never lent, whatever the roots
+say: a tree that holds one is refused (the sandbox would write the audit log, the
+cogni-tool copy every run executes, other runs' directories), and so is a tree beneath the
+state or agent directory (another run's files), outside an own root. A lendable root
+above the state directory is fine (the default ``/tmp`` holds the tests' state
+directories): the check is on each tree, on real paths, so a symlink or ``..`` in a
+setting or a workspace path changes nothing.
 """
 
 from __future__ import annotations
@@ -116,6 +125,21 @@ def root_problem(root: str, reserved: Iterable[tuple[str, Path]] = ()) -> str | 
         if is_within(root, str(path)):
             return f"{root} lies in gatewayd's own {setting} {path}, which is never lent"
     return None
+
+
+def real_root_problem(root: Path, reserved: Iterable[tuple[str, Path]] = ()) -> str | None:
+    """:func:`root_problem` of ``root`` as written, then of its real path (symlinks and
+    ``..`` resolved as the host has them now): a root that is a symlink into a system
+    tree (``/var/run`` is ``/run``) or into gatewayd's own directories is no root either.
+    ``reserved`` must be real paths. Reads the file system."""
+    problem = root_problem(str(root), reserved)
+    if problem is not None:
+        return problem
+    real = os.path.realpath(root)
+    if real == str(root):
+        return None
+    problem = root_problem(real, reserved)
+    return None if problem is None else f"{root} is really {real}, and {problem}"
 
 
 def is_clean_absolute(path: str) -> bool:
@@ -210,37 +234,59 @@ def mounts_crossed(mounts: Sequence[Mount], root: str, tree: str) -> list[str]:
 
 # --- the check (reads the host) ------------------------------------------------------------
 
+# How a tree is opened to be judged: whatever its name leads to, a symlink as itself (so
+# the descriptor says what it opened, and nothing through a symlink is ever judged).
+TREE_FLAGS: Final = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OwnDirectory:
+    """One of gatewayd's own directories, by its real ``path`` and the ``setting`` that
+    places it (``state_dir``, ``audit_path's directory``...); ``private``: nothing
+    beneath it may be lent either (it holds other runs' files), not only nothing that
+    holds it."""
+
+    setting: str
+    path: Path
+    private: bool
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LendableRoots:
     """The roots a run's trees may be lent beneath: the operator's ``configured`` ones,
-    and ``own`` directories gatewayd made for this run alone (see the module's doc)."""
+    and ``own`` directories gatewayd made for this run alone; ``reserved`` are
+    gatewayd's own directories, never lent whatever the roots say (see the module's
+    doc)."""
 
     configured: tuple[Path, ...] = DEFAULT_LENDABLE_ROOTS
     own: tuple[Path, ...] = ()
+    reserved: tuple[OwnDirectory, ...] = ()
 
     def require(self, tree: Path, *, what: str = "") -> tuple[int, int]:
         """Refuse ``tree`` unless it may be lent; returns the (device, inode) of the
         directory checked, so the caller can make sure it lends that one.
 
         The tree is opened once (``O_PATH``, no symlink at its end) and judged by the
-        kernel's name for what was opened, so a symlink or ``..`` anywhere in ``tree``
-        is judged where it leads.
+        kernel's name for what was opened (:meth:`judge`), so a symlink or ``..``
+        anywhere in ``tree`` is judged where it leads.
 
         Error handling: :class:`NotLendable` naming the tree, the roots and the setting
         to change.
         """
-        label = f"{what} {tree}".strip()
+        fd = open_tree(tree, f"{what} {tree}".strip())
         try:
-            fd = os.open(tree, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError as exc:
-            why = "it is a symlink" if os.path.islink(tree) else exc.strerror
-            raise NotLendable(f"{label} cannot be lent: {why}; name a directory") from exc
-        try:
-            real = os.readlink(f"/proc/self/fd/{fd}")
-            st = os.fstat(fd)
+            return self.judge(fd, tree, what=what)
         finally:
             os.close(fd)
+
+    def judge(self, fd: int, tree: Path, *, what: str = "") -> tuple[int, int]:
+        """:meth:`require` for the directory open at ``fd`` (opened from ``tree``, as
+        :func:`open_tree` does): the directory judged is the one the descriptor holds,
+        wherever its path leads by now, so a caller that goes on with ``fd`` acts on
+        exactly what was judged. Returns its (device, inode)."""
+        label = f"{what} {tree}".strip()
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        st = os.fstat(fd)
         shown = label if real == str(tree) else f"{label} (really {real})"
         mounts = _read_mounts(shown)
         roots, unusable = self._usable(mounts)
@@ -270,7 +316,31 @@ class LendableRoots:
                     "the system"
                 )
         _refuse_system_identity(shown, Path(root), Path(real))
+        self._refuse_own_directories(shown, real)
         return (st.st_dev, st.st_ino)
+
+    def _refuse_own_directories(self, shown: str, real: str) -> None:
+        """No tree may hold one of gatewayd's own directories, nor lie in a private one
+        (outside a directory gatewayd made for this run): all on real paths."""
+        own = [os.path.realpath(root) for root in self.own]
+        for directory in self.reserved:
+            path = str(directory.path)
+            if is_within(path, real):
+                raise NotLendable(
+                    f"{shown} holds gatewayd's own {directory.setting} {path}, which a "
+                    "sandbox never writes: use a directory that neither holds nor lies in "
+                    "gatewayd's own directories"
+                )
+            if (
+                directory.private
+                and is_within(real, path)
+                and not any(is_within(real, root) and real != root for root in own)
+            ):
+                raise NotLendable(
+                    f"{shown} lies in gatewayd's own {directory.setting} {path}, which "
+                    "holds other runs' files and is never lent: use a directory outside "
+                    "gatewayd's own directories"
+                )
 
     def _usable(self, mounts: Sequence[Mount]) -> tuple[list[str], list[str]]:
         """The real paths of the roots that are roots here, and why each other configured
@@ -279,9 +349,10 @@ class LendableRoots:
         tree; an own root must be a directory of gatewayd's user nobody else may enter."""
         usable: list[str] = []
         unusable: list[str] = []
+        private = [(d.setting, d.path) for d in self.reserved if d.private]
         for root in self.configured:
             real = os.path.realpath(root)
-            problem = root_problem(real)
+            problem = root_problem(real, private)
             if problem is None and (system := system_tree_shown(mounts, real)) is not None:
                 problem = f"it shows the system tree {system} (a mount)"
             if problem is None:
@@ -306,6 +377,24 @@ class LendableRoots:
                     f"uid {os.geteuid()} that nobody else may enter (mode 0700)"
                 )
         return usable, unusable
+
+
+def open_tree(tree: Path, label: str) -> int:
+    """An ``O_PATH`` descriptor of the directory at ``tree`` (no symlink at its end), to
+    judge and then act on that directory alone.
+
+    Error handling: :class:`NotLendable` saying why ``label`` cannot be lent (what was
+    opened says it, not a second look at a name that may have changed since)."""
+    try:
+        fd = os.open(tree, TREE_FLAGS)
+    except OSError as exc:
+        raise NotLendable(f"{label} cannot be lent: {exc.strerror}; name a directory") from exc
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):
+        return fd
+    os.close(fd)
+    why = "it is a symlink" if stat.S_ISLNK(mode) else "it is not a directory"
+    raise NotLendable(f"{label} cannot be lent: {why}; name a directory")
 
 
 def _read_mounts(shown: str) -> tuple[Mount, ...]:

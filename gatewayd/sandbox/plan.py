@@ -293,7 +293,9 @@ class SandboxPlan:
     cwd: str
     # The run's network namespace: the launcher enters it before exec'ing bwrap.
     netns_path: str
-    # gatewayd's state directory: never visible, except this run's socket in it.
+    # gatewayd's state directory: never visible, except this run's socket in it. Its
+    # real path (no symlink, no '..'), as every bind source is: they are compared as
+    # strings, so a symlink in either would hide the overlap (SandboxSettings checks it).
     state_dir: str
     services: Services = Services()
 
@@ -603,6 +605,11 @@ def _check_via(plan: SandboxPlan, name: str, via: str) -> None:
 
 
 def _check_source(plan: SandboxPlan, name: str, src: str) -> None:
+    """No source at, beneath or above a denied tree or the state directory, none at or
+    above a hidden one. Strings only: the plan is pure, so ``src`` and ``state_dir``
+    must be real paths (the run's paths are resolved when it is created, the state
+    directory when the daemon starts), and the lease's check on the directory itself
+    (:meth:`~gatewayd.sandbox.lendable.LendableRoots.judge`) stands behind this one."""
     for denied in (*DENIED_HOST_TREES, plan.state_dir):
         if _is_within(src, denied) or _is_within(denied, src):
             raise PlanError(

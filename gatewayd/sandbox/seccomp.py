@@ -10,8 +10,8 @@ command, so it binds the command and everything it starts.
 Threat model of this layer: the process in the sandbox is hostile and holds no capability; the
 filter removes the kernel interfaces that are the usual first step of a namespace escape or a
 kernel exploit (ptrace, mount, namespaces, keyrings, BPF, perf, io_uring, userfaultfd, module
-and kexec loading) so that a bug behind them is out of reach. It is a denylist on purpose (the
-issue's "at least refuses"): an allowlist breaks arbitrary tools in ways that are hard to
+and kexec loading) so that a bug behind them is out of reach. It is a denylist on purpose (it
+refuses at least these): an allowlist breaks arbitrary tools in ways that are hard to
 diagnose. The table below is the one source of truth; ``docs/sandbox.md#seccomp`` holds its
 rendering (:func:`render_markdown_table`) and a test keeps the two equal.
 

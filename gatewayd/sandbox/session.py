@@ -120,6 +120,16 @@ class SandboxSettings:
     # Memory and pids cgroups per command where the host delegates them; None: rlimits.
     cgroups: CgroupSupport | None = None
 
+    def __post_init__(self) -> None:
+        # The plan refuses a bind source at, above or beneath the state directory by
+        # comparing strings, and sources are real paths: so must the state directory be.
+        real = os.path.realpath(self.state_dir)
+        if real != str(self.state_dir):
+            raise ValueError(
+                f"the state directory must be given as its real path ({real}), not "
+                f"{self.state_dir}: the sandbox plan compares real paths with it"
+            )
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommandLimits:
@@ -257,6 +267,10 @@ class RunSandbox:
                 raise UnsafeMounts(f"run refused: {exc}") from exc
             sources = [workspace, *(Path(m.host) for m in mounts)]
             pins, pinned = _pin_sources(run_dir, user, sources, grants)
+            # What bwrap will bind, by identity: the lease lends exactly those directories
+            # and keeps the read-only ones out of what it lends, whatever their paths
+            # lead to by the time it walks.
+            bound = {source: _identity(fd) for source, (fd, _) in zip(sources, pins, strict=True)}
             writable = [workspace, *(Path(m.host) for m in mounts if m.mode is PathMode.RW)]
             _check_not_in_use(writable, busy_trees)
             if not lend_workspace:
@@ -265,7 +279,7 @@ class RunSandbox:
                 lambda: create_run_netns(run_id, prefix=settings.netns_prefix)
             )
             info = os.stat(netns.path)
-            read_only = [Path(m.host) for m in mounts if m.mode is PathMode.RO]
+            read_only = {bound[Path(m.host)] for m in mounts if m.mode is PathMode.RO}
             lease = await trio.to_thread.run_sync(
                 lambda: lend(
                     writable,
@@ -273,6 +287,7 @@ class RunSandbox:
                     run_dir,
                     roots=roots,
                     keep=read_only,
+                    pinned=bound,
                     sandbox_owned=_sandbox_owned(pool),
                 )
             )
@@ -392,12 +407,18 @@ class RunSandbox:
         return await trio.to_thread.run_sync(self._release)
 
     def _release(self) -> dict[str, int]:
-        for fd, _ in self.pins:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.pins = ()
-        killed = _kill_uid(self.user.uid)
-        returned = give_back(self.lease)
+        try:
+            killed = _kill_uid(self.user.uid)
+            # The trees by the descriptors pinned at the start: given back wherever they
+            # are now, never whatever their paths were swapped for.
+            points = {point: fd for fd, point in self.pins}
+            held = {s: points[p] for s, p in self.pinned.items() if p in points}
+            returned = give_back(self.lease, held=held)
+        finally:
+            for fd, _ in self.pins:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self.pins = ()
         removed = remove_run_netns(self.netns.name)
         return {"processesKilled": killed, "entriesReturned": returned, "netnsRemoved": removed}
 
@@ -474,6 +495,11 @@ def _pin_sources(
             os.close(fd)
         raise
     return pins, pinned
+
+
+def _identity(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return (st.st_dev, st.st_ino)
 
 
 def _kill_uid(uid: int) -> int:

@@ -222,3 +222,53 @@ def test_a_refused_token_fails_the_clone_with_an_audited_refusal(
     refused = [json.loads(line) for line in audit.splitlines() if "agent_run_refused" in line]
     assert refused and refused[0]["detail"]["sha"] == sha
     assert provider.requests == []
+
+
+def test_a_pull_request_the_forge_answers_badly_exits_1_after_the_push_audited(
+    base: Path, provider: FakeProvider, server: GitServer, forge: FakeForge
+) -> None:
+    """A forge answering its 201 with JSON nested past any parser's limit: the operator
+    sees the branch pushed and the pull request failed, with exit status 1."""
+    forge.answer = b"[" * 200_000
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    provider.script(
+        Text(
+            content=None,
+            calls=(
+                Call(name="edit", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"}),
+            ),
+        ),
+        Text(content="Fix add()"),
+    )
+    done = agent_cli(
+        base,
+        provider,
+        "--repo",
+        server.url_for("calc.git"),
+        "--sha",
+        sha,
+        "--task",
+        "fix add",
+        "--model",
+        "coder",
+        "--pull-request",
+        "--forge-api",
+        forge.url,
+        "--forge-repo",
+        "o/calc",
+        env={"COGNI_GIT_TOKEN": DEFAULT_TOKEN},
+    )
+    assert done.returncode == 1, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout)
+    assert (result["ok"], result["errorCode"]) == (False, "internal")
+    assert result["message"].startswith(
+        "the branch was pushed, but the pull request failed: the forge's answer to opening a "
+        "pull request on o/calc at "
+    )
+    assert "is not a pull request: it is not JSON gatewayd accepts" in result["message"]
+    assert ref_sha(server.root / "calc.git", f"refs/heads/{result['branch']}") == result["headSha"]
+    assert "gatewayd agent: the branch was pushed, but the pull request failed" in done.stderr
+    [failed] = [e for e in result["auditLog"] if e.get("event") == "agent_pull_request"]
+    assert failed["errorCode"] == "internal" and failed["safeMessage"] == result["message"]
+    assert result["auditLog"][-1]["event"] == "agent_run_ended"
+    assert DEFAULT_TOKEN not in done.stdout + done.stderr

@@ -747,8 +747,8 @@ def test_open_pull_request(forge: FakeForge) -> None:
         ),
         (500, b"<html>oops</html>", "answered 500: <html>oops</html>"),
         (302, b"", "answered 302"),
-        (201, b"not json", "has no html_url"),
-        (201, {"url": "x"}, "has no html_url"),
+        (201, b"not json", "is not a pull request: it is not JSON gatewayd accepts"),
+        (201, {"url": "x"}, "is not a pull request: it has no html_url"),
     ],
 )
 def test_open_pull_request_errors(forge: FakeForge, status: int, answer: Any, message: str) -> None:
@@ -783,3 +783,161 @@ def test_default_branch_needs_a_symbolic_head(git_server: GitServer) -> None:
     git("--git-dir", str(git_server.root / "detached.git"), "update-ref", "--no-deref", "HEAD", sha)
     with pytest.raises(RepoError, match="does not say which branch is its default"):
         default_branch(git_server.url_for("detached.git"), credentials=CREDS)
+
+
+# Past Python's recursion limit in any recursive parser, far under FORGE_RESPONSE_LIMIT.
+DEEP = b"[" * 200_000
+
+
+@pytest.mark.parametrize(
+    ("status", "answer", "message"),
+    [
+        (201, DEEP, "it is not JSON gatewayd accepts \\(the document nests 200000 levels deep"),
+        (422, DEEP, "answered 422: \\[\\[\\[\\["),
+        (
+            422,
+            b'{"message": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+            'answered 422: {"message": \\[\\[\\[',
+        ),
+        (500, b'{"message": ' + b"9" * 5000 + b"}", 'answered 500: {"message": 9999'),
+        (
+            201,
+            b'{"html_url": "https://forge.invalid/1", "html_url": "https://elsewhere.invalid/2"}',
+            "not JSON gatewayd accepts \\(the key 'html_url' appears twice in one object\\)",
+        ),
+        (201, b'\xff{"html_url": "https://forge.invalid/1"}', "not JSON .* \\(not UTF-8 text"),
+        (201, {"html_url": 5}, "it has no html_url: {"),
+        (201, [{"html_url": "https://forge.invalid/1"}], "it has no html_url: \\[{"),
+        (201, {"html_url": "javascript:alert(1)"}, "its html_url is not an http\\(s\\) URL"),
+        (201, {"html_url": "https://forge.invalid/\n\x1b[2J"}, "holds characters a URL cannot"),
+        (
+            201,
+            {"html_url": "https://forge.invalid/" + "a" * repo_mod.MAX_PR_URL_CHARS},
+            f"its html_url is 2070 characters long \\(at most {repo_mod.MAX_PR_URL_CHARS}\\)",
+        ),
+        (422, {"message": "Validation Failed", "errors": 5}, "answered 422: Validation Failed$"),
+        (422, {"message": {"why": [1]}, "errors": "abc"}, 'answered 422: {"why": \\[1\\]}$'),
+        (
+            422,
+            {"message": "No", "errors": [{"code": "custom"}, 7, [1, 2], {"x": None}]},
+            'answered 422: No \\(custom; 7; \\[1, 2\\]; {"x": null}\\)$',
+        ),
+        (422, b"", "answered 422: no message$"),
+    ],
+    ids=[
+        "deep-201",
+        "deep-422",
+        "deep-valid-422",
+        "huge-int-500",
+        "duplicate-key",
+        "not-utf8",
+        "url-not-text",
+        "list",
+        "url-not-http",
+        "url-control-characters",
+        "url-too-long",
+        "errors-a-number",
+        "message-an-object-errors-text",
+        "errors-mixed",
+        "empty-422",
+    ],
+)
+def test_a_forge_answer_of_any_shape_fails_the_pull_request_with_a_repo_error(
+    forge: FakeForge, status: int, answer: Any, message: str
+) -> None:
+    """What the forge sends on success and on error, nested past any parser's limit, not
+    UTF-8, with a key twice, of another shape, or with a URL that is no URL: a RepoError
+    naming what was wrong, never another exception, never the token."""
+    forge.status = status
+    forge.answer = answer if isinstance(answer, bytes) else json.dumps(answer).encode()
+    with pytest.raises(RepoError, match=message) as info:
+        open_pull_request(forge.url, "o/r", **PR)
+    assert PR_TOKEN not in str(info.value)
+    assert len(str(info.value)) < 600  # the forge's words are quoted, not dumped
+    assert "\n" not in str(info.value) and "\x1b" not in str(info.value)
+
+
+class RawForge:
+    """A TCP server on 127.0.0.1 that reads one HTTP request per connection and answers
+    with ``answer``, bytes as given (no HTTP of its own), then closes the connection."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.closing = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            conn, _ = self.listener.accept()
+            with conn:
+                if self.closing.is_set():
+                    return
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    request += conn.recv(65536)
+                head, _, body = request.partition(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                while len(body) < length:
+                    body += conn.recv(65536)
+                conn.sendall(self.answer)
+
+    def close(self) -> None:
+        self.closing.set()
+        socket.create_connection(self.listener.getsockname()).close()  # wakes accept()
+        self.thread.join(5)
+        self.listener.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (
+            b'HTTP/1.1 201 Created\r\nContent-Length: 100\r\n\r\n{"html_url": ',
+            'is not a pull request: it is not JSON gatewayd accepts .*: {"html_url":$',
+        ),
+        (
+            b'HTTP/1.1 422 Unprocessable\r\nContent-Length: 100\r\n\r\n{"message": ',
+            'answered 422: {"message":$',
+        ),
+        (
+            b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            "could not be read \\(IncompleteRead: .*\\); the pull request may or may not exist",
+        ),
+        (
+            b"HTTP/1.1 422 Unprocessable\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            "answered 422: no message$",
+        ),
+        (b"HTTP/1.1 two-oh-one\r\n\r\n", "could not be read \\(BadStatusLine: "),
+        (b"HTTP/1.1 201 Created\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", "\\(LineTooLong: "),
+        (
+            b"HTTP/1.1 201 Created\r\n" + b"X: y\r\n" * 101 + b"\r\n",
+            "\\(HTTPException: got more than 100 headers\\)",
+        ),
+        (b"", "could not be read \\(RemoteDisconnected: Remote end closed connection"),
+    ],
+    ids=[
+        "cut-short-201",
+        "cut-short-422",
+        "broken-chunks-201",
+        "broken-chunks-422",
+        "not-http",
+        "header-too-long",
+        "headers",
+        "nothing",
+    ],
+)
+def test_a_forge_answer_that_is_not_http_fails_the_pull_request_with_a_repo_error(
+    answer: bytes, message: str
+) -> None:
+    """The forge's bytes below JSON: cut short, chunks that are not chunks, a status line
+    or headers that are not HTTP, nothing at all. Each a RepoError saying so."""
+    forge = RawForge(answer)
+    try:
+        with pytest.raises(RepoError, match=message) as info:
+            open_pull_request(forge.url, "o/r", **PR)
+    finally:
+        forge.close()
+    assert PR_TOKEN not in str(info.value)

@@ -1,4 +1,4 @@
-"""The end-to-end gate of reference note 004 (issue 7 item 4): a host-owned agent run
+"""The end-to-end gate of reference note 004: a host-owned agent run
 against a real bare repository served over authenticated smart HTTP on loopback, a
 scripted model on the loopback fake provider (through litellm), real sandboxes.
 
@@ -12,6 +12,7 @@ code and a usable partial result.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -29,14 +30,17 @@ from gatewayd.agent.loop import (
     AgentLimits,
     AgentResult,
     AgentTask,
+    PullRequestSpec,
     run_agent,
 )
 from gatewayd.agent.repo import RepoCredentials
 from gatewayd.audit.verify import verify_file
 from gatewayd.config import ModelAlias
 from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
-from tests.fakeprovider import Call, FakeProvider, Text
+from tests.fakeprovider import Call, FakeProvider, Malformed, Text
 from tests.gitserver import DEFAULT_TOKEN, GitServer, git, make_bare_repo, read_tree, ref_sha
+from tests.integration.test_agent_repo import FakeForge
+from tests.integration.test_model_client import DEEP
 from tests.integration.test_run_sandbox import _unavailable, sandbox_config
 
 pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
@@ -674,3 +678,145 @@ async def test_without_the_os_sandbox_no_agent_run_starts(
     assert [e.get("runId") for e in refused] == [degraded.run_id]
     assert by_event(entries, "run_refused")[0]["errorCode"] == "policy_denied"
     assert provider.requests == []  # no model was asked anything
+
+
+# --- what a provider or a forge sends that gatewayd cannot read ---------------------------
+
+EDIT = Call(name="edit", arguments={"path": "calc.py", "old": "a - b", "new": "a + b"})
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # pydantic's, on litellm's models
+@pytest.mark.parametrize(
+    ("reply", "says"),
+    [
+        pytest.param(
+            Malformed(status=400, body=DEEP),
+            "the model call failed (bad_request): model alias 'agent-model' (openai/fake-model "
+            "at http://127.0.0.1:",
+            id="deep-error",
+        ),
+        pytest.param(
+            Malformed(body=DEEP),
+            "the model call failed (malformed): model alias 'agent-model'",
+            id="deep-answer",
+        ),
+        pytest.param(
+            Text(content=None, calls=(Call(name="exec\udc80", arguments={"command": "ls"}),)),
+            "the model call failed (malformed): model alias 'agent-model'",
+            id="lone-surrogate-tool-name",
+        ),
+    ],
+)
+async def test_a_model_reply_gatewayd_cannot_read_ends_the_run_internal_and_audited(
+    daemon: Daemon, server: GitServer, provider: FakeProvider, reply: Any, says: str
+) -> None:
+    """As for any failed model call: the run ends internal saying why, keeps its partial
+    patch, pushes nothing, and its end is audited."""
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    provider.script(Text(content=None, calls=(EDIT,)), reply)
+
+    result = await run_agent(daemon, task(server.url_for("calc.git"), sha))
+
+    assert (result.ok, result.error_code) == (False, "internal")
+    assert result.message.startswith(says), result.message
+    assert MODEL_KEY not in result.message
+    assert result.turns == 2 and result.branch is None
+    assert len(result.patches) == 1 and "+    return a + b" in result.patches[0]
+    [ended] = by_event(result.audit_log, "agent_run_ended")
+    assert ended["detail"]["errorCode"] == "internal"
+    assert ended["detail"]["message"] == result.message
+
+
+def forge_answering(status: int, answer: bytes) -> Iterator[FakeForge]:
+    forge = FakeForge(status, answer)
+    try:
+        yield forge
+    finally:
+        forge.close()
+
+
+@pytest.mark.parametrize(
+    ("status", "answer", "says"),
+    [
+        pytest.param(
+            201,
+            DEEP,
+            "is not a pull request: it is not JSON gatewayd accepts (the document nests",
+            id="deep-201",
+        ),
+        pytest.param(422, DEEP, "failed: the forge answered 422: [[[[", id="deep-422"),
+        pytest.param(
+            201,
+            b'{"html_url": "javascript:alert(1)"}',
+            "its html_url is not an http(s) URL",
+            id="url-not-http",
+        ),
+        pytest.param(
+            201, b'{"html_url": "https://forge.invalid/1"', "it is not JSON", id="cut-short"
+        ),
+    ],
+)
+async def test_a_pull_request_the_forge_answers_badly_fails_the_run_after_its_push_audited(
+    daemon: Daemon,
+    server: GitServer,
+    provider: FakeProvider,
+    status: int,
+    answer: bytes,
+    says: str,
+) -> None:
+    """The branch is pushed, the pull request step fails: the result says both, the
+    audit has the failed agent_pull_request, and the run still ends as audited."""
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    provider.script(Text(content=None, calls=(EDIT,)), Text(content="Fix add()"))
+    with contextlib.contextmanager(forge_answering)(status, answer) as forge:
+        pr = PullRequestSpec(
+            api_base=forge.url, repository="o/calc", target_branch="main", token_env=TOKEN_ENV
+        )
+        result = await run_agent(daemon, task(server.url_for("calc.git"), sha, pull_request=pr))
+        assert len(forge.seen) == 1
+
+    assert (result.ok, result.error_code) == (False, "internal")
+    assert result.message.startswith("the branch was pushed, but the pull request failed: ")
+    assert says in result.message, result.message
+    assert DEFAULT_TOKEN not in result.message
+    assert result.branch == f"cogni/{result.run_id}" and result.pull_request_url is None
+    assert ref_sha(server.root / "calc.git", f"refs/heads/{result.branch}") == result.head_sha
+    events = [e["event"] for e in result.audit_log if e.get("event", "").startswith("agent_")]
+    assert events[-4:] == ["agent_patch", "agent_push", "agent_pull_request", "agent_run_ended"]
+    [failed] = by_event(result.audit_log, "agent_pull_request")
+    assert failed["errorCode"] == "internal" and failed["safeMessage"] == result.message
+    assert failed["detail"] == {"branch": result.branch, "repository": "o/calc"}
+
+
+async def test_a_pull_request_step_gatewayd_fails_in_is_still_reported_and_audited(
+    daemon: Daemon,
+    server: GitServer,
+    provider: FakeProvider,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection (nothing real fails there on demand): an exception the step does
+    not expect still ends it with the failed agent_pull_request event."""
+    from gatewayd.agent import loop
+
+    def broken(*_args: Any, **_kwargs: Any) -> str:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(loop, "open_pull_request", broken)
+    sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
+    provider.script(Text(content=None, calls=(EDIT,)), Text(content="Fix add()"))
+    pr = PullRequestSpec(
+        api_base="http://127.0.0.1:9",
+        repository="o/calc",
+        target_branch="main",
+        token_env=TOKEN_ENV,
+    )
+
+    result = await run_agent(daemon, task(server.url_for("calc.git"), sha, pull_request=pr))
+
+    assert (result.ok, result.error_code) == (False, "internal")
+    assert result.message == (
+        "the branch was pushed, but the pull request failed: gatewayd failed opening it "
+        "(RuntimeError); its log has the details"
+    )
+    [failed] = by_event(result.audit_log, "agent_pull_request")
+    assert failed["errorCode"] == "internal" and failed["safeMessage"] == result.message

@@ -9,10 +9,16 @@ is killed with SIGKILL. Then every toolCallId any client saw answered must have 
 ``call`` and its ``result`` entry in the log the crash left. The next round starts the
 daemon again on the same state (which recovers the log), and so on; at the end a clean
 start and stop, and `gatewayd audit verify` must pass.
+
+The same with a sandboxed daemon for the answers that are not a call's: commands run in
+runs through the control socket (the answer carries the exit code) and refusals of the
+egress proxy, seen from inside a sandbox: every one answered before the kill has its
+``exec_ended`` or ``egress`` entry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -31,7 +37,7 @@ import pytest
 
 from gatewayd.audit.query import read_log
 from tests.conftest import write_policy
-from tests.livedaemon import BIN, LiveDaemon, start_daemon
+from tests.livedaemon import BIN, LiveDaemon, sandbox_options, start_daemon
 
 HEADER = struct.Struct(">I")
 ROUNDS = 5
@@ -239,3 +245,189 @@ def test_every_call_answered_before_a_kill_9_under_load_has_its_call_and_result_
     )
     assert verify.returncode == 0, verify.stdout + verify.stderr
     assert verify.stdout.startswith("OK: "), verify.stdout
+
+
+# --- the control socket's exec and the egress proxy under a kill -9 -----------------------
+
+SANDBOX_ROUNDS = 3
+# Connections of host clients each running commands in a run of its own, one at a time.
+EXEC_CLIENTS = 3
+# The kill comes once this many commands were answered and this many proxy refusals were
+# seen inside the sandbox (the load is running), then after a random pause.
+MIN_EXECS_BEFORE_KILL = 20
+MIN_EGRESS_BEFORE_KILL = 20
+SANDBOX_POLICY = """
+version: 1
+name: crash-sandboxed
+tools: {allow: [time.now]}
+filesystem:
+  paths:
+    workspace: {root: ., mode: rw}
+network:
+  allow_domains: [allowed.example.org]
+  schemes: [http, https]
+  proxy:
+    enabled: true
+    connections_per_second: 10000
+    connection_burst: 1024
+    max_connections: 1024
+sandbox: {timeout_s: 600, cpu_s: 600, max_processes: 48}
+"""
+# In the sandbox, through the run's egress proxy (cogni-tool serve relays 127.0.0.1:3128):
+# requests to a domain the policy does not allow, one per connection, each 403 seen
+# written down (a line) after it arrived.
+EGRESS_CLIENT = """
+import os, socket
+out = os.open("/workspace/egress-403s", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+while True:
+    conn = socket.create_connection(("127.0.0.1", 3128))
+    conn.sendall(b"GET http://denied.example.org/ HTTP/1.1\\r\\nHost: denied.example.org\\r\\n\\r\\n")
+    head = b""
+    while b"\\r\\n" not in head:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        head += chunk
+    conn.close()
+    if head.startswith(b"HTTP/1.1 403 "):
+        os.write(out, b"403\\n")
+"""
+
+
+def sandbox_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "sandboxed runs need root"
+    if not os.path.exists("/usr/bin/bwrap") or not os.path.exists("/usr/bin/python3"):
+        return "needs bubblewrap at /usr/bin/bwrap and the system python3"
+    return None
+
+
+class ExecClient(threading.Thread):
+    """Runs ``true`` in its own run over the control socket, one command after another,
+    until the daemon dies; counts the commands answered and sets ``each_answer`` as each
+    answer arrives."""
+
+    def __init__(self, daemon: LiveDaemon, run_id: str, each_answer: threading.Event) -> None:
+        super().__init__(daemon=True)
+        self.live, self.run_id = daemon, run_id
+        self.answered = 0
+        self.each_answer = each_answer
+
+    def run(self) -> None:
+        while True:
+            try:
+                status, _ = self.live.control(
+                    "POST", f"/v1/runs/{self.run_id}/exec", {"command": ["true"]}
+                )
+            except (OSError, ValueError):
+                return  # the daemon is gone (reset, or an answer cut short)
+            assert status == 200
+            self.answered += 1
+            self.each_answer.set()
+
+
+def egress_403s(ws: Path) -> int:
+    path = ws / "egress-403s"
+    return len(path.read_bytes().splitlines()) if path.exists() else 0
+
+
+def test_every_command_and_proxy_refusal_answered_before_a_kill_9_is_in_the_log(
+    base: Path,
+) -> None:
+    """A sandboxed `gatewayd serve`: host clients run commands in their runs through the
+    control socket (its answer carries the exit code) while a command inside another
+    run keeps asking the egress proxy for a domain its policy refuses. Killed at a
+    random moment, or (every other round) the moment a command's answer arrives, well
+    inside the audit log's own flush delay: every command answered has its
+    ``exec_ended`` entry, and every 403 the sandbox saw has its ``egress`` entry."""
+    if (why := sandbox_unavailable()) is not None:
+        pytest.skip(why)
+    seed = random.randrange(1 << 32)
+    rng = random.Random(seed)
+    base.chmod(0o711)  # the sandbox's uid passes through to its workspaces and sockets
+    policies = base / "policies"
+    policies.mkdir()
+    write_policy(policies, SANDBOX_POLICY, "crash-sandboxed.yaml")
+    # Fixed for every round: each start sweeps the namespaces the last one's crash left.
+    options = ("--policy-dir", str(policies), *sandbox_options())
+    state = base / "state"
+    for round_no in range(SANDBOX_ROUNDS):
+        daemon = start_daemon(state, *options, sandbox=True, random_ids=False)
+        try:
+            workspaces = [base / f"r{round_no}-ws{i}" for i in range(EXEC_CLIENTS + 1)]
+            runs = []
+            for ws in workspaces:
+                ws.mkdir()
+                runs.append(create_run(daemon, ws, "crash-sandboxed")["runId"])
+            egress_ws, egress_run = workspaces[-1], runs[-1]
+            proxy_load = threading.Thread(
+                target=_quietly,
+                args=(
+                    daemon.control,
+                    "POST",
+                    f"/v1/runs/{egress_run}/exec",
+                    {"command": ["/usr/bin/python3", "-c", EGRESS_CLIENT]},
+                ),
+                daemon=True,
+            )
+            proxy_load.start()
+            each_answer = threading.Event()
+            clients = [ExecClient(daemon, run_id, each_answer) for run_id in runs[:-1]]
+            for client in clients:
+                client.start()
+            deadline = time.monotonic() + PATIENCE_S
+            while (
+                sum(c.answered for c in clients) < MIN_EXECS_BEFORE_KILL
+                or egress_403s(egress_ws) < MIN_EGRESS_BEFORE_KILL
+            ):
+                assert time.monotonic() < deadline, "the load never got going"
+                assert all(c.is_alive() for c in clients), "a client stopped before the crash"
+                time.sleep(0.005)
+            if round_no % 2 == 0:
+                each_answer.clear()
+                assert each_answer.wait(PATIENCE_S), "no command was answered"
+            else:
+                time.sleep(rng.uniform(0, KILL_SPREAD_S))
+            daemon.proc.kill()  # SIGKILL: no clean-up, no last flush
+            daemon.proc.wait()
+            for client in clients:
+                client.join(PATIENCE_S)
+                assert not client.is_alive(), "a client still waits on a dead daemon"
+            proxy_load.join(PATIENCE_S)
+        finally:
+            daemon.stop()
+        seen_403s = egress_403s(egress_ws)
+        ended: dict[str, int] = {}
+        refused = 0
+        for record in read_log(daemon.audit_path):
+            entry = record.entry or {}
+            if entry.get("event") == "exec_ended":
+                ended[entry["runId"]] = ended.get(entry["runId"], 0) + 1
+            elif entry.get("event") == "egress" and entry.get("runId") == egress_run:
+                refused += entry.get("errorCode") == "policy_denied"
+        lost = {
+            c.run_id: (c.answered, ended.get(c.run_id, 0))
+            for c in clients
+            if ended.get(c.run_id, 0) < c.answered
+        }
+        assert not lost, f"round {round_no} (seed {seed}): commands answered, ended: {lost}"
+        assert refused >= seen_403s, (
+            f"round {round_no} (seed {seed}): the sandbox saw {seen_403s} refusals from the "
+            f"egress proxy, the log holds {refused}"
+        )
+    daemon = start_daemon(state, *options, sandbox=True, random_ids=False)
+    assert daemon.stop() == 0
+    verify = subprocess.run(
+        [str(BIN / "gatewayd"), "audit", "verify", str(daemon.audit_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def _quietly(call: Callable[..., Any], *args: Any) -> None:
+    """``call``, whose end (the daemon killed under it) is no news."""
+    with contextlib.suppress(OSError, ValueError):
+        call(*args)

@@ -11,6 +11,11 @@ sandbox (which joins the pinned namespace) makes a gateway call.
 The registry's own refusals (a directory others could write, a live entry that cannot
 be read, a start stuck holding the lock, an unprivileged daemon) are shown on real
 directories, flocks and processes.
+
+A live daemon's control socket and audit log are its alone: a second `serve` given them
+(as they are, through a symbolic link, a linked directory or a relative path) is refused
+before it touches anything, and the first one's socket and log files are as they were;
+a control socket path something else holds is neither taken nor removed.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 
 from gatewayd.daemon import DaemonConfig, open_daemon
 from gatewayd.sandbox.daemons import (
@@ -220,7 +227,7 @@ def test_a_second_daemon_with_default_settings_and_its_own_state_dir_leaves_the_
     base: Path, holder: Holder
 ) -> None:
     netns = holder.netns()
-    # The issue's case: a one-shot `gatewayd run`, every setting left to its default
+    # The case that broke: a one-shot `gatewayd run`, every setting left to its default
     # but the state directory, beside a live `serve` whose settings are default too.
     done = one_shot(base / "b", "--state-dir", str(base / "b" / "state"))
     assert done.returncode == 0, done.stderr
@@ -588,15 +595,22 @@ def test_a_daemon_that_cannot_use_the_registry_does_not_start(base: Path) -> Non
     assert not (base / "b" / "state").exists()
 
 
+@pytest.mark.parametrize("link", ["same path", "hard link"])
 def test_a_second_daemon_on_a_live_daemons_audit_log_is_refused_without_a_traceback(
-    base: Path,
+    base: Path, link: str
 ) -> None:
+    """By the registry, naming the setting; a hard link (another name, the same file)
+    the registry cannot see through is refused by the log's own lock."""
     audit = base / "shared-audit.jsonl"
     (base / "a").mkdir()
     first = start_daemon(base / "a" / "state", "--audit", str(audit))
     try:
+        given = audit
+        if link == "hard link":
+            given = base / "another-name.jsonl"
+            os.link(audit, given)
         (base / "ws").mkdir()
-        options = ["--state-dir", str(base / "b" / "state"), "--audit", str(audit)]
+        options = ["--state-dir", str(base / "b" / "state"), "--audit", str(given)]
         options += ["--policy", "demo", "--workspace", str(base / "ws")]
         second = subprocess.run(
             [GATEWAYD, "run", "--no-os-sandbox", *options, "--", "true"],
@@ -605,8 +619,15 @@ def test_a_second_daemon_on_a_live_daemons_audit_log_is_refused_without_a_traceb
             timeout=REFUSAL_WAIT_S,
         )
         assert second.returncode == 1, second.stderr
-        assert second.stderr.startswith("gatewayd: refused to start: audit log ")
-        assert "is locked by another process (another gatewayd?)" in second.stderr
+        if link == "same path":
+            assert second.stderr.startswith(
+                "gatewayd: refused to start: another gatewayd is running on this host"
+            )
+            assert f"this daemon's audit log {audit} is its audit log" in second.stderr
+            assert "give this daemon another --audit (audit_path)" in second.stderr
+        else:
+            assert second.stderr.startswith("gatewayd: refused to start: audit log ")
+            assert "is locked by another process (another gatewayd?)" in second.stderr
         assert "Traceback" not in second.stderr
         assert first.control("GET", "/v1/health")[0] == 200
     finally:
@@ -627,3 +648,212 @@ def test_a_workspace_another_daemons_live_run_holds_is_not_lent_again(
     assert os.stat(ws).st_uid == lease["uid"]
     assert os.stat(ws / "notes.md").st_uid == lease["uid"]
     holder.assert_whole(netns)
+
+
+# --- a live daemon's control socket and audit log are its alone ----------------------------
+
+# Small enough that the first daemon's log has rotated once it serves (a closed segment).
+SMALL_AUDIT_BYTES = "600"
+
+
+@pytest.fixture
+def serving(base: Path) -> Iterator[LiveDaemon]:
+    """A live `gatewayd serve` whose audit log has a closed segment and a head file."""
+    (base / "a").mkdir()
+    first = start_daemon(base / "a" / "state", "--audit-max-bytes", SMALL_AUDIT_BYTES)
+    try:
+        yield first
+    finally:
+        first.stop()
+
+
+def log_files(daemon: LiveDaemon) -> dict[str, bytes]:
+    """Every file of ``daemon``'s audit log (active, head, closed segments): contents."""
+    return {p.name: p.read_bytes() for p in sorted(daemon.audit_path.parent.iterdir())}
+
+
+def serve_beside(
+    base: Path, *options: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """A second `gatewayd serve` on ``base/b/state``, given ``options``; one that is not
+    refused serves until the wait runs out (which fails the test)."""
+    return subprocess.run(
+        [GATEWAYD, "serve", "--no-os-sandbox", "--state-dir", str(base / "b" / "state"), *options],
+        capture_output=True,
+        text=True,
+        timeout=REFUSAL_WAIT_S,
+        cwd=cwd,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+
+
+def assert_refused_beside(
+    done: subprocess.CompletedProcess[str], first: LiveDaemon, *phrases: str
+) -> None:
+    """Refused by the registry, naming ``first`` and ``phrases``, having touched nothing."""
+    assert done.returncode == 1, done.stdout + done.stderr
+    message = done.stderr
+    assert "gatewayd: refused to start: another gatewayd is running on this host" in message
+    assert f"(pid {first.proc.pid}, state directory {first.state.resolve()})" in message
+    for phrase in phrases:
+        assert phrase in message, message
+    assert "This daemon did not start and touched nothing" in message
+    assert "Traceback" not in message
+    assert not (first.state.parent.parent / "b" / "state").exists()
+
+
+def named(base: Path, target: Path, way: str) -> tuple[str, Path | None]:
+    """``target`` as an operator might give it: (the option's text, the cwd it needs)."""
+    if way == "as given":
+        return str(target), None
+    if way == "through a symlink":
+        link = base / "link"
+        link.symlink_to(target)
+        return str(link), None
+    if way == "through a symlinked directory":
+        alias = base / "alias"
+        alias.symlink_to(target.parent)
+        return str(alias / target.name), None
+    cwd = base / "b"  # relative, with a detour
+    cwd.mkdir(exist_ok=True)
+    return os.path.join("..", "b", os.path.relpath(target, cwd)), cwd
+
+
+WAYS = ["as given", "through a symlink", "through a symlinked directory", "relative with .."]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_second_daemon_on_a_live_daemons_control_socket_is_refused_whatever_the_path(
+    base: Path, serving: LiveDaemon, way: str
+) -> None:
+    """It would have taken the socket (its operators' requests) and removed it when it
+    stopped, leaving the first daemon unreachable."""
+    socket_path = serving.control_socket
+    before = os.stat(socket_path)
+    given, cwd = named(base, socket_path, way)
+    done = serve_beside(base, "--control-socket", given, cwd=cwd)
+    assert_refused_beside(
+        done,
+        serving,
+        f"this daemon's control socket {socket_path.resolve()} is its control socket",
+        "give this daemon another --control-socket (control_socket)",
+    )
+    assert os.stat(socket_path).st_ino == before.st_ino
+    assert serving.control("GET", "/v1/health")[0] == 200
+
+
+def _segment(daemon: LiveDaemon) -> Path:
+    return daemon.audit_path.with_name(daemon.audit_path.name + ".000001")
+
+
+@pytest.mark.parametrize(
+    ("option", "target", "way", "says"),
+    [
+        ("--control-socket", "active", "as given", "which the socket would replace"),
+        ("--control-socket", "segment", "through a symlink", "which the socket would replace"),
+        ("--control-socket", "head", "relative with ..", "which the socket would replace"),
+        ("--audit", "active", "through a symlinked directory", "or shares a file with it"),
+        ("--audit", "segment", "as given", "or shares a file with it"),
+        ("--audit", "head", "through a symlink", "or shares a file with it"),
+        ("--audit", "socket", "relative with ..", "would be written at its control socket"),
+    ],
+)
+def test_a_second_daemon_may_not_use_a_file_of_a_live_daemons_audit_log(
+    base: Path, serving: LiveDaemon, option: str, target: str, way: str, says: str
+) -> None:
+    """Neither as its control socket (bound there, it would replace the log's file) nor
+    as its own audit log (it would write into the closed segment, which no lock
+    guards), nor an audit log at the live daemon's control socket."""
+    files = {
+        "active": serving.audit_path,
+        "segment": _segment(serving),
+        "head": serving.audit_path.with_name(serving.audit_path.name + ".head"),
+        "socket": serving.control_socket,
+    }
+    assert files["segment"].is_file() and files["head"].is_file()  # the log has rotated
+    before = log_files(serving)
+    given, cwd = named(base, files[target], way)
+    done = serve_beside(base, option, given, cwd=cwd)
+    setting = "--audit (audit_path)" if option == "--audit" else "--control-socket (control_socket)"
+    assert_refused_beside(done, serving, says, f"give this daemon another {setting}")
+    assert log_files(serving) == before
+    assert serving.control("GET", "/v1/health")[0] == 200
+
+
+def test_a_state_dir_whose_runs_hold_a_live_daemons_audit_log_is_refused(base: Path) -> None:
+    """A start removes the directories in its state directory's runs/: there, another
+    daemon's audit log (or control socket) would go with them."""
+    audit = base / "b" / "state" / "runs" / "x" / "audit.jsonl"
+    (base / "a").mkdir()
+    first = start_daemon(base / "a" / "state", "--audit", str(audit))
+    try:
+        before = audit.read_bytes()
+        done = serve_beside(base, "--control-socket", str(base / "b.sock"))
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"its audit log {audit} lies in a directory of this daemon's" in done.stderr
+        assert "give this daemon another --state-dir (state_dir)" in done.stderr
+        assert audit.read_bytes() == before
+        assert not (base / "b.sock").exists()
+        assert first.control("GET", "/v1/health")[0] == 200
+    finally:
+        first.stop()
+
+
+@pytest.mark.parametrize("held_by", ["a listener", "a regular file", "a directory"])
+def test_a_control_socket_path_something_else_holds_is_neither_taken_nor_removed(
+    base: Path, held_by: str
+) -> None:
+    """No daemon registered there: the socket is asked whether something listens, and
+    anything but a socket nobody listens on is left alone. Such a stale socket (a
+    crashed daemon's) is still replaced."""
+    path = base / "control.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if held_by == "a listener":
+            listener.bind(str(path))
+            listener.listen()
+            says = f"something listens on the control socket {path}"
+        elif held_by == "a regular file":
+            path.write_text("an operator's file\n")
+            says = f"the control socket path {path} is a regular file, not a socket"
+        else:
+            path.mkdir()
+            says = f"the control socket path {path} is a directory, not a socket"
+        done = serve_beside(base, "--control-socket", str(path))
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert done.stderr.startswith(f"gatewayd: refused to start: {says}"), done.stderr
+        assert "give this daemon another --control-socket (control_socket)" in done.stderr
+        assert "Traceback" not in done.stderr
+        if held_by == "a listener":
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                client.connect(str(path))  # still the listener's
+        elif held_by == "a regular file":
+            assert path.read_text() == "an operator's file\n"
+        else:
+            assert path.is_dir()
+    finally:
+        listener.close()
+    # A socket nobody listens on: replaced, served, and removed at a clean stop.
+    stale = base / "c" / "state" / "control.sock"
+    stale.parent.mkdir(parents=True)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(str(stale))
+    daemon = start_daemon(stale.parent)
+    assert daemon.stop() == 0
+    assert not stale.exists()
+
+
+async def test_a_control_socket_replaced_under_a_daemon_is_not_removed_at_its_stop(
+    base: Path,
+) -> None:
+    """A stop removes the path only while it is still the socket this daemon bound."""
+    from gatewayd.control import ControlServer
+
+    config = DaemonConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
+    path = base / "control.sock"
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        await nursery.start(ControlServer(daemon).serve, path)
+        path.rename(base / "moved.sock")
+        path.write_text("put here since\n")
+        nursery.cancel_scope.cancel()
+    assert path.read_text() == "put here since\n"

@@ -28,6 +28,7 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import trio
 
+from gatewayd import egress
 from gatewayd.audit import AuditLog, open_audit_log, verify_file
 from gatewayd.egress import HEAD_TIMEOUT_S, MAX_HEAD_BYTES, EgressProxy, serve_egress
 from gatewayd.errors import ToolFailed
@@ -230,6 +231,7 @@ async def running(
     head_timeout_s: float = HEAD_TIMEOUT_S,
     degraded: str | None = None,
     drain: bool = True,
+    reply_after_result: bool = True,
 ) -> AsyncIterator[Harness]:
     """serve_egress on ``tmp/egress.sock`` and a TCP relay to it; stopped on exit, once
     the connections in flight have ended (``drain``) or at once."""
@@ -248,6 +250,7 @@ async def running(
             resolve=resolve,
             degraded=degraded,
             head_timeout_s=head_timeout_s,
+            reply_after_result=reply_after_result,
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(
@@ -772,3 +775,99 @@ async def test_a_peer_outside_the_sandbox_is_refused_and_refusals_are_throttled(
     assert first["detail"]["verdict"] == "denied" and first["detail"]["domain"] is None
     assert leftover["errorCode"] == "authz_denied"
     assert leftover["detail"]["suppressedSinceLast"] == 2
+
+
+# --- every error answer waits for its entry (invariant RESULT_BEFORE_REPLY) ---------------
+
+
+class AnswerWatch:
+    """At each error answer the proxy sends: how many ``egress`` entries were recorded by
+    then, the last one's seq, the durable seq, and whether that line was in the file."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.seqs: list[int] = []
+        self.at_answer: list[tuple[int, int, int, bool]] = []
+        self._audit: AuditLog | None = None
+        answer = egress._answer
+
+        async def watched(stream: trio.abc.Stream, data: bytes, *, linger: bool) -> None:
+            if self._audit is not None and self.seqs:
+                seq = self.seqs[-1]
+                lines = self._audit.path.read_text().splitlines()
+                on_disk = any(f'{{"seq":{seq},' in line for line in lines)
+                self.at_answer.append((len(self.seqs), seq, self._audit.durable_seq, on_disk))
+            else:
+                self.at_answer.append((0, 0, 0, False))
+            await answer(stream, data, linger=linger)
+
+        monkeypatch.setattr(egress, "_answer", watched)
+        self._monkeypatch = monkeypatch
+
+    def watch(self, audit: AuditLog) -> None:
+        self._audit = audit
+        record = audit.record
+
+        def recording(kind: str, **fields: Any) -> int:
+            seq = record(kind, **fields)
+            if fields.get("event") == "egress":
+                self.seqs.append(seq)
+            return seq
+
+        self._monkeypatch.setattr(audit, "record", recording)
+
+
+@pytest.mark.parametrize("reply_after_result", [True, False])
+async def test_every_error_answer_is_sent_only_once_its_egress_entry_is_durable(
+    short_tmp: Path, origins: Origins, monkeypatch: pytest.MonkeyPatch, reply_after_result: bool
+) -> None:
+    """Refused by policy (domain, port, method, a private address), malformed, a name
+    that does not resolve, an origin that refuses (after ``egress_opened``), an origin
+    silent past the idle timeout, a peer outside the sandbox: each answer leaves once
+    the connection's ``egress`` entry saying so is durable; with the opt-out, at once
+    (the entry recorded, not yet written)."""
+    watch = AnswerWatch(monkeypatch)
+    http = origins.http_port
+    asked = [
+        (get("http://evil.example.net/"), 403),
+        (get("http://pkgs.example.org:1/"), 403),
+        (get(f"http://pkgs.example.org:{http}/", method="DELETE"), 405),
+        (get(f"http://intranet.example.org:{http}/"), 403),
+        (b"garbage\r\n\r\n", 400),
+        (connect(f"gone.example.org:{origins.tls_port}"), 502),
+        (connect(f"down.example.org:{origins.closed_port}"), 502),
+        (get(f"http://pkgs.example.org:{http}/stall"), 504),
+    ]
+    net = network(origins, proxy={"idle_timeout_s": 0.3})
+    async with running(short_tmp, net, reply_after_result=reply_after_result) as h:
+        assert h.audit is not None
+        watch.watch(h.audit)
+        statuses = [(await raw(h, data))[0] for data, _ in asked]
+    assert statuses == [status for _, status in asked]
+    outsider = short_tmp / "outsider"
+    outsider.mkdir()
+    async with running(
+        outsider, net, owns_peer=lambda pid: False, reply_after_result=reply_after_result
+    ) as h:
+        assert h.audit is not None
+        watch.watch(h.audit)
+        assert (await raw(h, get(f"http://pkgs.example.org:{http}/hello")))[0] == 403
+    assert len(watch.at_answer) == len(asked) + 1
+    for number, (recorded, seq, durable, on_disk) in enumerate(watch.at_answer, 1):
+        # One entry per connection, recorded before its answer: the latest is its own.
+        assert recorded == number, f"answer {number} left before its egress entry"
+        if reply_after_result:
+            assert durable >= seq and on_disk, f"answer {number} left before seq {seq}"
+        else:
+            assert durable < seq, f"answer {number}: the opt-out waited"
+
+
+async def test_a_refusal_whose_entry_cannot_be_written_is_answered_503(
+    short_tmp: Path, origins: Origins
+) -> None:
+    async with running(short_tmp, network(origins)) as h:
+        assert h.audit is not None
+        full = os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+        os.dup2(full, h.audit.fileno())  # a real ENOSPC under the log
+        os.close(full)
+        status, _, body = await raw(h, get("http://evil.example.net/"))
+    assert status == 503 and b"audit log cannot be written" in body

@@ -2,7 +2,7 @@
 cogni-tool client (or raw bytes where the client would refuse to send them), each
 checked for its code, a helpful message, and its audit entries.
 
-review_denied is not produced yet: rule review arrives with issue 4.
+review_denied is the rule review's: tests/integration/test_review.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from cogni_tool.client import Client, ToolError
 from gatewayd.errors import ToolFailed
 from gatewayd.tools import builtin_tools
 from gatewayd.tools.registry import ToolContext, ToolSpec
-from tests.conftest import Gateway, frame, make_gateway, raw_exchange, request
+from tests.conftest import Gateway, frame, make_gateway, raw_exchange, read_frame, request
 
 
 async def call(
@@ -183,6 +183,10 @@ async def _fail(_a: _Empty, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
     raise ToolFailed("upstream said no")
 
 
+async def _unencodable(_a: _Empty, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+    return {"set": {object()}}  # no JSON for it: gatewayd's bug, never the caller's
+
+
 # Deliberately slow / crashing tools: the only way to reach the timeout and internal
 # paths with tools that are otherwise correct.
 TEST_TOOLS: dict[str, ToolSpec[Any]] = {
@@ -192,6 +196,12 @@ TEST_TOOLS: dict[str, ToolSpec[Any]] = {
     ),
     "test.crash": ToolSpec(name="test.crash", summary="crashes", args_type=_Empty, run=_crash),
     "test.fail": ToolSpec(name="test.fail", summary="fails", args_type=_Empty, run=_fail),
+    "test.unencodable": ToolSpec(
+        name="test.unencodable",
+        summary="answers what JSON cannot hold",
+        args_type=_Empty,
+        run=_unencodable,
+    ),
 }
 TEST_POLICY = """
 version: 1
@@ -224,3 +234,29 @@ async def test_internal_error_hides_details_and_is_audited(
         assert await audited(gw, "internal")
         err = await expect_error(run, "test.fail")
         assert err.code == "tool_failed" and "upstream said no" in str(err)
+
+
+async def test_a_value_gatewayd_cannot_encode_is_internal_audited_and_the_connection_goes_on(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, TEST_TOOLS) as gw:
+        run = await gw.create_run(workspace, TEST_POLICY)
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        async with stream:
+            await stream.send_all(
+                frame(request(run, "test.unencodable", tcid="bad"))
+                + frame(request(run, "time.now", tcid="after"))
+            )
+            buf = bytearray()
+            with trio.fail_after(10):
+                answers = {}
+                while len(answers) < 2:
+                    message = await read_frame(stream, buf)
+                    assert message is not None, answers
+                    answers[message["toolCallId"]] = message
+        assert answers["bad"]["errorCode"] == "internal"
+        assert "failed inside gatewayd" in answers["bad"]["safeMessage"]
+        assert answers["after"]["ok"] is True
+        entries = await gw.audit_entries()
+        results = [e for e in entries if e["kind"] == "result" and e.get("toolCallId") == "bad"]
+        assert [e["errorCode"] for e in results] == ["internal"]

@@ -448,6 +448,30 @@ def test_rules_are_read_by_name_only(live: LiveDaemon) -> None:
     assert status == 200 and answer["policy"].endswith("policies/examples/demo.yaml")
 
 
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        # Two values: never silently the first.
+        ("/v1/rules?policy=demo&policy=other", "query parameter 'policy' is given more than once"),
+        ("/v1/rules?policy=demo&policy=demo", "query parameter 'policy' is given more than once"),
+        (
+            "/v1/rules?polciy=x",
+            "unknown query parameter 'polciy' for GET /v1/rules; it takes: policy",
+        ),
+        ("/v1/runs?state=ended", "for GET /v1/runs; it takes: no query parameters"),
+        ("/v1/health?verbose", "malformed query string: bad query field: 'verbose'"),
+        ("/v1/rules?policy=%ff", "malformed query string: 'utf-8' codec can't decode"),
+        ("/v1/rules?" + "&".join(f"p{i}=1" for i in range(17)), "Max number of fields exceeded"),
+    ],
+)
+def test_a_repeated_unknown_or_malformed_query_parameter_is_refused(
+    live: LiveDaemon, target: str, says: str
+) -> None:
+    status, answer = live.control("GET", target)
+    assert (status, answer["errorCode"]) == (400, "bad_request"), answer
+    assert says in answer["message"], answer["message"]
+
+
 def test_a_policy_name_leading_to_a_file_that_is_no_policy_quotes_none_of_it(
     tmp_path: Path, live: LiveDaemon
 ) -> None:

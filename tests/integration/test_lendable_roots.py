@@ -11,9 +11,11 @@ The lease's round trip is shown on a workspace under /tmp, from inside a real sa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -29,9 +31,10 @@ import pytest
 
 from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
 from gatewayd.runs import Grant, Run, RunRequest
-from gatewayd.sandbox.lease import lend
-from gatewayd.sandbox.lendable import LendableRoots, NotLendable
+from gatewayd.sandbox.lease import LeaseError, give_back, lend, read_lease
+from gatewayd.sandbox.lendable import LendableRoots, NotLendable, OwnDirectory
 from gatewayd.sandbox.limits import HostUser
+from gatewayd.sandbox.session import clean_leftovers
 from gatewayd.sandbox.uids import UidRange
 from tests.decoyroot import run_in_decoy_root
 
@@ -627,3 +630,459 @@ def test_the_lease_refuses_a_tree_beneath_no_root_before_recording_or_chowning(
         lend([ws], user, record, roots=LendableRoots(configured=(Path("/home"),)))
     assert not (record / "lease.json").exists()
     assert os.stat(ws).st_uid == 0 and os.stat(ws / "notes.txt").st_uid == 0
+
+
+# --- gatewayd's own directories are never lent, however a path or setting is written ----
+
+OWN_RW_POLICY = """
+version: 1
+name: own-rw
+tools: {allow: [fs.read]}
+filesystem:
+  paths:
+    workspace: {root: ., mode: rw}
+    target: {root: TARGET, mount: /data/target, mode: rw}
+"""
+OWN_DEGRADED_POLICY = DEGRADED_POLICY.replace("degraded-demo", "own-degraded")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OwnCase:
+    """A daemon's settings, a run's paths, and what the refusal must say."""
+
+    config: dict[str, Any]
+    workspace: Path
+    says: str
+    own: Path  # the directory of gatewayd's the run would have been lent
+    attack: str  # what the sandbox would do to it, had it been lent
+    policy: str = "demo"
+
+
+def _own_case(name: str, base: Path) -> OwnCase:
+    real = base / "real"
+    (base / "lnk").symlink_to(real)
+    for directory in (real, base / "x", base / "ws"):
+        directory.mkdir()
+    forge = "echo FORGED >> {}"
+    state_via_link = {"state_dir": base / "lnk" / "state"}
+    if name == "state_dir through a symlink":
+        return OwnCase(
+            config=state_via_link,
+            workspace=real,
+            says=f"workspace {real} holds gatewayd's own state_dir {real}/state,",
+            own=real / "state",
+            attack=forge.format("/workspace/state/audit/audit.jsonl"),
+        )
+    if name == "state_dir through '..'":
+        return OwnCase(
+            config={"state_dir": base / "x" / ".." / "real" / "state"},
+            workspace=real,
+            says=f"workspace {real} holds gatewayd's own state_dir {real}/state,",
+            own=real / "state",
+            attack=forge.format("/workspace/state/audit/audit.jsonl"),
+        )
+    if name == "workspace through a symlink":
+        return OwnCase(
+            config={"state_dir": real / "state"},
+            workspace=base / "lnk",
+            says=f"workspace {real} holds gatewayd's own state_dir {real}/state,",
+            own=real / "state",
+            attack=forge.format("/workspace/state/audit/audit.jsonl"),
+        )
+    if name == "agent_dir":
+        (real / "agent").mkdir(mode=0o700)
+        (real / "agent" / "checkout.txt").write_text("another run's\n")
+        return OwnCase(
+            config={"state_dir": base / "state", "agent_dir": base / "lnk" / "agent"},
+            workspace=real,
+            says=f"workspace {real} holds gatewayd's own agent_dir {real}/agent,",
+            own=real / "agent",
+            attack=forge.format("/workspace/agent/checkout.txt"),
+        )
+    if name == "audit_path's directory":
+        return OwnCase(
+            config={"state_dir": base / "state", "audit_path": base / "lnk" / "audit.jsonl"},
+            workspace=real,
+            says=f"workspace {real} holds gatewayd's own audit_path's directory {real},",
+            own=real,
+            attack=forge.format("/workspace/audit.jsonl"),
+        )
+    if name == "control_socket's directory":
+        (real / "sock").mkdir()
+        return OwnCase(
+            config={"state_dir": base / "state", "control_socket": base / "lnk/sock/c.sock"},
+            workspace=real,
+            says=(f"workspace {real} holds gatewayd's own control_socket's directory {real}/sock,"),
+            own=real / "sock",
+            attack="mkfifo /workspace/sock/c.sock",  # a stand-in where the socket is
+        )
+    if name == "a directory in state_dir":
+        (real / "state" / "ws").mkdir(parents=True)
+        return OwnCase(
+            config=state_via_link,
+            workspace=real / "state" / "ws",
+            says=f"workspace {real}/state/ws lies in gatewayd's own state_dir {real}/state,",
+            own=real / "state",
+            attack="echo made > /workspace/made",
+        )
+    if name == "a directory in agent_dir":
+        (real / "agent" / "ws").mkdir(parents=True)
+        return OwnCase(
+            config={"state_dir": base / "state", "agent_dir": base / "lnk" / "agent"},
+            workspace=real / "agent" / "ws",
+            says=f"workspace {real}/agent/ws lies in gatewayd's own agent_dir {real}/agent,",
+            own=real / "agent",
+            attack="echo made > /workspace/made",
+        )
+    if name == "an rw policy path":
+        (base / "policies" / "own-rw.yaml").write_text(
+            textwrap.dedent(OWN_RW_POLICY).replace("TARGET", str(base / "lnk"))
+        )
+        return OwnCase(
+            config={"state_dir": base / "state", "audit_path": real / "audit.jsonl"},
+            workspace=base / "ws",
+            says=(
+                f"policy path 'target' (rw) {real} holds gatewayd's own audit_path's "
+                f"directory {real},"
+            ),
+            own=real,
+            attack=forge.format("/data/target/audit.jsonl"),
+            policy="own-rw",
+        )
+    assert name == "a degraded run's workspace", name
+    (base / "policies" / "own-degraded.yaml").write_text(textwrap.dedent(OWN_DEGRADED_POLICY))
+    return OwnCase(
+        config={**state_via_link, "os_sandbox": False},
+        workspace=real,
+        says=f"workspace {real} holds gatewayd's own state_dir {real}/state,",
+        own=real / "state",
+        attack="",  # its host-side tools would write as gatewayd: never started
+        policy="own-degraded",
+    )
+
+
+OWN_CASES = (
+    "state_dir through a symlink",
+    "state_dir through '..'",
+    "workspace through a symlink",
+    "agent_dir",
+    "audit_path's directory",
+    "control_socket's directory",
+    "a directory in state_dir",
+    "a directory in agent_dir",
+    "an rw policy path",
+    "a degraded run's workspace",
+)
+
+
+def _owners_beneath(tree: Path) -> set[int]:
+    return {os.lstat(p).st_uid for p in (tree, *tree.rglob("*"))}
+
+
+@pytest.mark.parametrize("name", OWN_CASES)
+async def test_a_tree_holding_or_in_gatewayds_own_directories_is_refused_on_its_real_path(
+    base: Path, name: str
+) -> None:
+    (base / "policies").mkdir()
+    case = _own_case(name, base)
+    config = DaemonConfig(
+        policy_dirs=(Path(DEMO).parent, base / "policies"),
+        netns_prefix=f"cgt{secrets.token_hex(4)}-",
+        sandbox_uids=UidRange(1_700_000_000 + secrets.randbelow(50_000) * 1024, 64),
+        **case.config,
+    )
+    async with open_daemon(config) as daemon:
+        before = _owners_beneath(case.own)
+        log = daemon.config.resolved_audit_path
+        request = RunRequest(
+            workspacePath=str(case.workspace),
+            policy=case.policy,
+            actorId="tester",
+            tenantId="t1",
+            grant=Grant(allowSandbox=True),
+        )
+        refusal = ""
+        try:
+            run = await daemon.start_run(request)
+        except NotLendable as exc:
+            refusal = str(exc)
+        else:  # lent: the attack, from inside the sandbox, as the review showed it
+            if case.attack:
+                await daemon.exec_in_run(run.run_id, ["sh", "-c", case.attack], timeout_s=30)
+            await daemon.end_run(run.run_id)
+        text = log.read_text()
+    assert "FORGED" not in text.splitlines(), "the sandbox wrote gatewayd's audit log"
+    entries = [json.loads(line) for line in text.splitlines()]
+    assert case.says in refusal, refusal or "the run started: the tree was lent"
+    assert "which a sandbox never writes" in refusal or "is never lent" in refusal, refusal
+    assert _owners_beneath(case.own) == before == {0}  # nothing of it was ever chowned
+    refused = [e for e in entries if e.get("event") == "run_refused"]
+    assert [(e["errorCode"], e["safeMessage"]) for e in refused] == [("bad_request", refusal)]
+
+
+def test_a_tree_beneath_the_audit_logs_directory_is_lent_like_any(base: Path) -> None:
+    # Only the state and agent directories hold other runs' files: beneath the audit
+    # log's or the control socket's directory, a tree holds neither of those files.
+    logs = base / "logs"
+    (logs / "ws").mkdir(parents=True)
+    own = OwnDirectory(setting="audit_path's directory", path=logs, private=False)
+    st = os.stat(logs / "ws")
+    assert LendableRoots(reserved=(own,)).require(logs / "ws") == (st.st_dev, st.st_ino)
+
+
+def test_an_agent_runs_own_root_in_agent_dir_is_lent_beneath_and_nothing_else_there(
+    base: Path,
+) -> None:
+    agent = base / "agent"
+    work = agent / "0123456789abcdef"
+    (work / "clone").mkdir(parents=True)
+    (agent / "other").mkdir()
+    work.chmod(0o700)
+    own = OwnDirectory(setting="agent_dir", path=agent, private=True)
+    roots = LendableRoots(configured=(), own=(work,), reserved=(own,))
+    roots.require(work / "clone")
+    with pytest.raises(NotLendable) as caught:
+        LendableRoots(own=(work,), reserved=(own,)).require(agent / "other", what="workspace")
+    assert str(caught.value) == (
+        f"workspace {agent}/other lies in gatewayd's own agent_dir {agent}, which holds "
+        "other runs' files and is never lent: use a directory outside gatewayd's own "
+        "directories"
+    )
+    assert caught.value.code == "bad_request"
+
+
+def test_a_configured_root_leading_into_the_state_directory_is_no_root_at_runtime(
+    base: Path,
+) -> None:
+    # The configuration checks the root when it is read; a symlink made afterwards (or
+    # a DaemonConfig made in code) is caught where the root is used, on its real path.
+    state = base / "state"
+    (state / "ws").mkdir(parents=True)
+    (base / "srv-ws").symlink_to(state)
+    own = OwnDirectory(setting="state_dir", path=state, private=True)
+    roots = LendableRoots(configured=(base / "srv-ws",), reserved=(own,))
+    with pytest.raises(NotLendable) as caught:
+        roots.require(base / "srv-ws" / "ws", what="workspace")
+    message = str(caught.value)
+    assert f"workspace {base}/srv-ws/ws (really {state}/ws) lies under no lendable root" in message
+    assert (
+        f"{base}/srv-ws is no root here: {state} lies in gatewayd's own state_dir {state}, "
+        "which is never lent"
+    ) in message, message
+
+
+# --- the lease follows the directory it lent, never a path -------------------------------
+
+BORROWER = HostUser(uid=4_000_021, gid=4_000_021)
+
+
+def _tree(base: Path, name: str = "ws") -> Path:
+    ws = base / "homes" / name
+    (ws / "sub").mkdir(parents=True)
+    (ws / "notes.txt").write_text("notes\n")
+    (ws / "sub" / "deep.txt").write_text("deep\n")
+    return ws
+
+
+def _uids(tree: Path) -> set[int]:
+    return {os.lstat(p).st_uid for p in (tree, *tree.rglob("*"))}
+
+
+def _roots(base: Path) -> LendableRoots:
+    return LendableRoots(configured=(base / "homes",))
+
+
+def test_the_lease_lends_only_the_directory_the_sandbox_binds(base: Path) -> None:
+    ws = _tree(base)
+    other = _tree(base, "other")
+    record = base / "record"
+    record.mkdir()
+    bound = os.stat(other)  # what bwrap would bind: not what the path leads to now
+    with pytest.raises(LeaseError) as caught:
+        lend([ws], BORROWER, record, roots=_roots(base), pinned={ws: (bound.st_dev, bound.st_ino)})
+    now = os.stat(ws)
+    assert str(caught.value) == (
+        f"{ws} is no longer the directory the run's sandbox binds (device and inode "
+        f"{bound.st_dev}:{bound.st_ino}, now {now.st_dev}:{now.st_ino}: it was replaced after "
+        "the run was created); nothing was lent"
+    )
+    assert not (record / "lease.json").exists()
+    assert _uids(ws) == _uids(other) == {0}
+
+
+def test_the_lease_records_the_identity_of_each_directory_lent(base: Path) -> None:
+    ws = _tree(base)
+    lease = lend([ws], BORROWER, base, roots=_roots(base))
+    st = os.stat(ws)
+    assert read_lease(base) == lease
+    assert [(t.path, t.identity) for t in lease.trees] == [(str(ws), (st.st_dev, st.st_ino))]
+    give_back(lease)
+    assert _uids(ws) == {0}
+
+
+def test_a_live_runs_tree_is_given_back_wherever_it_was_moved_and_a_deleted_one_is_done(
+    base: Path,
+) -> None:
+    ws = _tree(base)
+    lease = lend([ws], BORROWER, base, roots=_roots(base))
+    held = os.open(ws, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        moved = base / "homes" / "moved"
+        ws.rename(moved)
+        ws.mkdir()  # something else at the path: never touched
+        os.chown(ws, BORROWER.uid, BORROWER.gid)
+        assert give_back(lease, held={str(ws): held}) == 4
+        assert _uids(moved) == {0}
+        assert _uids(ws) == {BORROWER.uid}
+        shutil.rmtree(moved)
+        assert give_back(lease, held={str(ws): held}) == 0  # deleted: nothing to give back
+    finally:
+        os.close(held)
+
+
+def test_a_descriptor_of_another_directory_gives_nothing_back(base: Path) -> None:
+    ws = _tree(base)
+    other = _tree(base, "other")
+    lease = lend([ws], BORROWER, base, roots=_roots(base))
+    (tree,) = lease.trees
+    os.chown(other / "notes.txt", BORROWER.uid, BORROWER.gid)
+    held = os.open(other, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        with pytest.raises(LeaseError) as caught:
+            give_back(lease, held={str(ws): held})
+    finally:
+        os.close(held)
+    st = os.stat(other)
+    assert str(caught.value) == (
+        f"could not give back: {ws}: the descriptor held is not the directory lent (device "
+        f"and inode {st.st_dev}:{st.st_ino}, lent {tree.device}:{tree.inode})"
+    )
+    assert os.stat(other / "notes.txt").st_uid == BORROWER.uid  # not the lease's tree
+    assert _uids(ws) == {BORROWER.uid}
+    give_back(lease)
+    assert _uids(ws) == {0}
+
+
+@pytest.mark.parametrize("now", ["another directory", "a symlink to it", "nothing"])
+def test_a_crashed_runs_lease_is_kept_when_its_path_no_longer_leads_to_the_tree(
+    base: Path, now: str
+) -> None:
+    runs = base / "state" / "runs"
+    run_dir = runs / secrets.token_hex(16)
+    run_dir.mkdir(parents=True)
+    ws = _tree(base)
+    lease = lend([ws], BORROWER, run_dir, roots=_roots(base))
+    (tree,) = lease.trees
+    moved = base / "homes" / "moved"
+    ws.rename(moved)
+    if now == "another directory":
+        ws.mkdir()
+        os.chown(ws, BORROWER.uid, BORROWER.gid)
+        st = os.stat(ws)
+        why = (
+            f"it leads to another directory than the one lent (device and inode "
+            f"{st.st_dev}:{st.st_ino}, lent {tree.device}:{tree.inode})"
+        )
+    elif now == "a symlink to it":
+        ws.symlink_to(moved)  # even to the very tree: a symlink is never followed
+        why = "it no longer leads to the directory lent (a symlink now)"
+    else:
+        why = "it no longer leads to the directory lent (No such file or directory)"
+    cleaned = clean_leftovers(runs, None)
+    assert cleaned["failed"] == [
+        f"{run_dir.name}: could not give back: {ws}: {why}; nothing of it was changed, and "
+        "the lease record stays so the next start tries again: put the directory lent back "
+        f"at {ws}, or, if it was deleted, remove the run's directory under STATE/runs"
+    ]
+    assert cleaned["leasesReturned"] == [] and cleaned["runDirs"] == []
+    assert read_lease(run_dir) == lease
+    assert _uids(moved) == {BORROWER.uid}
+    if now == "another directory":
+        assert _uids(ws) == {BORROWER.uid}  # not the lease's: left as it is
+        ws.rmdir()
+    else:
+        ws.unlink(missing_ok=True)
+    moved.rename(ws)  # put back: the next start returns it
+    assert clean_leftovers(runs, None) == {
+        "leasesReturned": [str(ws)],
+        "runDirs": [run_dir.name],
+        "netns": [],
+    }
+    assert _uids(ws) == {0}
+
+
+def test_a_lease_record_without_the_directorys_identity_is_kept_and_explained(
+    base: Path,
+) -> None:
+    runs = base / "state" / "runs"
+    run_dir = runs / secrets.token_hex(16)
+    run_dir.mkdir(parents=True)
+    ws = _tree(base)
+    record = {
+        "uid": 4_000_021,
+        "gid": 4_000_021,
+        "trees": [{"path": str(ws), "ownerUid": 0, "ownerGid": 0}],
+    }
+    (run_dir / "lease.json").write_text(json.dumps(record))
+    cleaned = clean_leftovers(runs, None)
+    assert cleaned["failed"] == [
+        f"{run_dir.name}: unreadable lease record {run_dir}/lease.json: it has no 'device' "
+        "(written by an older gatewayd, or damaged), so nothing of it was given back: "
+        f"return its trees to their owners by hand, then remove {run_dir}"
+    ]
+    assert (run_dir / "lease.json").is_file()
+
+
+NO_PROC = """
+import json, os, sys
+from pathlib import Path
+from gatewayd.sandbox.lease import LeaseError, give_back, mount_points_under, read_lease
+out = {}
+try:
+    mount_points_under(Path(sys.argv[1]))
+    out["mounts"] = "read"
+except LeaseError as exc:
+    out["mounts"] = str(exc)
+try:
+    give_back(read_lease(Path(sys.argv[2])))
+    out["give_back"] = "given back"
+except LeaseError as exc:
+    out["give_back"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_without_proc_nothing_is_given_back_and_the_lease_says_why(base: Path) -> None:
+    # A mount table that cannot be read (no /proc in this mount namespace): mounts inside
+    # the tree cannot be told from the tree, and no descriptor can be changed through.
+    ws = _tree(base)
+    lend([ws], BORROWER, base, roots=_roots(base))
+    proc = subprocess.run(
+        [
+            *("unshare", "-m", "--propagation", "private", "sh", "-c"),
+            'mount -t tmpfs none /proc && exec "$0" -I -c "$1" "$2" "$3"',
+            *(sys.executable, NO_PROC, str(ws), str(base)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["mounts"] == (
+        f"cannot tell the mounts inside {ws} (/proc/self/mountinfo: No such file or "
+        "directory); nothing of it was changed"
+    )
+    assert re.fullmatch(
+        re.escape(f"could not give back: {ws}: cannot tell where the tree is (/proc/self/fd/")
+        + r"\d+"
+        + re.escape(
+            ": No such file or directory): gatewayd changes a tree only through "
+            "/proc/self/fd, so /proc must be mounted; nothing of it was changed"
+        ),
+        out["give_back"],
+    ), out["give_back"]
+    assert _uids(ws) == {BORROWER.uid}
+    give_back(read_lease(base) or pytest.fail("no lease"))
+    assert _uids(ws) == {0}

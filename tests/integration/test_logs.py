@@ -184,7 +184,9 @@ async def test_a_line_logged_inside_a_call_gets_the_run_id_without_passing_it(
     async with make_gateway(short_tmp, TOOLS) as gw:
         policy = "version: 1\nname: ctx\ntools: {allow: [test.context]}\n"
         first = await gw.create_run(workspace, policy)
-        second = await gw.create_run(short_tmp, policy)
+        other = short_tmp / "other-ws"  # not short_tmp itself: it holds the state dir
+        other.mkdir()
+        second = await gw.create_run(other, policy)
         for run in (first, second, first):
             [answer] = await raw_exchange(run.socket_path, frame(request(run, "test.context", {})))
             assert answer["ok"], answer

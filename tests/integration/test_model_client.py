@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from gatewayd import model_client
-from gatewayd.config import ModelAlias
+from gatewayd.config import DEFAULT_MAX_REPLY_BYTES, ModelAlias
 from gatewayd.model_client import (
     KEYLESS_PLACEHOLDER,
     REDACTED,
@@ -392,7 +392,7 @@ async def test_timeout_must_be_a_positive_number(fake: FakeProvider, timeout_s: 
         await complete(alias_for(fake), MESSAGES, timeout_s=timeout_s)
 
 
-# --- the fake itself, for the streaming model.chat tool (issue 5) -----------------------
+# --- the fake itself, for the streaming model.chat tool -----------------------------
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")  # litellm's own
@@ -526,3 +526,310 @@ async def test_a_tool_call_without_a_name_is_malformed(fake: FakeProvider, key_e
 
     assert caught.value.kind is ModelCallKind.MALFORMED
     assert "tool call without an id or a function name" in str(caught.value)
+
+
+# --- whatever a provider sends ends as a ModelCallError -----------------------------------
+
+# Every litellm route through which a provider's reply reaches gatewayd: the OpenAI SDK's
+# (openai) and litellm's own handler, with the parsers of three providers.
+ROUTES = ("openai", "hosted_vllm", "anthropic", "ollama_chat")
+# Past Python's recursion limit in any recursive parser, far under the reply cap.
+DEEP = b"[" * 200_000
+# The same depth as valid JSON: an error body whose message is nested, not unterminated.
+DEEP_VALID = b'{"error": {"message": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"
+COMPLETION_HEAD = (
+    b'{"id": "x", "object": "chat.completion", "created": 1, "model": "m", "choices": '
+    b'[{"index": 0, "finish_reason": "stop", "message": {"role": "assistant", '
+    b'"content": "ALLOW"}}], "usage": {"prompt_tokens": '
+)
+UNREADABLE = "the answer is not a readable chat completion"
+# A body of empty lists just under the default reply cap: 2.8 million lists, about 180 MB
+# once parsed.
+MEMORY_BODY_BYTES = DEFAULT_MAX_REPLY_BYTES - 64
+# The memory a child gets past its size: enough to read that body (held as bytes, text and
+# a copy or two), far from enough to parse it.
+MEMORY_HEADROOM = 100 << 20
+PROVIDER_REPLIES = [
+    pytest.param(
+        Malformed(body=DEEP),
+        ModelCallKind.MALFORMED,
+        "the answer nests too deeply to be parsed",
+        id="deep-200",
+    ),
+    pytest.param(
+        Malformed(body=DEEP_VALID),
+        ModelCallKind.MALFORMED,
+        "the answer nests too deeply to be parsed",
+        id="deep-valid-200",
+    ),
+    pytest.param(
+        Malformed(status=400, body=DEEP),
+        ModelCallKind.BAD_REQUEST,
+        "the provider refused the request (HTTP 400: [[[[",
+        id="deep-400",
+    ),
+    pytest.param(
+        Malformed(status=429, body=DEEP_VALID),
+        ModelCallKind.RATE_LIMITED,
+        'the provider is rate limiting (HTTP 429: {"error": {"message": [[[[',
+        id="deep-valid-429",
+    ),
+    pytest.param(
+        Malformed(status=500, body=DEEP),
+        ModelCallKind.PROVIDER_ERROR,
+        "the provider failed (HTTP 500: [[[[",
+        id="deep-500",
+    ),
+    pytest.param(
+        Malformed(status=400, body=b'\xff{"error": {"message": "not \xfe UTF-8"}}'),
+        ModelCallKind.BAD_REQUEST,
+        "the provider refused the request (HTTP 400: ",
+        id="not-utf8-400",
+    ),
+    pytest.param(
+        Malformed(body=b'\xff\xfe{"choices": []}'),
+        ModelCallKind.MALFORMED,
+        UNREADABLE,
+        id="not-utf8",
+    ),
+    pytest.param(
+        Malformed(
+            status=400,
+            body=b'{"error": {"message": "x", "code": ' + b"9" * 5000 + b"}}",
+        ),
+        ModelCallKind.BAD_REQUEST,
+        "the provider refused the request (HTTP 400: {",
+        id="huge-int-400",
+    ),
+    pytest.param(
+        Malformed(body=COMPLETION_HEAD + b"9" * 5000 + b"}}"),
+        ModelCallKind.MALFORMED,
+        UNREADABLE,
+        id="huge-int",
+    ),
+    pytest.param(
+        Malformed(body=COMPLETION_HEAD + b"NaN}}"), ModelCallKind.MALFORMED, UNREADABLE, id="nan"
+    ),
+    # An error body past MAX_ERROR_BODY_CHARS is quoted from its start, never parsed (its
+    # message, "big", would be quoted alone if it were).
+    pytest.param(
+        Malformed(
+            status=400,
+            body=b'{"error": {"message": "big"}, "pad": "'
+            + b"x" * model_client.MAX_ERROR_BODY_CHARS
+            + b'"}',
+        ),
+        ModelCallKind.BAD_REQUEST,
+        'the provider refused the request (HTTP 400: {"error": {"message": "big"}, "pad": "xxx',
+        id="big-error-body",
+    ),
+    # Headers litellm reads on an error (rate limits, when to retry) that are no numbers.
+    pytest.param(
+        Malformed(
+            status=429,
+            body=b'{"error": {"message": "slow down"}}',
+            headers={
+                "Retry-After": "1e999",
+                "x-ratelimit-remaining-requests": "NaN",
+                "x-ratelimit-reset-requests": "-" + "9" * 5000,
+                "retry-after-ms": "[[[[",
+            },
+        ),
+        ModelCallKind.RATE_LIMITED,
+        "the provider is rate limiting (HTTP 429: slow down); wait before calling again",
+        id="odd-headers-429",
+    ),
+    pytest.param(Malformed(body=b"[1, 2, 3]"), ModelCallKind.MALFORMED, UNREADABLE, id="list"),
+    pytest.param(Malformed(body=b"null"), ModelCallKind.MALFORMED, UNREADABLE, id="null"),
+    pytest.param(
+        Malformed(body=b'{"choices": [null], "model": "m"}'),
+        ModelCallKind.MALFORMED,
+        UNREADABLE,
+        id="choice-null",
+    ),
+    pytest.param(
+        Malformed(body=b'{"choices": "x", "model": "m"}'),
+        ModelCallKind.MALFORMED,
+        UNREADABLE,
+        id="choices-text",
+    ),
+]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # pydantic's, on litellm's models
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("reply", "kind", "phrase"), PROVIDER_REPLIES)
+async def test_every_reply_a_provider_can_send_ends_as_a_model_call_error(
+    fake: FakeProvider,
+    key_env: str,
+    route: str,
+    reply: Malformed,
+    kind: ModelCallKind,
+    phrase: str,
+) -> None:
+    """Bodies of success and error replies that exhaust a recursive parser, are not UTF-8,
+    hold numbers Python or JSON refuse, or have the wrong shape, on every route: each ends
+    as the ModelCallError of its kind, with a message that says what was wrong (no
+    traceback quoted from litellm, no key), after one request."""
+    fake.script(reply)
+
+    error = await failing_call(alias_for(fake, provider=route))
+
+    assert (error.kind, phrase in str(error)) == (kind, True), str(error)
+    assert str(error).startswith(f"model alias 'reviewer' ({route}/reviewer-model at ")
+    if kind is ModelCallKind.MALFORMED:
+        assert str(error).endswith("check that the endpoint speaks the OpenAI-compatible chat API")
+    assert "Traceback" not in str(error) and "site-packages" not in str(error)
+    assert KEY not in str(error)
+    assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        pytest.param(Text(content="ALLOW \ud800"), id="text"),
+        pytest.param(Text(content="ok", model="m\udfff"), id="model"),
+        pytest.param(
+            Text(content=None, calls=(Call(name="read\udc80", arguments={"path": "a"}),)),
+            id="tool-name",
+        ),
+        pytest.param(
+            Text(content=None, calls=(Call(name="read", arguments='{"path": "\ud83d"}'),)),
+            id="tool-arguments",
+        ),
+    ],
+)
+async def test_an_answer_holding_a_lone_surrogate_is_malformed(
+    fake: FakeProvider, key_env: str, reply: Text
+) -> None:
+    """JSON's "\\ud800" decodes to a string no UTF-8 encoder writes: such an answer could
+    reach neither the sandbox's reply frame nor the audit log, so it is refused here."""
+    fake.script(reply)
+
+    with pytest.raises(ModelCallError) as caught:
+        await complete(alias_for(fake), MESSAGES, timeout_s=5, tools=[READ_TOOL])
+
+    assert caught.value.kind is ModelCallKind.MALFORMED
+    assert "the answer holds a lone UTF-16 surrogate escape (\\ud800-\\udfff)" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("reported", "read"),
+    [(-5, None), (model_client.MAX_REPORTED_TOKENS + 1, None), (2**60, None), (7, 7)],
+)
+async def test_a_usage_count_that_is_no_count_reads_as_not_reported(
+    fake: FakeProvider, key_env: str, reported: int, read: int | None
+) -> None:
+    """A negative count would give a budget tokens back; one past 2**53 is no count."""
+    fake.script(Text(content="ok", prompt_tokens=reported, completion_tokens=3))
+
+    answer = await complete(alias_for(fake), MESSAGES, timeout_s=5)
+
+    assert (answer.prompt_tokens, answer.completion_tokens) == (read, 3)
+
+
+def test_a_reply_that_exhausts_memory_under_the_cap_is_still_a_model_call_error(
+    fake: FakeProvider,
+) -> None:
+    """A child process (model_client as gatewayd runs it) gets a memory limit its current
+    size plus MEMORY_HEADROOM: room to read an 8 MiB reply, not to parse one of 2.8
+    million empty lists. The control: that body cannot be parsed there. Then that body,
+    as an error reply and as an answer, each fails as a ModelCallError."""
+    script = textwrap.dedent(
+        """
+        import json, resource, sys, trio
+        from gatewayd import model_client
+        from gatewayd.config import ModelAlias
+
+        alias = ModelAlias(provider="openai", model="fake-model", api_base=sys.argv[1])
+        model_client.preload()
+
+        async def ask():
+            try:
+                answer = await model_client.complete(
+                    alias, [{"role": "user", "content": "hi"}], timeout_s=60
+                )
+            except model_client.ModelCallError as exc:
+                return f"{exc.kind}: {exc}"
+            except BaseException as exc:
+                return f"escaped: {type(exc).__name__}"
+            return f"ok {answer.text}"
+
+        print(trio.run(ask), flush=True)  # worker threads and connections made
+        with open("/proc/self/status") as status:
+            [size] = [int(l.split()[1]) * 1024 for l in status if l.startswith("VmSize:")]
+        limit = size + int(sys.argv[2])
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        body = sys.stdin.buffer.read()
+        try:
+            json.loads(body)
+            print("control: parsed", flush=True)
+        except MemoryError:
+            print("control: MemoryError", flush=True)
+        del body
+        for _ in range(2):
+            print(trio.run(ask), flush=True)
+        """
+    )
+    lists = b"[" + b"[]," * (MEMORY_BODY_BYTES // 3) + b"[]]"
+    fake.script(
+        Text(content="warm"),
+        Malformed(status=400, body=lists),
+        Malformed(body=b'{"choices": ' + lists + b"}"),
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LITELLM_")}
+    done = subprocess.run(
+        [sys.executable, "-c", script, fake.api_base, str(MEMORY_HEADROOM)],
+        input=lists,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    lines = done.stdout.decode().splitlines()
+    assert lines[:2] == ["ok warm", "control: MemoryError"], lines
+    error_reply, answer = lines[2:]
+    assert error_reply.startswith("bad_request: model openai/fake-model at "), error_reply
+    assert "the provider refused the request (HTTP 400: [[],[],[]," in error_reply
+    assert answer.startswith("malformed: model openai/fake-model at "), answer
+    assert f"{UNREADABLE} (parsing the answer ran out of memory)" in answer
+
+
+async def test_a_failure_while_explaining_a_failure_is_still_a_model_call_error(
+    fake: FakeProvider, key_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection (no reply makes the explanation fail once bodies are parsed under
+    gatewayd's JSON discipline): whatever it raises, the call fails as provider_error
+    naming both exceptions' types."""
+
+    def broken(_response: Any) -> str:
+        raise RecursionError("injected")
+
+    monkeypatch.setattr(model_client, "_provider_text", broken)
+    fake.script(HttpError(status=400))
+
+    error = await failing_call(alias_for(fake))
+
+    assert error.kind is ModelCallKind.PROVIDER_ERROR
+    assert "the provider failed (BadRequestError), and its reply could not be read to say " in (
+        str(error)
+    )
+    assert "why (RecursionError); retry later" in str(error)
+
+
+async def test_an_answer_gatewayd_fails_to_read_is_malformed_whatever_it_raises(
+    fake: FakeProvider, key_env: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection, as above, for the reading of an answer litellm accepted."""
+
+    def broken(_choice: Any, _where: str) -> tuple[model_client.ToolCall, ...]:
+        raise KeyError("injected")
+
+    monkeypatch.setattr(model_client, "_tool_calls", broken)
+    fake.script(Text(content="ALLOW"))
+
+    error = await failing_call(alias_for(fake))
+
+    assert error.kind is ModelCallKind.MALFORMED
+    assert f"{UNREADABLE} (KeyError while reading it)" in str(error)

@@ -43,7 +43,8 @@ from tests.integration.test_agent_run import (
     agent_config,
     task,
 )
-from tests.integration.test_review import REVIEWED, call, calls_of
+from tests.integration.test_model_client import DEEP, DEEP_VALID
+from tests.integration.test_review import REVIEWED, beside_a_call_in_flight, call, calls_of
 from tests.integration.test_run_sandbox import _unavailable
 
 KEY_ENV = "COGNI_TEST_REPLY_CAP_KEY"
@@ -290,6 +291,78 @@ async def test_model_chat_at_an_aliases_cap_answers_whole(
     answer = await call(run, "model.chat", chat("small"))
     assert answer["ok"], answer
     assert answer["value"]["content"] == reply.text("fake-model")
+
+
+# --- model.chat on replies gatewayd cannot read ----------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # pydantic's, on litellm's models
+@pytest.mark.parametrize(
+    ("reply", "says"),
+    [
+        pytest.param(
+            Malformed(status=400, body=DEEP),
+            "(bad_request): model alias 'assistant': the provider refused the request "
+            "(HTTP 400: [[[[",
+            id="deep-error",
+        ),
+        pytest.param(
+            Malformed(status=502, body=DEEP_VALID),
+            "(provider_error): model alias 'assistant': the provider failed (HTTP 502: ",
+            id="deep-valid-error",
+        ),
+        pytest.param(
+            Malformed(body=DEEP),
+            "(malformed): model alias 'assistant': the answer is not a readable chat "
+            "completion (the answer nests too deeply to be parsed)",
+            id="deep-answer",
+        ),
+        pytest.param(
+            Malformed(body=b"[1, 2, 3]"),
+            "(malformed): model alias 'assistant': the answer is not a readable chat",
+            id="answer-of-another-shape",
+        ),
+        pytest.param(
+            Text(content="half an emoji: \ud83d"),
+            "(malformed): model alias 'assistant': the answer holds a lone UTF-16 surrogate",
+            id="lone-surrogate",
+        ),
+    ],
+)
+async def test_model_chat_on_a_reply_it_cannot_read_is_tool_failed_and_the_connection_goes_on(
+    gw: Gateway, workspace: Path, fake: FakeProvider, reply: Any, says: str
+) -> None:
+    """The call fails as tool_failed saying what was wrong (no host detail), audited; the
+    model.chat call in flight beside it on the same connection is answered, and the
+    connection serves the next call."""
+    run = await gw.create_run(workspace, CHAT_POLICY)
+
+    answers = await beside_a_call_in_flight(
+        run, fake, "model.chat", chat(), reply, held=Text(content="held answer")
+    )
+
+    bad = answers["bad"]
+    assert bad["errorCode"] == "tool_failed"
+    assert bad["safeMessage"].startswith("the model call failed " + says), bad
+    for host_detail in (fake.api_base, "127.0.0.1", KEY_ENV, KEY):
+        assert host_detail not in bad["safeMessage"]
+    assert answers["held"]["value"]["content"] == "held answer"
+    assert answers["after"]["value"]["content"] == "held answer"
+    call_entry, result = await calls_of(gw, "bad")
+    assert (call_entry["decision"], result["errorCode"]) == ("allow", "tool_failed")
+    assert [e["kind"] for e in await calls_of(gw, "held")] == ["call", "result"]
+
+
+async def test_a_usage_count_below_zero_gives_a_runs_model_budget_nothing_back(
+    gw: Gateway, workspace: Path, fake: FakeProvider
+) -> None:
+    fake.script(Text(content="ok", prompt_tokens=-100_000, completion_tokens=5))
+    run = await gw.create_run(workspace, CHAT_POLICY)
+
+    answer = await call(run, "model.chat", chat())
+
+    assert answer["value"]["usage"] == {"promptTokens": None, "completionTokens": 5}
+    assert run.model_budget.tokens == 5
 
 
 # --- the rule review fails closed ----------------------------------------------------------

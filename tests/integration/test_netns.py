@@ -1,4 +1,4 @@
-"""A run's network namespace, probed from inside with real processes (issue 3, item 1).
+"""A run's network namespace, probed from inside with real processes.
 
 Each property is proven by a process that joins the namespace (``nsenter --net=PATH``)
 and tries: loopback-only, no host loopback, no outside address, its own loopback works.

@@ -7,13 +7,22 @@ entry is durable (the writer's durable seq, and the line in the file) at the mom
 answer is written to the socket. Straight through the dispatcher, an audit log whose
 timer never fires (only waiters make it write) counts the flushes each kind of call
 costs, exactly. The crash test under load is tests/integration/test_audit_crash.py.
+
+Answers that are not a call's wait the same way: a refused connection's error frame for
+its ``connection_refused`` entry, the control socket's answer to an exec (the command's
+exit code) for its ``exec_ended`` entry, and `gatewayd run`'s exit status; an entry the
+log cannot take is never answered as if it were there. The egress proxy's error answers:
+tests/integration/test_egress.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import AsyncIterator
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -23,14 +32,26 @@ import pytest
 import trio
 import trio.testing
 
-from gatewayd import server
+from gatewayd import cli, server
 from gatewayd.audit import AuditLog, Peer, open_audit_log, read_entries, verify_file
+from gatewayd.control import ControlServer
+from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
 from gatewayd.dispatch import CANCELLED_MESSAGE, Dispatcher
 from gatewayd.protocol import ErrorCode, FrameError, Request, Response
-from gatewayd.runs import Run
+from gatewayd.runs import Grant, Run, RunRequest
+from gatewayd.sandbox.uids import UidRange
 from gatewayd.tools import builtin_tools
 from gatewayd.tools.registry import ToolContext, ToolSpec
-from tests.conftest import Gateway, frame, make_gateway, raw_exchange, request
+from tests.conftest import (
+    OPEN_POLICY,
+    Gateway,
+    frame,
+    make_gateway,
+    raw_exchange,
+    request,
+    write_policy,
+)
+from tests.livedaemon import BIN
 
 PEER = Peer(pid=4242, uid=1000, gid=1000)
 # Long enough that the audit log's own timer never writes during a test: only a waiter
@@ -86,13 +107,18 @@ class Watch:
         monkeypatch.setattr(server.Connection, "_send", watched_send)
 
     def _seqs_in_file(self) -> set[int]:
-        seqs = set()
-        for line in self.audit.path.read_bytes().split(b"\n"):
-            try:
-                seqs.add(json.loads(line)["seq"])
-            except ValueError:
-                continue  # a batch being written: its last line may be cut
-        return seqs
+        return seqs_in_file(self.audit.path)
+
+
+def seqs_in_file(path: Path) -> set[int]:
+    """The seqs of the entries the audit file holds now."""
+    seqs = set()
+    for line in path.read_bytes().split(b"\n"):
+        try:
+            seqs.add(json.loads(line)["seq"])
+        except ValueError:
+            continue  # a batch being written: its last line may be cut
+    return seqs
 
 
 def every_kind_of_answer(run: Run, tight: Run) -> list[tuple[Path, bytes, dict[str, str]]]:
@@ -386,3 +412,298 @@ async def test_a_malformed_frame_on_a_failed_log_is_answered_internal(
     assert (response.errorCode, response.toolCallId) == (ErrorCode.INTERNAL, "bad")
     assert response.safeMessage is not None and "tell the operator" in response.safeMessage
     assert (run.calls, run.denied_by_code) == (1, {"internal": 1})
+
+
+# --- answers that are not a call's: refused connections, commands, `gatewayd run` ------
+
+
+class EventWatch:
+    """The seqs of ``events`` entries as they are recorded, and, each time :meth:`sent`
+    is called (as an answer leaves), the last of them, the durable seq and whether that
+    entry's line was in the file."""
+
+    def __init__(self, audit: AuditLog, events: set[str], monkeypatch: pytest.MonkeyPatch) -> None:
+        self.audit = audit
+        self.seqs: list[int] = []
+        self.at_send: list[tuple[int | None, int, bool]] = []
+        record = audit.record
+
+        def recording(kind: str, **fields: Any) -> int:
+            seq = record(kind, **fields)
+            if kind == "event" and fields.get("event") in events:
+                self.seqs.append(seq)
+            return seq
+
+        monkeypatch.setattr(audit, "record", recording)
+
+    def sent(self) -> None:
+        seq = self.seqs[-1] if self.seqs else None
+        on_disk = seq is not None and seq in seqs_in_file(self.audit.path)
+        self.at_send.append((seq, self.audit.durable_seq, on_disk))
+
+    def assert_each_answer_waited(self, reply_after_result: bool) -> None:
+        for seq, durable, on_disk in self.at_send:
+            assert seq is not None, "answered before its entry was recorded"
+            if reply_after_result:
+                assert durable >= seq and on_disk, f"answered before seq {seq} was durable"
+            else:
+                assert durable < seq, "the opt-out waited for the entry"
+
+
+def point_at_full_disk(audit: AuditLog) -> None:
+    """Make the log's next write fail with a real ENOSPC."""
+    full = os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
+    os.dup2(full, audit.fileno())
+    os.close(full)
+
+
+@pytest.mark.parametrize("reply_after_result", [True, False])
+async def test_a_refused_connection_is_answered_only_once_its_entry_is_durable(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch, reply_after_result: bool
+) -> None:
+    monkeypatch.setattr(server, "MAX_CONNECTIONS_PER_RUN", 1)
+    async with make_gateway(short_tmp, audit_reply_after_result=reply_after_result) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        watch = EventWatch(gw.daemon.audit, {"connection_refused"}, monkeypatch)
+        send = server.Connection._send
+
+        async def watched_send(conn: server.Connection, response: Response) -> None:
+            watch.sent()
+            await send(conn, response)
+
+        monkeypatch.setattr(server.Connection, "_send", watched_send)
+        async with await trio.open_unix_socket(str(run.socket_path)):
+            await trio.testing.wait_all_tasks_blocked()  # the one connection is served
+            [answer] = await raw_exchange(run.socket_path, frame(request(run, "time.now")))
+    assert (answer["errorCode"], answer["toolCallId"]) == ("rate_limited", None)
+    assert len(watch.at_send) == 1
+    watch.assert_each_answer_waited(reply_after_result)
+
+
+async def test_a_refused_connection_whose_entry_cannot_be_written_is_answered_internal(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "MAX_CONNECTIONS_PER_RUN", 1)
+    async with make_gateway(short_tmp) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        async with await trio.open_unix_socket(str(run.socket_path)):
+            await trio.testing.wait_all_tasks_blocked()
+            point_at_full_disk(gw.daemon.audit)
+            [answer] = await raw_exchange(run.socket_path, frame(request(run, "time.now")))
+    assert answer["errorCode"] == "internal"
+    assert answer["safeMessage"].startswith("the audit log cannot be written")
+
+
+# Sandboxed runs (the control socket's exec needs one): real bwrap, namespaces, uids.
+SYSTEM_PY = "/usr/bin/python3"
+needs_sandbox = pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/usr/bin/bwrap") or not os.path.exists(SYSTEM_PY),
+    reason="a sandboxed run needs root, bubblewrap at /usr/bin/bwrap and /usr/bin/python3",
+)
+SANDBOX_POLICY = """
+version: 1
+name: exec-after-result
+tools: {allow: [time.now]}
+filesystem:
+  paths:
+    workspace: {root: ., mode: rw}
+sandbox: {timeout_s: 30, cpu_s: 20, max_processes: 48}
+"""
+
+
+@asynccontextmanager
+async def control_socket_daemon(
+    base: Path, *, reply_after_result: bool
+) -> AsyncIterator[tuple[Daemon, Path, Run]]:
+    """A daemon with the OS sandbox serving its control socket, and one sandboxed run."""
+    base.chmod(0o711)  # the sandbox's uid passes through to its workspace and socket
+    config = DaemonConfig(
+        state_dir=base / "state",
+        policy_dirs=(base,),
+        netns_prefix=f"cgr{secrets.token_hex(4)}-",
+        sandbox_uids=UidRange(1_700_000_000 + secrets.randbelow(50_000) * 1024, 8),
+        audit_reply_after_result=reply_after_result,
+    )
+    ws = base / "ws"
+    ws.mkdir()
+    policy = write_policy(base, SANDBOX_POLICY, "exec.yaml")
+    control = base / "control.sock"
+    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        assert daemon.support.available, daemon.support.reason
+        await nursery.start(ControlServer(daemon).serve, control)
+        run = await daemon.start_run(
+            RunRequest(
+                workspacePath=str(ws),
+                policy=str(policy),
+                actorId="tester",
+                tenantId="t1",
+                grant=Grant(allowSandbox=True),
+            ),
+            policy_paths=True,
+        )
+        yield daemon, control, run
+        nursery.cancel_scope.cancel()
+
+
+async def control_post(socket_path: Path, target: str, body: dict[str, Any]) -> tuple[int, Any]:
+    """One HTTP request on the control socket; (status, decoded JSON body)."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {target} HTTP/1.1\r\nHost: gatewayd\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
+    received = bytearray()
+    async with await trio.open_unix_socket(str(socket_path)) as stream:
+        await stream.send_all(head.encode() + data)
+        with trio.fail_after(60):
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+    status_line, _, rest = bytes(received).partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@needs_sandbox
+@pytest.mark.parametrize("reply_after_result", [True, False])
+async def test_a_control_exec_is_answered_only_once_its_exec_ended_entry_is_durable(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch, reply_after_result: bool
+) -> None:
+    """The answer carries the command's exit code: after a crash the log must hold it
+    (``gatewayd exec`` exits with that code)."""
+    async with control_socket_daemon(short_tmp, reply_after_result=reply_after_result) as (
+        daemon,
+        control,
+        run,
+    ):
+        watch = EventWatch(daemon.audit, {"exec_ended"}, monkeypatch)
+        send = ControlServer._send
+
+        async def watched_send(
+            server_: ControlServer, stream: Any, conn: Any, status: int, payload: Any
+        ) -> None:
+            watch.sent()
+            await send(server_, stream, conn, status, payload)
+
+        monkeypatch.setattr(ControlServer, "_send", watched_send)
+        codes = []
+        for command in (["true"], ["sh", "-c", "exit 3"], ["sh", "-c", "kill -9 $$"]):
+            status, answer = await control_post(
+                control, f"/v1/runs/{run.run_id}/exec", {"command": command}
+            )
+            assert status == 200, answer
+            codes.append((answer["result"]["exitCode"], answer["result"]["signal"]))
+    assert codes == [(0, None), (3, None), (None, 9)]
+    assert len(watch.at_send) == 3
+    watch.assert_each_answer_waited(reply_after_result)
+
+
+# A command that waits for the test's word (a file in the workspace), then prints.
+WAITING_COMMAND = [
+    "sh",
+    "-c",
+    "while [ ! -e /workspace/go ]; do sleep 0.01; done; echo the-commands-output",
+]
+
+
+async def with_the_disk_full_when_it_ends(
+    daemon: Daemon, ws: Path, ask: Callable[[], Awaitable[None]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run ``ask`` (which runs WAITING_COMMAND); once the command's ``exec_started`` is
+    durable (before bwrap starts), fill the audit log's disk, then let it end."""
+    started = EventWatch(daemon.audit, {"exec_started"}, monkeypatch)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ask)
+        with trio.fail_after(30):
+            while not (started.seqs and daemon.audit.durable_seq >= started.seqs[0]):
+                await trio.sleep(0.01)
+        point_at_full_disk(daemon.audit)
+        (ws / "go").touch()
+
+
+@needs_sandbox
+async def test_a_commands_result_is_withheld_when_its_end_cannot_be_audited(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while the command runs: the answer is a 500 saying so, never the
+    exit code or the output the log does not have."""
+    answers: list[tuple[int, Any]] = []
+    async with control_socket_daemon(short_tmp, reply_after_result=True) as (
+        daemon,
+        control,
+        run,
+    ):
+
+        async def ask() -> None:
+            target = f"/v1/runs/{run.run_id}/exec"
+            answers.append(await control_post(control, target, {"command": WAITING_COMMAND}))
+
+        await with_the_disk_full_when_it_ends(daemon, short_tmp / "ws", ask, monkeypatch)
+    [(status, answer)] = answers
+    assert status == 500, answer
+    assert answer["errorCode"] == "internal"
+    assert (
+        "the audit log cannot be written, so the command's result is withheld"
+        in (answer["message"])
+    )
+    assert "the-commands-output" not in json.dumps(answer)
+
+
+@needs_sandbox
+async def test_a_sandboxed_gatewayd_run_exits_1_when_its_commands_end_cannot_be_audited(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """`gatewayd run`'s sandboxed path (cli._run_in_sandbox, on an in-process daemon):
+    exit 1 and why, not the command's 0."""
+    statuses: list[int] = []
+    async with control_socket_daemon(short_tmp, reply_after_result=True) as (daemon, _, run):
+
+        async def one_shot() -> None:
+            statuses.append(await cli._run_in_sandbox(daemon, run, WAITING_COMMAND, 60))
+
+        await with_the_disk_full_when_it_ends(daemon, short_tmp / "ws", one_shot, monkeypatch)
+    assert statuses == [cli.EXIT_FAILED]
+    err = capfd.readouterr().err
+    assert "gatewayd: the audit log cannot be written (" in err
+    assert "so the command's exit status is not passed on (exit 1)" in err
+    assert "ended: its end not audited" in err
+
+
+def test_gatewayd_run_does_not_pass_on_an_exit_status_its_log_does_not_hold(
+    short_tmp: Path, workspace: Path
+) -> None:
+    """The command (a degraded run's: it runs on the host, as gatewayd's child) caps
+    gatewayd's file size at its audit log's size, so the next write to the log fails
+    (EFBIG), and exits 0: `gatewayd run` exits 1, saying why, instead of 0."""
+    policy = write_policy(short_tmp, OPEN_POLICY, "degraded.yaml")
+    audit = short_tmp / "audit" / "audit.jsonl"
+    cap = (
+        "import os, resource\n"
+        f"size = os.path.getsize({str(audit)!r})\n"
+        "resource.prlimit(os.getppid(), resource.RLIMIT_FSIZE, (size, size))\n"
+    )
+    done = subprocess.run(
+        [
+            str(BIN / "gatewayd"),
+            "run",
+            "--no-os-sandbox",
+            "--state-dir",
+            str(short_tmp / "state"),
+            "--audit",
+            str(audit),
+            "--workspace",
+            str(workspace),
+            "--policy",
+            str(policy),
+            "--",
+            sys.executable,
+            "-c",
+            cap,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+    assert done.returncode == 1, done.stderr
+    assert "gatewayd: the audit log cannot be written (" in done.stderr
+    assert "so the command's exit status is not passed on (exit 1)" in done.stderr
+    assert "Traceback" not in done.stderr

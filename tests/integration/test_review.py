@@ -1,7 +1,7 @@
 """The rule review end to end: calls over a real run socket, reviewed through litellm by a
 real OpenAI-compatible server on loopback (tests/fakeprovider.py) scripted per test.
 
-Every path of issue 4: allow, deny with the reviewer's reason, fail closed on error,
+Every path of the review: allow, deny with the reviewer's reason, fail closed on error,
 timeout and malformed answers, structured rules deciding without a model call, the cache
 (hits marked in the audit, invalidated by a rule change), prompt injection kept inside
 the delimiters, and rule management with its confirmation asymmetry.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +20,23 @@ import pytest
 import trio
 
 from gatewayd.config import ModelAlias
+from gatewayd.policy.model import load_policy_text
+from gatewayd.review import reviewer as reviewer_module
 from gatewayd.review.prompt import CALL_CLOSE, CALL_OPEN
+from gatewayd.review.reviewer import Reviewer, Source
 from gatewayd.review.rulebook import Pending, RuleAction, RuleChangeError
+from gatewayd.review.ruleset import RuleSet
 from gatewayd.runs import Run
 from tests.conftest import Gateway, frame, make_gateway, read_frame, request
-from tests.fakeprovider import FakeProvider, HttpError, Malformed, Text, provider_with_key
+from tests.fakeprovider import (
+    FakeProvider,
+    HttpError,
+    Malformed,
+    Reply,
+    Text,
+    provider_with_key,
+)
+from tests.integration.test_model_client import DEEP, DEEP_VALID
 
 KEY_ENV = "COGNI_TEST_REVIEW_KEY"
 KEY = "sk-review-host-only-0123456789"
@@ -429,3 +442,211 @@ async def test_a_review_waits_for_a_call_slot_no_longer_than_the_call_timeout(
     assert answers["waiting"]["errorCode"] == "timeout"
     assert "no free call slot within 0.5 s" in answers["waiting"]["safeMessage"]
     assert answers["slow"]["ok"], answers["slow"]
+
+
+# --- whatever the reviewer's provider sends, the review fails closed ------------------------
+
+# How long a held reply waits at most: a test that fails before releasing it must not
+# leave the fake's thread waiting for ever.
+HOLD_LIMIT_S = 30.0
+
+
+class HeldReply:
+    """The fake's answer to every request its script leaves to ``respond``, held until
+    :meth:`release`: a call stays in flight exactly as long as a test needs, no timing."""
+
+    def __init__(self, fake: FakeProvider, reply: Reply) -> None:
+        self._released = threading.Event()
+        self._reply = reply
+        fake.respond = self._respond
+
+    def _respond(self, _body: Any) -> Reply:
+        self._released.wait(HOLD_LIMIT_S)
+        return self._reply
+
+    def release(self) -> None:
+        self._released.set()
+
+
+async def beside_a_call_in_flight(
+    run: Run,
+    fake: FakeProvider,
+    tool: str,
+    args: dict[str, Any],
+    reply: Reply | None,
+    *,
+    held: Reply,
+) -> dict[str, dict[str, Any]]:
+    """On one connection: call "held" (its model request answered with ``held`` only once
+    "bad" is answered), then call "bad" with ``args`` (its model request answered with
+    ``reply``), then, once both are answered, call "after" on the same connection. The
+    three answers by toolCallId; "bad"'s is the first to come (the other is still held)."""
+    holding = HeldReply(fake, held)
+    answers: dict[str, dict[str, Any]] = {}
+    stream = await trio.open_unix_socket(str(run.socket_path))
+    try:
+        async with stream:
+            buf = bytearray()
+            await stream.send_all(frame(request(run, tool, HELD_ARGS[tool], "held")))
+            with trio.fail_after(HOLD_LIMIT_S):
+                while not fake.requests:  # "held" is at the fake, waiting
+                    await trio.sleep(0.01)
+            if reply is not None:
+                fake.script(reply)
+            await stream.send_all(frame(request(run, tool, args, "bad")))
+            with trio.fail_after(HOLD_LIMIT_S):
+                first = await read_frame(stream, buf)
+                assert first is not None, "the connection was closed without an answer"
+                assert first["toolCallId"] == "bad", first
+                answers["bad"] = first
+                holding.release()
+                second = await read_frame(stream, buf)
+                assert second is not None, "the call in flight was dropped"
+                answers[second["toolCallId"]] = second
+                await stream.send_all(frame(request(run, tool, AFTER_ARGS[tool], "after")))
+                third = await read_frame(stream, buf)
+                assert third is not None, "the connection no longer serves"
+                answers[third["toolCallId"]] = third
+    finally:
+        holding.release()
+    return answers
+
+
+HELD_ARGS = {
+    "fs.read": {"path": "notes.md"},
+    "model.chat": {"model": "assistant", "messages": [{"role": "user", "content": "held"}]},
+}
+AFTER_ARGS = {
+    "fs.read": {"path": "docs/guide.md"},
+    "model.chat": {"model": "assistant", "messages": [{"role": "user", "content": "after"}]},
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # pydantic's, on litellm's models
+@pytest.mark.parametrize(
+    ("reply", "failure", "agent_reads"),
+    [
+        pytest.param(
+            Malformed(status=400, body=DEEP),
+            "bad_request: model alias 'reviewer'",
+            "the reviewer refused the request), so the call is denied; gatewayd's operator",
+            id="deep-error-400",
+        ),
+        pytest.param(
+            Malformed(status=503, body=DEEP_VALID),
+            "provider_error: model alias 'reviewer'",
+            "the reviewer's provider failed), so the call is denied; try again later",
+            id="deep-error-503",
+        ),
+        pytest.param(
+            Malformed(body=DEEP),
+            "malformed: model alias 'reviewer'",
+            "the reviewer's answer could not be read), so the call is denied; try again",
+            id="deep-answer",
+        ),
+        pytest.param(
+            Malformed(body=b'{"choices": [null], "model": "m"}'),
+            "malformed: model alias 'reviewer'",
+            "the reviewer's answer could not be read)",
+            id="answer-of-another-shape",
+        ),
+        pytest.param(
+            Text(content="ALLOW", model="fake-reviewer\ud800"),
+            "malformed: model alias 'reviewer'",
+            "the reviewer's answer could not be read)",
+            id="lone-surrogate",
+        ),
+    ],
+)
+async def test_a_reply_the_reviewer_cannot_read_denies_audited_and_the_connection_goes_on(
+    gw: Gateway, ws: Path, fake: FakeProvider, reply: Reply, failure: str, agent_reads: str
+) -> None:
+    """A hostile or broken reviewer endpoint: the reviewed call is denied as a failed
+    review, audited, and answered; the call in flight beside it on the same connection
+    is answered too, and the connection serves the next call."""
+    run = await gw.create_run(ws, REVIEWED)
+
+    answers = await beside_a_call_in_flight(
+        run, fake, "fs.read", {"path": "docs/guide.md"}, reply, held=Text(content="ALLOW")
+    )
+
+    bad = answers["bad"]
+    assert bad["errorCode"] == "review_denied"
+    assert bad["safeMessage"].startswith("the rule review failed (")
+    assert agent_reads in bad["safeMessage"]
+    assert answers["held"]["ok"] and answers["after"]["ok"], answers
+    call_entry, result = await calls_of(gw, "bad")
+    assert (call_entry["kind"], call_entry["decision"]) == ("call", "deny")
+    assert call_entry["review"]["source"] == "failed"
+    assert call_entry["review"]["failure"].startswith(failure)
+    assert len(call_entry["review"]["ruleset"]) == 64
+    assert (result["kind"], result["errorCode"]) == ("result", "review_denied")
+    assert [e["kind"] for e in await calls_of(gw, "held")] == ["call", "result"]
+    assert KEY not in gw.audit_path.read_text()
+
+
+async def test_a_review_step_that_raises_denies_audited_and_the_connection_goes_on(
+    gw: Gateway, ws: Path, fake: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection (the reviewer itself never raises; this is the dispatcher's own
+    net): the review step raising anything is a failed review, a deny answered and
+    audited, and the connection and its other calls go on."""
+    reviewer = gw.daemon.dispatcher.reviewer
+    assert reviewer is not None
+    real_review = reviewer.review
+
+    async def review(tool: str, args: Any, *rest: Any) -> Any:
+        if args.get("path") == "boom.md":
+            raise RecursionError("injected")
+        return await real_review(tool, args, *rest)
+
+    monkeypatch.setattr(reviewer, "review", review)
+    run = await gw.create_run(ws, REVIEWED)
+
+    answers = await beside_a_call_in_flight(
+        run, fake, "fs.read", {"path": "boom.md"}, None, held=Text(content="ALLOW")
+    )
+
+    assert answers["bad"]["errorCode"] == "review_denied"
+    assert answers["bad"]["safeMessage"] == (
+        "the rule review failed (the reviewer failed inside gatewayd), so the call is "
+        "denied; gatewayd's operator must fix it"
+    )
+    assert answers["held"]["ok"] and answers["after"]["ok"], answers
+    call_entry, result = await calls_of(gw, "bad")
+    assert call_entry["decision"] == "deny" and result["errorCode"] == "review_denied"
+    review_entry = call_entry["review"]
+    assert (review_entry["verdict"], review_entry["source"]) == ("deny", "failed")
+    assert review_entry["failure"] == (
+        "gatewayd's review step failed (RecursionError); gatewayd's log has the traceback"
+    )
+    assert review_entry["model"] == "reviewer" and len(review_entry["ruleset"]) == 64
+
+
+async def test_the_reviewer_never_raises_for_a_failure_it_did_not_expect(
+    fake: FakeProvider, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection below the reviewer (what a reply did to the model client before it
+    parsed error bodies under gatewayd's JSON discipline): Reviewer.review returns a
+    failed outcome, a deny, instead of raising."""
+
+    async def complete(*_args: Any, **_kwargs: Any) -> Any:
+        raise RecursionError("injected")
+
+    monkeypatch.setattr(reviewer_module, "complete", complete)
+    alias = ModelAlias(
+        provider="openai", model="fake-reviewer", api_base=fake.api_base, api_key_env=KEY_ENV
+    )
+    reviewer = Reviewer({"reviewer": alias})
+    policy = load_policy_text(REVIEWED, "reviewed.yaml")
+
+    outcome = await reviewer.review(
+        "fs.read", {"path": "notes.md"}, policy.review, RuleSet.from_section(policy.review)
+    )
+
+    assert outcome is not None and not outcome.allowed
+    assert outcome.source is Source.FAILED and outcome.model == "reviewer"
+    assert outcome.failure == (
+        "gatewayd's review step failed (RecursionError); gatewayd's log has the traceback"
+    )
+    assert outcome.reason.startswith("the rule review failed (the reviewer failed inside")

@@ -1,4 +1,4 @@
-"""Issue 3's acceptance, probed from inside real sandboxes of real runs.
+"""The OS sandbox of a run, probed from inside real sandboxes of real runs.
 
 An in-process gatewayd with the OS sandbox on (real bwrap, real network namespaces, a
 real uid per run, the run's workspace lent to it) creates runs; every command runs in the
@@ -32,6 +32,7 @@ from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
 from gatewayd.errors import AuthzDenied, PolicyViolation
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from gatewayd.sandbox.launch import ExecResult
+from gatewayd.sandbox.lendable import NotLendable
 from gatewayd.sandbox.netns import NETNS_RUN_DIR
 from gatewayd.sandbox.session import (
     SandboxUnavailable,
@@ -1212,11 +1213,19 @@ async def test_a_workspace_that_would_expose_the_state_dir_is_refused_before_any
     sb: Sandboxed,
 ) -> None:
     # The base holds the state directory (every run's socket): as a workspace it is
-    # refused by the plan's checks, which run before a single file is chowned.
+    # refused when the run is created, before a single file is chowned (and the plan's
+    # checks would refuse it next: unit/test_sandbox_plan.py).
     canary = sb.base / "canary.md"
     canary.write_text("x")
-    with pytest.raises(UnsafeMounts, match=r"exposes .*state") as caught:
+    with pytest.raises(NotLendable, match=r"holds gatewayd's own state_dir .*/state,") as caught:
         await sb.run(workspace=sb.base)
+    assert getattr(caught.value, "code", None) == "bad_request"
+    # Read-only, it is never lent, and the plan refuses to show it to the sandbox.
+    ro = POLICY.replace(
+        "mode: rw}", f"mode: rw}}\n    base: {{root: {sb.base}, mount: /data/base, mode: ro}}"
+    )
+    with pytest.raises(UnsafeMounts, match=r"exposes .*state") as caught:
+        await sb.run(ro)
     assert getattr(caught.value, "code", None) == "bad_request"
     assert os.stat(canary).st_uid == 0 and os.stat(sb.base).st_uid == 0
     assert sb.daemon.uid_pool.in_use == 0

@@ -296,3 +296,25 @@ async def test_garbage_frames_spend_the_runs_budget_and_then_close_the_connectio
         codes = [r["errorCode"] for r in responses]
         assert codes == ["bad_request"] * 3 + ["rate_limited"], codes
         assert "malformed frames count too" in responses[-1]["safeMessage"]
+
+
+@pytest.mark.parametrize("occupant", ["a file", "a live socket"])
+async def test_a_listener_is_never_put_over_an_existing_path(
+    short_tmp: Path, occupant: str
+) -> None:
+    """The socket is linked into place, not renamed over what is there: another
+    daemon's socket or a log file at the path stays as it is."""
+    path = short_tmp / "taken"
+    if occupant == "a file":
+        path.write_text("someone's\n")
+        before = path.read_bytes()
+    else:
+        other = await server.open_unix_listener(path)
+    with pytest.raises(FileExistsError):
+        await server.open_unix_listener(path)
+    if occupant == "a file":
+        assert path.read_bytes() == before
+    else:
+        async with other, await trio.open_unix_socket(str(path)):
+            pass  # still the first listener's
+    assert [p.name for p in short_tmp.iterdir()] == ["taken"]  # no staging name left

@@ -210,6 +210,108 @@ CLASHES = [
 ]
 
 
+# A live daemon with its audit log and control socket registered.
+SERVING = share(
+    "/srv/a", audit_path=Path("/var/log/a/audit.jsonl"), control_socket=Path("/run/a.sock")
+)
+AUDIT_SETTING = "give this daemon another --audit (audit_path)"
+SOCKET_SETTING = "give this daemon another --control-socket (control_socket)"
+FILE_CLASHES = [
+    (
+        share("/srv/b", audit_path=Path("/var/log/a/audit.jsonl")),
+        ["is its audit log", AUDIT_SETTING],
+    ),
+    # The head file and the closed segments are the log's too: written to, or rotated over.
+    (
+        share("/srv/b", audit_path=Path("/var/log/a/audit.jsonl.head")),
+        ["shares a file", AUDIT_SETTING],
+    ),
+    (
+        share("/srv/b", audit_path=Path("/var/log/a/audit.jsonl.000003")),
+        ["audit.jsonl.NNNNNN", AUDIT_SETTING],
+    ),
+    (
+        share("/srv/b", control_socket=Path("/run/a.sock")),
+        ["is its control socket", SOCKET_SETTING],
+    ),
+    (
+        share("/srv/b", control_socket=Path("/var/log/a/audit.jsonl")),
+        [
+            "is a file of its audit log /var/log/a/audit.jsonl, which the socket would replace",
+            SOCKET_SETTING,
+        ],
+    ),
+    (
+        share("/srv/b", control_socket=Path("/var/log/a/audit.jsonl.head")),
+        ["which the socket would replace"],
+    ),
+    (
+        share("/srv/b", audit_path=Path("/run/a.sock")),
+        ["would be written at its control socket /run/a.sock", AUDIT_SETTING],
+    ),
+    # Beneath the other's runs/: that daemon's (next) start removes the directory.
+    (
+        share("/srv/b", control_socket=Path("/srv/a/runs/x/c.sock")),
+        ["lies in a directory of its /srv/a/runs", SOCKET_SETTING],
+    ),
+    (
+        share("/srv/b", audit_path=Path("/srv/a/runs/x/audit.jsonl")),
+        ["which that daemon's next start would remove", AUDIT_SETTING],
+    ),
+]
+
+
+@pytest.mark.parametrize(("starting", "phrases"), FILE_CLASHES)
+def test_a_share_that_would_take_the_live_ones_audit_log_or_control_socket_is_a_clash(
+    starting: DaemonShare, phrases: list[str]
+) -> None:
+    reasons = clashes(starting, SERVING)
+    assert reasons
+    for phrase in phrases:
+        assert any(phrase in reason for reason in reasons), (phrase, reasons)
+
+
+@pytest.mark.parametrize("suffix", [".head", ".000001"])
+def test_a_log_whose_own_head_file_or_segment_is_the_live_ones_log_is_a_clash(
+    suffix: str,
+) -> None:
+    live = share("/srv/a", audit_path=Path(f"/var/log/a/b.jsonl{suffix}"))
+    reasons = clashes(share("/srv/b", audit_path=Path("/var/log/a/b.jsonl")), live)
+    assert any(AUDIT_SETTING in reason for reason in reasons), reasons
+
+
+def test_a_live_daemons_audit_log_or_socket_beneath_this_ones_runs_is_a_clash() -> None:
+    live = share(
+        "/srv/a",
+        audit_path=Path("/srv/b/runs/x/audit.jsonl"),
+        control_socket=Path("/srv/b/runs/y/c.sock"),
+    )
+    reasons = clashes(share("/srv/b", audit_path=Path("/srv/b/audit/audit.jsonl")), live)
+    for what in ("audit log /srv/b/runs/x/audit.jsonl", "control socket /srv/b/runs/y/c.sock"):
+        assert any(
+            f"its {what} lies in a directory of this daemon's /srv/b/runs" in r for r in reasons
+        ), reasons
+    assert all("--state-dir (state_dir)" in r for r in reasons)
+
+
+@pytest.mark.parametrize(
+    "starting",
+    [
+        share(
+            "/srv/b",
+            audit_path=Path("/var/log/a/audit-b.jsonl"),
+            control_socket=Path("/run/b.sock"),
+        ),
+        share("/srv/b", audit_path=Path("/var/log/a/audit.jsonl.old")),  # no file in common
+        share("/srv/b", audit_path=Path("/var/log/b/audit.jsonl")),
+        share("/srv/b"),  # an entry of an older gatewayd: nothing registered to compare
+    ],
+)
+def test_audit_logs_and_sockets_with_no_file_in_common_do_not_clash(starting: DaemonShare) -> None:
+    assert clashes(starting, SERVING) == []
+    assert clashes(SERVING, starting) == []
+
+
 @pytest.mark.parametrize(("starting", "phrases"), CLASHES)
 def test_a_share_that_would_sweep_or_reuse_the_live_ones_is_a_clash(
     starting: DaemonShare, phrases: list[str]
@@ -245,8 +347,40 @@ def test_a_daemon_without_the_os_sandbox_still_clashes_on_its_state_dir() -> Non
 
 
 def test_an_entry_reads_back_as_the_share_it_was_written_from() -> None:
-    for one in (LIVE, share("/srv/b", netns_prefix=None, uids=None)):
+    for one in (LIVE, SERVING, share("/srv/b", netns_prefix=None, uids=None)):
         assert DaemonShare.from_json(json.loads(json.dumps(one.to_json()))) == one
+
+
+def test_an_entry_of_a_gatewayd_that_registered_no_files_reads_without_them() -> None:
+    older = {k: v for k, v in SERVING.to_json().items() if k not in ("auditPath", "controlSocket")}
+    parsed = DaemonShare.from_json(older)
+    assert (parsed.audit_path, parsed.control_socket) == (None, None)
+    assert parsed.state_dir == SERVING.state_dir
+
+
+def test_the_registered_share_holds_the_real_paths_of_the_audit_log_and_control_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever way the paths are given (a symlinked directory, a symlink to the file, a
+    relative path with ``..``), the registry compares where they really lead."""
+    real = tmp_path / "real"
+    (real / "audit").mkdir(parents=True)
+    (tmp_path / "alias").symlink_to(real)
+    (tmp_path / "sock-link").symlink_to(real / "control.sock")
+    monkeypatch.chdir(real / "audit")
+    config = DaemonConfig(
+        state_dir=tmp_path / "alias" / "state",
+        audit_path=Path("../audit/./audit.jsonl"),
+        control_socket=tmp_path / "sock-link",
+    )
+    shared = config.host_share()
+    assert shared.state_dir == real / "state"
+    assert shared.audit_path == real / "audit" / "audit.jsonl"
+    assert shared.control_socket == real / "control.sock"
+    assert DaemonConfig(state_dir=real / "state").host_share().control_socket is None
+    assert DaemonConfig(state_dir=tmp_path / "alias").host_share().audit_path == (
+        real / "audit" / "audit.jsonl"
+    )
 
 
 @pytest.mark.parametrize(
@@ -259,6 +393,8 @@ def test_an_entry_reads_back_as_the_share_it_was_written_from() -> None:
         {**LIVE.to_json(), "uids": [10, 1]},  # not a usable range
         {**LIVE.to_json(), "stateDir": 5},
         {**LIVE.to_json(), "netnsPrefix": ["x"]},
+        {**LIVE.to_json(), "auditPath": 5},
+        {**LIVE.to_json(), "controlSocket": ["/run/a.sock"]},
     ],
 )
 def test_a_malformed_entry_is_a_value_error(data: Any) -> None:

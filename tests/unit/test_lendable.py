@@ -1,9 +1,12 @@
-"""What may be lent, decided without touching the host: which paths may be lendable
-roots, what a mount table says a mount point shows, and how the configuration refuses a
-system tree as a root (gatewayd/sandbox/lendable.py, gatewayd/config.py)."""
+"""What may be lent, decided without touching the host's trees: which paths may be
+lendable roots, what a mount table says a mount point shows, how the configuration (and
+a DaemonConfig made in code) refuses a system tree as a root, and that both judge a root
+on its real path (symlinks made under pytest's tmp_path) (gatewayd/sandbox/lendable.py,
+gatewayd/config.py, gatewayd/daemon.py)."""
 
 from __future__ import annotations
 
+import os
 import posixpath
 from pathlib import Path
 
@@ -11,6 +14,7 @@ import pydantic
 import pytest
 
 from gatewayd.config import ConfigError, GatewaydConfig, resolve_settings
+from gatewayd.daemon import DaemonConfig
 from gatewayd.sandbox.lendable import (
     DEFAULT_LENDABLE_ROOTS,
     NEVER_ROOTS,
@@ -18,9 +22,12 @@ from gatewayd.sandbox.lendable import (
     Mount,
     mounts_crossed,
     parse_mountinfo,
+    real_root_problem,
     root_problem,
     system_tree_shown,
 )
+from gatewayd.sandbox.plan import HostLayout
+from gatewayd.sandbox.session import SandboxSettings
 
 HINT = "lendable_roots (option --lendable-root, variable GATEWAYD_LENDABLE_ROOTS)"
 
@@ -223,3 +230,123 @@ def test_only_mounts_strictly_beneath_the_root_and_at_or_above_the_tree_are_cros
 def test_mountinfo_escapes_are_read_back() -> None:
     (mount,) = parse_mountinfo(r"30 22 8:1 /usr/my\040dir /tmp/a\134b\011c rw - ext4 /dev/x rw")
     assert (mount.device, mount.root, mount.point) == ("8:1", "/usr/my dir", "/tmp/a\\b\tc")
+
+
+# --- judged on real paths -------------------------------------------------------------------
+
+
+def test_a_root_that_is_really_a_system_tree_is_refused_naming_where_it_leads(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "run").symlink_to("/run")
+    root = tmp_path / "run" / "x"
+    assert real_root_problem(root) == (
+        f"{root} is really /run/x, and /run/x lies in the system tree /run, which is never lent"
+    )
+    assert real_root_problem(tmp_path / "workspaces") is None
+
+
+@pytest.mark.skipif(not os.path.islink("/var/run"), reason="this host's /var/run is no symlink")
+def test_the_variable_giving_var_run_is_refused_as_the_run_it_really_is() -> None:
+    real = os.path.realpath("/var/run/x")
+    with pytest.raises(ConfigError) as caught:
+        resolve_settings(file=None, environ={"GATEWAYD_LENDABLE_ROOTS": "/srv/ws:/var/run/x"})
+    text = str(caught.value)
+    assert f"GATEWAYD_LENDABLE_ROOTS: /var/run/x is really {real}, and {real} lies in " in text
+    assert HINT in text, text
+
+
+def test_a_root_leading_into_the_state_directory_is_refused_however_either_is_written(
+    tmp_path: Path,
+) -> None:
+    real = tmp_path / "real"
+    (real / "state" / "ws").mkdir(parents=True)
+    (tmp_path / "lnk").symlink_to(real)
+    (tmp_path / "srv-ws").symlink_to(real / "state" / "ws")
+    # The root through a symlink, the state directory as it is.
+    with pytest.raises(pydantic.ValidationError) as caught:
+        GatewaydConfig.model_validate(
+            {"state_dir": str(real / "state"), "lendable_roots": [str(tmp_path / "srv-ws")]}
+        )
+    assert (
+        f"{tmp_path}/srv-ws is really {real}/state/ws, and {real}/state/ws lies in gatewayd's "
+        f"own state_dir {real}/state, which is never lent"
+    ) in str(caught.value)
+    # The root as it is, the state directory through a symlink.
+    with pytest.raises(pydantic.ValidationError) as caught:
+        GatewaydConfig.model_validate(
+            {"state_dir": str(tmp_path / "lnk" / "state"), "lendable_roots": [str(real / "state")]}
+        )
+    assert f"{real}/state lies in gatewayd's own state_dir {real}/state" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("root", "says"),
+    [
+        ("/usr/local", "/usr/local lies in the system tree /usr, which is never lent"),
+        ("TMP/run/x", "TMP/run/x is really /run/x, and /run/x lies in the system tree /run"),
+        ("TMP/state/ws", "TMP/state/ws lies in gatewayd's own state_dir TMP/state"),
+        ("TMP/state-agent", "TMP/state-agent lies in gatewayd's own agent_dir TMP/state-agent"),
+    ],
+)
+def test_a_daemon_config_made_in_code_refuses_a_root_as_the_file_does(
+    tmp_path: Path, root: str, says: str
+) -> None:
+    (tmp_path / "run").symlink_to("/run")
+    with pytest.raises(ValueError) as caught:
+        DaemonConfig(
+            state_dir=tmp_path / "state",
+            lendable_roots=(Path("/srv/ws"), Path(root.replace("TMP", str(tmp_path)))),
+        )
+    message = str(caught.value)
+    assert message.startswith(f"lendable_roots: {says.replace('TMP', str(tmp_path))}"), message
+    assert message.endswith(f"; change {HINT}"), message
+
+
+def test_the_daemons_own_directories_are_made_real_once_keeping_what_derives_from_them(
+    tmp_path: Path,
+) -> None:
+    real = tmp_path / "real"
+    (real / "logs").mkdir(parents=True)
+    (tmp_path / "lnk").symlink_to(real)
+    link = tmp_path / "lnk"
+    config = DaemonConfig(
+        state_dir=link / "state",
+        audit_path=link / "logs" / "audit.jsonl",
+        control_socket=link / "control.sock",
+    )
+    made = config.with_real_dirs()
+    assert made.state_dir == real / "state"
+    assert made.audit_path == real / "logs" / "audit.jsonl"
+    assert made.resolved_agent_dir == real / "state-agent"
+    assert made.control_socket == real / "control.sock"
+    # Named after the state directory as configured, before and after.
+    assert made.resolved_netns_prefix == config.resolved_netns_prefix
+    assert made.resolved_sandbox_uids == config.resolved_sandbox_uids
+    assert made.with_real_dirs() == made
+    assert [(d.setting, d.path, d.private) for d in made.own_directories()] == [
+        ("state_dir", real / "state", True),
+        ("agent_dir", real / "state-agent", True),
+        ("audit_path's directory", real / "logs", False),
+        ("control_socket's directory", real, False),
+    ]
+
+
+def test_the_sandbox_settings_take_the_state_directory_only_as_its_real_path(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "real" / "state").mkdir(parents=True)
+    (tmp_path / "lnk").symlink_to(tmp_path / "real")
+    layout = HostLayout(system_links=(), system_dirs=("usr",), etc_entries=())
+    with pytest.raises(ValueError) as caught:
+        SandboxSettings(
+            bwrap="/usr/bin/bwrap",
+            netns_prefix="cgt-",
+            state_dir=tmp_path / "lnk" / "state",
+            cogni_tool_dir=tmp_path / "lnk" / "state" / "cogni-tool",
+            layout=layout,
+        )
+    assert str(caught.value) == (
+        f"the state directory must be given as its real path ({tmp_path}/real/state), not "
+        f"{tmp_path}/lnk/state: the sandbox plan compares real paths with it"
+    )

@@ -1,5 +1,5 @@
-"""docs/policy.md documents every field of the policy models (issue 6: a policy reference
-checked against the pydantic models).
+"""docs/policy.md documents every field of the policy models (a policy
+reference checked against the pydantic models).
 
 A field counts as documented when the section of docs/policy.md for its parent holds a
 table row whose first cell is the field's name in backticks. The section for a parent

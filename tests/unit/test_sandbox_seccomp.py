@@ -32,7 +32,7 @@ from gatewayd.sandbox.seccomp import (
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "sandbox.md"
 BY_NAME = {entry.name: entry for entry in DENIED_SYSCALLS}
-# What issue 3 ("Hardening") requires the filter to refuse at least.
+# What the sandbox's hardening (docs/sandbox.md) requires the filter to refuse at least.
 REQUIRED = [
     "ptrace",
     "mount",
