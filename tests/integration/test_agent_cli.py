@@ -85,6 +85,20 @@ def agent_cli(
     )
 
 
+def fix_add_with_a_pull_request(
+    base: Path, provider: FakeProvider, server: GitServer, sha: str, forge: FakeForge
+) -> subprocess.CompletedProcess[str]:
+    """`gatewayd agent run` on calc.git at ``sha``, pushing and opening a pull request."""
+    return agent_cli(
+        base,
+        provider,
+        *("--repo", server.url_for("calc.git"), "--sha", sha, "--task", "fix add"),
+        *("--model", "coder", "--pull-request", "--forge-api", forge.url),
+        *("--forge-repo", "o/calc"),
+        env={"COGNI_GIT_TOKEN": DEFAULT_TOKEN},
+    )
+
+
 def test_agent_run_pushes_a_branch_and_opens_a_pull_request(
     base: Path,
     provider: FakeProvider,
@@ -104,24 +118,7 @@ def test_agent_run_pushes_a_branch_and_opens_a_pull_request(
         ),
         Text(content="Fix add()\n\nThe tests pass."),
     )
-    done = agent_cli(
-        base,
-        provider,
-        "--repo",
-        server.url_for("calc.git"),
-        "--sha",
-        sha,
-        "--task",
-        "fix add",
-        "--model",
-        "coder",
-        "--pull-request",
-        "--forge-api",
-        forge.url,
-        "--forge-repo",
-        "o/calc",
-        env={"COGNI_GIT_TOKEN": DEFAULT_TOKEN},
-    )
+    done = fix_add_with_a_pull_request(base, provider, server, sha, forge)
     assert done.returncode == 0, done.stderr
     result: dict[str, Any] = json.loads(done.stdout)
     assert result["ok"] and result["errorCode"] is None
@@ -240,24 +237,7 @@ def test_a_pull_request_the_forge_answers_badly_exits_1_after_the_push_audited(
         ),
         Text(content="Fix add()"),
     )
-    done = agent_cli(
-        base,
-        provider,
-        "--repo",
-        server.url_for("calc.git"),
-        "--sha",
-        sha,
-        "--task",
-        "fix add",
-        "--model",
-        "coder",
-        "--pull-request",
-        "--forge-api",
-        forge.url,
-        "--forge-repo",
-        "o/calc",
-        env={"COGNI_GIT_TOKEN": DEFAULT_TOKEN},
-    )
+    done = fix_add_with_a_pull_request(base, provider, server, sha, forge)
     assert done.returncode == 1, done.stderr
     result: dict[str, Any] = json.loads(done.stdout)
     assert (result["ok"], result["errorCode"]) == (False, "internal")
