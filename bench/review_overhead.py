@@ -313,7 +313,8 @@ async def start_runs(daemon: Daemon, base: Path) -> dict[str, Run]:
                 actorId="bench",
                 tenantId="bench",
                 grant=Grant(allowSandbox=True),
-            )
+            ),
+            policy_paths=True,  # the bench is a local caller, like `gatewayd run`
         )
     return runs
 

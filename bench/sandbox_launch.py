@@ -419,7 +419,7 @@ class InProcess:
 
     async def create_teardown(self) -> Durations:
         started = time.perf_counter()
-        run = await self.daemon.start_run(self.request())
+        run = await self.daemon.start_run(self.request(), policy_paths=True)
         created = time.perf_counter()
         await self.daemon.end_run(run.run_id)
         ended = time.perf_counter()
@@ -465,7 +465,7 @@ class InProcess:
     async def part_registry(self) -> Durations:
         # Request to run object: policy file loaded and bound, run directory made/removed.
         started = time.perf_counter()
-        run = self.daemon.registry.create(self.request())
+        run = self.daemon.registry.create(self.request(), policy_paths=True)
         self.daemon.registry.remove(run)
         return {"registry": time.perf_counter() - started}
 
@@ -531,7 +531,8 @@ async def in_process(warmup: int, iterations: int) -> tuple[Samples, str]:
                         actorId="bench",
                         tenantId="bench",
                         grant=Grant(allowSandbox=True),
-                    )
+                    ),
+                    policy_paths=True,  # the bench is a local caller, like `gatewayd run`
                 )
                 sandbox = run.sandbox
                 if sandbox is None:
