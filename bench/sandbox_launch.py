@@ -67,13 +67,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import BIN, control, env_info, percentile
 
+from gatewayd.audit import AuditEvent
 from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.files import LIBC
 from gatewayd.logs import configure_logging
 from gatewayd.runs import Grant, RunRequest
 from gatewayd.sandbox.cgroup import CgroupSupport, create_command_cgroup
 from gatewayd.sandbox.launch import (
-    BWRAP,
-    CLONE_NEWNET,
     ExecResult,
     LaunchError,
     memfd,
@@ -84,7 +84,8 @@ from gatewayd.sandbox.lease import give_back, lend
 from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.sandbox.limits import HostUser, LimitMechanism, SandboxLimits, rlimits
 from gatewayd.sandbox.netns import create_run_netns, remove_run_netns, remove_stale_netns
-from gatewayd.sandbox.plan import SandboxPlan
+from gatewayd.sandbox.plan import BWRAP, SandboxPlan
+from gatewayd.sandbox.seccomp import CLONE_NEWNET
 from gatewayd.sandbox.session import RunSandbox
 from gatewayd.sandbox.uids import UidRange, pids_of_uid
 
@@ -126,8 +127,6 @@ filesystem:
 limits: {calls_per_second: 1000000, burst: 1000000}
 sandbox: {timeout_s: 30, max_output_bytes: 65536}
 """
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 Durations = dict[str, float]
 Variant = Callable[[], Awaitable[Durations]]
@@ -234,7 +233,7 @@ class RawBwrap:
                     os.close(fd)
             if report_fd >= 0:
                 os.write(report_fd, JOIN_REPORT.pack(time.perf_counter() - started))
-            if _libc.setns(self.netns_fd, CLONE_NEWNET) != 0:
+            if LIBC.setns(self.netns_fd, CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
             for which, soft, hard in self.rlimit_table:
                 resource.setrlimit(which, (soft, hard))
@@ -413,7 +412,8 @@ class InProcess:
         with contextlib.ExitStack() as stack:
             memfds(stack, self.plan)
         made = time.perf_counter()
-        await self.daemon.audit.append("event", event="bench_probe")
+        # The durable entry an exec waits for (the writer takes registered names only).
+        await self.daemon.audit.append("event", event=AuditEvent.EXEC_STARTED)
         appended = time.perf_counter()
         return {"plan": planned - started, "memfds": made - planned, "audit1": appended - made}
 
@@ -472,8 +472,8 @@ class InProcess:
     async def part_audit(self) -> Durations:
         # A run's two durable entries (run_created, run_ended).
         started = time.perf_counter()
-        await self.daemon.audit.append("event", event="bench_probe")
-        await self.daemon.audit.append("event", event="bench_probe")
+        await self.daemon.audit.append("event", event=AuditEvent.RUN_CREATED)
+        await self.daemon.audit.append("event", event=AuditEvent.RUN_ENDED)
         return {"audit2": time.perf_counter() - started}
 
 

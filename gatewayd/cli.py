@@ -7,6 +7,7 @@ Heavy imports (trio, the daemon) happen inside the commands that need them, so
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -15,6 +16,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
+
+from gatewayd.protocol import MAX_FRAME_BYTES, MIN_FRAME_BYTES
 
 if TYPE_CHECKING:
     from gatewayd.audit.query import EntryFilter
@@ -32,10 +35,6 @@ SIGNAL_EXIT_BASE: Final = 128
 # Variables a run's command may inherit from gatewayd's environment; everything else
 # is dropped (invariant SECRETS_HOST_ONLY), and the two COGNI_ variables are added.
 ENV_ALLOWLIST: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TZ")
-# A frame must hold a request header (the decoder refuses less than 64 bytes); more
-# than 64 MiB per frame is not a tool call but a way to make the daemon buffer memory.
-MIN_FRAME_BYTES: Final = 64
-MAX_FRAME_BYTES: Final = 64 << 20
 # Like timeout(1): the run's command was stopped because the run ran out of time.
 EXIT_MAX_RUNTIME: Final = 124
 # A run spec is a few hundred bytes, like the control socket's run request (whose body
@@ -469,7 +468,8 @@ def _refusing(command: Callable[[argparse.Namespace], int], args: argparse.Names
 
 
 def _policy_check(path: Path) -> int:
-    from gatewayd.policy import PolicyError, load_policy, summarize, unmatched_patterns
+    from gatewayd.policy import PolicyError, summarize, unmatched_patterns
+    from gatewayd.policyfile import load_policy
     from gatewayd.tools import builtin_tools
 
     try:
@@ -559,7 +559,7 @@ def _review_replay(args: argparse.Namespace) -> int:
     import trio
 
     from gatewayd import model_client
-    from gatewayd.daemon import SHIPPED_POLICY_DIR
+    from gatewayd.config import SHIPPED_POLICY_DIRS
     from gatewayd.policy import PolicyError
     from gatewayd.review import replay
     from gatewayd.review.ruleset import RuleSet
@@ -573,7 +573,7 @@ def _review_replay(args: argparse.Namespace) -> int:
     concurrency = replay.DEFAULT_CONCURRENCY if args.concurrency is None else args.concurrency
     if not 1 <= concurrency <= replay.MAX_CONCURRENCY:
         return usage(f"--concurrency must be 1..{replay.MAX_CONCURRENCY}, not {concurrency}")
-    policy_dirs = tuple(args.policy_dir) or (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
+    policy_dirs = tuple(args.policy_dir) or SHIPPED_POLICY_DIRS
     try:
         policy, policy_source = PolicyLoader(policy_dirs)(args.policy)
     except PolicyError as exc:
@@ -1057,13 +1057,15 @@ async def _reload(daemon: Daemon, args: argparse.Namespace) -> None:
     changes nothing (logged and audited); live runs and their connections go on."""
     import structlog
 
+    from gatewayd.audit import AuditEvent
+
     log = structlog.get_logger("gatewayd.reload")
     try:
         config = _config(args)
     except SystemExit as exc:  # _config's way of saying the file is bad
         log.error("config_reload_failed", error=str(exc.code))
         await daemon.audit.append(
-            "event", event="config_reload_failed", safeMessage=str(exc.code)[:500]
+            "event", event=AuditEvent.CONFIG_RELOAD_FAILED, safeMessage=str(exc.code)[:500]
         )
     else:
         await daemon.reload_config(config)
@@ -1124,7 +1126,7 @@ def child_environment(run: Run) -> dict[str, str]:
 def _run(args: argparse.Namespace) -> int:
     import trio
 
-    from gatewayd.audit import AuditWriteError
+    from gatewayd.audit import AuditEvent, AuditWriteError
     from gatewayd.daemon import open_daemon
     from gatewayd.errors import GatewayError
     from gatewayd.logs import configure_logging
@@ -1169,7 +1171,7 @@ def _run(args: argparse.Namespace) -> int:
             # ran without isolation.
             await daemon.audit.append(
                 "event",
-                event="exec_started",
+                event=AuditEvent.EXEC_STARTED,
                 runId=run.run_id,
                 detail={"command": cmd[:64], "timeoutS": max_runtime},
                 degraded=run.degraded,
@@ -1195,7 +1197,7 @@ def _run(args: argparse.Namespace) -> int:
                 status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
             seq = daemon.audit.record(
                 "event",
-                event="exec_ended",
+                event=AuditEvent.EXEC_ENDED,
                 runId=run.run_id,
                 detail={
                     "exitCode": rc if rc >= 0 else None,
@@ -1268,12 +1270,9 @@ def _str_or_none(value: object) -> str | None:
 
 
 def _writer(fd: int) -> Callable[[bytes], None]:
-    def write(data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+    from gatewayd.files import write_all
 
-    return write
+    return functools.partial(write_all, fd)
 
 
 def _write_output(stdout: bytes, stderr: bytes) -> None:

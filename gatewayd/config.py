@@ -55,11 +55,12 @@ from pydantic_core import ErrorDetails
 
 from gatewayd import strictyaml
 from gatewayd.inputfile import InputFileError, read_input_file
-from gatewayd.policy.section import model_at
-from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES
+from gatewayd.policy.section import MODEL_ALIAS_RE, model_at
+from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from gatewayd.sandbox.daemons import derived_netns_prefix, derived_uid_range
 from gatewayd.sandbox.lendable import DEFAULT_LENDABLE_ROOTS, SETTING_HINT, real_root_problem
 from gatewayd.sandbox.netns import _check_prefix
+from gatewayd.sandbox.plan import BWRAP
 from gatewayd.sandbox.uids import DEFAULT_UID_COUNT, UidRange, check_derivable_count
 from gatewayd.secrets import NAME_RE as SECRET_NAME_RE
 
@@ -71,15 +72,9 @@ DEFAULT_STATE_DIR: Final = Path("/var/lib/gatewayd")
 # Shipped policies, next to the package in a source checkout (DaemonConfig's default too).
 SHIPPED_POLICY_DIR: Final = Path(__file__).resolve().parent.parent / "policies"
 SHIPPED_POLICY_DIRS: Final = (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
-# Debian's bubblewrap; a fixed path, never a PATH lookup by the daemon.
-DEFAULT_BWRAP: Final = "/usr/bin/bwrap"
-# A frame must hold a request header (the decoder refuses less than 64 bytes); more than
-# 64 MiB per frame is not a tool call but a way to make the daemon buffer memory.
-MIN_FRAME_BYTES: Final = 64
 # The audit log's active file rotates before it passes this (gatewayd/audit/writer.py's
 # DEFAULT_MAX_SEGMENT_BYTES, which needs trio to import; a test keeps the two equal).
 DEFAULT_AUDIT_MAX_BYTES: Final = 64 * 1024 * 1024
-MAX_FRAME_BYTES: Final = 64 << 20
 # One model call; the reviewer's own (shorter) timeout comes from the policy.
 DEFAULT_MODEL_TIMEOUT_S: Final = 60.0
 # The most of one model reply gatewayd reads (decoded bytes; past it the call fails).
@@ -96,7 +91,6 @@ MAX_CONFIG_BYTES: Final = 1 << 20
 MAX_POLICY_DIRS: Final = 32
 # Likewise for lendable roots: a few places where workspaces live.
 MAX_LENDABLE_ROOTS: Final = 32
-_ALIAS_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PROVIDER_RE: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _ENV_RE: Final = SECRET_NAME_RE  # a variable name, and so a safe credential file name
 
@@ -180,7 +174,7 @@ class SandboxUids(_Strict):
         return UidRange(self.base, self.count)
 
 
-Alias = Annotated[str, Field(strict=True), _check(_ALIAS_RE, "model alias")]
+Alias = Annotated[str, Field(strict=True), _check(MODEL_ALIAS_RE, "model alias")]
 SecretName = Annotated[str, Field(strict=True), _check(_ENV_RE, "secret_env name")]
 AbsolutePath = Annotated[Path, AfterValidator(_check_absolute)]
 NetnsPrefix = Annotated[str, Field(strict=True), AfterValidator(_check_netns_prefix)]
@@ -241,7 +235,7 @@ class GatewaydConfig(_Strict):
     # -- the OS sandbox
     # False: behave as on a host without bubblewrap (runs need require_os_sandbox: false).
     os_sandbox: Annotated[bool, Field(strict=True)] = True
-    bwrap: Annotated[str, Field(strict=True, min_length=1)] = DEFAULT_BWRAP
+    bwrap: Annotated[str, Field(strict=True, min_length=1)] = BWRAP
     # None (both): derived from state_dir, so two daemons on one host get two of each.
     netns_prefix: NetnsPrefix | None = None
     sandbox_uids: SandboxUids | None = None

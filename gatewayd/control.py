@@ -19,13 +19,13 @@ path only while it is still the socket this server bound.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import os
 import re
 import socket
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 from urllib.parse import parse_qsl
@@ -41,10 +41,10 @@ from gatewayd.daemon import Daemon
 from gatewayd.errors import GatewayError
 from gatewayd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.policy import PolicyError
-from gatewayd.protocol import ErrorCode
+from gatewayd.protocol import ErrorCode, Fault
 from gatewayd.review.rulebook import Applied, Pending, RuleAction, RuleChangeError
 from gatewayd.runs import MAX_PATH_CHARS, RunRequest, format_validation_error
-from gatewayd.sandbox.launch import ExecResult
+from gatewayd.sandbox.launch import ResultForm, exec_result_json
 from gatewayd.sandbox.session import SandboxUnavailable
 from gatewayd.server import open_unix_listener, peer_credentials
 
@@ -57,13 +57,13 @@ REQUEST_TIMEOUT_S: Final = 30.0
 RECV_CHUNK: Final = 64 * 1024
 _RUN_PATH: Final = re.compile(r"/v1/runs/([0-9a-f]{32})")
 _EXEC_PATH: Final = re.compile(r"/v1/runs/([0-9a-f]{32})/exec")
-# HTTP status of a refused request, by whose fault the error code says it was.
 _M = TypeVar("_M", bound=pydantic.BaseModel)
-_STATUS: Final = {
-    ErrorCode.BAD_REQUEST: 400,
-    ErrorCode.AUTHZ_DENIED: 403,
-    ErrorCode.POLICY_DENIED: 403,
-    ErrorCode.INTERNAL: 500,
+# HTTP status of a refused request, by whose fault its error code says it was.
+_STATUS: Final[Mapping[Fault, int]] = {
+    Fault.CALLER: 400,
+    Fault.POLICY: 403,
+    Fault.GATEWAYD: 500,
+    Fault.UPSTREAM: 502,
 }
 # The longest argv an exec may carry (ARG_MAX-like; more is not a command but a payload).
 MAX_EXEC_ARGS: Final = 4096
@@ -136,29 +136,6 @@ class ExecRequest(pydantic.BaseModel):
         if not value[0]:
             raise ValueError("the program (first argument) is empty")
         return value
-
-
-def exec_result_json(result: ExecResult) -> dict[str, Any]:
-    """An ExecResult for the wire: output as UTF-8 text when it is valid UTF-8, else
-    base64 (``stdoutEncoding`` says which), so bytes arrive exactly."""
-    out: dict[str, Any] = {
-        "exitCode": result.exitCode,
-        "signal": result.signal,
-        "durationMs": result.durationMs,
-        "errorCode": None if result.errorCode is None else str(result.errorCode),
-        "memoryLimit": str(result.memoryLimit),
-        "processLimit": str(result.processLimit),
-    }
-    for name, data, truncated in (
-        ("stdout", result.stdout, result.stdoutTruncated),
-        ("stderr", result.stderr, result.stderrTruncated),
-    ):
-        try:
-            out[name], out[f"{name}Encoding"] = data.decode("utf-8"), "utf-8"
-        except UnicodeDecodeError:
-            out[name], out[f"{name}Encoding"] = base64.b64encode(data).decode(), "base64"
-        out[f"{name}Truncated"] = truncated
-    return out
 
 
 class HttpError(Exception):
@@ -434,7 +411,7 @@ class ControlServer:
         try:
             run = await self.daemon.start_run(request)
         except GatewayError as exc:  # AuthzDenied, PolicyViolation, SandboxUnavailable
-            raise HttpError(_STATUS[exc.code], exc.code, str(exc)) from None
+            raise HttpError(_STATUS[exc.code.fault], exc.code, str(exc)) from None
         except (PolicyError, ValueError) as exc:
             raise HttpError(400, ErrorCode.BAD_REQUEST, str(exc)) from None
         except OSError as exc:
@@ -527,7 +504,7 @@ class ControlServer:
             raise HttpError(
                 500, ErrorCode.INTERNAL, f"the sandbox could not start: {exc}"
             ) from None
-        return 200, {"ok": True, "result": exec_result_json(result)}
+        return 200, {"ok": True, "result": exec_result_json(result, ResultForm.CONTROL)}
 
     async def _send(
         self, stream: trio.SocketStream, conn: h11.Connection, status: int, payload: Any

@@ -21,9 +21,10 @@ import structlog
 import trio
 
 from gatewayd import model_client
-from gatewayd.audit import AuditLog, AuditWriteError, open_audit_log
+from gatewayd.audit import AuditEvent, AuditLog, AuditWriteError, open_audit_log
 from gatewayd.audit.writer import DEFAULT_MAX_SEGMENT_BYTES
-from gatewayd.config import ModelAlias, agent_dir_for
+from gatewayd.config import DEFAULT_STATE_DIR, SHIPPED_POLICY_DIRS, ModelAlias, agent_dir_for
+from gatewayd.dialer import Resolver, resolve_host
 from gatewayd.dispatch import Dispatcher
 from gatewayd.egress import EgressProxy, serve_egress
 from gatewayd.errors import GatewayError, PolicyViolation
@@ -51,7 +52,7 @@ from gatewayd.sandbox.daemons import (
     derived_uid_range,
     register_daemon,
 )
-from gatewayd.sandbox.launch import BWRAP, Echo, ExecResult
+from gatewayd.sandbox.launch import Echo, ExecResult, ResultForm, exec_result_json
 from gatewayd.sandbox.lendable import (
     DEFAULT_LENDABLE_ROOTS,
     SETTING_HINT,
@@ -61,6 +62,7 @@ from gatewayd.sandbox.lendable import (
 )
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.plan import (
+    BWRAP,
     COGNI_TOOL_VISIBLE_DIR,
     EGRESS_PROXY_PORT,
     EGRESS_SOCKET_NAME,
@@ -82,7 +84,6 @@ from gatewayd.sandbox.uids import UidPool, UidRange
 from gatewayd.secrets import Scrubber
 from gatewayd.server import serve_run
 from gatewayd.tools import builtin_tools
-from gatewayd.tools.http import Resolver, resolve_host
 from gatewayd.tools.registry import ToolSpec
 
 log = structlog.get_logger("gatewayd.daemon")
@@ -95,19 +96,13 @@ SERVICE_GRACE_S = 60.0
 SERVICE_STDERR_LOG_BYTES = 16 * 1024
 SANDBOX_COGNI_TOOL = f"{COGNI_TOOL_VISIBLE_DIR}/cogni-tool"
 
-DEFAULT_STATE_DIR = Path("/var/lib/gatewayd")
-# Shipped policies, next to the package in a source checkout.
-SHIPPED_POLICY_DIR = Path(__file__).resolve().parent.parent / "policies"
-
 
 @dataclass(frozen=True, kw_only=True)
 class DaemonConfig:
     state_dir: Path = DEFAULT_STATE_DIR
     audit_path: Path | None = None  # default: <state_dir>/audit/audit.jsonl
     agent_dir: Path | None = None  # default: <state_dir>-agent (gatewayd agent run's clones)
-    policy_dirs: tuple[Path, ...] = field(
-        default_factory=lambda: (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
-    )
+    policy_dirs: tuple[Path, ...] = SHIPPED_POLICY_DIRS
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     audit_fsync: bool = True
     # Answers wait for their result entry to be durable (False: the documented opt-out).
@@ -280,7 +275,7 @@ class Daemon:
             leftovers["agentDirs"] = agent_dirs
         if any(leftovers.values()):
             log.warning("leftovers_removed", **leftovers)
-            await self.audit.append("event", event="leftovers_removed", detail=leftovers)
+            await self.audit.append("event", event=AuditEvent.LEFTOVERS_REMOVED, detail=leftovers)
         if not config.os_sandbox:
             self.support = SandboxSupport(
                 False,
@@ -324,7 +319,7 @@ class Daemon:
             )
         else:
             log.warning("os_sandbox_unavailable", reason=self.support.reason)
-        await self.audit.append("event", event="sandbox_support", detail=detail)
+        await self.audit.append("event", event=AuditEvent.SANDBOX_SUPPORT, detail=detail)
 
     async def start_run(
         self,
@@ -368,7 +363,7 @@ class Daemon:
             self.metrics.runs_refused.inc((str(_refusal_code(exc)),))
             await self.audit.append(
                 "event",
-                event="run_refused",
+                event=AuditEvent.RUN_REFUSED,
                 errorCode=str(_refusal_code(exc)),
                 safeMessage=str(exc),
                 detail={
@@ -382,7 +377,7 @@ class Daemon:
             raise
         await self.audit.append(
             "event",
-            event="run_created",
+            event=AuditEvent.RUN_CREATED,
             runId=run.run_id,
             detail={
                 "actorId": request.actorId,
@@ -523,7 +518,7 @@ class Daemon:
         if isinstance(outcome, Pending):
             await self.audit.append(
                 "event",
-                event="rule_change_pending",
+                event=AuditEvent.RULE_CHANGE_PENDING,
                 detail={"confirmationId": outcome.confirmation_id, **outcome.change.describe()},
             )
             return outcome
@@ -538,7 +533,7 @@ class Daemon:
             if change is not None:  # it was pending: its end is on the record
                 await self.audit.append(
                     "event",
-                    event="rule_change_failed",
+                    event=AuditEvent.RULE_CHANGE_FAILED,
                     errorCode=str(ErrorCode.BAD_REQUEST),
                     safeMessage=str(exc),
                     detail={"confirmationId": confirmation_id, **change.describe()},
@@ -554,13 +549,13 @@ class Daemon:
         }
         if confirmation_id is not None:
             detail["confirmationId"] = confirmation_id
-        await self.audit.append("event", event="rule_changed", detail=detail)
+        await self.audit.append("event", event=AuditEvent.RULE_CHANGED, detail=detail)
         try:
             applied = self.rules.commit(planned)
         except RuleChangeError as exc:
             await self.audit.append(
                 "event",
-                event="rule_change_failed",
+                event=AuditEvent.RULE_CHANGE_FAILED,
                 errorCode=str(ErrorCode.BAD_REQUEST),
                 safeMessage=str(exc),
                 detail=detail,
@@ -573,7 +568,7 @@ class Daemon:
         change = self.rules.cancel(confirmation_id)
         await self.audit.append(
             "event",
-            event="rule_change_cancelled",
+            event=AuditEvent.RULE_CHANGE_CANCELLED,
             detail={"confirmationId": confirmation_id, **change.describe()},
         )
         return change
@@ -609,7 +604,7 @@ class Daemon:
             )
         await self.audit.append(
             "event",
-            event="exec_started",
+            event=AuditEvent.EXEC_STARTED,
             runId=run_id,
             detail={"command": command[:64], "timeoutS": timeout_s},
         )
@@ -618,7 +613,7 @@ class Daemon:
         except Exception as exc:
             seq = self.audit.record(
                 "event",
-                event="exec_ended",
+                event=AuditEvent.EXEC_ENDED,
                 runId=run_id,
                 errorCode=str(ErrorCode.INTERNAL),
                 safeMessage=str(exc),
@@ -627,20 +622,10 @@ class Daemon:
             raise
         seq = self.audit.record(
             "event",
-            event="exec_ended",
+            event=AuditEvent.EXEC_ENDED,
             runId=run_id,
             durationMs=result.durationMs,
-            detail={
-                "memoryLimit": str(result.memoryLimit),
-                "processLimit": str(result.processLimit),
-                "exitCode": result.exitCode,
-                "signal": result.signal,
-                "errorCode": None if result.errorCode is None else str(result.errorCode),
-                "stdoutBytes": len(result.stdout),
-                "stderrBytes": len(result.stderr),
-                "stdoutTruncated": result.stdoutTruncated,
-                "stderrTruncated": result.stderrTruncated,
-            },
+            detail=exec_result_json(result, ResultForm.AUDIT),
         )
         await self.durable_before_answer(seq)
         return result
@@ -776,10 +761,10 @@ class Daemon:
             if not run.cancel_scope.cancel_called:
                 # Killed from inside (the run's own uid can) or crashed: the endpoints
                 # are gone for the rest of the run; said once, loudly.
-                detail = {"exitCode": result.exitCode, "signal": result.signal}
+                detail = exec_result_json(result, ResultForm.EXIT)
                 log.warning("sandbox_services_exited", run_id=run.run_id, **detail)
                 await self.audit.append(
-                    "event", event="services_exited", runId=run.run_id, detail=detail
+                    "event", event=AuditEvent.SERVICES_EXITED, runId=run.run_id, detail=detail
                 )
 
         nursery.start_soon(keep_serving)
@@ -798,7 +783,7 @@ class Daemon:
             )
         await self.audit.append(
             "event",
-            event="services_started",
+            event=AuditEvent.SERVICES_STARTED,
             runId=run.run_id,
             detail={
                 "modelEndpoint": f"127.0.0.1:{MODEL_ENDPOINT_PORT}"
@@ -839,7 +824,7 @@ class Daemon:
         try:
             await self.audit.append(
                 "event",
-                event="run_ended",
+                event=AuditEvent.RUN_ENDED,
                 runId=run.run_id,
                 detail={"reason": run.end_reason, **_counts(run), **cleanup},
             )
@@ -871,7 +856,7 @@ class Daemon:
                 policy, _ = self.registry.load_policy(source)
             except PolicyError as exc:
                 outcomes[run.run_id] = f"kept: {exc}"
-                await self._audit_reload(run, "policy_reload_failed", str(exc))
+                await self._audit_reload(run, AuditEvent.POLICY_RELOAD_FAILED, str(exc))
                 continue
             old = run.spec.policy
             if policy == old:
@@ -894,7 +879,7 @@ class Daemon:
                     "the new file applies to new runs and this run keeps its policy"
                 )
                 outcomes[run.run_id] = f"kept: {why}"
-                await self._audit_reload(run, "policy_reload_skipped", why)
+                await self._audit_reload(run, AuditEvent.POLICY_RELOAD_SKIPPED, why)
                 continue
             changed = [
                 name
@@ -905,7 +890,7 @@ class Daemon:
             outcomes[run.run_id] = "reloaded"
             await self.audit.append(
                 "event",
-                event="policy_reloaded",
+                event=AuditEvent.POLICY_RELOADED,
                 runId=run.run_id,
                 detail={"policy": policy.name, "source": source, "changed": changed},
             )
@@ -952,7 +937,7 @@ class Daemon:
             self.reviewer.models = dict(self.config.models)
         await self.audit.append(
             "event",
-            event="config_reloaded",
+            event=AuditEvent.CONFIG_RELOADED,
             detail={
                 "modelsChanged": models_changed and not (keys_after - keys_before),
                 "models": sorted(self.config.models),
@@ -963,8 +948,8 @@ class Daemon:
             log.warning("config_reload_needs_restart", settings=restart)
         return restart
 
-    async def _audit_reload(self, run: Run, event: str, why: str) -> None:
-        log.warning(event, run_id=run.run_id, reason=why)
+    async def _audit_reload(self, run: Run, event: AuditEvent, why: str) -> None:
+        log.warning(event.value, run_id=run.run_id, reason=why)
         await self.audit.append(
             "event",
             event=event,

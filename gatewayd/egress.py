@@ -15,7 +15,8 @@ is read (bounded in size and time) and is either
   second request cannot slip past the checks.
 
 Threat model: the sandboxed client picks the destination, so before a byte goes out the
-destination passes the very checks ``http.fetch`` makes (:mod:`gatewayd.tools.http`):
+destination passes the very checks ``http.fetch`` makes, in the same code
+(:mod:`gatewayd.policy.network` decides, :mod:`gatewayd.dialer` looks up and connects):
 scheme (``https`` for CONNECT, ``http`` for plain requests), method, the host against
 ``network.allow_domains``, the port against ``network.ports``, one DNS lookup whose every
 address passes the SSRF guard (``network.allow_private``), and a connection to those
@@ -52,10 +53,12 @@ import httpx
 import structlog
 import trio
 
-from gatewayd.audit import AuditLog, AuditWriteError, Peer
+from gatewayd.audit import AuditEvent, AuditLog, AuditWriteError, Peer
+from gatewayd.dialer import PinnedBackend, Resolver, resolve_checked, resolve_host
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation
 from gatewayd.metrics import DENIED, METRICS
 from gatewayd.policy.model import NetworkSection
+from gatewayd.policy.network import REFUSED_HEADERS, IpAddress, check_destination, check_method
 from gatewayd.policy.rate import TokenBucket
 from gatewayd.protocol import ErrorCode
 from gatewayd.server import (
@@ -66,23 +69,9 @@ from gatewayd.server import (
     open_unix_listener,
     peer_credentials,
 )
-from gatewayd.tools.http import (
-    REFUSED_HEADERS,
-    IpAddress,
-    PinnedBackend,
-    Resolver,
-    check_destination,
-    check_method,
-    resolve_checked,
-    resolve_host,
-)
 
 log = structlog.get_logger("gatewayd.egress")
 
-EGRESS_EVENT: Final = "egress"
-# Written (durably) before an allowed connection goes out, so a crash mid-tunnel still
-# leaves its destination on the record (invariant 8); ``egress`` follows at its end.
-EGRESS_OPENED_EVENT: Final = "egress_opened"
 # Real request heads are a few KiB; 64 KiB is what common servers accept. More is a
 # client trying to make gatewayd hold memory (431).
 MAX_HEAD_BYTES: Final = 64 * 1024
@@ -427,7 +416,7 @@ class EgressProxy:
         try:
             self._audit.record(
                 "event",
-                event=EGRESS_EVENT,
+                event=AuditEvent.EGRESS,
                 runId=self.run_id,
                 errorCode=code,
                 safeMessage=f"{count} more refused proxy connections, not audited one by one",
@@ -685,7 +674,7 @@ class EgressProxy:
             with trio.fail_after(AUDIT_WAIT_S):
                 await self._audit.append(
                     "event",
-                    event=EGRESS_OPENED_EVENT,
+                    event=AuditEvent.EGRESS_OPENED,
                     runId=self.run_id,
                     peer=peer,
                     detail={
@@ -720,7 +709,7 @@ class EgressProxy:
         try:
             seq = self._audit.record(
                 "event",
-                event=EGRESS_EVENT,
+                event=AuditEvent.EGRESS,
                 runId=self.run_id,
                 durationMs=round(duration_s * 1000, 3),
                 errorCode=None if outcome.code is None else str(outcome.code),

@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 import re
 import struct
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Final
 
 import msgspec
@@ -26,6 +28,10 @@ PROTOCOL_VERSION: Final = 1
 # Large enough for a file page or a model answer, small enough that one connection
 # cannot make the daemon buffer arbitrary amounts of memory before it can say no.
 DEFAULT_MAX_FRAME_BYTES: Final = 1 << 20
+# The range an operator may set it in: a frame must hold a request header, and more than
+# 64 MiB per frame is not a tool call but a way to make the daemon buffer memory.
+MIN_FRAME_BYTES: Final = 64
+MAX_FRAME_BYTES: Final = 64 << 20
 
 HEADER: Final = struct.Struct(">I")
 HEADER_BYTES: Final = HEADER.size
@@ -37,21 +43,61 @@ _ID_RE: Final = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 TOOL_NAME_RE: Final = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*")
 
 
-class ErrorCode(enum.StrEnum):
-    """The closed set of error codes on the wire. Each names whose fault it was."""
+class Fault(enum.StrEnum):
+    """Whose fault an error is, which says what a program can do about it."""
 
-    BAD_REQUEST = "bad_request"  # caller: the frame or request is malformed
-    TOO_LARGE = "too_large"  # caller: a frame over the size limit (connection closes)
-    RUN_MISMATCH = "run_mismatch"  # caller: runId is not the run this socket serves
-    AUTHZ_DENIED = "authz_denied"  # grant: the run has no system grant for this
-    UNKNOWN_TOOL = "unknown_tool"  # caller: no tool has this name
-    POLICY_DENIED = "policy_denied"  # policy: allowlist, paths, suffixes, sizes
-    INVALID_ARGS = "invalid_args"  # caller: arguments do not fit the tool's schema
-    REVIEW_DENIED = "review_denied"  # reviewer: the rule review said no, or failed
-    RATE_LIMITED = "rate_limited"  # policy: the run's call rate or budget is spent
-    TIMEOUT = "timeout"  # runner: the call ran past its time limit
-    TOOL_FAILED = "tool_failed"  # runner: the tool ran and failed
-    INTERNAL = "internal"  # gatewayd: our bug; details are in the daemon log only
+    CALLER = "caller"  # the request is wrong: fix it before calling again
+    POLICY = "policy"  # the run's policy or grant says no (a rule, a limit, a budget)
+    GATEWAYD = "gatewayd"  # gatewayd failed (a bug, the audit log): the operator must look
+    UPSTREAM = "upstream"  # what ran the call (a host tool, a provider) failed or took too long
+
+
+class ErrorCode(enum.StrEnum):
+    """The closed set of error codes on the wire; ``fault`` says whose fault each is."""
+
+    BAD_REQUEST = "bad_request"  # the frame or request is malformed
+    TOO_LARGE = "too_large"  # a frame over the size limit (connection closes)
+    RUN_MISMATCH = "run_mismatch"  # runId is not the run this socket serves
+    AUTHZ_DENIED = "authz_denied"  # the run has no system grant for this
+    UNKNOWN_TOOL = "unknown_tool"  # no tool has this name
+    POLICY_DENIED = "policy_denied"  # allowlist, paths, suffixes, sizes
+    INVALID_ARGS = "invalid_args"  # arguments do not fit the tool's schema
+    REVIEW_DENIED = "review_denied"  # the rule review said no, or failed
+    RATE_LIMITED = "rate_limited"  # the run's call rate or budget is spent
+    TIMEOUT = "timeout"  # the call ran past its time limit
+    TOOL_FAILED = "tool_failed"  # the tool ran and failed
+    INTERNAL = "internal"  # our bug; details are in the daemon log only
+
+    @property
+    def fault(self) -> Fault:
+        """Whose fault a call refused or failed with this code is (docs/protocol.md)."""
+        return FAULT_OF[self]
+
+
+# Every code's fault; tests/unit/test_error_faults.py holds it total and equal to
+# docs/protocol.md's "whose" column.
+FAULT_OF: Final[Mapping[ErrorCode, Fault]] = MappingProxyType(
+    {
+        ErrorCode.BAD_REQUEST: Fault.CALLER,
+        ErrorCode.TOO_LARGE: Fault.CALLER,
+        ErrorCode.RUN_MISMATCH: Fault.CALLER,
+        # The grant is the operator's, part of the run's rights like its policy; the
+        # sandbox cannot earn it by asking differently.
+        ErrorCode.AUTHZ_DENIED: Fault.POLICY,
+        ErrorCode.UNKNOWN_TOOL: Fault.CALLER,
+        ErrorCode.POLICY_DENIED: Fault.POLICY,
+        ErrorCode.INVALID_ARGS: Fault.CALLER,
+        # The policy asks for the review and a deny applies its rules. A failed review
+        # is a deny too (fail closed) and the code does not tell them apart, so it is
+        # not upstream: a program must not read it as "retry" (the message says whether).
+        ErrorCode.REVIEW_DENIED: Fault.POLICY,
+        ErrorCode.RATE_LIMITED: Fault.POLICY,
+        # The runner behind the call: a host tool, a model provider.
+        ErrorCode.TIMEOUT: Fault.UPSTREAM,
+        ErrorCode.TOOL_FAILED: Fault.UPSTREAM,
+        ErrorCode.INTERNAL: Fault.GATEWAYD,
+    }
+)
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -166,8 +212,8 @@ class FrameDecoder:
     """
 
     def __init__(self, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
-        if max_frame_bytes < 64:
-            raise ValueError("max_frame_bytes below 64 cannot hold a request")
+        if max_frame_bytes < MIN_FRAME_BYTES:
+            raise ValueError(f"max_frame_bytes below {MIN_FRAME_BYTES} cannot hold a request")
         self.max_frame_bytes = max_frame_bytes
         self._buf = bytearray()
         self._closed: FrameError | None = None

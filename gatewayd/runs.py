@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import os
-import re
 import secrets
 import shutil
 import stat
@@ -25,22 +24,23 @@ import pydantic
 import trio
 
 from gatewayd.errors import AuthzDenied
-from gatewayd.policy import Policy, RunRules, TokenBucket, bind_paths
+from gatewayd.hostpaths.binding import bind_paths
+from gatewayd.policy import Policy, RunRules, TokenBucket
+from gatewayd.policy.model import POLICY_NAME_RE
 from gatewayd.policy.paths import PathGrant
+from gatewayd.sandbox.plan import SOCKET_NAME
 
 if TYPE_CHECKING:
     from gatewayd.sandbox.session import RunSandbox
 
 # 16 random bytes = 128 bits: unguessable, so a run id alone names exactly one run.
 RUN_ID_BYTES: Final = 16
-SOCKET_NAME: Final = "gateway.sock"
 # A unix socket path must fit in sun_path (108 bytes including the NUL).
 MAX_SOCKET_PATH: Final = 107
 # PATH_MAX: a longer path cannot name a file, so a request carrying one is not a request.
 MAX_PATH_CHARS: Final = 4096
-# A policy's name: what its file is called in a policy directory (``<name>.yaml``); the
-# same characters as a policy's own ``name`` field, never a path.
-POLICY_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A policy named by its name is the file ``<name>.yaml`` in a policy directory
+# (policy.model's POLICY_NAME_RE: the characters of a policy's own ``name`` field).
 POLICY_SUFFIX: Final = ".yaml"
 PRIVATE_DIR_MODE: Final = 0o700
 # The state directory and runs/: nobody but root may list or create anything, but a
@@ -357,7 +357,8 @@ class PolicyLoader:
         Error handling: PolicyError for a string that is not a policy name (a path, a
         long string: nothing is looked up) or a name no directory holds.
         """
-        from gatewayd.policy import PolicyError, load_policy
+        from gatewayd.policy import PolicyError
+        from gatewayd.policyfile import load_policy
 
         if not POLICY_NAME_RE.fullmatch(name):
             shown = (
@@ -383,7 +384,7 @@ class PolicyLoader:
         raise PolicyError(name, [f"no policy named {name!r} in {self._where()}{hint}"])
 
     def __call__(self, ref: str) -> tuple[Policy, str]:
-        from gatewayd.policy import load_policy
+        from gatewayd.policyfile import load_policy
 
         if "/" in ref or ref.endswith((".yaml", ".yml")):
             path = Path(ref)

@@ -43,16 +43,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 import msgspec
 import structlog
 
 from gatewayd.inputfile import InputFileError, read_input_file
-
-if TYPE_CHECKING:
-    from gatewayd.config import ModelAlias
 
 log = structlog.get_logger("gatewayd.secrets")
 
@@ -76,6 +73,15 @@ CREDENTIALS_DIRECTORY_ENV: Final = "CREDENTIALS_DIRECTORY"
 NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 _json_encoder: Final = msgspec.json.Encoder()
+
+
+class KeyedModel(Protocol):
+    """What the scrubber reads of a model alias (gatewayd.config's ModelAlias): the name
+    of the variable holding its key. A protocol, so that the configuration depends on this
+    module and never the other way round."""
+
+    @property
+    def api_key_env(self) -> str | None: ...
 
 
 class SecretError(Exception):
@@ -295,7 +301,7 @@ class Scrubber:
 
     @classmethod
     def for_config(
-        cls, models: Mapping[str, ModelAlias], secret_env: Iterable[str] = (), **kwargs: Any
+        cls, models: Mapping[str, KeyedModel], secret_env: Iterable[str] = (), **kwargs: Any
     ) -> Scrubber:
         """The scrubber for gatewayd's configuration: every alias's key and ``secret_env``."""
         names = [alias.api_key_env for alias in models.values() if alias.api_key_env]

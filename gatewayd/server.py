@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Final
 import structlog
 import trio
 
-from gatewayd.audit import AuditWriteError, Peer
+from gatewayd.audit import AuditEvent, AuditWriteError, Peer
 from gatewayd.dispatch import Dispatcher
 from gatewayd.protocol import (
     NEED_DATA,
@@ -279,7 +279,7 @@ class Connection:
         audit = self.dispatcher.audit
         seq = audit.record(
             "event",
-            event="connection_refused",
+            event=AuditEvent.CONNECTION_REFUSED,
             runId=self.run.run_id,
             errorCode=str(code),
             safeMessage=message,
@@ -416,7 +416,7 @@ async def serve_run(
         for code, count in throttle.leftover().items():
             dispatcher.audit.record(
                 "event",
-                event="connection_refused",
+                event=AuditEvent.CONNECTION_REFUSED,
                 runId=run.run_id,
                 errorCode=code,
                 safeMessage=f"{count} more refused connections, not audited one by one",

@@ -12,14 +12,12 @@ import argparse
 import dataclasses
 import json
 import logging
-import re
 import sys
 from pathlib import Path
 from typing import Any, Final
 
 DEFAULT_GIT_TOKEN_ENV: Final = "COGNI_GIT_TOKEN"  # noqa: S105 (a variable's name)
 DEFAULT_AGENT_POLICY: Final = "agent"
-_SHA_RE: Final = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
@@ -99,7 +97,7 @@ def main(args: argparse.Namespace) -> int:
     import trio
 
     from gatewayd.agent.loop import AgentLimits, AgentTask, PullRequestSpec, run_agent
-    from gatewayd.agent.repo import RepoCredentials
+    from gatewayd.agent.repo import SHA_RE, RepoCredentials
     from gatewayd.cli import _config, _log_scrubber
     from gatewayd.daemon import open_daemon
     from gatewayd.logs import configure_logging
@@ -109,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"gatewayd agent run: {message}", file=sys.stderr)
         return EXIT_USAGE
 
-    if not _SHA_RE.fullmatch(args.sha):
+    if not SHA_RE.fullmatch(args.sha):
         return usage(f"--sha must be a full lowercase hex commit id, not {args.sha!r}")
     if args.pull_request and not (args.forge_api and args.forge_repo):
         return usage("--pull-request needs --forge-api and --forge-repo")

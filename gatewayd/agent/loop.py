@@ -47,6 +47,7 @@ import trio
 
 from gatewayd import model_client, strictjson
 from gatewayd.agent.repo import (
+    BRANCH_PREFIX,
     MAX_PATCH_INPUT_BYTES,
     RepoCredentials,
     RepoError,
@@ -57,6 +58,7 @@ from gatewayd.agent.repo import (
     push_branch_from_patches,
 )
 from gatewayd.audit.entry import Peer
+from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.query import read_log
 from gatewayd.errors import GatewayError
 from gatewayd.model_client import ModelCallError
@@ -98,7 +100,6 @@ WORK_MARKER: Final = ".cogni-agent-run"
 _CONTROL_RE: Final = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 # The largest answer asked for per turn (the token limit may ask for less).
 MAX_TURN_COMPLETION_TOKENS: Final = 8192
-BRANCH_PREFIX: Final = "cogni/"
 
 SYSTEM_PROMPT: Final = """\
 You are a software engineer working on a git repository checked out at /workspace.
@@ -295,7 +296,7 @@ class _Conversation:
             self.tokens += used
             await self.daemon.audit.append(
                 "event",
-                event="agent_turn",
+                event=AuditEvent.AGENT_TURN,
                 runId=self.run.run_id,
                 detail={
                     "turn": self.turns,
@@ -369,7 +370,7 @@ class _Conversation:
         audited as an event, and the model is told why."""
         await self.daemon.audit.append(
             "event",
-            event="agent_call_refused",
+            event=AuditEvent.AGENT_CALL_REFUSED,
             runId=self.run.run_id,
             detail={"turn": self.turns, "tool": call.name[:64], "reason": why},
         )
@@ -461,7 +462,7 @@ async def run_agent(
         say(refusal)
         await daemon.audit.append(
             "event",
-            event="agent_run_refused",
+            event=AuditEvent.AGENT_RUN_REFUSED,
             errorCode="internal",
             safeMessage=refusal,
             detail={"repo": _public_url(task.repo_url), "sha": task.sha, "model": task.model},
@@ -541,7 +542,7 @@ async def _run_in(job: _Job) -> None:
         say(result.message)
         await daemon.audit.append(
             "event",
-            event="agent_run_refused",
+            event=AuditEvent.AGENT_RUN_REFUSED,
             errorCode="internal",
             safeMessage=result.message,
             detail={"repo": _public_url(task.repo_url), "sha": task.sha},
@@ -558,7 +559,7 @@ async def _run_in(job: _Job) -> None:
     if result.run_id is not None:
         await daemon.audit.append(
             "event",
-            event="agent_run_ended",
+            event=AuditEvent.AGENT_RUN_ENDED,
             runId=result.run_id,
             detail={
                 "ok": result.ok,
@@ -646,7 +647,7 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
         say(result.message)
         await daemon.audit.append(
             "event",
-            event="agent_run_refused",
+            event=AuditEvent.AGENT_RUN_REFUSED,
             runId=run.run_id,
             errorCode="internal",
             safeMessage=result.message,
@@ -655,7 +656,7 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
         return None, None
     await daemon.audit.append(
         "event",
-        event="agent_run_started",
+        event=AuditEvent.AGENT_RUN_STARTED,
         runId=run.run_id,
         detail={
             "repo": _public_url(task.repo_url),
@@ -742,7 +743,7 @@ async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) 
         result.commit_messages.append(message)
     await daemon.audit.append(
         "event",
-        event="agent_patch",
+        event=AuditEvent.AGENT_PATCH,
         runId=run.run_id,
         detail={
             "files": len(diff.added) + len(diff.removed) + len(diff.modified) + len(diff.renamed),
@@ -785,7 +786,7 @@ async def _push(job: _Job, run: Run) -> None:
         say(result.message)
         await daemon.audit.append(
             "event",
-            event="agent_push",
+            event=AuditEvent.AGENT_PUSH,
             runId=run.run_id,
             errorCode="internal",
             safeMessage=result.message,
@@ -795,7 +796,7 @@ async def _push(job: _Job, run: Run) -> None:
     result.branch, result.head_sha = pushed.branch, pushed.head_sha
     await daemon.audit.append(
         "event",
-        event="agent_push",
+        event=AuditEvent.AGENT_PUSH,
         runId=run.run_id,
         detail={"branch": pushed.branch, "headSha": pushed.head_sha},
     )
@@ -829,7 +830,7 @@ async def _push(job: _Job, run: Run) -> None:
         say(result.message)
         await daemon.audit.append(
             "event",
-            event="agent_pull_request",
+            event=AuditEvent.AGENT_PULL_REQUEST,
             runId=run.run_id,
             errorCode="internal",
             safeMessage=result.message,
@@ -838,7 +839,7 @@ async def _push(job: _Job, run: Run) -> None:
         return
     result.pull_request_url = url
     await daemon.audit.append(
-        "event", event="agent_pull_request", runId=run.run_id, detail={"url": url}
+        "event", event=AuditEvent.AGENT_PULL_REQUEST, runId=run.run_id, detail={"url": url}
     )
     say(f"pull request {url}")
 

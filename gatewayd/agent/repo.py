@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 from gatewayd import strictjson
 from gatewayd.errors import GatewayError
+from gatewayd.files import write_all
 from gatewayd.protocol import ErrorCode
 from gatewayd.workspace.session import WorkspaceDiff, open_dirs
 from gatewayd.workspace.treediff import open_parent
@@ -79,9 +80,11 @@ FORGE_QUOTE_CHARS: Final = 200
 # Only system directories: git must not pick up helpers from an attacker-writable PATH.
 SAFE_PATH: Final = "/usr/local/bin:/usr/bin:/bin"
 DEFAULT_AUTHOR: Final = ("cogni agent", "agent@cogni.invalid")
+# The only branches an agent run pushes: its own namespace on the forge, never main.
 BRANCH_PREFIX: Final = "cogni/"
-_BRANCH_RE: Final = re.compile(r"cogni/[A-Za-z0-9._-]+")
-_SHA_RE: Final = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+_BRANCH_RE: Final = re.compile(re.escape(BRANCH_PREFIX) + r"[A-Za-z0-9._-]+")
+# A full commit id (SHA-1 or SHA-256, lowercase hex): never a branch name or a prefix.
+SHA_RE: Final = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 _REPOSITORY_RE: Final = re.compile(r"[A-Za-z0-9._-]+/[A-Za-z0-9._-]+")
 _URL_USERINFO_RE: Final = re.compile(r"(://)[^/\s@]*@")
 _LOOPBACK_HOSTS: Final = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -322,7 +325,7 @@ def _check_url(repo_url: str, credentials: RepoCredentials | None) -> None:
 
 
 def _check_sha(sha: str) -> None:
-    if not _SHA_RE.fullmatch(sha):
+    if not SHA_RE.fullmatch(sha):
         raise RepoError(
             f"commit {sha!r} is not a full commit id: pass 40 (SHA-1) or 64 (SHA-256) "
             "lowercase hex digits, not a branch name or an abbreviation"
@@ -555,20 +558,14 @@ def _write_entry(
         try:
             if isinstance(data, int):
                 while chunk := os.read(data, COPY_CHUNK_BYTES):
-                    _write_all(out, chunk)
+                    write_all(out, chunk)
             else:
-                _write_all(out, data)
+                write_all(out, data)
             os.fchmod(out, mode)  # the umask must not drop the exec bit
         finally:
             os.close(out)
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
 
 
 def _remove_entry(root: Path, rel: str) -> None:

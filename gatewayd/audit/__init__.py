@@ -1,12 +1,12 @@
 """The append-only, hash-chained audit log (see docs/audit.md).
 
 Public names are re-exported here; the modules behind them are:
-``line`` (hash primitives), ``entry`` (schema and limits), ``chain`` (the recipe),
-``head`` (the head file), ``tail`` (finding the end of an existing log), ``writer``
-(the trio writer with group commit and size-based rotation), ``segments`` (closed
-segment names), ``verify`` and ``show`` (the CLI's readers), ``query`` (reading every
-segment, the filters), ``report`` (stats, a run's result bundle), ``export`` and
-``follow`` (``tail -f``).
+``line`` (hash primitives), ``entry`` (schema and limits), ``events`` (the registry of
+event names), ``chain`` (the recipe), ``head`` (the head file), ``tail`` (finding the
+end of an existing log), ``writer`` (the trio writer with group commit and size-based
+rotation), ``segments`` (closed segment names), ``verify`` and ``show`` (the CLI's
+readers), ``query`` (reading every segment, the filters), ``report`` (stats, a run's
+result bundle), ``export`` and ``follow`` (``tail -f``).
 """
 
 from gatewayd.audit.chain import GENESIS, ChainPosition
@@ -15,12 +15,12 @@ from gatewayd.audit.entry import (
     MAX_DETAIL_BYTES,
     MAX_LINE_BYTES,
     MAX_SAFE_MESSAGE_CHARS,
-    AuditEvent,
     Decision,
     EntryFields,
     EntryKind,
     Peer,
 )
+from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.head import HeadRecord, head_path, read_head
 from gatewayd.audit.show import format_table, read_entries
 from gatewayd.audit.verify import Problem, ProblemKind, VerifyReport, verify_file

@@ -17,13 +17,13 @@ from typing import Any, Final
 from gatewayd.audit.entry import (
     MAX_DEGRADED_CHARS,
     AuditEntry,
-    AuditEvent,
     EntryFormatError,
     EntryKind,
     build_body,
     decode_body,
     format_time,
 )
+from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.line import GENESIS_HASH, LineFormatError, body_hash, hashes_equal, seal
 from gatewayd.audit.line import unseal as _unseal
 from gatewayd.protocol import MAX_ID_CHARS

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Final, TypedDict
 
 import msgspec
 
+from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.line import HASH_SUFFIX_BYTES, is_hash_hex
 from gatewayd.protocol import MAX_ID_CHARS, ErrorCode
 
@@ -50,6 +51,8 @@ Identifier = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$")]
 # Written by the chain itself; its hex form is checked when reading (decode_body).
 HashHex = Annotated[str, msgspec.Meta(min_length=64, max_length=64)]
+# Reading accepts any snake_case name (a log from another version still verifies);
+# writing only a registered one (events.py).
 EventName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
 Duration = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_DURATION_MS)]
 ByteCount = Annotated[int, msgspec.Meta(ge=0)]
@@ -67,22 +70,6 @@ class EntryKind(enum.StrEnum):
 class Decision(enum.StrEnum):
     ALLOW = "allow"
     DENY = "deny"
-
-
-class AuditEvent(enum.StrEnum):
-    """Event names gatewayd writes. Any other snake_case name is accepted too."""
-
-    AUDIT_OPEN = "audit_open"
-    AUDIT_CLOSE = "audit_close"
-    TORN_TAIL_RECOVERED = "torn_tail_recovered"
-    # The first entry of a new active segment: names the closed segment before it.
-    SEGMENT_OPEN = "segment_open"
-    RUN_CREATED = "run_created"
-    RUN_REFUSED = "run_refused"
-    RUN_ENDED = "run_ended"
-    CONNECTION_REFUSED = "connection_refused"
-    # An entry whose fields held a configured secret that could not be scrubbed.
-    ENTRY_WITHHELD = "entry_withheld"
 
 
 class Peer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -141,7 +128,7 @@ class EntryFields(TypedDict, total=False):
     outputDigest: str | None
     outputBytes: int | None
     peer: Peer | Mapping[str, int] | None
-    event: str | None
+    event: AuditEvent | None  # a registered name only: the writer refuses any other
     detail: Mapping[str, Any] | None
     review: Mapping[str, Any] | None
     degraded: str | None

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from gatewayd.audit.entry import MAX_LINE_BYTES, AuditEvent
+from gatewayd.audit.entry import MAX_LINE_BYTES
+from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.line import parse_object
 from gatewayd.audit.segments import log_files
 

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import msgspec
 
-from gatewayd.audit.entry import AuditEvent
+from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.query import RunFacts, error_code_of, time_ns_of
 
 # The run result's error codes (reference note 004's SandboxRunResult.errorCode).
@@ -184,10 +184,10 @@ def _exec_line(entry: Mapping[str, Any]) -> str | None:
     raw = entry.get("detail")
     facts: Mapping[str, Any] = raw if isinstance(raw, Mapping) else {}
     when = entry.get("time")
-    if name == "exec_started":
+    if name == AuditEvent.EXEC_STARTED:
         command = msgspec.json.encode(facts.get("command")).decode()
         return f"{when} exec_started {command} (timeout {facts.get('timeoutS')} s)"
-    if name != "exec_ended":
+    if name != AuditEvent.EXEC_ENDED:
         return None
     if entry.get("errorCode") is not None:
         return f"{when} exec_ended {entry['errorCode']}: {entry.get('safeMessage', '')}"
@@ -243,7 +243,8 @@ def run_result(run_id: str, entries: Iterable[Mapping[str, Any]]) -> dict[str, A
         failures = [
             failure
             for e in log
-            if e.get("event") == "exec_ended" and (failure := _command_failure(e)) is not None
+            if e.get("event") == AuditEvent.EXEC_ENDED
+            and (failure := _command_failure(e)) is not None
         ]
         code = failures[-1] if failures else None
     lines = [line for e in log if (line := _exec_line(e)) is not None]

@@ -39,7 +39,8 @@ from gatewayd.audit.chain import (
     follows,
     read_line,
 )
-from gatewayd.audit.entry import MAX_LINE_BYTES, AuditEvent
+from gatewayd.audit.entry import MAX_LINE_BYTES
+from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.head import HeadFormatError, HeadRecord, head_path, read_head
 from gatewayd.audit.line import hashes_equal
 from gatewayd.audit.segments import log_files, segment_number, segment_path

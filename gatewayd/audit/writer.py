@@ -71,7 +71,8 @@ from typing import Final, Unpack
 import trio
 
 from gatewayd.audit.chain import GENESIS, NO_SECRETS, Chain, ChainPosition, SealedEntry
-from gatewayd.audit.entry import MAX_LINE_BYTES, AuditEvent, EntryFields, EntryKind
+from gatewayd.audit.entry import MAX_LINE_BYTES, EntryFields, EntryKind
+from gatewayd.audit.events import REGISTERED_EVENTS, AuditEvent
 from gatewayd.audit.head import (
     HeadFormatError,
     HeadRecord,
@@ -82,6 +83,7 @@ from gatewayd.audit.head import (
 from gatewayd.audit.segments import list_segments, segment_path
 from gatewayd.audit.tail import ChainEnd, TailError, TailWindow, anchor_at_head, last_valid, walk
 from gatewayd.errors import GatewayError
+from gatewayd.files import fsync_dir, write_all
 from gatewayd.metrics import METRICS
 from gatewayd.protocol import ErrorCode
 from gatewayd.secrets import Scrubber
@@ -250,9 +252,12 @@ class AuditLog:
         at close). On a failed or closed log the entry is not queued and
         ``durable(seq)`` raises AuditWriteError.
 
-        Error handling: ValueError for a bad field, naming it and what it may hold;
-        nothing is recorded then.
+        Error handling: ValueError for a bad field, naming it and what it may hold,
+        or for an event name that is not an ``AuditEvent``; nothing is recorded then.
         """
+        event = fields.get("event")
+        if event is not None and (not isinstance(event, str) or event not in REGISTERED_EVENTS):
+            raise ValueError(f"invalid audit entry: event {event!r} is not an AuditEvent")
         before = self._chain.position
         seq, digest, line = self._chain.append(kind, fields)
         if self._failure is not None or self._closing:
@@ -415,12 +420,7 @@ class AuditLog:
 
     def _write_batch(self, batch: bytes, head: HeadRecord) -> None:
         """Flusher thread: append, sync, then move the head."""
-        view = memoryview(batch)
-        while view:
-            written = os.write(self._fd, view)
-            if written <= 0:
-                raise OSError(errno.EIO, "write made no progress")
-            view = view[written:]
+        write_all(self._fd, batch)
         if self._fsync:
             synced = time.perf_counter()
             os.fdatasync(self._fd)
@@ -460,7 +460,7 @@ class AuditLog:
             if os.fstat(fd).st_size:
                 raise OSError(errno.EEXIST, f"{self.path} was created by someone else")
             if self._fsync:
-                _sync_dir(self.path.parent)
+                fsync_dir(self.path.parent)
             head = HeadRecord(seq=rotate.after.seq, hash=rotate.after.hash, end=0, lines=0)
             os.pwrite(self._head_fd, encode_head(head), 0)
         except BaseException:
@@ -692,7 +692,7 @@ def _open_files(path: Path, fsync: bool) -> _Opened:
             if terminated:
                 os.fdatasync(fd)
             if created:
-                _sync_dir(path.parent)
+                fsync_dir(path.parent)
         continues = chain_end.end == 0 and chain_end.position.seq > 0
         return _Opened(
             fd,
@@ -723,14 +723,6 @@ def _lock(fd: int, path: Path) -> None:
             f"audit log {path} is locked by another process (another gatewayd?); "
             "one daemon writes one log"
         ) from None
-
-
-def _sync_dir(directory: Path) -> None:
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
 
 
 def _torn_detail(opened: _Opened) -> dict[str, object]:

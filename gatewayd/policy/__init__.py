@@ -1,7 +1,11 @@
-"""Policies: YAML files validated into frozen models, and pure decisions over them.
+"""Policies: YAML text validated into frozen models, and pure decisions over them.
 
-- :mod:`.model` — the policy file's models, :func:`load_policy`, :func:`bind_paths`
+Nothing in this package does I/O: reading a policy file is :mod:`gatewayd.policyfile`'s,
+binding its path rules to host directories :mod:`gatewayd.hostpaths.binding`'s.
+
+- :mod:`.model` — the policy file's models, :func:`load_policy_text`
 - :mod:`.decide` — may this run call this tool on these paths? (no I/O)
+- :mod:`.network` — may this run reach this scheme, method, host, port and address?
 - :mod:`.rate` — the per-run token bucket (clock passed in)
 - :mod:`.summary` — the human summary behind ``gatewayd policy check``
 - :mod:`.paths` — the grant and path types shared with the tools
@@ -30,8 +34,6 @@ from gatewayd.policy.model import (
     PolicyError,
     SandboxSection,
     ToolsSection,
-    bind_paths,
-    load_policy,
     load_policy_text,
 )
 from gatewayd.policy.paths import (
@@ -66,11 +68,9 @@ __all__ = [
     "TokenBucket",
     "ToolsSection",
     "allowed_tools",
-    "bind_paths",
     "check_path",
     "check_read_size",
     "decide",
-    "load_policy",
     "load_policy_text",
     "resolve_path",
     "summarize",

@@ -1,4 +1,4 @@
-"""Policy files: pydantic models, the YAML loader, and binding path rules to a workspace.
+"""Policy files: pydantic models and the YAML text they are parsed from.
 
 A policy is a YAML file validated into frozen models with ``extra="forbid"`` at every
 level, so a misspelt key is an error rather than a silently ignored rule. Errors are
@@ -6,9 +6,9 @@ collected into one :class:`PolicyError` that names the file and every bad field 
 dotted path (``filesystem.paths.workspace.mode``), with what was found.
 
 Each section is one model and one field of :class:`Policy`; a later section (review,
-network, ...) is added the same way. Only :func:`load_policy` (reads the file) and
-:func:`bind_paths` (resolves host directories) touch the filesystem; everything else here
-is pure.
+network, ...) is added the same way. Nothing here touches the filesystem: reading a
+policy file is :mod:`gatewayd.policyfile`'s, binding its path rules to host directories
+:mod:`gatewayd.hostpaths.binding`'s.
 """
 
 from __future__ import annotations
@@ -17,9 +17,8 @@ import difflib
 import ipaddress
 import math
 import re
-import stat
 from collections.abc import Iterable, Mapping
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
@@ -32,10 +31,10 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from gatewayd import strictyaml
-from gatewayd.inputfile import InputFileError, read_input_file
-from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode
+from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT
 from gatewayd.policy.review_section import Domain, ReviewSection
 from gatewayd.policy.section import (
+    ModelAliasName,
     PositiveInt,
     Section,
     StrictBool,
@@ -45,10 +44,6 @@ from gatewayd.policy.section import (
 )
 
 POLICY_VERSION: Final = 1
-
-# A policy is a few hundred lines at most; refusing anything bigger stops a wrong
-# path (a log, a binary) from being parsed and echoed back in error messages.
-MAX_POLICY_BYTES: Final = 1 << 20
 
 # --- limit defaults and bounds (the reason beside each) ------------------------------
 
@@ -86,7 +81,8 @@ RESERVED_VISIBLE_ROOTS: Final = tuple(
     PurePosixPath(p) for p in ("/workspace", "/proc", "/dev", "/sys", "/run/cogni", "/tmp")
 )
 
-_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# A policy's name, and so its file's name in a policy directory: never a path.
+POLICY_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _PATH_NAME_RE: Final = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
 _SUFFIX_RE: Final = re.compile(r"(\.[A-Za-z0-9_+~-]+)+")
 
@@ -107,7 +103,7 @@ class PolicyError(Exception):
 
 
 def _check_name(value: str) -> str:
-    if not _NAME_RE.fullmatch(value):
+    if not POLICY_NAME_RE.fullmatch(value):
         raise ValueError(
             f"name {value!r} must be 1-64 letters, digits and ._- starting with a letter or digit"
         )
@@ -332,18 +328,6 @@ class SandboxSection(Section):
     tmp_mb: Annotated[int, Field(strict=True, ge=1, le=1 << 20)] = DEFAULT_SANDBOX_TMP_MB
 
 
-_ALIAS_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def _model_alias(value: str) -> str:
-    if not _ALIAS_NAME_RE.fullmatch(value):
-        raise ValueError(f"model alias {value!r} must be 1-64 letters, digits and ._-")
-    return value
-
-
-ModelAliasName = Annotated[StrictStr, AfterValidator(_model_alias)]
-
-
 class ModelAccessSection(Section):
     """Which of gatewayd's model aliases the run's ``model.chat`` may use, and the run's
     budget for them (reference note 001's ``model_access``). Empty: no model."""
@@ -491,38 +475,7 @@ class Policy(Section):
         return value
 
 
-# --- loading --------------------------------------------------------------------------
-
-
-def load_policy(path: Path) -> Policy:
-    """Read and validate the policy file at ``path``.
-
-    Error handling: every failure (unreadable, not a regular file, too large, not
-    UTF-8, bad YAML, invalid fields) is a :class:`PolicyError` whose source is
-    ``str(path)``.
-    """
-    return validate_policy(read_policy_mapping(path), str(path))
-
-
-def read_policy_mapping(path: Path) -> dict[str, Any]:
-    """The policy file at ``path`` parsed, not yet validated: a regular file, size-capped,
-    UTF-8, strict YAML (see :mod:`gatewayd.strictyaml`), a mapping at the top. For tools
-    that edit a policy.
-
-    Error handling: :class:`PolicyError` whose source is ``str(path)``.
-    """
-    source = str(path)
-    try:
-        data = read_input_file(path, max_bytes=MAX_POLICY_BYTES, what="the policy file")
-    except InputFileError as exc:
-        raise PolicyError(source, [str(exc)]) from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PolicyError(
-            source, [f"policy file is not UTF-8 text (bad byte at offset {exc.start})"]
-        ) from None
-    return parse_policy_text(text, source)
+# --- parsing --------------------------------------------------------------------------
 
 
 def load_policy_text(text: str, source: str) -> Policy:
@@ -610,68 +563,3 @@ def _allowed_fields_hint(loc: tuple[int | str, ...]) -> str:
     hint = "; allowed fields: " + ", ".join(names)
     close = difflib.get_close_matches(str(loc[-1]), names, n=1)
     return hint + (f" (did you mean {close[0]!r}?)" if close else "")
-
-
-# --- binding --------------------------------------------------------------------------
-
-
-def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
-    """Turn the policy's path rules into grants for a run whose workspace is ``workspace``.
-
-    Relative roots become ``workspace/root`` on the host and ``/workspace/root`` inside;
-    absolute roots stay as they are on the host and appear at ``mount`` (default: the same
-    path). Host roots are resolved (symlinks followed) now, once, and each root's
-    (device, inode) is pinned in ``root_id``: the fs tools refuse a root that was later
-    swapped for a symlink or another directory. A grant whose host root contains
-    another grant's is marked ``holds_nested`` (no symlink is followed beneath it).
-
-    Error handling: a missing workspace or root, a root that is not a directory, or a
-    relative root that resolves outside the workspace is a :class:`PolicyError`.
-    """
-    source = f"policy {policy.name!r}"
-    rules = policy.filesystem.paths
-    if not rules:
-        return ()
-    try:
-        base = workspace.resolve(strict=True)
-    except OSError as exc:
-        raise PolicyError(source, [f"workspace {workspace}: {exc.strerror}"]) from None
-    if not base.is_dir():
-        raise PolicyError(source, [f"workspace {workspace} is not a directory"])
-    bound: list[tuple[str, PathRule, Path, tuple[int, int]]] = []
-    for name, rule in rules.items():
-        where = f"filesystem.paths.{name}.root"
-        wanted = Path(rule.root) if rule.is_absolute else base / rule.root
-        try:
-            host_root = wanted.resolve(strict=True)
-            # stat of the resolved path: no symlink left to follow in it.
-            st = host_root.stat()
-        except OSError as exc:
-            raise PolicyError(source, [f"{where}: {wanted}: {exc.strerror}"]) from None
-        if not stat.S_ISDIR(st.st_mode):
-            raise PolicyError(source, [f"{where}: {wanted} is not a directory"])
-        if not rule.is_absolute and not host_root.is_relative_to(base):
-            raise PolicyError(
-                source,
-                [
-                    f"{where}: {wanted} resolves to {host_root}, outside the workspace "
-                    f"{base}; a relative root must stay inside the workspace"
-                ],
-            )
-        bound.append((name, rule, host_root, (st.st_dev, st.st_ino)))
-    roots = [host_root for _, _, host_root, _ in bound]
-    return tuple(
-        PathGrant(
-            name=name,
-            host_root=host_root,
-            root_id=root_id,
-            holds_nested=any(
-                other != host_root and other.is_relative_to(host_root) for other in roots
-            ),
-            visible_root=rule.visible_root,
-            mode=PathMode(rule.mode),
-            suffixes=rule.suffixes,
-            max_file_bytes=rule.max_file_bytes,
-        )
-        for name, rule, host_root, root_id in bound
-    )

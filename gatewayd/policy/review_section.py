@@ -30,7 +30,14 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
-from gatewayd.policy.section import PositiveInt, Section, StrictBool, StrictStr, ToolPattern
+from gatewayd.policy.section import (
+    ModelAliasName,
+    PositiveInt,
+    Section,
+    StrictBool,
+    StrictStr,
+    ToolPattern,
+)
 
 # A rule is a sentence or a short paragraph; anything longer is a document pasted by
 # mistake, and every rule is sent with every reviewed call.
@@ -45,7 +52,6 @@ MAX_REVIEW_TIMEOUT_S: Final = 300.0
 DEFAULT_MAX_VALUE_CHARS: Final = 2000
 DEFAULT_CACHE_ENTRIES: Final = 10_000
 DEFAULT_CACHE_TTL_S: Final = 600.0
-_ALIAS_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _FIELD_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 _DOMAIN_RE: Final = re.compile(r"(\*\.)?([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9-]{1,63}")
 
@@ -61,12 +67,6 @@ def _check_rule_text(value: str) -> str:
     if any(ord(c) < 32 and c not in "\n\t" for c in text):
         raise ValueError("a rule may not hold control characters other than newline and tab")
     return text
-
-
-def _check_alias(value: str) -> str:
-    if not _ALIAS_RE.fullmatch(value):
-        raise ValueError(f"model alias {value!r} must be 1-64 letters, digits and ._-")
-    return value
 
 
 def _check_tool_glob(value: str) -> str:
@@ -112,7 +112,6 @@ def _check_path_glob(value: str) -> str:
 
 
 RuleText = Annotated[StrictStr, AfterValidator(_check_rule_text)]
-ModelAlias = Annotated[StrictStr, AfterValidator(_check_alias)]
 ToolGlob = Annotated[StrictStr, AfterValidator(_check_tool_glob)]
 ArgName = Annotated[StrictStr, AfterValidator(_check_field)]
 Pattern = Annotated[StrictStr, AfterValidator(_check_regex)]
@@ -190,7 +189,7 @@ class ReviewSection(Section):
     """How a run's calls are reviewed. The default is no review at all."""
 
     mode: Literal["off", "llm"] = "off"
-    model: ModelAlias | None = None
+    model: ModelAliasName | None = None
     timeout_s: Annotated[
         float, Field(strict=True, gt=0, le=MAX_REVIEW_TIMEOUT_S, allow_inf_nan=False)
     ] = DEFAULT_REVIEW_TIMEOUT_S

@@ -27,10 +27,21 @@ def _check_tool_pattern(value: str) -> str:
     return value
 
 
+# A model's name under gatewayd's configuration ``models:``; a policy names one to use it.
+MODEL_ALIAS_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def _check_model_alias(value: str) -> str:
+    if not MODEL_ALIAS_RE.fullmatch(value):
+        raise ValueError(f"model alias {value!r} must be 1-64 letters, digits and ._-")
+    return value
+
+
 StrictStr = Annotated[str, Field(strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
 ToolPattern = Annotated[StrictStr, AfterValidator(_check_tool_pattern)]
 PositiveInt = Annotated[int, Field(strict=True, ge=1)]
+ModelAliasName = Annotated[StrictStr, AfterValidator(_check_model_alias)]
 
 
 class Section(BaseModel):

@@ -28,11 +28,12 @@ from typing import Any, Final
 
 import yaml
 
-from gatewayd.atomicfile import write_atomically
 from gatewayd.errors import GatewayError
+from gatewayd.files import write_atomically
 from gatewayd.policy import PolicyError, load_policy_text
-from gatewayd.policy.model import read_policy_mapping, validate_policy
+from gatewayd.policy.model import validate_policy
 from gatewayd.policy.review_section import ReviewSection
+from gatewayd.policyfile import read_policy_mapping
 from gatewayd.protocol import ErrorCode
 from gatewayd.review.ruleset import RuleSet
 

@@ -39,6 +39,7 @@ from typing import Any, Final, Literal
 # The policy's own lexical normalization of agent paths, so that a rule and the path
 # check see the same path. (Private there; see the module docstring of decide.py.)
 from gatewayd.policy.decide import _normalize as normalize_agent_path
+from gatewayd.policy.network import domain_matches
 from gatewayd.policy.paths import shown
 from gatewayd.policy.review_section import StructuredRule, tool_glob_matches
 
@@ -230,13 +231,6 @@ def _host_values(args: Mapping[str, Any]) -> list[str | _Unreadable]:
             value = args[name]
             hosts.append(_clean_host(value) if isinstance(value, str) else _UNREADABLE)
     return hosts
-
-
-def domain_matches(domain: str, host: str) -> bool:
-    """``example.org`` matches itself; ``*.example.org`` matches strict subdomains."""
-    if domain.startswith("*."):
-        return host.endswith(domain[1:])
-    return host == domain
 
 
 # --- matching ---------------------------------------------------------------------

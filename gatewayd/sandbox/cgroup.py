@@ -616,9 +616,9 @@ def create_command_cgroup(
                 raise CgroupError(_explain(f"cannot create cgroup {directory}", exc)) from exc
             made.append(directory)
         settings = memory_settings(support.version, memory_bytes, swap_limited=support.swap_limited)
-        _write_all(memory_dir, settings)
+        _write_settings(memory_dir, settings)
         if pids_dir is not None:
-            _write_all(pids_dir, pids_settings(max_processes))
+            _write_settings(pids_dir, pids_settings(max_processes))
     except BaseException:
         for directory in made:
             with contextlib.suppress(OSError):
@@ -627,13 +627,15 @@ def create_command_cgroup(
     return cgroup
 
 
-def _write_all(directory: Path, settings: tuple[tuple[str, str], ...]) -> None:
+def _write_settings(directory: Path, settings: tuple[tuple[str, str], ...]) -> None:
     for file, value in settings:
         path = directory / file
         try:
             # No O_CREAT: on a cgroup file system a missing file means a missing feature.
             fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
             try:
+                # One write, never a loop: the kernel takes a control file's value
+                # whole or refuses it (EINVAL), it never takes part of one.
                 os.write(fd, value.encode())
             finally:
                 os.close(fd)

@@ -56,6 +56,7 @@ from typing import Any, Final
 
 from gatewayd.audit.head import head_path
 from gatewayd.audit.segments import segment_number
+from gatewayd.files import write_all
 from gatewayd.sandbox.netns import NETNS_PREFIX, prefixes_clash
 from gatewayd.sandbox.uids import (
     CONTAINER_UID_FIRST,
@@ -425,7 +426,7 @@ def register_daemon(
         try:
             # A new file, made under the directory's lock: nobody else can hold it yet.
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(fd, json.dumps(share.to_json()).encode())
+            write_all(fd, json.dumps(share.to_json()).encode())
         except BaseException:
             os.close(fd)
             with contextlib.suppress(OSError):

@@ -32,22 +32,25 @@ block gatewayd with output (both pipes are drained to the end, keeping at most t
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
+import enum
 import os
 import resource
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import prctl
 import trio
 
 from gatewayd.errors import GatewayError
+from gatewayd.files import LIBC, write_all
 from gatewayd.metrics import METRICS
 from gatewayd.sandbox.cgroup import (
     CgroupError,
@@ -63,12 +66,9 @@ from gatewayd.sandbox.limits import (
     classify_exit,
     rlimits,
 )
-from gatewayd.sandbox.plan import SandboxPlan, render_argv
-from gatewayd.sandbox.seccomp import write_filter
+from gatewayd.sandbox.plan import BWRAP, SandboxPlan, render_argv
+from gatewayd.sandbox.seccomp import CLONE_NEWNET, CLONE_NEWNS, write_filter
 
-# Debian's bubblewrap package puts it here; a fixed path, never a PATH lookup by the daemon.
-BWRAP: Final = "/usr/bin/bwrap"
-CLONE_NEWNET: Final = 0x40000000  # <linux/sched.h>
 READ_CHUNK: Final = 64 * 1024  # one pipe's worth per read
 # After the command is gone its pipes close at once (every writer was in its pid
 # namespace); this bounds the drain in case something still holds one.
@@ -80,16 +80,6 @@ TREE_GONE_WAIT_S: Final = 2.0
 # How often the grace period checks whether the tree has gone.
 EXIT_POLL_S: Final = 0.01
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = (
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_void_p,
-)
-_libc.syscall.restype = ctypes.c_long
-CLONE_NEWNS: Final = 0x00020000  # <linux/sched.h>
 # <linux/mount.h>, <fcntl.h>; the new mount API's system call numbers (x86_64)
 MS_REC: Final = 0x4000
 MS_SLAVE: Final = 0x80000
@@ -136,6 +126,91 @@ class ExecResult:
     errorCode: ErrorKind | None
     memoryLimit: LimitMechanism
     processLimit: LimitMechanism
+
+
+class ResultForm(enum.Enum):
+    """Who an :class:`ExecResult` is written for as JSON: each reader gets its own fields,
+    in the order it has always had them (:data:`RESULT_FIELDS`)."""
+
+    # The control socket's answer (gatewayd exec): output exact, as UTF-8 text when it is
+    # valid UTF-8, else base64 (``stdoutEncoding`` says which).
+    CONTROL = "control"
+    # sandbox.exec's value, read by a model: output as text, invalid UTF-8 replaced.
+    TOOL = "tool"
+    # exec_ended's detail: the audit log never holds a command's output, only its size
+    # (its duration is the entry's own durationMs).
+    AUDIT = "audit"
+    # services_exited's detail: how the in-sandbox services ended, nothing more.
+    EXIT = "exit"
+
+
+# Each form's keys in their order. The order is part of each answer's bytes: the agent
+# loop reads sandbox.exec's value by its first key, and a test pins every form's bytes.
+RESULT_FIELDS: Final[Mapping[ResultForm, tuple[str, ...]]] = {
+    ResultForm.CONTROL: (
+        "exitCode",
+        "signal",
+        "durationMs",
+        "errorCode",
+        "memoryLimit",
+        "processLimit",
+        "stdout",
+        "stdoutEncoding",
+        "stdoutTruncated",
+        "stderr",
+        "stderrEncoding",
+        "stderrTruncated",
+    ),
+    ResultForm.TOOL: (
+        "exitCode",
+        "signal",
+        "errorCode",
+        "stdout",
+        "stderr",
+        "stdoutTruncated",
+        "stderrTruncated",
+        "durationMs",
+    ),
+    ResultForm.AUDIT: (
+        "memoryLimit",
+        "processLimit",
+        "exitCode",
+        "signal",
+        "errorCode",
+        "stdoutBytes",
+        "stderrBytes",
+        "stdoutTruncated",
+        "stderrTruncated",
+    ),
+    ResultForm.EXIT: ("exitCode", "signal"),
+}
+
+
+def exec_result_json(result: ExecResult, form: ResultForm) -> dict[str, Any]:
+    """``result`` as a JSON object for ``form``'s reader: its :data:`RESULT_FIELDS`, in
+    that order; the output decoded only as that reader takes it."""
+    facts: dict[str, Any] = {
+        "exitCode": result.exitCode,
+        "signal": result.signal,
+        "durationMs": result.durationMs,
+        "errorCode": None if result.errorCode is None else str(result.errorCode),
+        "memoryLimit": str(result.memoryLimit),
+        "processLimit": str(result.processLimit),
+    }
+    for name, data, truncated in (
+        ("stdout", result.stdout, result.stdoutTruncated),
+        ("stderr", result.stderr, result.stderrTruncated),
+    ):
+        facts[f"{name}Bytes"] = len(data)
+        facts[f"{name}Truncated"] = truncated
+        if form is ResultForm.CONTROL:
+            try:
+                facts[name], facts[f"{name}Encoding"] = data.decode("utf-8"), "utf-8"
+            except UnicodeDecodeError:
+                facts[name], facts[f"{name}Encoding"] = base64.b64encode(data).decode(), "base64"
+        elif form is ResultForm.TOOL:
+            facts[name] = data.decode("utf-8", "replace")
+    return {key: facts[key] for key in RESULT_FIELDS[form]}
 
 
 def sandbox_argv(
@@ -287,9 +362,7 @@ def memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
     if data is None:
         write_filter(fd)
     else:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
+        write_all(fd, data)
     os.lseek(fd, 0, os.SEEK_SET)  # bwrap reads from the current offset to the end
     return fd
 
@@ -319,7 +392,7 @@ def _child_setup(
                 finally:
                     os.close(fd)
             step = "join the run's network namespace"
-            if _libc.setns(netns_fd, CLONE_NEWNET) != 0:
+            if LIBC.setns(netns_fd, CLONE_NEWNET) != 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
             if pins:
                 step = "attach the pinned directories"
@@ -328,18 +401,18 @@ def _child_setup(
                 # new namespace is refused: the source mount is not in it) ...
                 trees = []
                 for fd, _ in pins:
-                    tree = _libc.syscall(SYS_OPEN_TREE, fd, b"", OPEN_TREE_FLAGS)
+                    tree = LIBC.syscall(SYS_OPEN_TREE, fd, b"", OPEN_TREE_FLAGS)
                     if tree < 0:
                         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
                     trees.append(tree)
                 # ... then a private namespace, where nothing mounted reaches the host ...
-                if _libc.unshare(CLONE_NEWNS) != 0:
+                if LIBC.unshare(CLONE_NEWNS) != 0:
                     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-                if _libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
+                if LIBC.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
                     raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
                 # ... and each copy attached at its run-private mount point.
                 for tree, point in zip(trees, points, strict=True):
-                    moved = _libc.syscall(
+                    moved = LIBC.syscall(
                         SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, point, MOVE_MOUNT_F_EMPTY_PATH
                     )
                     if moved < 0:
@@ -373,7 +446,7 @@ def drop_privileges(user: HostUser) -> None:
     os.setgroups([])
     os.setresgid(user.gid, user.gid, user.gid)
     os.setresuid(user.uid, user.uid, user.uid)
-    if _libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
+    if LIBC.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     prctl.cap_inheritable.limit()
     prctl.cap_effective.limit()

@@ -61,8 +61,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from gatewayd.atomicfile import write_atomically
 from gatewayd.errors import GatewayError
+from gatewayd.files import write_atomically
 from gatewayd.sandbox.lendable import (
     PROC_SELF_MOUNTINFO,
     TREE_FLAGS,

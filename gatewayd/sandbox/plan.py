@@ -24,9 +24,12 @@ from typing import Final
 from gatewayd.errors import GatewayError
 from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathMode
 
+# Debian's bubblewrap package puts it here; a fixed path, never a PATH lookup by the daemon.
+BWRAP: Final = "/usr/bin/bwrap"
 # Where the run's own socket appears inside the sandbox; cogni-tool finds it there (and in
 # COGNI_GATEWAY_SOCK). Nothing else of /run is visible.
 SANDBOX_SOCKET: Final = "/run/cogni/gateway.sock"
+# Its name on the host, in the run's private directory ($STATE/runs/<run-id>/).
 SOCKET_NAME: Final = "gateway.sock"
 # The run's egress proxy socket (only when the policy turns the proxy on), beside it.
 SANDBOX_EGRESS_SOCKET: Final = "/run/cogni/egress.sock"

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from gatewayd.errors import GatewayError
+from gatewayd.files import write_all
 
 # The shared object of libseccomp 2.x; Debian's package `libseccomp2` ships it (bubblewrap
 # itself does not need it, so a host with bwrap may still lack it).
@@ -487,10 +488,7 @@ def write_filter(fd: int) -> None:
     Error handling: raises :class:`SeccompError` as :func:`build_filter` does; an
     ``OSError`` from writing (a closed descriptor, a full pipe nobody reads) propagates.
     """
-    view = memoryview(build_filter())
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
+    write_all(fd, build_filter())
 
 
 def render_markdown_table() -> str:

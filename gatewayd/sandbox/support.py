@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Final
 
 from gatewayd.errors import GatewayError
+from gatewayd.files import LIBC
 from gatewayd.sandbox.launch import (
     AT_FDCWD,
     OPEN_TREE_CLONE,
@@ -134,14 +135,12 @@ def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> San
 def _mount_api_missing() -> str:
     """Why the new mount API the launcher attaches pinned directories with is unusable
     here ('' when it works): open_tree (Linux 5.2) cloning a mount, and move_mount."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.syscall.restype = ctypes.c_long
-    tree = libc.syscall(SYS_OPEN_TREE, AT_FDCWD, b"/", OPEN_TREE_CLONE | os.O_CLOEXEC)
+    tree = LIBC.syscall(SYS_OPEN_TREE, AT_FDCWD, b"/", OPEN_TREE_CLONE | os.O_CLOEXEC)
     if tree < 0:
         err = ctypes.get_errno()
         return f"open_tree cannot clone a mount ({os.strerror(err)}); Linux 5.2 or later is needed"
     os.close(tree)  # a detached copy, never attached: closing it frees it
     # Invalid on purpose: any answer but ENOSYS says the call exists.
-    if libc.syscall(SYS_MOVE_MOUNT, -1, b"", -1, b"", 0) < 0 and ctypes.get_errno() == errno.ENOSYS:
+    if LIBC.syscall(SYS_MOVE_MOUNT, -1, b"", -1, b"", 0) < 0 and ctypes.get_errno() == errno.ENOSYS:
         return "move_mount is not available; Linux 5.2 or later is needed"
     return ""

@@ -18,6 +18,7 @@ import msgspec
 
 from gatewayd.errors import PolicyViolation
 from gatewayd.policy.paths import ResolvedPath
+from gatewayd.sandbox.launch import ResultForm, exec_result_json
 from gatewayd.tools.registry import ToolContext, ToolSpec
 
 MAX_COMMAND_CHARS: Final = 32_768
@@ -61,16 +62,7 @@ async def run_exec(args: ExecArgs, ctx: ToolContext, _resolved: tuple[ResolvedPa
         timeout_s=args.timeout_s,
         env_values={},
     )
-    return {
-        "exitCode": result.exitCode,
-        "signal": result.signal,
-        "errorCode": None if result.errorCode is None else str(result.errorCode),
-        "stdout": result.stdout.decode("utf-8", "replace"),
-        "stderr": result.stderr.decode("utf-8", "replace"),
-        "stdoutTruncated": result.stdoutTruncated,
-        "stderrTruncated": result.stderrTruncated,
-        "durationMs": result.durationMs,
-    }
+    return exec_result_json(result, ResultForm.TOOL)
 
 
 SANDBOX_EXEC: ToolSpec[ExecArgs] = ToolSpec(

@@ -3,7 +3,7 @@
 Each tool is an argument Struct (its JSON Schema is what ``tools.list`` shows), a
 pure ``paths(args)`` saying which visible paths it touches, and an async runner
 that does the blocking I/O in a worker thread (the daemon serves every run on one
-trio loop). Every open goes through :mod:`gatewayd.tools.beneath`, so no path
+trio loop). Every open goes through :mod:`gatewayd.hostpaths.beneath`, so no path
 component can lead outside the grant's root; results and messages carry visible
 paths only. The rules (symlinks, hard links, special files, sizes) are written
 down for agents and operators in ``docs/tools.md``.
@@ -29,8 +29,8 @@ import msgspec
 import trio
 
 from gatewayd.errors import InvalidArguments, PolicyViolation, ToolFailed
-from gatewayd.policy.paths import MAX_PATH_BYTES, PathAccess, PathGrant, ResolvedPath, shown
-from gatewayd.tools.beneath import (
+from gatewayd.files import fsync_dir_fd, write_all
+from gatewayd.hostpaths.beneath import (
     HARD_LINK_REASON,
     BeneathRoot,
     describe_mode,
@@ -40,6 +40,7 @@ from gatewayd.tools.beneath import (
     require_single_link_regular,
     translate_oserror,
 )
+from gatewayd.policy.paths import MAX_PATH_BYTES, PathAccess, PathGrant, ResolvedPath, shown
 from gatewayd.tools.clock import iso_utc
 from gatewayd.tools.registry import ToolContext, ToolSpec
 
@@ -297,13 +298,6 @@ def _read_up_to(fd: int, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        view = view[written:]
-
-
 def sniff_image(head: bytes) -> str | None:
     """The image MIME type ``head`` (the file's first bytes) starts with, if any."""
     for signature, mime in _IMAGE_SIGNATURES:
@@ -534,16 +528,6 @@ def _lstat_at(parent_fd: int, name: str, visible: str) -> os.stat_result | None:
         raise translate_oserror(exc, visible) from None
 
 
-def _fsync_dir(parent_fd: int) -> None:
-    """Make a rename durable; best effort (some file systems refuse directory fsync)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=parent_fd)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def _give_owner(fd: int, like: os.stat_result | None) -> None:
     """Make the file ``fd`` owned like ``like`` (its directory, or the file it replaces).
 
@@ -617,7 +601,7 @@ def replace_file(
             _give_owner(fd, existing if mode is not None else os.fstat(parent_fd))
             if mode is not None:
                 os.fchmod(fd, mode)
-            _write_all(fd, data)
+            write_all(fd, data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -628,7 +612,9 @@ def replace_file(
         if isinstance(exc, OSError):
             raise translate_oserror(exc, visible) from None
         raise
-    _fsync_dir(parent_fd)
+    # Best effort: the rename is done, and some file systems refuse a directory fsync.
+    with contextlib.suppress(OSError):
+        fsync_dir_fd(parent_fd)
     return existing is None
 
 
@@ -658,7 +644,7 @@ def _append(root: BeneathRoot, parent_fd: int, name: str, data: bytes) -> bool:
     try:
         st = require_single_link_regular(fd, target.visible)
         _check_size(target, st.st_size + len(data), TOOL_MAX_WRITE_FILE_BYTES)
-        _write_all(fd, data)
+        write_all(fd, data)
         os.fsync(fd)
     except OSError as exc:
         raise translate_oserror(exc, target.visible) from None

@@ -1,30 +1,19 @@
 """``http.fetch``: one HTTP request made on the host for a sandbox that has no network of
 its own (invariant NETWORK_DEFAULT_DENY), within the run's policy ``network`` section.
 
-Threat model: the agent chooses the URL, and a redirect lets the server choose the next
-one, so every hop is checked before a byte is sent: scheme, method, the host against
-``network.allow_domains``, the port against ``network.ports``, then every address the
-host resolves to against the SSRF guard (private, loopback, link-local, multicast,
-reserved, unspecified, cloud metadata), unless ``network.allow_private`` names the host
-or the address's network. The connection then goes to those checked addresses only: a
-pinned httpcore network backend (httpx's own transport layer) maps the URL's host to
-them, so no second DNS lookup can answer differently (DNS rebinding), while TLS still
-sends the name as SNI and verifies the certificate against it.
-
-The checks (:func:`check_method`, :func:`check_destination`, :func:`resolve_checked`) and
-the pinned connector (:class:`PinnedBackend`) are shared with the egress proxy
-(:mod:`gatewayd.egress`), so both paths out of the sandbox enforce one policy one way.
+The destination checks (scheme, method, host, port, the SSRF guard) are
+:mod:`gatewayd.policy.network`'s and the lookup and pinned connection
+:mod:`gatewayd.dialer`'s, both shared with the egress proxy (:mod:`gatewayd.egress`), so
+both paths out of the sandbox enforce one policy one way. What is this tool's own: the
+argument schema, the request headers an agent may set, following redirects (each hop
+checked again, credentials dropped when it leaves the origin) and the capped answer.
 """
 
 from __future__ import annotations
 
 import base64
-import functools
-import ipaddress
 import re
-import socket
 import ssl
-from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
 
@@ -33,44 +22,27 @@ import httpx
 import msgspec
 import trio
 
+from gatewayd.dialer import PinnedBackend, Resolver, resolve_checked, resolve_host
 from gatewayd.errors import InvalidArguments, PolicyViolation, ToolFailed
 from gatewayd.policy.model import HttpMethod, NetworkSection
+from gatewayd.policy.network import (
+    REFUSED_HEADERS,
+    IpAddress,
+    check_any_host_allowed,
+    check_destination,
+    check_method,
+    check_request_body,
+)
 from gatewayd.policy.paths import ResolvedPath
-from gatewayd.review.structured import domain_matches
 from gatewayd.tools.registry import ToolContext, ToolSpec
-
-IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-# (host, port) -> the addresses it resolves to; injectable so tests can name hosts.
-Resolver = Callable[[str, int], Awaitable[tuple[IpAddress, ...]]]
 
 # Longer than any real URL; a longer one is data smuggled out in a URL.
 MAX_URL_CHARS: Final = 8192
 # Real clients send a dozen headers; more is abuse of the server or of gatewayd's memory.
 MAX_REQUEST_HEADERS: Final = 64
 MAX_HEADER_VALUE_CHARS: Final = 8192
-# Framing and hop-by-hop headers are gatewayd's to set: an agent's Host or
-# Content-Length could make the request say something other than what was checked.
-REFUSED_HEADERS: Final = frozenset(
-    {
-        "host",
-        "content-length",
-        "transfer-encoding",
-        "connection",
-        "keep-alive",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "upgrade",
-    }
-)
 # Never follow a redirect to another origin: a token meant for one host stays there.
 CREDENTIAL_HEADERS: Final = frozenset({"authorization", "cookie"})
-# Cloud instance metadata (AWS/GCP/Azure IPv4, AWS IPv6): a host name in allow_private
-# does not unlock these; only a network entry that contains them does.
-METADATA_ADDRESSES: Final = frozenset(
-    {ipaddress.ip_address("169.254.169.254"), ipaddress.ip_address("fd00:ec2::254")}
-)
 REDIRECT_STATUSES: Final = frozenset({301, 302, 303, 307, 308})
 _TOKEN_RE: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]{1,256}")
 
@@ -112,143 +84,6 @@ class _Answer:
     location: str | None
 
 
-# DNS lookups get threads of their own: a lookup that hangs (a slow name server behind an
-# allowlisted wildcard, which a sandbox can aim at with many names at once) holds its
-# thread until the C library gives up, and must not hold trio's shared thread pool that
-# run set-up, cleanup and the file tools need.
-RESOLVER_THREADS: Final = 8
-_RESOLVER_LIMITER: Final[trio.lowlevel.RunVar[trio.CapacityLimiter]] = trio.lowlevel.RunVar(
-    "gatewayd_resolver_threads"
-)
-
-
-def resolver_threads() -> trio.CapacityLimiter:
-    """The DNS lookups' own thread limit, one per trio run."""
-    try:
-        return _RESOLVER_LIMITER.get()
-    except LookupError:
-        limiter = trio.CapacityLimiter(RESOLVER_THREADS)
-        _RESOLVER_LIMITER.set(limiter)
-        return limiter
-
-
-async def resolve_host(host: str, port: int) -> tuple[IpAddress, ...]:
-    """Every address ``host`` resolves to (an IP literal is itself), via the host's resolver.
-
-    Error handling: a name that does not resolve is ToolFailed.
-    """
-    try:
-        return (ipaddress.ip_address(host),)
-    except ValueError:
-        pass
-    try:
-        infos = await trio.to_thread.run_sync(
-            functools.partial(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM),
-            abandon_on_cancel=True,  # the caller's timeout ends the wait, not the thread
-            limiter=resolver_threads(),
-        )
-    except socket.gaierror as exc:
-        raise ToolFailed(f"cannot resolve {host!r}: {exc.strerror}") from None
-    except UnicodeError:  # the idna codec refuses e.g. a label over 63 characters
-        raise ToolFailed(f"cannot resolve {host!r}: not a valid host name") from None
-    return tuple(dict.fromkeys(ipaddress.ip_address(info[4][0]) for info in infos))
-
-
-def refused_reason(address: IpAddress) -> str | None:
-    """Why the SSRF guard refuses ``address`` by default, or None for a public address."""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    checks = (
-        (address in METADATA_ADDRESSES, "a cloud metadata address"),
-        (address.is_loopback, "a loopback address"),
-        (address.is_link_local, "a link-local address"),
-        (address.is_multicast, "a multicast address"),
-        (address.is_unspecified, "the unspecified address"),
-        (address.is_private, "a private address"),
-        (not address.is_global, "a reserved, not globally routable address"),
-    )
-    return next((reason for hit, reason in checks if hit), None)
-
-
-def _privately_allowed(host: str, address: IpAddress, entries: Iterable[str]) -> bool:
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    for entry in entries:
-        if "/" in entry:  # the policy normalizes networks to "addr/prefix"
-            if address in ipaddress.ip_network(entry):
-                return True
-        elif address not in METADATA_ADDRESSES and domain_matches(entry, host):
-            return True
-    return False
-
-
-def guard_addresses(host: str, addresses: tuple[IpAddress, ...], net: NetworkSection) -> None:
-    """Refuse (PolicyViolation) if ANY address is one the SSRF guard refuses and the
-    policy's ``allow_private`` does not name the host or the address's network."""
-    for address in addresses:
-        reason = refused_reason(address)
-        if reason is not None and not _privately_allowed(host, address, net.allow_private):
-            raise PolicyViolation(
-                f"{host} resolves to {address}, {reason}; gatewayd fetches such addresses "
-                "only when the policy's network.allow_private names the host or its network "
-                "(metadata addresses: only by network)"
-            )
-
-
-def check_method(method: str, net: NetworkSection) -> None:
-    """Refuse (PolicyViolation) a method ``network.methods`` does not list."""
-    if method not in net.methods:
-        raise PolicyViolation(
-            f"method {method} is not allowed; allowed: {', '.join(net.methods)} (network.methods)"
-        )
-
-
-def check_destination(url: httpx.URL, net: NetworkSection) -> tuple[str, int]:
-    """The host (ASCII, IDNA form) and port of ``url`` once its scheme, host and port are
-    ones the policy allows; else PolicyViolation (InvalidArguments for a URL with user
-    info or no host). A URL without a port means 443 for https, 80 for http."""
-    if url.scheme not in net.schemes:
-        raise PolicyViolation(
-            f"scheme {url.scheme!r} is not allowed; allowed: {', '.join(net.schemes)} "
-            "(network.schemes)"
-        )
-    if url.userinfo:
-        raise InvalidArguments("a URL may not carry a user name or password; use a header")
-    # The ASCII (IDNA) form: what the allowlist is written in and what httpcore connects to.
-    host = url.raw_host.decode("ascii").rstrip(".")
-    if not host:
-        raise InvalidArguments(f"URL {str(url)!r} has no host")
-    if not any(domain_matches(domain, host) for domain in net.allow_domains):
-        allowed = ", ".join(net.allow_domains) or "none (network.allow_domains is empty)"
-        raise PolicyViolation(
-            f"host {host!r} is not allowed; allowed domains: {allowed} "
-            "(network.allow_domains; '*.x' means subdomains of x)"
-        )
-    port = url.port or (443 if url.scheme == "https" else 80)
-    if port not in net.ports:
-        allowed = ", ".join(str(p) for p in net.ports) or "none"
-        raise PolicyViolation(
-            f"port {port} is not allowed; allowed ports: {allowed} (network.ports)"
-        )
-    return host, port
-
-
-async def resolve_checked(
-    host: str, port: int, net: NetworkSection, resolve: Resolver = resolve_host
-) -> tuple[IpAddress, ...]:
-    """The addresses of ``host``, looked up once and passed through the SSRF guard: the
-    only addresses a connection to ``host`` may then use (see :class:`PinnedBackend`).
-
-    Error handling: ToolFailed for a name that does not resolve (or resolves to nothing),
-    PolicyViolation from :func:`guard_addresses`.
-    """
-    addresses = await resolve(host, port)
-    if not addresses:
-        raise ToolFailed(f"{host!r} resolves to no address")
-    guard_addresses(host, addresses, net)
-    return addresses
-
-
 def _check_headers(headers: dict[str, str]) -> dict[str, str]:
     checked: dict[str, str] = {}
     for name, value in headers.items():
@@ -266,39 +101,6 @@ def _check_headers(headers: dict[str, str]) -> dict[str, str]:
             )
         checked[lower] = value
     return checked
-
-
-class PinnedBackend(httpcore.AsyncNetworkBackend):
-    """Connects to ``host`` only, and only at the addresses already checked for it
-    (:func:`resolve_checked`): no second DNS lookup can answer differently."""
-
-    def __init__(self, host: str, addresses: tuple[IpAddress, ...]) -> None:
-        self._host = host
-        self._addresses = addresses
-        self._inner = httpcore.TrioBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        if host.rstrip(".") != self._host:
-            raise httpcore.ConnectError(f"{host} is not the checked host {self._host}")
-        last: Exception = httpcore.ConnectError(f"{host} has no address")
-        for address in self._addresses:  # in resolver order, like a normal client
-            try:
-                return await self._inner.connect_tcp(
-                    str(address), port, timeout, local_address, socket_options
-                )
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
-                last = exc
-        raise last
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
 
 
 async def _send(
@@ -396,17 +198,11 @@ async def fetch(
     for network errors, an oversize response, too many redirects or ``net.timeout_s``
     passing.
     """
-    if not net.allow_domains:
-        raise PolicyViolation(
-            "this run may reach no host: the policy's network.allow_domains is empty"
-        )
+    check_any_host_allowed(net)
     headers = _check_headers(args.headers)
     body = None if args.body is None else args.body.encode("utf-8")
-    if body is not None and len(body) > net.max_request_bytes:
-        raise PolicyViolation(
-            f"request body is {len(body)} bytes; network.max_request_bytes allows "
-            f"{net.max_request_bytes}"
-        )
+    if body is not None:
+        check_request_body(len(body), net)
     url = _parse_url(args.url)
     method: str = args.method
     redirects: list[str] = []

@@ -32,7 +32,7 @@ import subprocess
 from pathlib import Path
 from typing import Final
 
-from gatewayd.atomicfile import write_atomically
+from gatewayd.files import LIBC, fsync_dir, write_atomically
 from gatewayd.workspace.session import (
     DIR_FLAGS,
     SessionState,
@@ -52,8 +52,6 @@ DISCARD_MARKER_NAME: Final = "discard.pending"
 CP: Final = "/usr/bin/cp"
 # Copying a large tree can take a while; a stuck copy (hung NFS) must not hang gatewayd.
 COPY_TIMEOUT_SECONDS: Final = 600
-
-_libc: Final = ctypes.CDLL(None, use_errno=True)
 
 
 def copy_tree_contents(source: Path, dest: Path) -> None:
@@ -91,7 +89,7 @@ def sync_file_system(path: Path) -> None:
     """
     fd = os.open(path, DIR_FLAGS)
     try:
-        if _libc.syncfs(fd) != 0:
+        if LIBC.syncfs(fd) != 0:
             err = ctypes.get_errno()
             raise WorkspaceError(
                 f"flushing the file system of {path} failed: "
@@ -101,20 +99,12 @@ def sync_file_system(path: Path) -> None:
         os.close(fd)
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, DIR_FLAGS)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _drop_snapshot(state_dir: Path) -> None:
     """Delete the snapshot: rename (durable), then remove, so no half one keeps its name."""
     dropped = state_dir / DROPPED_NAME
     if (state_dir / SNAPSHOT_NAME).exists():
         os.rename(state_dir / SNAPSHOT_NAME, dropped)
-        _fsync_dir(state_dir)
+        fsync_dir(state_dir, follow_symlinks=False)
     shutil.rmtree(dropped, ignore_errors=True)
 
 
@@ -128,11 +118,11 @@ def _restore(state_dir: Path, base: Path) -> None:
         sync_file_system(base)
         # From here the base is whole again: the snapshot may go, marker still set.
         os.rename(snapshot, state_dir / DROPPED_NAME)
-        _fsync_dir(state_dir)
+        fsync_dir(state_dir, follow_symlinks=False)
     # No snapshot under its name with the marker set: an earlier attempt restored the
     # base and renamed it (that rename is the last step that needed the snapshot).
     marker.unlink()
-    _fsync_dir(state_dir)
+    fsync_dir(state_dir, follow_symlinks=False)
     _drop_snapshot(state_dir)
 
 

@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-from gatewayd.atomicfile import write_atomically
+from gatewayd.files import LIBC, fsync_dir, write_atomically
 from gatewayd.workspace.session import (
     DIR_FLAGS,
     SessionState,
@@ -80,8 +80,6 @@ _OPTION_UNSAFE: Final = frozenset(",:\\\n")
 # Setuid, setgid and sticky bits never travel from the sandbox to the host.
 _COMMIT_MODE_MASK: Final = 0o777
 
-_libc: Final = ctypes.CDLL(None, use_errno=True)
-
 
 def _mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> None:
     for path in (lower, upper, work, merged):
@@ -91,7 +89,7 @@ def _mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> None:
                 "cannot carry; use another directory"
             )
     options = f"lowerdir={lower},upperdir={upper},workdir={work},{MOUNT_OPTIONS}"
-    rc = _libc.mount(
+    rc = LIBC.mount(
         b"overlay",
         os.fsencode(merged),
         b"overlay",
@@ -108,7 +106,7 @@ def _mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> None:
 
 def _mount_delta_tmpfs(path: Path, size: int) -> None:
     options = f"size={size},mode={DELTA_MODE:o}"
-    rc = _libc.mount(
+    rc = LIBC.mount(
         b"tmpfs",
         os.fsencode(path),
         b"tmpfs",
@@ -127,10 +125,10 @@ def unmount(path: Path, *, detach: bool) -> None:
     """Unmount ``path`` if it is a mount point; ``detach`` falls back to a lazy unmount."""
     if not os.path.ismount(path):
         return
-    if _libc.umount2(os.fsencode(path), 0) == 0:
+    if LIBC.umount2(os.fsencode(path), 0) == 0:
         return
     err = ctypes.get_errno()
-    if err == errno.EBUSY and detach and _libc.umount2(os.fsencode(path), MNT_DETACH) == 0:
+    if err == errno.EBUSY and detach and LIBC.umount2(os.fsencode(path), MNT_DETACH) == 0:
         return
     raise WorkspaceError(
         f"unmounting {path} failed: {errno.errorcode.get(err, err)} ({os.strerror(err)})"
@@ -302,16 +300,8 @@ def _replay(state_dir: Path, journal: dict[str, object]) -> None:
     finally:
         os.close(base_fd)
     (state_dir / JOURNAL_NAME).unlink()
-    _fsync_dir(state_dir)
+    fsync_dir(state_dir, follow_symlinks=False)
     _remove_delta(state_dir)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, DIR_FLAGS)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_delta(state_dir: Path) -> None:

@@ -2,7 +2,7 @@
 operations they share.
 
 Every operation takes a path relative to the workspace root. It is resolved by the
-kernel beneath the root (:mod:`gatewayd.tools.beneath`): absolute paths and ``..``
+kernel beneath the root (:mod:`gatewayd.hostpaths.beneath`): absolute paths and ``..``
 are refused before anything is opened; a symlink that leads out of the tree is
 refused (reads follow symlinks that stay inside, writes follow none).
 """
@@ -20,8 +20,13 @@ from types import TracebackType
 from typing import Final
 
 from gatewayd.errors import InvalidArguments, PolicyViolation, ToolFailed
+from gatewayd.files import write_all
+from gatewayd.hostpaths.beneath import (
+    BeneathRoot,
+    require_single_link_regular,
+    translate_oserror,
+)
 from gatewayd.policy.paths import PathGrant, PathMode, ResolvedPath, shown
-from gatewayd.tools.beneath import BeneathRoot, require_single_link_regular, translate_oserror
 
 # The name paths are shown under in messages (never the host path).
 VISIBLE_ROOT: Final = PurePosixPath("/workspace")
@@ -236,9 +241,7 @@ class WorkspaceSession(abc.ABC):
                 # Checked before truncating: a hard link must not be emptied either.
                 require_single_link_regular(fd, target.visible)
                 os.ftruncate(fd, 0)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                write_all(fd, data)
             except OSError as exc:
                 raise translate_oserror(exc, target.visible) from None
             finally:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import trio
 
-from gatewayd.audit import open_audit_log
+from gatewayd.audit import AuditEvent, open_audit_log
 from gatewayd.audit.query import read_log
 from gatewayd.audit.segments import list_segments
 from tests.conftest import OPEN_POLICY, write_policy
@@ -42,7 +42,7 @@ def gatewayd(*args: str) -> subprocess.CompletedProcess[str]:
 async def _marks(path: Path, start: int, count: int, pause_every: int = 0) -> None:
     async with open_audit_log(path, fsync=False, max_bytes=2048) as log:
         for i in range(start, start + count):
-            await log.append("event", event="mark", detail={"i": i, "pad": "x" * 60})
+            await log.append("event", event=AuditEvent.EGRESS, detail={"i": i, "pad": "x" * 60})
             if pause_every and i % pause_every == 0:
                 await trio.sleep(0.05)  # let a follower poll between some rotations
 

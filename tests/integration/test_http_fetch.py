@@ -20,9 +20,10 @@ import pytest
 import trio
 
 from gatewayd.daemon import DaemonConfig, open_daemon
+from gatewayd.dialer import RESOLVER_THREADS, Resolver, resolve_host
 from gatewayd.errors import PolicyViolation
 from gatewayd.policy.model import NetworkSection
-from gatewayd.tools.http import RESOLVER_THREADS, FetchArgs, Resolver, fetch, resolve_host
+from gatewayd.tools.http import FetchArgs, fetch
 from tests.conftest import Gateway
 from tests.integration.test_review import call
 

@@ -360,7 +360,7 @@ async def test_no_tool_on_a_run_socket_changes_rules(gw: Gateway, ws: Path) -> N
 def test_policy_file_after_changes_still_loads_and_keeps_its_other_sections(
     tmp_path: Path,
 ) -> None:
-    from gatewayd.policy import load_policy
+    from gatewayd.policyfile import load_policy
     from gatewayd.review.rulebook import RuleBook, RuleChange
 
     path = tmp_path / "p.yaml"
@@ -380,7 +380,7 @@ def test_policy_file_after_changes_still_loads_and_keeps_its_other_sections(
 def test_review_rules_are_live_per_file_however_the_path_is_spelled(
     tmp_path: Path,
 ) -> None:
-    from gatewayd.policy import load_policy
+    from gatewayd.policyfile import load_policy
     from gatewayd.review.rulebook import RuleBook, RuleChange
 
     path = tmp_path / "p.yaml"

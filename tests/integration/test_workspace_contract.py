@@ -580,7 +580,7 @@ def test_a_failed_tmpfs_mount_is_reported_and_leaves_nothing(
     base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        overlay_module, "_libc", _FailingLibc(overlay_module._libc, {"mount": errno.EPERM})
+        overlay_module, "LIBC", _FailingLibc(overlay_module.LIBC, {"mount": errno.EPERM})
     )
     with pytest.raises(WorkspaceError, match=r"mounting the delta tmpfs .* EPERM"):
         OverlayWorkspace.create(base, tmp_path / "state", max_delta_bytes=1 << 20)
@@ -727,9 +727,7 @@ def test_a_failed_snapshot_flush_stops_discard_before_the_base_is_touched(
 ) -> None:
     host_session.write("README.md", b"changed\n")
     after = tree(base)
-    monkeypatch.setattr(
-        host_module, "_libc", _FailingLibc(host_module._libc, {"syncfs": errno.EIO})
-    )
+    monkeypatch.setattr(host_module, "LIBC", _FailingLibc(host_module.LIBC, {"syncfs": errno.EIO}))
     with pytest.raises(WorkspaceError, match=r"flushing the file system .* EIO"):
         host_session.discard()
     assert tree(base) == after

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gatewayd.tools.beneath import Resolver, forced_resolver, openat2_available
+from gatewayd.hostpaths.beneath import Resolver, forced_resolver, openat2_available
 
 
 @pytest.fixture(params=[Resolver.OPENAT2, Resolver.WALK], ids=["openat2", "walk"])

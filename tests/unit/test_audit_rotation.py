@@ -15,13 +15,16 @@ from typing import Any
 import pytest
 import trio
 
-from gatewayd.audit import AuditOpenError, ProblemKind, open_audit_log, verify_file
+from gatewayd.audit import AuditEvent, AuditOpenError, ProblemKind, open_audit_log, verify_file
 from gatewayd.audit.head import HeadRecord, encode_head, head_path, read_head
 from gatewayd.audit.query import read_log
 from gatewayd.audit.segments import list_segments, log_files, segment_path
 
 # Small enough that a few dozen entries rotate several times.
 SEGMENT_BYTES = 2048
+# The test's own entries: a registered event the log never writes by itself (_KILLER
+# names it too).
+MARK = AuditEvent.EGRESS
 
 
 def entries(path: Path) -> list[dict[str, Any]]:
@@ -30,13 +33,13 @@ def entries(path: Path) -> list[dict[str, Any]]:
 
 def marks(path: Path) -> list[int]:
     """The ``detail.i`` of every test entry, in log order."""
-    return [e["detail"]["i"] for e in entries(path) if e.get("event") == "mark"]
+    return [e["detail"]["i"] for e in entries(path) if e.get("event") == MARK]
 
 
 async def write_marks(path: Path, start: int, count: int, max_bytes: int = SEGMENT_BYTES) -> None:
     async with open_audit_log(path, fsync=False, max_bytes=max_bytes) as log:
         for i in range(start, start + count):
-            await log.append("event", event="mark", detail={"i": i, "pad": "x" * 40})
+            await log.append("event", event=MARK, detail={"i": i, "pad": "x" * 40})
 
 
 async def test_concurrent_appends_rotate_into_segments_that_verify_as_one_chain(
@@ -49,7 +52,7 @@ async def test_concurrent_appends_rotate_into_segments_that_verify_as_one_chain(
     ):
         for i in range(120):
             nursery.start_soon(
-                lambda i=i: log.append("event", event="mark", detail={"i": i, "pad": "y" * 30})
+                lambda i=i: log.append("event", event=MARK, detail={"i": i, "pad": "y" * 30})
             )
     segments = list_segments(path)
     assert len(segments) >= 5
@@ -115,7 +118,7 @@ async def test_an_entry_larger_than_the_limit_still_gets_a_segment_of_its_own(
     path = tmp_path / "audit.jsonl"
     async with open_audit_log(path, fsync=False, max_bytes=300) as log:
         for i in range(3):
-            await log.append("event", event="mark", detail={"i": i, "pad": "z" * 400})
+            await log.append("event", event=MARK, detail={"i": i, "pad": "z" * 400})
     assert marks(path) == [0, 1, 2]
     assert verify_file(path).ok
 
@@ -275,7 +278,7 @@ async def test_a_second_writer_is_refused_after_the_first_rotated(tmp_path: Path
     path = tmp_path / "audit.jsonl"
     async with open_audit_log(path, fsync=False, max_bytes=SEGMENT_BYTES) as log:
         for i in range(30):
-            await log.append("event", event="mark", detail={"i": i, "pad": "x" * 40})
+            await log.append("event", event=MARK, detail={"i": i, "pad": "x" * 40})
         assert list_segments(path)
         with pytest.raises(AuditOpenError, match="locked by another process"):
             async with open_audit_log(path, fsync=False):
@@ -286,7 +289,7 @@ _KILLER = textwrap.dedent(
     """
     import os, sys, trio
     from pathlib import Path
-    from gatewayd.audit import open_audit_log
+    from gatewayd.audit import AuditEvent, open_audit_log
 
     where = sys.argv[2]
     real_rename, real_pwrite = os.rename, os.pwrite
@@ -306,7 +309,7 @@ _KILLER = textwrap.dedent(
     async def main():
         async with open_audit_log(Path(sys.argv[1]), fsync=True, max_bytes=2048) as log:
             for i in range(1000):
-                await log.append("event", event="mark", detail={"i": i, "pad": "x" * 40})
+                await log.append("event", event=AuditEvent.EGRESS, detail={"i": i, "pad": "x" * 40})
                 print(i, flush=True)  # durable
 
     trio.run(main)

@@ -19,8 +19,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
-from gatewayd.policy.paths import Access, PathGrant, PathMode, ResolvedPath
-from gatewayd.tools.beneath import (
+from gatewayd.hostpaths.beneath import (
     BeneathRoot,
     Resolver,
     active_resolver,
@@ -29,6 +28,7 @@ from gatewayd.tools.beneath import (
     require_single_link_regular,
     translate_oserror,
 )
+from gatewayd.policy.paths import Access, PathGrant, PathMode, ResolvedPath
 
 SECRET = "OUTSIDE-SECRET"
 VISIBLE_ROOT = PurePosixPath("/workspace")
@@ -553,7 +553,7 @@ assert libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0  # PR_SET_SECCOMP, FILTE
 
 from gatewayd.errors import PolicyViolation
 from gatewayd.policy.paths import PathGrant, PathMode, ResolvedPath
-from gatewayd.tools.beneath import BeneathRoot, active_resolver, openat2_available
+from gatewayd.hostpaths.beneath import BeneathRoot, active_resolver, openat2_available
 
 st = os.stat(root)
 grant = PathGrant(name="w", host_root=root, root_id=(st.st_dev, st.st_ino),

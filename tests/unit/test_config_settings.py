@@ -24,6 +24,7 @@ from gatewayd.config import (
     resolve_settings,
 )
 from gatewayd.daemon import DaemonConfig
+from gatewayd.protocol import MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from gatewayd.sandbox.daemons import derived_uid_range
 from gatewayd.sandbox.uids import UidRange
 
@@ -316,10 +317,27 @@ def test_the_configurations_defaults_are_the_daemons() -> None:
             value = value.as_range()
         assert value == getattr(daemon, field.name), field.name
     assert GatewaydConfig().resolved_audit_path == DaemonConfig().resolved_audit_path
-    assert (cli.MIN_FRAME_BYTES, cli.MAX_FRAME_BYTES) == (
-        config.MIN_FRAME_BYTES,
-        config.MAX_FRAME_BYTES,
-    )
+
+
+@pytest.mark.parametrize(
+    ("value", "accepted"),
+    [
+        (MIN_FRAME_BYTES - 1, False),
+        (MIN_FRAME_BYTES, True),
+        (MAX_FRAME_BYTES, True),
+        (MAX_FRAME_BYTES + 1, False),
+    ],
+)
+def test_the_option_and_the_setting_take_the_same_frame_sizes(value: int, accepted: bool) -> None:
+    argv = ["serve", "--max-frame-bytes", str(value)]
+    if accepted:
+        assert cli.build_parser().parse_args(argv).max_frame_bytes == value
+        assert GatewaydConfig(max_frame_bytes=value).max_frame_bytes == value
+    else:
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(argv)
+        with pytest.raises(pydantic.ValidationError, match="max_frame_bytes"):
+            GatewaydConfig(max_frame_bytes=value)
 
 
 FULL_FILE = """

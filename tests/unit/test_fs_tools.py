@@ -22,10 +22,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
-from gatewayd.policy import Allow, Deny, RunRules, bind_paths, decide, load_policy_text
+from gatewayd.hostpaths.beneath import Resolver, forced_resolver, openat2_available
+from gatewayd.hostpaths.binding import bind_paths
+from gatewayd.policy import Allow, Deny, RunRules, decide, load_policy_text
 from gatewayd.policy.paths import PathAccess, PathGrant, PathMode, ResolvedPath
 from gatewayd.tools import builtin_tools, fs
-from gatewayd.tools.beneath import Resolver, forced_resolver, openat2_available
 from gatewayd.tools.fs import Glob, LineWindow, sniff_image
 from gatewayd.tools.registry import ToolContext
 

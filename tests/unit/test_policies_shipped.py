@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
+from gatewayd.hostpaths.binding import bind_paths
 from gatewayd.policy import (
     PathAccess,
     PathMode,
     Policy,
     RunRules,
-    bind_paths,
     decide,
-    load_policy,
     load_policy_text,
     summarize,
     tool_allowed,
 )
 from gatewayd.policy.decide import Allow, Deny
+from gatewayd.policyfile import load_policy
 from gatewayd.protocol import ErrorCode
 
 POLICIES = Path(__file__).resolve().parents[2] / "policies"

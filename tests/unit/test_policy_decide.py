@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation
+from gatewayd.hostpaths.binding import bind_paths
 from gatewayd.policy import (
     Allow,
     Deny,
@@ -19,7 +20,6 @@ from gatewayd.policy import (
     ResolvedPath,
     RunRules,
     allowed_tools,
-    bind_paths,
     check_path,
     check_read_size,
     decide,

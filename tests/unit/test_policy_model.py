@@ -1,4 +1,4 @@
-"""Policy files: validation, error messages that name the file and field, and path binding."""
+"""Policy files: validation, and error messages that name the file and field."""
 
 from __future__ import annotations
 
@@ -9,11 +9,8 @@ import pytest
 
 from gatewayd.policy import (
     Limits,
-    PathMode,
     Policy,
     PolicyError,
-    bind_paths,
-    load_policy,
     load_policy_text,
 )
 from gatewayd.policy.model import (
@@ -21,7 +18,6 @@ from gatewayd.policy.model import (
     DEFAULT_CALLS_PER_SECOND,
     DEFAULT_MAX_CONCURRENT_CALLS,
     DEFAULT_MAX_OUTPUT_BYTES,
-    MAX_POLICY_BYTES,
     default_burst,
 )
 
@@ -502,173 +498,6 @@ def test_python_object_tags_are_refused_by_the_safe_loader(tmp_path: Path) -> No
     with pytest.raises(PolicyError, match="YAML syntax"):
         load_policy_text(text, SOURCE)
     assert not marker.exists()
-
-
-# --- load_policy: the file edge -------------------------------------------------------
-
-
-def test_load_policy_reads_a_real_file_and_names_it_in_errors(tmp_path: Path) -> None:
-    good = tmp_path / "good.yaml"
-    good.write_text(FULL)
-    assert load_policy(good).name == "full"
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("version: 1\nname: p\ntools: {allow: [Bad]}\n")
-    with pytest.raises(PolicyError) as info:
-        load_policy(bad)
-    assert info.value.source == str(bad)
-    assert str(info.value).startswith(f"{bad}: tools.allow.0: 'Bad' is neither")
-
-
-def test_missing_file_is_a_policy_error(tmp_path: Path) -> None:
-    with pytest.raises(PolicyError) as info:
-        load_policy(tmp_path / "nope.yaml")
-    assert (
-        str(info.value)
-        == f"{tmp_path / 'nope.yaml'}: cannot read the policy file: No such file or directory"
-    )
-
-
-def test_directory_instead_of_file_is_a_policy_error(tmp_path: Path) -> None:
-    with pytest.raises(
-        PolicyError, match="the policy file must be a regular file, not a directory"
-    ):
-        load_policy(tmp_path)
-
-
-def test_oversized_file_is_refused_before_parsing(tmp_path: Path) -> None:
-    big = tmp_path / "big.yaml"
-    big.write_bytes(b"version: 1\nname: p\n" + b"#" * MAX_POLICY_BYTES)
-    with pytest.raises(PolicyError, match=f"larger than {MAX_POLICY_BYTES} bytes"):
-        load_policy(big)
-
-
-def test_non_utf8_file_is_refused(tmp_path: Path) -> None:
-    path = tmp_path / "latin1.yaml"
-    path.write_bytes(b"version: 1\nname: caf\xe9\n")
-    with pytest.raises(PolicyError, match=r"not UTF-8 text \(bad byte at offset 20\)"):
-        load_policy(path)
-
-
-# --- bind_paths: the only filesystem access -----------------------------------------------
-
-
-def policy_with_paths(paths: str) -> Policy:
-    return load(
-        f"version: 1\nname: bindme\nfilesystem:\n  paths:\n{textwrap.indent(paths, '    ')}"
-    )
-
-
-def test_bind_maps_relative_roots_into_the_workspace_and_absolute_roots_as_is(
-    tmp_path: Path,
-) -> None:
-    ws = tmp_path / "ws"
-    (ws / "ref" / "deep").mkdir(parents=True)
-    host_docs = tmp_path / "host-docs"
-    host_docs.mkdir()
-    policy = policy_with_paths(
-        "workspace: {root: ., mode: rw, suffixes: [.md], max_file_bytes: 10}\n"
-        "ref: {root: ref/deep, mode: ro}\n"
-        f"docs: {{root: {host_docs}, mode: ro, mount: /data/docs}}\n"
-    )
-    workspace, ref, docs = bind_paths(policy, ws)
-    assert workspace.name == "workspace"
-    assert workspace.host_root == ws.resolve()
-    assert workspace.visible_root == PurePosixPath("/workspace")
-    assert workspace.mode is PathMode.RW
-    assert (workspace.suffixes, workspace.max_file_bytes) == ((".md",), 10)
-    assert ref.host_root == (ws / "ref" / "deep").resolve()
-    assert ref.visible_root == PurePosixPath("/workspace/ref/deep")
-    assert ref.mode is PathMode.RO
-    assert (ref.suffixes, ref.max_file_bytes) == ((), None)
-    assert docs.host_root == host_docs.resolve()
-    assert docs.visible_root == PurePosixPath("/data/docs")
-
-
-def test_bind_resolves_symlinked_roots_once(tmp_path: Path) -> None:
-    real = tmp_path / "real"
-    real.mkdir()
-    link = tmp_path / "link"
-    link.symlink_to(real)
-    (grant,) = bind_paths(
-        policy_with_paths(f"d: {{root: {link}, mode: ro, mount: /data/d}}\n"), tmp_path
-    )
-    assert grant.host_root == real
-    assert not grant.host_root.is_symlink()
-
-
-def test_bind_refuses_a_relative_root_that_symlinks_out_of_the_workspace(tmp_path: Path) -> None:
-    ws = tmp_path / "ws"
-    ws.mkdir()
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    (ws / "escape").symlink_to(outside)
-    with pytest.raises(PolicyError) as info:
-        bind_paths(policy_with_paths("e: {root: escape, mode: ro}\n"), ws)
-    assert str(info.value) == (
-        f"policy 'bindme': filesystem.paths.e.root: {ws / 'escape'} resolves to {outside}, "
-        f"outside the workspace {ws}; a relative root must stay inside the workspace"
-    )
-
-
-def test_bind_allows_a_relative_symlink_that_stays_inside(tmp_path: Path) -> None:
-    ws = tmp_path / "ws"
-    (ws / "real").mkdir(parents=True)
-    (ws / "alias").symlink_to("real")
-    (grant,) = bind_paths(policy_with_paths("a: {root: alias, mode: ro}\n"), ws)
-    assert grant.host_root == ws / "real"
-    assert grant.visible_root == PurePosixPath("/workspace/alias")
-
-
-def test_bind_refuses_a_missing_root_naming_the_path(tmp_path: Path) -> None:
-    with pytest.raises(PolicyError) as info:
-        bind_paths(policy_with_paths("m: {root: missing, mode: ro}\n"), tmp_path)
-    assert str(info.value) == (
-        f"policy 'bindme': filesystem.paths.m.root: {tmp_path / 'missing'}: "
-        "No such file or directory"
-    )
-
-
-def test_bind_refuses_a_root_that_is_a_file(tmp_path: Path) -> None:
-    (tmp_path / "f.txt").write_text("x")
-    with pytest.raises(PolicyError) as info:
-        bind_paths(
-            policy_with_paths(f"f: {{root: {tmp_path / 'f.txt'}, mode: ro, mount: /d}}\n"), tmp_path
-        )
-    assert str(info.value) == (
-        f"policy 'bindme': filesystem.paths.f.root: {tmp_path / 'f.txt'} is not a directory"
-    )
-
-
-def test_bind_refuses_a_missing_workspace(tmp_path: Path) -> None:
-    with pytest.raises(PolicyError, match=r"workspace .*/nope: No such file or directory"):
-        bind_paths(policy_with_paths("w: {root: ., mode: rw}\n"), tmp_path / "nope")
-
-
-def test_bind_of_a_policy_without_paths_grants_nothing_and_touches_nothing(tmp_path: Path) -> None:
-    assert bind_paths(load("version: 1\nname: p\n"), tmp_path / "does-not-exist") == ()
-
-
-def test_bind_pins_root_identity_and_marks_grants_holding_another_on_the_host(
-    tmp_path: Path,
-) -> None:
-    ws = tmp_path / "ws"
-    (ws / "ref").mkdir(parents=True)
-    (ws / "inner").mkdir()
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    policy = policy_with_paths(
-        "workspace: {root: ., mode: rw}\n"
-        "ref: {root: ref, mode: ro}\n"
-        # Seen at /data/inner, but on the host inside the workspace: a symlink in the
-        # workspace could reach it, so the workspace holds it all the same.
-        f"inner: {{root: {ws / 'inner'}, mode: ro, mount: /data/inner}}\n"
-        f"side: {{root: {elsewhere}, mode: ro, mount: /data/side}}\n"
-    )
-    grants = bind_paths(policy, ws)
-    assert [g.holds_nested for g in grants] == [True, False, False, False]
-    for grant, path in zip(grants, (ws, ws / "ref", ws / "inner", elsewhere), strict=True):
-        st = path.stat()
-        assert grant.root_id == (st.st_dev, st.st_ino)
 
 
 # --- network: ports and the egress proxy ------------------------------------------------

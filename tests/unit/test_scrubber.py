@@ -16,7 +16,7 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
-from gatewayd.audit import open_audit_log, read_entries, verify_file
+from gatewayd.audit import AuditEvent, open_audit_log, read_entries, verify_file
 from gatewayd.audit.chain import WITHHELD_REASON, Chain, read_line
 from gatewayd.config import ModelAlias
 from gatewayd.logs import configure_logging
@@ -501,7 +501,9 @@ async def test_the_audit_file_never_holds_a_secret_and_verifies(tmp_path: Path) 
     path = tmp_path / "audit" / "audit.jsonl"
     scrub = scrubber({"K": KEY, "FORGE": FORGE})
     async with open_audit_log(path, fsync=False, scrubber=scrub) as audit:
-        await audit.append("event", event="probe", detail={"k": KEY, "f": b64(FORGE)})
+        await audit.append(
+            "event", event=AuditEvent.RUN_CREATED, detail={"k": KEY, "f": b64(FORGE)}
+        )
         await audit.append("result", runId="run-1", errorCode="tool_failed", safeMessage=KEY)
     raw = path.read_bytes()
     for secret in (KEY, FORGE):

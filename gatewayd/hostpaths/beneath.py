@@ -57,6 +57,7 @@ from types import TracebackType
 from typing import Final
 
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
+from gatewayd.files import LIBC
 from gatewayd.policy.paths import ResolvedPath, shown
 
 # openat2(2)'s number. It is 437 on every architecture that uses the unified
@@ -108,9 +109,7 @@ class _OpenHow(ctypes.Structure):
     )
 
 
-_libc: Final = ctypes.CDLL(None, use_errno=True)
-_syscall: Final = _libc.syscall
-_syscall.restype = ctypes.c_long
+_syscall: Final = LIBC.syscall  # its return type (a long) is set once in gatewayd.files
 
 # Process-wide, set once: whether this kernel (and seccomp filter) lets us call
 # openat2. ``None`` until the first probe.

@@ -1,0 +1,103 @@
+"""Every event name gatewayd writes to the audit log, in one registry.
+
+An ``event`` entry names one of these; the writer (``AuditLog.record``) refuses any
+other name, and the type of the ``event`` field (``EntryFields``) is this enum, so
+mypy catches a bare string. Reading stays lenient: any snake_case name is accepted
+(``entry.EventName``), so a log written by another version still verifies.
+docs/audit.md lists every member (tests/unit/test_audit_events.py holds them equal).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+
+class AuditEvent(enum.StrEnum):
+    """An event gatewayd writes; the comment says when."""
+
+    # -- the log itself
+    # Each time the log is opened: pid, the seq it continues, whether the head file was found.
+    AUDIT_OPEN = "audit_open"
+    # At a clean close, as its last entry.
+    AUDIT_CLOSE = "audit_close"
+    # At open, before audit_open, when a crash left a torn tail (its line, size, sha256).
+    TORN_TAIL_RECOVERED = "torn_tail_recovered"
+    # The first entry of a new active segment: names the closed segment before it.
+    SEGMENT_OPEN = "segment_open"
+    # In place of an event whose fields held a configured secret that could not be scrubbed.
+    ENTRY_WITHHELD = "entry_withheld"
+
+    # -- the daemon
+    # At start, when a crashed daemon left leases, run directories or network namespaces.
+    LEFTOVERS_REMOVED = "leftovers_removed"
+    # At every start: whether the OS sandbox and cgroups are available.
+    SANDBOX_SUPPORT = "sandbox_support"
+    # On SIGHUP, when the configuration was re-read (what changed, what needs a restart).
+    CONFIG_RELOADED = "config_reloaded"
+    # On SIGHUP, when the configuration file no longer validates: nothing changed.
+    CONFIG_RELOAD_FAILED = "config_reload_failed"
+
+    # -- a run
+    # A run was created (its spec), durable before its sandbox starts.
+    RUN_CREATED = "run_created"
+    # A run was refused after its request was read (grant, policy, sandbox).
+    RUN_REFUSED = "run_refused"
+    # A run ended (why, its call tally).
+    RUN_ENDED = "run_ended"
+    # A peer was refused on a run's socket (at most one a second per code per run).
+    CONNECTION_REFUSED = "connection_refused"
+    # A command started in a run (gatewayd run, gatewayd exec, the control route).
+    EXEC_STARTED = "exec_started"
+    # That command ended (exit code, signal, or the error that stopped it).
+    EXEC_ENDED = "exec_ended"
+    # A run's in-sandbox services (cogni-tool serve) listen.
+    SERVICES_STARTED = "services_started"
+    # Those services died while the run went on.
+    SERVICES_EXITED = "services_exited"
+    # On SIGHUP, a live run's policy file changed and was applied (the sections changed).
+    POLICY_RELOADED = "policy_reloaded"
+    # On SIGHUP, a live run's new policy changes what its sandbox was built from: kept.
+    POLICY_RELOAD_SKIPPED = "policy_reload_skipped"
+    # On SIGHUP, a live run's policy file no longer validates: the run keeps its policy.
+    POLICY_RELOAD_FAILED = "policy_reload_failed"
+
+    # -- the rule desk
+    # A loosening rule change waits for confirmation from outside the sandbox.
+    RULE_CHANGE_PENDING = "rule_change_pending"
+    # A rule change, durable before the policy file is written.
+    RULE_CHANGED = "rule_changed"
+    # The file write after a rule_changed failed: that change did not happen.
+    RULE_CHANGE_FAILED = "rule_change_failed"
+    # A pending rule change was cancelled.
+    RULE_CHANGE_CANCELLED = "rule_change_cancelled"
+
+    # -- the egress proxy
+    # An allowed egress-proxy connection, durable before it goes out, so a crash
+    # mid-tunnel still leaves its destination on the record (invariant 8).
+    EGRESS_OPENED = "egress_opened"
+    # Every egress-proxy connection when it ends, allowed or refused (bytes, verdict).
+    EGRESS = "egress"
+
+    # -- a host-owned agent run (gatewayd agent run)
+    # The agent run started (its repository, commit, model and backend).
+    AGENT_RUN_STARTED = "agent_run_started"
+    # One model turn: tokens, the tool calls asked for, digests of the text.
+    AGENT_TURN = "agent_turn"
+    # A tool call the model asked for that never became a request.
+    AGENT_CALL_REFUSED = "agent_call_refused"
+    # The patch the run produced.
+    AGENT_PATCH = "agent_patch"
+    # The branch was pushed, or the push failed.
+    AGENT_PUSH = "agent_push"
+    # The pull request was opened, or opening it failed.
+    AGENT_PULL_REQUEST = "agent_pull_request"
+    # The agent run ended (the result's error code in detail.errorCode).
+    AGENT_RUN_ENDED = "agent_run_ended"
+    # The agent run could not start: no work directory, a failed clone, no OS sandbox.
+    AGENT_RUN_REFUSED = "agent_run_refused"
+
+
+# The names the writer accepts. A str subclass hashes as its value, so a member and
+# the plain string of a registered name are both found here; nothing else is.
+REGISTERED_EVENTS: Final[frozenset[str]] = frozenset(AuditEvent)

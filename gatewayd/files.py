@@ -1,0 +1,93 @@
+"""Writing files durably, and the C library handle for calls the os module lacks.
+
+One copy of each: writing a whole buffer to a descriptor (``os.write`` may write less
+than it is given), making a directory's entries durable (fsync of the directory, after a
+create or a rename in it), replacing a small file atomically, and :data:`LIBC`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+from pathlib import Path
+from typing import Final
+
+# The process's C library (dlopen(NULL)), with errno kept for ctypes.get_errno(): mount,
+# umount2, syncfs, setns, unshare, prctl and syscall (openat2, open_tree, move_mount).
+# One handle, so each prototype below is set once, not by whichever module imports first.
+LIBC: Final = ctypes.CDLL(None, use_errno=True)
+# syscall(2) returns a long: a descriptor, or -1 with errno.
+LIBC.syscall.restype = ctypes.c_long
+# mount(source, target, filesystemtype, mountflags, data): flags are an unsigned long, and
+# data is opaque (None or option text).
+LIBC.mount.argtypes = (
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_void_p,
+)
+
+# Opening a directory only to fsync it: reading is the least a descriptor fsync accepts.
+_SYNC_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``, however many writes it takes.
+
+    Error handling: OSError as the system reports it (part of ``data`` may be written);
+    ``EIO`` if a write makes no progress, which would otherwise loop for ever.
+    """
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(errno.EIO, "write made no progress")
+        view = view[written:]
+
+
+def fsync_dir(path: Path, *, follow_symlinks: bool = True) -> None:
+    """Make the entries of directory ``path`` durable (a file created, renamed or removed
+    in it). ``follow_symlinks=False`` refuses a symlink at ``path`` (``ELOOP``/``ENOTDIR``).
+
+    Error handling: OSError as the system reports it.
+    """
+    flags = _SYNC_DIR_FLAGS if follow_symlinks else _SYNC_DIR_FLAGS | os.O_NOFOLLOW
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir_fd(dir_fd: int) -> None:
+    """Make the entries of the directory open as ``dir_fd`` durable. The directory is
+    opened again for reading, so ``dir_fd`` may be an ``O_PATH`` descriptor.
+
+    Error handling: OSError as the system reports it.
+    """
+    fd = os.open(".", _SYNC_DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Make ``path`` hold ``data`` (with ``mode`` if it is new), durably and atomically:
+    a temporary file beside it, fsync, rename over it, fsync of the directory, so a crash
+    leaves either the old content or the new, never a mix.
+
+    Error handling: OSError as the system reports it; the old file is then untouched
+    (a stale temporary file may stay beside it and is replaced by the next write).
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
