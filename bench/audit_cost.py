@@ -36,7 +36,8 @@ from pathlib import Path
 
 import trio
 
-from gatewayd.daemon import DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig
+from gatewayd.daemon import open_daemon
 from gatewayd.logs import configure_logging
 from gatewayd.runs import Grant, RunRequest
 
@@ -91,7 +92,7 @@ async def measure(variant: Variant, tool: str, calls: int, seconds: float) -> Fi
     (base / "policies").mkdir()
     (base / "policies" / "audit-cost.yaml").write_text(POLICY)
     try:
-        config = DaemonConfig(
+        config = GatewaydConfig(
             state_dir=base / "state",
             policy_dirs=(base / "policies",),
             audit_fsync=variant.fsync,

@@ -18,7 +18,7 @@ it takes no GIL from the callers):
   on the host, not in a sandbox) with its configuration file naming an alias for the
   fake and a run whose policy grants it (budgets out of the way), called with the
   ``cogni_tool`` Client library over the run's unix socket. The daemon runs with its
-  defaults: the durable audit is on (``DaemonConfig.audit_fsync``; ``gatewayd serve``
+  defaults: the durable audit is on (the ``audit_fsync`` setting; ``gatewayd serve``
   has no option to turn it off).
 - references, for where the time goes: ``litellm.completion`` (the sync call gatewayd
   makes in a trio worker thread), the same in an ``asyncio.to_thread`` worker,

@@ -64,8 +64,8 @@ from gatewayd import model_client
 from gatewayd.audit import Peer
 from gatewayd.audit.entry import build_body, format_time
 from gatewayd.audit.line import seal
-from gatewayd.config import ModelAlias
-from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig, ModelAlias
+from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.logs import configure_logging
 from gatewayd.protocol import Request
 from gatewayd.review.cache import cache_key
@@ -546,7 +546,7 @@ async def measure(args: argparse.Namespace, port: int) -> dict[str, Any]:
             provider="openai", model="fake-model", api_base=f"http://127.0.0.1:{port}/v1"
         )
     }
-    config = DaemonConfig(
+    config = GatewaydConfig(
         state_dir=base / "state",
         policy_dirs=(base / "policies",),
         os_sandbox=False,

@@ -68,7 +68,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import BIN, control, env_info, percentile
 
 from gatewayd.audit import AuditEvent
-from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig, SandboxUids
+from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.files import LIBC
 from gatewayd.logs import configure_logging
 from gatewayd.runs import Grant, RunRequest
@@ -508,11 +509,11 @@ async def in_process(warmup: int, iterations: int) -> tuple[Samples, str]:
     with bench_dir("cg-bsl-") as base:
         policy = base / "policy.yaml"
         policy.write_text(POLICY)
-        config = DaemonConfig(
+        config = GatewaydConfig(
             state_dir=base / "state",
             policy_dirs=(base,),
             netns_prefix=prefix,
-            sandbox_uids=uids,
+            sandbox_uids=SandboxUids(base=uids.base, count=uids.count),
         )
         try:
             async with open_daemon(config) as daemon:

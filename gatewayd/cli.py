@@ -22,7 +22,7 @@ from gatewayd.protocol import MAX_FRAME_BYTES, MIN_FRAME_BYTES
 if TYPE_CHECKING:
     from gatewayd.audit.query import EntryFilter
     from gatewayd.config import GatewaydConfig, Settings
-    from gatewayd.daemon import Daemon, DaemonConfig
+    from gatewayd.daemon import Daemon
     from gatewayd.runs import Run, RunRequest
     from gatewayd.secrets import Scrubber
 
@@ -883,29 +883,9 @@ def _settings(args: argparse.Namespace, *, warn: bool = True) -> Settings:
     return settings
 
 
-def _config(args: argparse.Namespace) -> DaemonConfig:
-    """The daemon's configuration from :func:`_settings`."""
-    from gatewayd.daemon import DaemonConfig
-
-    config = _settings(args).config
-    return DaemonConfig(
-        state_dir=config.state_dir,
-        audit_path=config.audit_path,
-        agent_dir=config.agent_dir,
-        policy_dirs=config.policy_dirs,
-        max_frame_bytes=config.max_frame_bytes,
-        audit_fsync=config.audit_fsync,
-        audit_reply_after_result=config.audit_reply_after_result,
-        audit_max_bytes=config.audit_max_bytes,
-        os_sandbox=config.os_sandbox,
-        bwrap=config.bwrap,
-        netns_prefix=config.netns_prefix,
-        # Unset: the daemon derives both from its state directory, as `config show` says.
-        sandbox_uids=None if config.sandbox_uids is None else config.resolved_sandbox_uids,
-        lendable_roots=config.lendable_roots,
-        models=config.models,
-        secret_env=config.secret_env,
-    )
+def _config(args: argparse.Namespace) -> GatewaydConfig:
+    """The configuration the daemon is built from: :func:`_settings`' effective one."""
+    return _settings(args).config
 
 
 def _control_socket(args: argparse.Namespace) -> Path:
@@ -915,7 +895,7 @@ def _control_socket(args: argparse.Namespace) -> Path:
     return _settings(args, warn=False).config.resolved_control_socket
 
 
-def _log_scrubber(config: DaemonConfig) -> Scrubber:
+def _log_scrubber(config: GatewaydConfig) -> Scrubber:
     """The log's own scrubber of the daemon's secrets (the daemon's warns for both)."""
     from gatewayd.secrets import Scrubber
 
@@ -992,8 +972,6 @@ def _config_command(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import dataclasses
-
     import structlog
     import trio
 
@@ -1002,15 +980,18 @@ def _serve(args: argparse.Namespace) -> int:
     from gatewayd.logs import configure_logging
     from gatewayd.sdnotify import notify
 
-    control_path = _control_socket(args)
-    # Registered with the daemon: a second daemon that would bind it (or a file of this
-    # one's audit log) is refused before it touches anything.
-    config = dataclasses.replace(_config(args), control_socket=control_path)
+    config = _config(args)
+    control_path = config.resolved_control_socket
     # JSON lines on stdout: journald's under systemd (docs/metrics.md, "Logs").
     configure_logging(logging.INFO, scrubber=_log_scrubber(config), stream=sys.stdout)
 
     async def serve() -> None:
-        async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
+        # Registered with the daemon: a second daemon that would bind it (or a file of this
+        # one's audit log) is refused before it touches anything.
+        async with (
+            open_daemon(config, control_socket=control_path) as daemon,
+            trio.open_nursery() as nursery,
+        ):
             await nursery.start(ControlServer(daemon).serve, control_path)
             structlog.get_logger("gatewayd.serve").info(
                 "serving", control_socket=str(control_path), state_dir=str(config.state_dir)

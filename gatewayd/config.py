@@ -57,8 +57,13 @@ from gatewayd import strictyaml
 from gatewayd.inputfile import InputFileError, read_input_file
 from gatewayd.policy.section import MODEL_ALIAS_RE, model_at
 from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
-from gatewayd.sandbox.daemons import derived_netns_prefix, derived_uid_range
-from gatewayd.sandbox.lendable import DEFAULT_LENDABLE_ROOTS, SETTING_HINT, real_root_problem
+from gatewayd.sandbox.daemons import DaemonShare, derived_netns_prefix, derived_uid_range
+from gatewayd.sandbox.lendable import (
+    DEFAULT_LENDABLE_ROOTS,
+    SETTING_HINT,
+    OwnDirectory,
+    real_root_problem,
+)
 from gatewayd.sandbox.netns import _check_prefix
 from gatewayd.sandbox.plan import BWRAP
 from gatewayd.sandbox.uids import DEFAULT_UID_COUNT, UidRange, check_derivable_count
@@ -69,11 +74,12 @@ DEFAULT_CONFIG_PATH: Final = Path("/etc/gatewayd/gatewayd.yaml")
 CONFIG_ENV: Final = "GATEWAYD_CONFIG"
 ENV_PREFIX: Final = "GATEWAYD_"
 DEFAULT_STATE_DIR: Final = Path("/var/lib/gatewayd")
-# Shipped policies, next to the package in a source checkout (DaemonConfig's default too).
+# Shipped policies, next to the package in a source checkout.
 SHIPPED_POLICY_DIR: Final = Path(__file__).resolve().parent.parent / "policies"
 SHIPPED_POLICY_DIRS: Final = (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
-# The audit log's active file rotates before it passes this (gatewayd/audit/writer.py's
-# DEFAULT_MAX_SEGMENT_BYTES, which needs trio to import; a test keeps the two equal).
+# The audit log's active file rotates before it passes this: big enough that a busy
+# daemon rotates a few times a day, not every minute; small enough that a segment is
+# copied, verified or archived in seconds.
 DEFAULT_AUDIT_MAX_BYTES: Final = 64 * 1024 * 1024
 # One model call; the reviewer's own (shorter) timeout comes from the policy.
 DEFAULT_MODEL_TIMEOUT_S: Final = 60.0
@@ -91,6 +97,9 @@ MAX_CONFIG_BYTES: Final = 1 << 20
 MAX_POLICY_DIRS: Final = 32
 # Likewise for lendable roots: a few places where workspaces live.
 MAX_LENDABLE_ROOTS: Final = 32
+# What a running daemon takes from a re-read configuration (SIGHUP) at once; it was built
+# from every other setting, so a change to one of those waits for a restart.
+RELOADABLE_SETTINGS: Final = frozenset({"models"})
 _PROVIDER_RE: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _ENV_RE: Final = SECRET_NAME_RE  # a variable name, and so a safe credential file name
 
@@ -282,7 +291,7 @@ class GatewaydConfig(_Strict):
         reserved: list[tuple[str, Path]] = []
         own = (("state_dir", self.state_dir), ("agent_dir", self.resolved_agent_dir))
         for setting, path in own:
-            reserved += [(setting, path), (setting, Path(os.path.realpath(path)))]
+            reserved += [(setting, path), (setting, _real(path))]
         for root in self.lendable_roots:
             problem = real_root_problem(root, reserved)
             if problem is not None:
@@ -316,6 +325,92 @@ class GatewaydConfig(_Strict):
     @property
     def resolved_sandbox_uids(self) -> UidRange:
         return (self.sandbox_uids or SandboxUids()).as_range(self.state_dir)
+
+    def changed(self, **settings: Any) -> GatewaydConfig:
+        """This configuration with ``settings`` replaced, validated as a file would be.
+
+        Error handling: pydantic.ValidationError naming each bad setting."""
+        given = {name: getattr(self, name) for name in self.model_fields_set}
+        return type(self).model_validate({**given, **settings})
+
+    def with_real_dirs(self) -> GatewaydConfig:
+        """This configuration with gatewayd's own paths (the state and agent directories,
+        the audit log's and the control socket's directories) as real paths, resolved once
+        when the daemon starts: every later comparison of a path with them (the sandbox
+        plan's, the lease's) is then of real paths, whatever symlink or '..' a setting
+        holds. The namespace prefix and uid range stay those derived from the state
+        directory as configured."""
+        uids = self.resolved_sandbox_uids
+        socket = self.control_socket
+        # Not validated again: every value is this validated one's, made real.
+        return self.model_copy(
+            update={
+                "state_dir": _real(self.state_dir),
+                "audit_path": _real_parent(self.resolved_audit_path),
+                "agent_dir": _real(self.resolved_agent_dir),
+                "control_socket": None if socket is None else _real_parent(socket),
+                "netns_prefix": self.resolved_netns_prefix,
+                "sandbox_uids": SandboxUids(base=uids.base, count=uids.count),
+            }
+        )
+
+    def own_directories(self, *, control_socket: Path | None) -> tuple[OwnDirectory, ...]:
+        """gatewayd's own directories, by their real paths, with those of the
+        ``control_socket`` the daemon serves (None: it serves none): no tree lent to a
+        sandbox may hold one (the sandbox would write the audit log, the cogni-tool copy or
+        the control socket's directory), and none may lie in the state or agent directory
+        (other runs' files) but an agent run's own work directory."""
+        found = [
+            OwnDirectory(setting="state_dir", path=_real(self.state_dir), private=True),
+            OwnDirectory(setting="agent_dir", path=_real(self.resolved_agent_dir), private=True),
+            OwnDirectory(
+                setting="audit_path's directory",
+                path=_real(self.resolved_audit_path.parent),
+                private=False,
+            ),
+        ]
+        if control_socket is not None:
+            found.append(
+                OwnDirectory(
+                    setting="control_socket's directory",
+                    path=_real(control_socket.parent),
+                    private=False,
+                )
+            )
+        return tuple(found)
+
+    def host_share(self, *, control_socket: Path | None) -> DaemonShare:
+        """What a daemon of this configuration takes of the host (the registry's view):
+        its directories, audit log and the ``control_socket`` it serves (None: none) as
+        they really are, and, with the OS sandbox, its prefix and uids."""
+        return DaemonShare(
+            state_dir=_real(self.state_dir),
+            agent_dir=_real(self.resolved_agent_dir),
+            netns_prefix=self.resolved_netns_prefix if self.os_sandbox else None,
+            uids=self.resolved_sandbox_uids if self.os_sandbox else None,
+            audit_path=_real(self.resolved_audit_path),
+            control_socket=None if control_socket is None else _real(control_socket),
+        )
+
+    def needs_restart(self, reread: GatewaydConfig) -> list[str]:
+        """The settings, in file order, that ``reread`` (this configuration read again
+        while a daemon runs on it) changes and only a restart applies: all but
+        :data:`RELOADABLE_SETTINGS`. Both as :meth:`with_real_dirs` makes them."""
+        return [
+            name
+            for name in type(self).model_fields
+            if name not in RELOADABLE_SETTINGS and getattr(self, name) != getattr(reread, name)
+        ]
+
+
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def _real_parent(path: Path) -> Path:
+    """``path`` in its directory's real path (a symlink at its own name is left to the
+    code that opens it, which refuses one)."""
+    return _real(path.parent) / path.name
 
 
 def agent_dir_for(state_dir: Path) -> Path:

@@ -8,12 +8,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import resource
 import stat
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +20,7 @@ import trio
 
 from gatewayd import model_client
 from gatewayd.audit import AuditEvent, AuditLog, AuditWriteError, open_audit_log
-from gatewayd.audit.writer import DEFAULT_MAX_SEGMENT_BYTES
-from gatewayd.config import DEFAULT_STATE_DIR, SHIPPED_POLICY_DIRS, ModelAlias, agent_dir_for
+from gatewayd.config import GatewaydConfig
 from gatewayd.dialer import Resolver, resolve_host
 from gatewayd.dispatch import Dispatcher
 from gatewayd.egress import EgressProxy, serve_egress
@@ -32,7 +29,7 @@ from gatewayd.metrics import METRICS
 from gatewayd.policy import Policy, PolicyError, SandboxSection, tool_allowed
 from gatewayd.policy.paths import PathMode
 from gatewayd.policy.rate import TokenBucket
-from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, ErrorCode
+from gatewayd.protocol import ErrorCode
 from gatewayd.review.reviewer import Reviewer
 from gatewayd.review.rulebook import (
     Applied,
@@ -48,21 +45,14 @@ from gatewayd.sandbox.cgroup import probe_cgroups, remove_empty_leftovers
 from gatewayd.sandbox.daemons import (
     DaemonShare,
     Registration,
-    derived_netns_prefix,
-    derived_uid_range,
     register_daemon,
 )
 from gatewayd.sandbox.launch import Echo, ExecResult, ResultForm, exec_result_json
 from gatewayd.sandbox.lendable import (
-    DEFAULT_LENDABLE_ROOTS,
-    SETTING_HINT,
     LendableRoots,
-    OwnDirectory,
-    real_root_problem,
 )
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.plan import (
-    BWRAP,
     COGNI_TOOL_VISIBLE_DIR,
     EGRESS_PROXY_PORT,
     EGRESS_SOCKET_NAME,
@@ -80,11 +70,11 @@ from gatewayd.sandbox.session import (
     install_cogni_tool,
 )
 from gatewayd.sandbox.support import SandboxSupport, probe_os_sandbox
-from gatewayd.sandbox.uids import UidPool, UidRange
+from gatewayd.sandbox.uids import UidPool
 from gatewayd.secrets import Scrubber
 from gatewayd.server import serve_run
 from gatewayd.tools import builtin_tools
-from gatewayd.tools.registry import ToolSpec
+from gatewayd.tools.registry import ToolRegistry
 
 log = structlog.get_logger("gatewayd.daemon")
 
@@ -97,137 +87,25 @@ SERVICE_STDERR_LOG_BYTES = 16 * 1024
 SANDBOX_COGNI_TOOL = f"{COGNI_TOOL_VISIBLE_DIR}/cogni-tool"
 
 
-@dataclass(frozen=True, kw_only=True)
-class DaemonConfig:
-    state_dir: Path = DEFAULT_STATE_DIR
-    audit_path: Path | None = None  # default: <state_dir>/audit/audit.jsonl
-    agent_dir: Path | None = None  # default: <state_dir>-agent (gatewayd agent run's clones)
-    policy_dirs: tuple[Path, ...] = SHIPPED_POLICY_DIRS
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    audit_fsync: bool = True
-    # Answers wait for their result entry to be durable (False: the documented opt-out).
-    audit_reply_after_result: bool = True
-    # Rotate the audit log's active file before it grows past this (0: never).
-    audit_max_bytes: int = DEFAULT_MAX_SEGMENT_BYTES
-    # False: behave as on a host without bubblewrap (runs need require_os_sandbox: false).
-    os_sandbox: bool = True
-    bwrap: str = BWRAP
-    # A workspace or rw policy path is lent to a run only strictly beneath one of these
-    # (gatewayd/sandbox/lendable.py); a system tree never is.
-    lendable_roots: tuple[Path, ...] = DEFAULT_LENDABLE_ROOTS
-    # Two daemons on one host need different prefixes and uid ranges: each removes the
-    # namespaces with its prefix at start, and hands out the uids of its range. None:
-    # derived from state_dir (gatewayd/sandbox/daemons.py); the host's registry of
-    # daemons refuses a start that would share either with a live daemon.
-    netns_prefix: str | None = None
-    sandbox_uids: UidRange | None = None
-    # Model aliases (gatewayd's configuration file): the review model, later model.chat.
-    models: Mapping[str, ModelAlias] = field(default_factory=dict)
-    # Further secrets to scrub from all output (the configuration file's secret_env).
-    secret_env: tuple[str, ...] = ()
-    # How http.fetch and the egress proxy resolve names (tests map names to loopback);
-    # None: the host's resolver.
-    resolver: Resolver | None = None
-    # The control socket `gatewayd serve` listens on (None: this daemon has none). Only
-    # registered here, so that no second daemon binds it or a file of this one's log.
-    control_socket: Path | None = None
-
-    def __post_init__(self) -> None:
-        # The configuration file's check, for a configuration made any other way: no
-        # lendable root at or beneath a system tree or gatewayd's own directories, on
-        # real paths (a root that is a symlink into /run is no root).
-        private = [(d.setting, d.path) for d in self.own_directories() if d.private]
-        for root in self.lendable_roots:
-            problem = real_root_problem(root, private)
-            if problem is not None:
-                raise ValueError(f"lendable_roots: {problem}; change {SETTING_HINT}")
-
-    def with_real_dirs(self) -> DaemonConfig:
-        """This configuration with gatewayd's own paths (the state and agent directories,
-        the audit log's and the control socket's directories) as real paths, resolved once
-        when the daemon starts: every later comparison of a path with them (the sandbox
-        plan's, the lease's) is then of real paths, whatever symlink or '..' a setting
-        holds. The namespace prefix and uid range stay those derived from the state
-        directory as configured."""
-        socket = self.control_socket
-        return dataclasses.replace(
-            self,
-            state_dir=_real(self.state_dir),
-            audit_path=_real_parent(self.resolved_audit_path),
-            agent_dir=_real(self.resolved_agent_dir),
-            control_socket=None if socket is None else _real_parent(socket),
-            netns_prefix=self.resolved_netns_prefix,
-            sandbox_uids=self.resolved_sandbox_uids,
-        )
-
-    def own_directories(self) -> tuple[OwnDirectory, ...]:
-        """gatewayd's own directories, by their real paths: no tree lent to a sandbox may
-        hold one (the sandbox would write the audit log, the cogni-tool copy or the control
-        socket's directory), and none may lie in the state or agent directory (other runs'
-        files) but an agent run's own work directory."""
-        found = [
-            OwnDirectory(setting="state_dir", path=_real(self.state_dir), private=True),
-            OwnDirectory(setting="agent_dir", path=_real(self.resolved_agent_dir), private=True),
-            OwnDirectory(
-                setting="audit_path's directory",
-                path=_real(self.resolved_audit_path.parent),
-                private=False,
-            ),
-        ]
-        if self.control_socket is not None:
-            found.append(
-                OwnDirectory(
-                    setting="control_socket's directory",
-                    path=_real(self.control_socket.parent),
-                    private=False,
-                )
-            )
-        return tuple(found)
-
-    @property
-    def resolved_audit_path(self) -> Path:
-        return self.audit_path or self.state_dir / "audit" / "audit.jsonl"
-
-    @property
-    def resolved_agent_dir(self) -> Path:
-        return self.agent_dir or agent_dir_for(self.state_dir)
-
-    @property
-    def resolved_netns_prefix(self) -> str:
-        return self.netns_prefix or derived_netns_prefix(self.state_dir)
-
-    @property
-    def resolved_sandbox_uids(self) -> UidRange:
-        return self.sandbox_uids or derived_uid_range(self.state_dir)
-
-    def host_share(self) -> DaemonShare:
-        """What this daemon takes of the host (the registry's view): its directories, audit
-        log and control socket as they really are, and, with the OS sandbox, its prefix
-        and uids."""
-        socket = self.control_socket
-        return DaemonShare(
-            state_dir=Path(os.path.realpath(self.state_dir)),
-            agent_dir=Path(os.path.realpath(self.resolved_agent_dir)),
-            netns_prefix=self.resolved_netns_prefix if self.os_sandbox else None,
-            uids=self.resolved_sandbox_uids if self.os_sandbox else None,
-            audit_path=Path(os.path.realpath(self.resolved_audit_path)),
-            control_socket=None if socket is None else Path(os.path.realpath(socket)),
-        )
-
-
 class Daemon:
     """Creates, serves and ends runs. Every run's listener lives in ``self._nursery``."""
 
     def __init__(
         self,
-        config: DaemonConfig,
+        config: GatewaydConfig,
         audit: AuditLog,
         nursery: trio.Nursery,
         *,
-        tools: dict[str, ToolSpec[Any]] | None = None,
+        tools: ToolRegistry | None = None,
         scrubber: Scrubber | None = None,
+        resolver: Resolver | None = None,
+        control_socket: Path | None = None,
     ) -> None:
         self.config = config
+        # How http.fetch and the egress proxy resolve names (None: the host's resolver).
+        self._resolver = resolver
+        # The control socket this daemon serves (None: none), never lent to a run.
+        self.control_socket = control_socket
         self.audit = audit
         self.registry = RunRegistry(
             config.state_dir, policy_loader=PolicyLoader(config.policy_dirs)
@@ -252,7 +130,7 @@ class Daemon:
             metrics=self.metrics,
             models=config.models,
             scrubber=scrubber or Scrubber.for_config(config.models, config.secret_env),
-            resolve=config.resolver,
+            resolve=resolver,
             reply_after_result=config.audit_reply_after_result,
         )
         self._nursery = nursery
@@ -346,7 +224,7 @@ class Daemon:
         roots = LendableRoots(
             configured=self.config.lendable_roots,
             own=(own_root,) if own_root else (),
-            reserved=self.config.own_directories(),
+            reserved=self.config.own_directories(control_socket=self.control_socket),
         )
         try:
             run = self.registry.create(request, policy_paths=policy_paths)
@@ -703,7 +581,7 @@ class Daemon:
                 run_id=run.run_id,
                 network=run.spec.policy.network,
                 audit=self.audit,
-                resolve=self.config.resolver or resolve_host,
+                resolve=self._resolver or resolve_host,
                 reply_after_result=self.config.audit_reply_after_result,
             )
             run.egress = proxy  # a policy reload updates its allowlist
@@ -897,7 +775,7 @@ class Daemon:
             log.info("policy_reloaded", run_id=run.run_id, changed=changed)
         return outcomes
 
-    async def reload_config(self, config: DaemonConfig) -> list[str]:
+    async def reload_config(self, config: GatewaydConfig) -> list[str]:
         """Apply a re-read configuration: model aliases take effect at once; settings the
         running daemon was built from are listed back as needing a restart (audited).
 
@@ -907,32 +785,14 @@ class Daemon:
         """
         current = self.config
         config = config.with_real_dirs()  # as the running daemon's own were made at start
-        restart = [
-            name
-            for name in (
-                "state_dir",
-                "audit_path",
-                "policy_dirs",
-                "max_frame_bytes",
-                "audit_fsync",
-                "audit_reply_after_result",
-                "audit_max_bytes",
-                "os_sandbox",
-                "bwrap",
-                "netns_prefix",
-                "sandbox_uids",
-                "lendable_roots",
-                "secret_env",
-            )
-            if getattr(current, name) != getattr(config, name)
-        ]
+        restart = current.needs_restart(config)
         keys_before = {a.api_key_env for a in current.models.values() if a.api_key_env}
         keys_after = {a.api_key_env for a in config.models.values() if a.api_key_env}
         models_changed = dict(current.models) != dict(config.models)
         if models_changed and keys_after - keys_before:
             restart.append("models (a new key variable must be scrubbed from the start)")
         elif models_changed:
-            self.config = dataclasses.replace(current, models=dict(config.models))
+            self.config = current.model_copy(update={"models": dict(config.models)})
             self.dispatcher.models = self.config.models
             self.reviewer.models = dict(self.config.models)
         await self.audit.append(
@@ -983,16 +843,6 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-def _real(path: Path) -> Path:
-    return Path(os.path.realpath(path))
-
-
-def _real_parent(path: Path) -> Path:
-    """``path`` in its directory's real path (a symlink at its own name is left to the
-    code that opens it, which refuses one)."""
-    return _real(path.parent) / path.name
-
-
 def _clean_leftovers_quietly(runs_dir: Path, prefix: str | None) -> dict[str, list[str]]:
     try:
         return clean_leftovers(runs_dir, prefix)
@@ -1001,7 +851,7 @@ def _clean_leftovers_quietly(runs_dir: Path, prefix: str | None) -> dict[str, li
         return {"cleanupFailed": [str(exc)]}
 
 
-def _remove_agent_leftovers(config: DaemonConfig) -> list[str]:
+def _remove_agent_leftovers(config: GatewaydConfig) -> list[str]:
     from gatewayd.agent.loop import remove_leftovers  # the agent flow, only when needed
 
     try:
@@ -1097,11 +947,11 @@ def _counts(run: Run) -> dict[str, Any]:
 
 
 @asynccontextmanager
-async def _registered(config: DaemonConfig) -> AsyncIterator[Registration]:
+async def _registered(share: DaemonShare) -> AsyncIterator[Registration]:
     """This daemon's entry in the host's registry of daemons, held for its whole life.
     Taken before the audit log is opened or anything swept: a daemon that would clash
     with a live one (DaemonClash) is refused having touched nothing."""
-    registration = await trio.to_thread.run_sync(register_daemon, config.host_share())
+    registration = await trio.to_thread.run_sync(register_daemon, share)
     try:
         if registration.stale:
             log.warning(
@@ -1115,7 +965,11 @@ async def _registered(config: DaemonConfig) -> AsyncIterator[Registration]:
 
 @asynccontextmanager
 async def open_daemon(
-    config: DaemonConfig, *, tools: dict[str, ToolSpec[Any]] | None = None
+    config: GatewaydConfig,
+    *,
+    control_socket: Path | None = None,
+    tools: ToolRegistry | None = None,
+    resolver: Resolver | None = None,
 ) -> AsyncIterator[Daemon]:
     """A running daemon; on exit every run is ended and the audit log closed.
 
@@ -1125,14 +979,18 @@ async def open_daemon(
     DaemonRegistryError when the host's registry of daemons cannot be used; raised
     before anything is opened or swept.
 
-    ``tools`` replaces the built-in tool table (tests add deliberately slow or
-    failing tools to reach the timeout and internal paths).
+    ``control_socket``: the control socket this daemon serves (``gatewayd serve``; None,
+    the default: none), registered so that no second daemon binds it or a file of this
+    one's audit log, and never lent to a run. ``tools`` replaces the built-in tool registry
+    (tests add deliberately slow or failing tools to reach the timeout and internal
+    paths). ``resolver``: how http.fetch and the egress proxy resolve names (tests map
+    names to loopback); None: the host's resolver.
     """
     raise_open_file_limit()
     config = config.with_real_dirs()
     scrubber = Scrubber.for_config(config.models, config.secret_env)
     async with (
-        _registered(config),
+        _registered(config.host_share(control_socket=control_socket)),
         open_audit_log(
             config.resolved_audit_path,
             fsync=config.audit_fsync,
@@ -1141,7 +999,15 @@ async def open_daemon(
         ) as audit,
         trio.open_nursery() as nursery,
     ):
-        daemon = Daemon(config, audit, nursery, tools=tools, scrubber=scrubber)
+        daemon = Daemon(
+            config,
+            audit,
+            nursery,
+            tools=tools,
+            scrubber=scrubber,
+            resolver=resolver,
+            control_socket=control_socket,
+        )
         if config.models:
             # litellm takes seconds to import: pay it now, beside the start, not in the
             # first review's time budget (model_client imports it on demand otherwise).

@@ -4,6 +4,12 @@ identify -> authorize -> rate -> validate -> policy -> audit (write-ahead, durab
 -> run (with the call's time limit) -> scrub secrets -> cap output -> audit result
 (durable) -> respond.
 
+Tools come from a :class:`~gatewayd.tools.registry.ToolRegistry` whatever runs them:
+each step reads the tool's manifest, decoder, capability request and runner, never its
+runner kind, so a new kind of tool needs no change here. The policy step checks what
+the call requests against its manifest and the run's rights
+(:func:`gatewayd.policy.capabilities.check_call`).
+
 Every call, allowed or not, leaves a ``call`` entry and a ``result`` entry in the
 audit log, and by default its answer is returned only once its ``result`` entry is
 durable (invariant RESULT_BEFORE_REPLY): whatever a client saw answered, the log holds
@@ -30,9 +36,10 @@ from gatewayd.argsummary import args_digest, sha256_digest, summarize
 # Who is on the other end of a connection (SO_PEERCRED at accept), as the audit records it.
 from gatewayd.audit import AuditLog, AuditWriteError, Peer
 from gatewayd.config import ModelAlias
-from gatewayd.errors import GatewayError
+from gatewayd.errors import ArgumentsRejected, GatewayError
 from gatewayd.metrics import METRICS, UNKNOWN_TOOL, GatewayMetrics, ToolMeter
-from gatewayd.policy import Allow, allowed_tools, decide, tool_allowed
+from gatewayd.policy import Allow, allowed_tools, tool_allowed
+from gatewayd.policy.capabilities import RunRights, check_call
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.protocol import (
     ErrorCode,
@@ -48,13 +55,13 @@ from gatewayd.review.rulebook import RuleBook
 from gatewayd.review.ruleset import RuleSet
 from gatewayd.runs import Run
 from gatewayd.secrets import Scrubber, UnscrubbableError
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import TOOLS_LIST_MANIFEST
+from gatewayd.tools.manifest import ToolManifest
+from gatewayd.tools.registry import TOOLS_LIST, Tool, ToolContext, ToolRegistry
 
 log = structlog.get_logger("gatewayd.dispatch")
 
 CANCELLED_MESSAGE: Final = "stopped before it finished: the run or gatewayd is shutting down"
-# The one tool every run has: it reveals only what the run may already do.
-TOOLS_LIST: Final = "tools.list"
 
 
 class _Refusal(Exception):
@@ -72,7 +79,7 @@ class Dispatcher:
     def __init__(
         self,
         audit: AuditLog,
-        tools: dict[str, ToolSpec[Any]],
+        tools: ToolRegistry,
         *,
         clock: Callable[[], float] = time.monotonic,
         reviewer: Reviewer | None = None,
@@ -242,7 +249,7 @@ class Dispatcher:
         # which waits for the result entry, and that one flush writes both entries.
         # When answers do not wait (the opt-out), every allowed call writes ahead.
         try:
-            if (spec is not None and spec.side_effects) or not self.reply_after_result:
+            if (spec is not None and spec.manifest.side_effects) or not self.reply_after_result:
                 await self.audit.durable(call_seq)
             value = await self._run(run, spec, args)
             try:
@@ -363,7 +370,7 @@ class Dispatcher:
                 "removed, so it is withheld; the operator's log says so",
             ) from None
 
-    def _admit(self, run: Run, req: Request) -> tuple[ToolSpec[Any] | None, Any]:
+    def _admit(self, run: Run, req: Request) -> tuple[Tool[Any] | None, Any]:
         """Steps 3-6: identify, authorize, rate, validate, policy. Raises _Refusal."""
         # Rate first: every frame on the run's socket spends its budget, even one
         # that will be refused, so refusals cannot be used to flood the audit log.
@@ -392,15 +399,16 @@ class Dispatcher:
                 f"tool {req.tool!r} is not allowed for this run. {self._allowed_sentence(run)}",
             )
         try:
-            args = msgspec.convert(req.args, spec.args_type)
-        except msgspec.ValidationError as exc:
+            args = spec.decode(req.args)
+            request = spec.requests(args)
+        except ArgumentsRejected as exc:
             raise _Refusal(
                 ErrorCode.INVALID_ARGS,
                 f"invalid arguments for {req.tool}: {exc}. The schema is in tools.list.",
             ) from None
-        except GatewayError as exc:  # a Struct's __post_init__ may refuse with a reason
+        except GatewayError as exc:  # a decoder may refuse with a reason of its own
             raise _Refusal(exc.code, exc.safe_message) from None
-        decision = decide(req.tool, spec.paths(args), run.spec.rules)
+        decision = check_call(req.tool, spec.manifest.capabilities, request, _rights(run))
         if not isinstance(decision, Allow):
             raise _Refusal(decision.code, decision.message)
         return spec, (args, decision.resolved)
@@ -418,22 +426,17 @@ class Dispatcher:
             return "This run's policy allows no tools (deny by default)."
         return "Tools this run may call: " + ", ".join((TOOLS_LIST, *names)) + "."
 
-    def list_tools(self, run: Run) -> list[dict[str, Any]]:
-        """The value of tools.list: the run's allowed tools with JSON Schemas."""
-        out: list[dict[str, Any]] = [
-            {
-                "name": TOOLS_LIST,
-                "summary": "List the tools this run may call, with their argument schemas.",
-                "argsSchema": {"type": "object", "properties": {}, "additionalProperties": False},
-            }
-        ]
-        for name in allowed_tools(self.tools, run.spec.rules):
-            spec = self.tools[name]
-            out.append({"name": name, "summary": spec.summary, "argsSchema": spec.args_schema()})
+    def list_tools(self, run: Run) -> list[ToolManifest]:
+        """The value of tools.list: tools.list's own manifest, then the manifest of each
+        tool the run may call (name, version, summary, JSON Schema of the arguments,
+        runner kind, capabilities, limits, side effects), sorted by name."""
+        out = [TOOLS_LIST_MANIFEST]
+        out.extend(self.tools[name].manifest for name in allowed_tools(self.tools, run.spec.rules))
         return out
 
-    async def _run(self, run: Run, spec: ToolSpec[Any] | None, admitted: Any) -> Any:
-        """Step 9: the runner, inside the run's concurrency bound and the call's time limit."""
+    async def _run(self, run: Run, spec: Tool[Any] | None, admitted: Any) -> Any:
+        """Step 9: the runner, inside the run's concurrency bound and the call's time
+        limit (the run's, or the tool's own when its manifest sets a shorter one)."""
         if spec is None:
             return self.list_tools(run)
         args, resolved = admitted
@@ -442,17 +445,19 @@ class Dispatcher:
             run_id=run.run_id,
             grants=run.spec.grants,
             max_output_bytes=limits.max_output_bytes,
+            resolved=resolved,
             models=self.models,
-            model_access=run.spec.policy.model_access.models,
             model_budget=run.model_budget,
             network=run.spec.policy.network,
             resolve=self.resolve,
             sandbox=run.sandbox,
             degraded=run.degraded,
         )
+        own_s = spec.manifest.limits.timeout_s
+        timeout_s = limits.call_timeout_s if own_s is None else min(own_s, limits.call_timeout_s)
         # The time limit covers waiting for a slot too: a saturated run fails fast.
         limiter = run.limiter
-        with trio.move_on_after(limits.call_timeout_s):
+        with trio.move_on_after(timeout_s):
             # A free slot is taken without a schedule point (the call has just waited
             # for its audit entry); only a full run waits, in line, under the timeout.
             try:
@@ -460,7 +465,7 @@ class Dispatcher:
             except trio.WouldBlock:
                 await limiter.acquire()
             try:
-                return await spec.run(args, ctx, resolved)
+                return await spec.runner.run(args, ctx)
             except GatewayError as exc:
                 raise _Refusal(exc.code, exc.safe_message) from None
             except trio.Cancelled:
@@ -474,11 +479,11 @@ class Dispatcher:
             finally:
                 limiter.release()
         # Only a timeout leaves the block without returning or raising.
-        raise _Refusal(
-            ErrorCode.TIMEOUT,
-            f"{spec.name} ran past this run's limit of {limits.call_timeout_s:g} s per call "
-            "(limits.call_timeout_s) and was stopped",
-        )
+        if timeout_s < limits.call_timeout_s:
+            limit = f"its own limit of {timeout_s:g} s per call (timeoutSeconds in its manifest)"
+        else:
+            limit = f"this run's limit of {timeout_s:g} s per call (limits.call_timeout_s)"
+        raise _Refusal(ErrorCode.TIMEOUT, f"{spec.name} ran past {limit} and was stopped")
 
     async def _review(
         self, run: Run, req: Request, args: Any
@@ -597,6 +602,20 @@ class Dispatcher:
             durationMs=round((self.clock() - started) * 1000, 3),
         )
         return seq, message
+
+
+def _rights(run: Run) -> RunRights:
+    """What ``run`` may grant a call, read at each call: a policy reload replaces the
+    run's spec, and its model budget is spent as it goes."""
+    policy = run.spec.policy
+    return RunRights(
+        grants=run.spec.rules.grants,
+        models=policy.model_access.models,
+        model_budget=run.model_budget,
+        network=policy.network,
+        env=policy.env.allow,
+        without_sandbox=None if run.sandbox is not None else run.degraded or "no sandbox",
+    )
 
 
 def is_cancellation(exc: BaseException) -> bool:

@@ -34,6 +34,12 @@ class InvalidArguments(GatewayError):
     code = ErrorCode.INVALID_ARGS
 
 
+class ArgumentsRejected(InvalidArguments):
+    """The arguments do not fit the tool's schema (a tool's decoder raises it, whatever
+    its runner kind); ``str()`` says where and why, and dispatch adds the tool's name and
+    where its schema is."""
+
+
 class ToolFailed(GatewayError):
     """The tool ran and failed (missing file, not a directory, I/O error)."""
 

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 import trio
 
-from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig
+from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.runs import Grant, Run, RunRequest
 from gatewayd.tools import builtin_tools
-from gatewayd.tools.registry import ToolSpec
+from gatewayd.tools.registry import ToolRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = struct.Struct(">I")
@@ -112,16 +113,16 @@ async def gateway(short_tmp: Path) -> AsyncIterator[Gateway]:
         yield gw
 
 
-def make_gateway(base: Path, tools: dict[str, ToolSpec[Any]] | None = None, **settings: Any) -> Any:
+def make_gateway(base: Path, tools: ToolRegistry | None = None, **settings: Any) -> Any:
     """An async context manager giving a Gateway rooted at ``base`` (no OS sandbox);
-    ``settings`` are further DaemonConfig fields (``models=...``)."""
+    ``settings`` are further settings (``models=...``)."""
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def cm() -> AsyncIterator[Gateway]:
         policies = base / "policies"
         policies.mkdir(exist_ok=True)
-        config = DaemonConfig(
+        config = GatewaydConfig(
             state_dir=base / "state", policy_dirs=(policies,), os_sandbox=False, **settings
         )
         async with open_daemon(config, tools=tools or builtin_tools()) as daemon:

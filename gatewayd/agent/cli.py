@@ -9,7 +9,6 @@ did not, 2 for a usage error.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -135,9 +134,7 @@ def main(args: argparse.Namespace) -> int:
     config = _config(args)
     # The tokens are gatewayd's secrets for this process: scrubbed from every output.
     names = [args.git_token_env] + ([args.forge_token_env] if args.forge_token_env else [])
-    config = dataclasses.replace(
-        config, secret_env=tuple(dict.fromkeys([*config.secret_env, *names]))
-    )
+    config = config.changed(secret_env=tuple(dict.fromkeys([*config.secret_env, *names])))
     configure_logging(logging.WARNING, scrubber=_log_scrubber(config))
     task = AgentTask(
         repo_url=args.repo,

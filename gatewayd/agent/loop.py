@@ -208,8 +208,8 @@ def tool_definitions(daemon: Daemon) -> list[dict[str, Any]]:
     tools' own argument schemas (one source of truth for what a call may carry)."""
     out = []
     for name, tool in TOOL_MAP.items():
-        spec = daemon.dispatcher.tools[tool]
-        schema = spec.args_schema()
+        manifest = daemon.dispatcher.tools[tool].manifest
+        schema = manifest.args_schema
         ref = schema.get("$ref", "")
         params = dict(schema.get("$defs", {}).get(ref.rsplit("/", 1)[-1], schema))
         if len(schema.get("$defs", {})) > 1:
@@ -219,7 +219,7 @@ def tool_definitions(daemon: Daemon) -> list[dict[str, Any]]:
                 "type": "function",
                 "function": {
                     "name": name,
-                    "description": params.pop("description", spec.summary),
+                    "description": params.pop("description", manifest.summary),
                     "parameters": params,
                 },
             }

@@ -106,10 +106,6 @@ _COUNT_CHUNK_BYTES: Final = 1024 * 1024
 # (or, after a rotation, like any line).
 _FIRST_LINE_PREFIX: Final = b'{"seq":1,"time":"'
 _ANY_LINE_PREFIX: Final = b'{"seq":'
-# The default size of one segment (DaemonConfig.audit_max_bytes): big enough that a
-# busy daemon rotates a few times a day, not every minute; small enough that a
-# segment is copied, verified or archived in seconds. 0 never rotates.
-DEFAULT_MAX_SEGMENT_BYTES: Final = 64 * 1024 * 1024
 _DIR_MODE: Final = 0o700
 _FILE_MODE: Final = 0o600
 

@@ -5,6 +5,8 @@ binding its path rules to host directories :mod:`gatewayd.hostpaths.binding`'s.
 
 - :mod:`.model` — the policy file's models, :func:`load_policy_text`
 - :mod:`.decide` — may this run call this tool on these paths? (no I/O)
+- :mod:`.capabilities` — what a tool declares, what a call requests, and whether the
+  run grants it: the policy step of every call, whatever runs its tool
 - :mod:`.network` — may this run reach this scheme, method, host, port and address?
 - :mod:`.rate` — the per-run token bucket (clock passed in)
 - :mod:`.summary` — the human summary behind ``gatewayd policy check``

@@ -121,7 +121,7 @@ def _tool_denied(tool: str, rules: RunRules) -> Deny:
 # --- paths ----------------------------------------------------------------------------
 
 
-def _normalize(path: str) -> tuple[str, ...]:
+def normalize_path(path: str) -> tuple[str, ...]:
     """The components of the agent's ``path`` after lexical normalization.
 
     Relative paths start at /workspace. ``.`` and empty components vanish, ``..`` drops
@@ -179,12 +179,8 @@ def _writable(grants: Sequence[PathGrant]) -> str:
     return _path_list(roots)
 
 
-def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> ResolvedPath | Deny:
-    """Map the agent's ``path`` onto a grant, lexically; refuse what lies outside.
-
-    Empty paths, NUL bytes and over-long paths are INVALID_ARGS; a path outside every
-    grant, or a write into a read-only grant, is POLICY_DENIED.
-    """
+def malformed_path(path: str) -> Deny | None:
+    """Refuse (INVALID_ARGS) a path no file can have: empty, with a NUL byte, too long."""
     if not path:
         return Deny(code=ErrorCode.INVALID_ARGS, message="path is empty; name a file or directory")
     if "\x00" in path:
@@ -198,7 +194,19 @@ def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> Reso
             code=ErrorCode.INVALID_ARGS,
             message=f"path is {size} bytes long; at most {MAX_PATH_BYTES} bytes are allowed",
         )
-    parts = _normalize(path)
+    return None
+
+
+def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> ResolvedPath | Deny:
+    """Map the agent's ``path`` onto a grant, lexically; refuse what lies outside.
+
+    Empty paths, NUL bytes and over-long paths are INVALID_ARGS; a path outside every
+    grant, or a write into a read-only grant, is POLICY_DENIED.
+    """
+    malformed = malformed_path(path)
+    if malformed is not None:
+        return malformed
+    parts = normalize_path(path)
     grant = _grant_for(parts, grants)
     quoted = shown(path)
     if grant is None:

@@ -97,6 +97,21 @@ def check_method(method: str, net: NetworkSection) -> None:
         )
 
 
+def url_host(url: DestinationUrl) -> str:
+    """The host of ``url`` as the allowlist is written: ASCII (IDNA form), no final dot."""
+    return url.raw_host.decode("ascii").rstrip(".")
+
+
+def check_host(host: str, net: NetworkSection) -> None:
+    """Refuse (PolicyViolation) a host ``network.allow_domains`` does not match."""
+    if not any(domain_matches(domain, host) for domain in net.allow_domains):
+        allowed = ", ".join(net.allow_domains) or "none (network.allow_domains is empty)"
+        raise PolicyViolation(
+            f"host {host!r} is not allowed; allowed domains: {allowed} "
+            "(network.allow_domains; '*.x' means subdomains of x)"
+        )
+
+
 def check_destination(url: DestinationUrl, net: NetworkSection) -> tuple[str, int]:
     """The host (ASCII, IDNA form) and port of ``url`` once its scheme, host and port are
     ones the policy allows; else PolicyViolation (InvalidArguments for a URL with user
@@ -109,15 +124,10 @@ def check_destination(url: DestinationUrl, net: NetworkSection) -> tuple[str, in
     if url.userinfo:
         raise InvalidArguments("a URL may not carry a user name or password; use a header")
     # The ASCII (IDNA) form: what the allowlist is written in and what httpcore connects to.
-    host = url.raw_host.decode("ascii").rstrip(".")
+    host = url_host(url)
     if not host:
         raise InvalidArguments(f"URL {str(url)!r} has no host")
-    if not any(domain_matches(domain, host) for domain in net.allow_domains):
-        allowed = ", ".join(net.allow_domains) or "none (network.allow_domains is empty)"
-        raise PolicyViolation(
-            f"host {host!r} is not allowed; allowed domains: {allowed} "
-            "(network.allow_domains; '*.x' means subdomains of x)"
-        )
+    check_host(host, net)
     port = url.port or (443 if url.scheme == "https" else 80)
     if port not in net.ports:
         allowed = ", ".join(str(p) for p in net.ports) or "none"

@@ -42,7 +42,7 @@ import trio
 from gatewayd import strictjson
 from gatewayd.argsummary import summarize
 from gatewayd.config import ModelAlias
-from gatewayd.errors import GatewayError
+from gatewayd.errors import ArgumentsRejected, GatewayError
 from gatewayd.inputfile import InputFileError, read_input_file
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.protocol import TOOL_NAME_RE
@@ -50,7 +50,7 @@ from gatewayd.review.reviewer import Reviewer, ReviewOutcome, Source
 from gatewayd.review.ruleset import RuleSet
 
 if TYPE_CHECKING:
-    from gatewayd.tools.registry import ToolSpec
+    from gatewayd.tools.registry import Tool
 
 # A calls file is an evaluation set, not an archive: 64 MiB holds hundreds of thousands
 # of ordinary calls, and the whole file is read into memory before the first review.
@@ -219,7 +219,7 @@ class ReplaySummary:
 
 
 def load_calls(
-    path: Path, *, tools: Mapping[str, ToolSpec[Any]] | None = None
+    path: Path, *, tools: Mapping[str, Tool[Any]] | None = None
 ) -> tuple[RecordedCall, ...]:
     """Read and parse the calls file at ``path`` (see :func:`parse_calls`).
 
@@ -241,7 +241,7 @@ def load_calls(
 
 
 def parse_calls(
-    text: str, source: str = "calls", *, tools: Mapping[str, ToolSpec[Any]] | None = None
+    text: str, source: str = "calls", *, tools: Mapping[str, Tool[Any]] | None = None
 ) -> tuple[RecordedCall, ...]:
     """The calls in JSON-lines ``text``; ``source`` names it in errors.
 
@@ -276,7 +276,7 @@ def parse_calls(
     return tuple(calls)
 
 
-def _parse_line(text: str, number: int, tools: Mapping[str, ToolSpec[Any]] | None) -> RecordedCall:
+def _parse_line(text: str, number: int, tools: Mapping[str, Tool[Any]] | None) -> RecordedCall:
     try:
         data = strictjson.loads(text)
     except strictjson.JsonInputError as exc:
@@ -313,15 +313,15 @@ def _parse_line(text: str, number: int, tools: Mapping[str, ToolSpec[Any]] | Non
     return RecordedCall(line=number, tool=tool, args=args, expect=expect, id=ident, note=note)
 
 
-def _as_tool_sees_them(spec: ToolSpec[Any], args: dict[str, Any]) -> dict[str, Any]:
+def _as_tool_sees_them(tool: Tool[Any], args: dict[str, Any]) -> dict[str, Any]:
     try:
-        typed = msgspec.convert(args, spec.args_type)
-    except msgspec.ValidationError as exc:
+        typed = tool.decode(args)
+    except ArgumentsRejected as exc:
         raise ValueError(
             f"the gateway would refuse these arguments before any review "
-            f"(invalid arguments for {spec.name}: {exc})"
+            f"(invalid arguments for {tool.name}: {exc})"
         ) from None
-    except GatewayError as exc:  # a Struct's __post_init__ refusing with a reason
+    except GatewayError as exc:  # a decoder refusing with a reason of its own
         raise ValueError(f"the gateway would refuse this call before any review: {exc}") from None
     completed: dict[str, Any] = msgspec.to_builtins(typed)
     return completed

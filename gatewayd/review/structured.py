@@ -37,8 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Final, Literal
 
 # The policy's own lexical normalization of agent paths, so that a rule and the path
-# check see the same path. (Private there; see the module docstring of decide.py.)
-from gatewayd.policy.decide import _normalize as normalize_agent_path
+# check see the same path.
+from gatewayd.policy.decide import normalize_path as normalize_agent_path
 from gatewayd.policy.network import domain_matches
 from gatewayd.policy.paths import shown
 from gatewayd.policy.review_section import StructuredRule, tool_glob_matches

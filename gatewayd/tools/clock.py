@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from gatewayd.policy.paths import ResolvedPath
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import Tool, ToolContext
 
 
 class NowArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -29,14 +29,12 @@ def now_value(epoch_ns: int) -> dict[str, Any]:
     return {"iso": iso_utc(epoch_ns), "epochMs": epoch_ns // 1_000_000, "timezone": "UTC"}
 
 
-async def run_now(
-    _args: NowArgs, _ctx: ToolContext, _resolved: tuple[ResolvedPath, ...]
-) -> dict[str, Any]:
+async def run_now(_args: NowArgs, _ctx: ToolContext) -> dict[str, Any]:
     """``{"iso": "2026-01-02T03:04:05.678Z", "epochMs": ..., "timezone": "UTC"}``."""
     return now_value(time.time_ns())
 
 
-TIME_NOW: ToolSpec[NowArgs] = ToolSpec(
+TIME_NOW: Tool[NowArgs] = builtin_tool(
     name="time.now",
     summary="The current time on the host, in UTC (ISO 8601 and milliseconds since the epoch).",
     args_type=NowArgs,

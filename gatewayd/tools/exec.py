@@ -17,9 +17,10 @@ from typing import Annotated, Any, Final
 import msgspec
 
 from gatewayd.errors import PolicyViolation
-from gatewayd.policy.paths import ResolvedPath
+from gatewayd.policy.capabilities import Capabilities, CapabilityRequest, no_sandbox_refusal
 from gatewayd.sandbox.launch import ResultForm, exec_result_json
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import Tool, ToolContext
 
 MAX_COMMAND_CHARS: Final = 32_768
 MAX_STDIN_CHARS: Final = 1_000_000
@@ -50,12 +51,18 @@ class ExecArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ] = None
 
 
-async def run_exec(args: ExecArgs, ctx: ToolContext, _resolved: tuple[ResolvedPath, ...]) -> Any:
+# Every call runs a command; the policy step refuses it in a run without an OS sandbox.
+EXEC_REQUEST: Final = CapabilityRequest(exec=True)
+
+
+def exec_request(_args: ExecArgs) -> CapabilityRequest:
+    return EXEC_REQUEST
+
+
+async def run_exec(args: ExecArgs, ctx: ToolContext) -> Any:
     if ctx.sandbox is None:
-        raise PolicyViolation(
-            "sandbox.exec runs commands only inside an OS sandbox, and this run has none "
-            f"({ctx.degraded or 'no sandbox'}); the file tools still work"
-        )
+        # The policy step refused this already; the check stays where the sandbox is used.
+        raise PolicyViolation(no_sandbox_refusal("sandbox.exec", ctx.degraded or "no sandbox"))
     result = await ctx.sandbox.exec(
         [SHELL, "-c", args.command],
         stdin=args.stdin.encode() if args.stdin else None,
@@ -65,10 +72,12 @@ async def run_exec(args: ExecArgs, ctx: ToolContext, _resolved: tuple[ResolvedPa
     return exec_result_json(result, ResultForm.TOOL)
 
 
-SANDBOX_EXEC: ToolSpec[ExecArgs] = ToolSpec(
+SANDBOX_EXEC: Tool[ExecArgs] = builtin_tool(
     name="sandbox.exec",
     summary="Run a shell command inside the run's sandbox (its uid, no network but the "
     "gateway, its workspace and limits); returns exit code and output.",
     args_type=ExecArgs,
     run=run_exec,
+    requests=exec_request,
+    capabilities=Capabilities(exec=True),
 )

@@ -1,7 +1,10 @@
 """The host file tools: ``fs.read``, ``fs.write``, ``fs.edit``, ``fs.list``, ``fs.stat``.
 
 Each tool is an argument Struct (its JSON Schema is what ``tools.list`` shows), a
-pure ``paths(args)`` saying which visible paths it touches, and an async runner
+pure request (``read_request(args)`` …) saying which visible paths it touches and how,
+within the files its manifest declares (every path the run's grants allow: read for
+``fs.read``, ``fs.list`` and ``fs.stat``, read and write for ``fs.write`` and
+``fs.edit``), and an async runner
 that does the blocking I/O in a worker thread (the daemon serves every run on one
 trio loop). Every open goes through :mod:`gatewayd.hostpaths.beneath`, so no path
 component can lead outside the grant's root; results and messages carry visible
@@ -40,9 +43,23 @@ from gatewayd.hostpaths.beneath import (
     require_single_link_regular,
     translate_oserror,
 )
-from gatewayd.policy.paths import MAX_PATH_BYTES, PathAccess, PathGrant, ResolvedPath, shown
+from gatewayd.policy.capabilities import (
+    EVERY_PATH,
+    Capabilities,
+    CapabilityRequest,
+    FileCapability,
+)
+from gatewayd.policy.paths import (
+    MAX_PATH_BYTES,
+    PathAccess,
+    PathGrant,
+    PathMode,
+    ResolvedPath,
+    shown,
+)
+from gatewayd.tools.builtin import builtin_tool
 from gatewayd.tools.clock import iso_utc
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.registry import Tool, ToolContext
 
 # --- limits ------------------------------------------------------------------
 
@@ -209,35 +226,41 @@ class StatArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     path: PathArg
 
 
-# --- paths(): what the policy decides on -------------------------------------
+# --- requests: the paths the policy decides on -------------------------------
+
+# What the file tools declare: any path, bounded by each run's grants.
+READS_FILES: Final = Capabilities(files=(FileCapability(path=EVERY_PATH, mode=PathMode.RO),))
+WRITES_FILES: Final = Capabilities(files=(FileCapability(path=EVERY_PATH, mode=PathMode.RW),))
 
 
-def read_paths(args: ReadArgs) -> tuple[PathAccess, ...]:
-    return (PathAccess(path=args.path, access="read"),)
+def read_request(args: ReadArgs) -> CapabilityRequest:
+    return CapabilityRequest(paths=(PathAccess(path=args.path, access="read"),))
 
 
-def write_paths(args: WriteArgs) -> tuple[PathAccess, ...]:
+def write_request(args: WriteArgs) -> CapabilityRequest:
     # An append's final size depends on the file; the runner checks it.
     size = None if args.append else len(args.content.encode("utf-8", "surrogatepass"))
-    return (PathAccess(path=args.path, access="write", size=size),)
+    return CapabilityRequest(paths=(PathAccess(path=args.path, access="write", size=size),))
 
 
-def edit_paths(args: EditArgs) -> tuple[PathAccess, ...]:
+def edit_request(args: EditArgs) -> CapabilityRequest:
     # Both: an edit reads the file and writes it back (the new size is known only then).
-    return (
-        PathAccess(path=args.path, access="read"),
-        PathAccess(path=args.path, access="write"),
+    return CapabilityRequest(
+        paths=(
+            PathAccess(path=args.path, access="read"),
+            PathAccess(path=args.path, access="write"),
+        )
     )
 
 
-def list_paths(args: ListArgs) -> tuple[PathAccess, ...]:
-    return (PathAccess(path=args.path, access="read", metadata_only=True),)
+def list_request(args: ListArgs) -> CapabilityRequest:
+    return CapabilityRequest(paths=(PathAccess(path=args.path, access="read", metadata_only=True),))
 
 
-def stat_paths(args: StatArgs) -> tuple[PathAccess, ...]:
+def stat_request(args: StatArgs) -> CapabilityRequest:
     # Metadata only: a suffix rule must not refuse a stat of a directory (or of a
     # grant's own root); it governs whose contents may be read.
-    return (PathAccess(path=args.path, access="read", metadata_only=True),)
+    return CapabilityRequest(paths=(PathAccess(path=args.path, access="read", metadata_only=True),))
 
 
 # --- shared pieces -------------------------------------------------------------
@@ -1004,45 +1027,36 @@ async def in_thread_to_completion(call: Callable[[], dict[str, Any]]) -> dict[st
     return await trio.to_thread.run_sync(call)
 
 
-async def run_read(
-    args: ReadArgs, ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
-) -> dict[str, Any]:
-    target = resolved[0]
+async def run_read(args: ReadArgs, ctx: ToolContext) -> dict[str, Any]:
+    target = ctx.resolved[0]
     return await in_thread_abandoned_on_cancel(
         lambda stop: read_file(args, target, ctx.max_output_bytes, stop=stop)
     )
 
 
-async def run_write(
-    args: WriteArgs, _ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
-) -> dict[str, Any]:
-    return await in_thread_to_completion(functools.partial(write_file, args, resolved[0]))
+async def run_write(args: WriteArgs, ctx: ToolContext) -> dict[str, Any]:
+    return await in_thread_to_completion(functools.partial(write_file, args, ctx.resolved[0]))
 
 
-async def run_edit(
-    args: EditArgs, _ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
-) -> dict[str, Any]:
+async def run_edit(args: EditArgs, ctx: ToolContext) -> dict[str, Any]:
+    read_target, write_target = ctx.resolved
     return await in_thread_to_completion(
-        functools.partial(edit_file, args, resolved[0], resolved[1])
+        functools.partial(edit_file, args, read_target, write_target)
     )
 
 
-async def run_list(
-    args: ListArgs, _ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
-) -> dict[str, Any]:
+async def run_list(args: ListArgs, ctx: ToolContext) -> dict[str, Any]:
     Glob.parse(args.pattern)  # refuse a bad pattern before any I/O
-    target = resolved[0]
+    target = ctx.resolved[0]
     return await in_thread_abandoned_on_cancel(lambda stop: list_dir(args, target, stop=stop))
 
 
-async def run_stat(
-    args: StatArgs, _ctx: ToolContext, resolved: tuple[ResolvedPath, ...]
-) -> dict[str, Any]:
-    target = resolved[0]
+async def run_stat(_args: StatArgs, ctx: ToolContext) -> dict[str, Any]:
+    target = ctx.resolved[0]
     return await in_thread_abandoned_on_cancel(lambda _stop: stat_path(target))
 
 
-FS_READ: ToolSpec[ReadArgs] = ToolSpec(
+FS_READ: Tool[ReadArgs] = builtin_tool(
     name="fs.read",
     summary=(
         "Read a page of lines from a UTF-8 text file (offset/limit), or a PNG, JPEG, GIF "
@@ -1050,36 +1064,41 @@ FS_READ: ToolSpec[ReadArgs] = ToolSpec(
     ),
     args_type=ReadArgs,
     run=run_read,
-    paths=read_paths,
+    requests=read_request,
+    capabilities=READS_FILES,
     side_effects=False,
 )
-FS_WRITE: ToolSpec[WriteArgs] = ToolSpec(
+FS_WRITE: Tool[WriteArgs] = builtin_tool(
     name="fs.write",
     summary="Write (replace) or append to a text file; missing parent directories are made.",
     args_type=WriteArgs,
     run=run_write,
-    paths=write_paths,
+    requests=write_request,
+    capabilities=WRITES_FILES,
 )
-FS_EDIT: ToolSpec[EditArgs] = ToolSpec(
+FS_EDIT: Tool[EditArgs] = builtin_tool(
     name="fs.edit",
     summary="Replace one exact, unique occurrence of a piece of text in a file.",
     args_type=EditArgs,
     run=run_edit,
-    paths=edit_paths,
+    requests=edit_request,
+    capabilities=WRITES_FILES,
 )
-FS_LIST: ToolSpec[ListArgs] = ToolSpec(
+FS_LIST: Tool[ListArgs] = builtin_tool(
     name="fs.list",
     summary="List a directory's entries that match a glob ('*', '*.py', '**/*.md').",
     args_type=ListArgs,
     run=run_list,
-    paths=list_paths,
+    requests=list_request,
+    capabilities=READS_FILES,
     side_effects=False,
 )
-FS_STAT: ToolSpec[StatArgs] = ToolSpec(
+FS_STAT: Tool[StatArgs] = builtin_tool(
     name="fs.stat",
     summary="Type, size, modification time and mode of one path (symlinks are not followed).",
     args_type=StatArgs,
     run=run_stat,
-    paths=stat_paths,
+    requests=stat_request,
+    capabilities=READS_FILES,
     side_effects=False,
 )

@@ -24,6 +24,7 @@ import trio
 
 from gatewayd.dialer import PinnedBackend, Resolver, resolve_checked, resolve_host
 from gatewayd.errors import InvalidArguments, PolicyViolation, ToolFailed
+from gatewayd.policy.capabilities import ANY, NO_REQUEST, Capabilities, CapabilityRequest
 from gatewayd.policy.model import HttpMethod, NetworkSection
 from gatewayd.policy.network import (
     REFUSED_HEADERS,
@@ -32,9 +33,10 @@ from gatewayd.policy.network import (
     check_destination,
     check_method,
     check_request_body,
+    url_host,
 )
-from gatewayd.policy.paths import ResolvedPath
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import Tool, ToolContext
 
 # Longer than any real URL; a longer one is data smuggled out in a URL.
 MAX_URL_CHARS: Final = 8192
@@ -235,9 +237,20 @@ async def fetch(
     )
 
 
-async def run_fetch(
-    args: FetchArgs, ctx: ToolContext, _resolved: tuple[ResolvedPath, ...]
-) -> dict[str, Any]:
+def fetch_request(args: FetchArgs) -> CapabilityRequest:
+    """A fetch asks for its URL's host, which the policy step checks against the run's
+    ``network`` section. A URL that does not parse, or has no host, asks for nothing:
+    the runner refuses it as ``invalid_args`` (and checks every hop again, redirects
+    included, before a byte is sent)."""
+    try:
+        url = httpx.URL(args.url)
+    except httpx.InvalidURL:
+        return NO_REQUEST
+    host = url_host(url) if url.is_absolute_url else ""
+    return CapabilityRequest(domains=(host,)) if host else NO_REQUEST
+
+
+async def run_fetch(args: FetchArgs, ctx: ToolContext) -> dict[str, Any]:
     """``{"status", "headers", "body", "bodyEncoding", "url", "redirects"}``: header names
     lowercase (repeats joined with ", "), the body as text when UTF-8 else base64, the
     final URL and every redirect followed."""
@@ -246,10 +259,12 @@ async def run_fetch(
     return await fetch(args, ctx.network, ctx.resolve or resolve_host)
 
 
-HTTP_FETCH: ToolSpec[FetchArgs] = ToolSpec(
+HTTP_FETCH: Tool[FetchArgs] = builtin_tool(
     name="http.fetch",
     summary="Fetch a URL on the host (the sandbox has no network): allowed domains, schemes "
     "and methods only, private addresses refused, redirects re-checked, bodies capped.",
     args_type=FetchArgs,
     run=run_fetch,
+    requests=fetch_request,
+    capabilities=Capabilities(network=(ANY,)),
 )

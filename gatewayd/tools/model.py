@@ -4,8 +4,10 @@ ModelGateway), so the sandbox reaches a model without any key or route of its ow
 OpenAI-style messages and parameters in; a normalized answer out. The model is named by
 one of gatewayd's aliases (its configuration file: provider, model, endpoint, the *name*
 of the key's variable); a run may use only the aliases its policy's ``model_access``
-grants, within the run's budget of requests and tokens. The key is read on the host at
-call time and scrubbed from every error (gatewayd/model_client.py).
+grants, within the run's budget of requests and tokens. Both are the policy step's
+decision (the call requests its alias: :mod:`gatewayd.policy.capabilities`); the runner
+charges what the call spends. The key is read on the host at call time and scrubbed from
+every error (gatewayd/model_client.py).
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ from typing import Annotated, Any, Final, Literal
 import msgspec
 import structlog
 
-from gatewayd.errors import PolicyViolation, RateLimited, ToolFailed
+from gatewayd.errors import RateLimited, ToolFailed
 from gatewayd.model_client import ModelCallError, ModelCallKind, complete
-from gatewayd.policy.paths import ResolvedPath
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.policy.capabilities import ANY, Capabilities, CapabilityRequest, budget_refusal
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import Tool, ToolContext
 
 log = structlog.get_logger("gatewayd.tools.model")
 
@@ -64,31 +67,31 @@ class ChatArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ] = None
 
 
-async def run_chat(
-    args: ChatArgs, ctx: ToolContext, _resolved: tuple[ResolvedPath, ...]
-) -> dict[str, Any]:
+def chat_request(args: ChatArgs) -> CapabilityRequest:
+    """A chat asks for its model alias: the policy step checks the grant and the budget."""
+    return CapabilityRequest(models=(args.model,))
+
+
+async def run_chat(args: ChatArgs, ctx: ToolContext) -> dict[str, Any]:
     """``{"model", "content", "usage": {"promptTokens", "completionTokens"}}``.
 
-    Error handling: PolicyViolation for an alias the run is not granted (naming those it
-    is), RateLimited once the run's budget is spent, ToolFailed for a provider error (its
-    kind and a keyless message).
+    Error handling: ToolFailed for an alias gatewayd does not configure and for a
+    provider error (its kind and a keyless message); RateLimited when calls running
+    beside this one spent the budget after the policy step allowed it.
     """
-    granted = ctx.model_access
-    if args.model not in granted:
-        allowed = ", ".join(granted) if granted else "none (the policy's model_access is empty)"
-        raise PolicyViolation(
-            f"model {args.model!r} is not granted to this run; models it may use: {allowed}"
-        )
     alias = ctx.models.get(args.model)
     if alias is None:
         raise ToolFailed(
             f"model {args.model!r} is granted by the policy but gatewayd has no such alias; "
             "ask the operator to configure it"
         )
+    # The policy step found the budget not spent, but calls of the run run side by side:
+    # the request is taken here, with no await between the look and the take, so the
+    # run never makes more requests than max_requests.
     budget = ctx.model_budget
-    spent = "this run has no model budget" if budget is None else budget.spent()
+    spent = budget_refusal(budget)
     if budget is None or spent is not None:
-        raise RateLimited(f"{spent} (model_access.max_requests / max_tokens)")
+        raise RateLimited(spent or "this run has no model budget")
     budget.requests += 1
     try:
         answer = await complete(
@@ -120,10 +123,12 @@ async def run_chat(
     }
 
 
-MODEL_CHAT: ToolSpec[ChatArgs] = ToolSpec(
+MODEL_CHAT: Tool[ChatArgs] = builtin_tool(
     name="model.chat",
     summary="Ask a model (one of the run's granted aliases) to answer OpenAI-style messages; "
     "served on the host, within the run's model budget.",
     args_type=ChatArgs,
     run=run_chat,
+    requests=chat_request,
+    capabilities=Capabilities(model_access=(ANY,)),
 )

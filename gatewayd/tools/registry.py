@@ -1,40 +1,55 @@
-"""What a host tool is: a name, a typed argument Struct, the paths it touches, a runner.
+"""What a tool is to dispatch, whatever runs it, and the registry of them.
 
-Dispatch validates the arguments into ``args_type`` (msgspec), asks ``paths(args)``
-which paths the call will touch so the pure policy can decide before anything runs,
-and only then awaits ``run(args, ctx, resolved)``. Runners raise the exceptions in
+A :class:`Tool` is its manifest (:mod:`gatewayd.tools.manifest`), a decoder from the
+call's JSON arguments to validated ones, a function from those to the capabilities the
+call requests (:mod:`gatewayd.policy.capabilities`), and a runner. Dispatch decodes the
+arguments, has the policy step check the requested capabilities against the run's
+rights, and only then awaits ``runner.run(args, ctx)``. Runners raise the exceptions in
 :mod:`gatewayd.errors`; anything else is reported as ``internal``.
+
+Each runner kind (built-in functions today; apps, MCP servers, wasm and process tools
+next) makes Tools and registers them in the daemon's :class:`ToolRegistry`; dispatch
+looks tools up by name and never asks what kind one is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
-
-import msgspec
+from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, overload
 
 from gatewayd.config import ModelAlias
-from gatewayd.policy.paths import PathAccess, PathGrant, ResolvedPath
+from gatewayd.policy.capabilities import CapabilityRequest
+from gatewayd.policy.paths import PathGrant, ResolvedPath
+from gatewayd.tools.manifest import ToolManifest
 
 if TYPE_CHECKING:
     from gatewayd.policy.model import NetworkSection
     from gatewayd.runs import ModelBudget
     from gatewayd.sandbox.session import RunSandbox
 
-A = TypeVar("A", bound=msgspec.Struct)
+A = TypeVar("A")
+T = TypeVar("T")
+A_contra = TypeVar("A_contra", contravariant=True)
+
+# The one tool every run has, answered by dispatch from this registry: it reveals only
+# what the run may already do. No runner kind may register a tool by this name.
+TOOLS_LIST: Final = "tools.list"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ToolContext:
-    """What a runner may know about the run it serves."""
+    """What a runner may know about the run and the call it serves."""
 
     run_id: str
     grants: tuple[PathGrant, ...]
     max_output_bytes: int
-    # model.chat: gatewayd's aliases, the ones this run's policy grants, its budget.
+    # The call's requested paths as the policy step resolved them onto the run's
+    # grants, in the order the tool requested them.
+    resolved: tuple[ResolvedPath, ...] = ()
+    # model.chat: gatewayd's aliases, and the run's budget (the policy step checked the
+    # alias and the budget; the runner charges what the call spends).
     models: Mapping[str, ModelAlias] = field(default_factory=dict)
-    model_access: tuple[str, ...] = ()
     model_budget: ModelBudget | None = None
     # http.fetch: the run's policy network section (None: no network at all), and how
     # names resolve (None: the host's resolver; tests map names to loopback).
@@ -45,28 +60,89 @@ class ToolContext:
     degraded: str | None = None
 
 
-def no_paths(_args: Any) -> tuple[PathAccess, ...]:
-    """For tools that touch no file."""
-    return ()
+class ToolRunner(Protocol[A_contra]):
+    """What runs a tool's calls: one per tool, made by its runner kind."""
+
+    async def run(self, args: A_contra, ctx: ToolContext) -> Any:
+        """The call's value (anything the wire's JSON encoder takes).
+
+        Error handling: :mod:`gatewayd.errors` exceptions become their error code;
+        anything else is ``internal``.
+        """
+        ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ToolSpec(Generic[A]):
-    """One host tool."""
+class Tool(Generic[A]):
+    """One tool as dispatch sees it, whatever its runner kind.
 
-    name: str
-    summary: str
-    args_type: type[A]
-    run: Callable[[A, ToolContext, tuple[ResolvedPath, ...]], Awaitable[Any]]
-    paths: Callable[[A], tuple[PathAccess, ...]] = no_paths
-    # Can a call change or reveal anything outside gatewayd before its answer is sent
-    # (write a file, send a request, spend a model's budget, start a process)? Then its
-    # ``call`` entry is made durable before it runs (write-ahead). False only for reads
-    # of local state: nothing of such a call leaves gatewayd but its answer, which waits
-    # for both entries anyway, so one flush covers them. Fail safe: True unless declared.
-    side_effects: bool = True
+    ``decode``: the call's JSON arguments to validated ones (raises
+    :class:`~gatewayd.errors.ArgumentsRejected`, or another GatewayError for a refusal
+    with its own code and message). ``requests``: the
+    capabilities a call with those arguments asks for; it may raise a GatewayError.
+    """
 
-    def args_schema(self) -> dict[str, Any]:
-        """The argument schema as JSON Schema (what ``tools.list`` shows)."""
-        schema: dict[str, Any] = msgspec.json.schema(self.args_type)
-        return schema
+    manifest: ToolManifest
+    decode: Callable[[Mapping[str, Any]], A]
+    requests: Callable[[A], CapabilityRequest]
+    runner: ToolRunner[A]
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+
+class DuplicateToolError(ValueError):
+    """A second tool with a name already registered (or the reserved ``tools.list``)."""
+
+
+class ToolRegistry(Mapping[str, Tool[Any]]):
+    """The tools gatewayd can run, by name; runner kinds register theirs.
+
+    A name is registered once: a second tool of the same name is refused, whatever its
+    kind, so no runner kind can shadow another's tool (or ``tools.list``).
+    """
+
+    def __init__(self, tools: Iterable[Tool[Any]] = ()) -> None:
+        self._tools: dict[str, Tool[Any]] = {}
+        for tool in tools:
+            self.register(tool)
+
+    def register(self, tool: Tool[Any]) -> None:
+        """Add ``tool``. Error handling: DuplicateToolError for a name already taken."""
+        name = tool.manifest.name
+        if name == TOOLS_LIST:
+            raise DuplicateToolError(f"{TOOLS_LIST} is dispatch's own; no tool may take its name")
+        if name in self._tools:
+            existing = self._tools[name].manifest.runner
+            raise DuplicateToolError(
+                f"a tool named {name!r} is already registered (runner {existing}); a second "
+                f"one (runner {tool.manifest.runner}) cannot take its name"
+            )
+        self._tools[name] = tool
+
+    @overload
+    def get(self, name: str, /) -> Tool[Any] | None: ...
+
+    @overload
+    def get(self, name: str, /, default: Tool[Any] | T) -> Tool[Any] | T: ...
+
+    def get(self, name: str, /, default: Any = None) -> Any:
+        """The tool called ``name``, or ``default`` (a plain dict lookup: on every call)."""
+        return self._tools.get(name, default)
+
+    def __getitem__(self, name: str) -> Tool[Any]:
+        return self._tools[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tools
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tools)
+
+    def __len__(self) -> int:
+        return len(self._tools)
+
+    def manifests(self) -> tuple[ToolManifest, ...]:
+        """Every registered tool's manifest, in registration order."""
+        return tuple(tool.manifest for tool in self._tools.values())

@@ -35,8 +35,8 @@ from gatewayd.agent.loop import (
 )
 from gatewayd.agent.repo import RepoCredentials
 from gatewayd.audit.verify import verify_file
-from gatewayd.config import ModelAlias
-from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig, ModelAlias
+from gatewayd.daemon import Daemon, open_daemon
 from tests.fakeprovider import Call, FakeProvider, Malformed, Text
 from tests.gitserver import DEFAULT_TOKEN, GitServer, git, make_bare_repo, read_tree, ref_sha
 from tests.integration.test_agent_repo import FakeForge
@@ -101,7 +101,7 @@ def server(base: Path) -> Iterator[GitServer]:
         yield served
 
 
-def agent_config(base: Path, provider: FakeProvider, **changes: Any) -> DaemonConfig:
+def agent_config(base: Path, provider: FakeProvider, **changes: Any) -> GatewaydConfig:
     config = sandbox_config(base)
     policies = Path(__file__).resolve().parents[2] / "policies"
     alias = ModelAlias(
@@ -110,7 +110,7 @@ def agent_config(base: Path, provider: FakeProvider, **changes: Any) -> DaemonCo
         api_base=provider.api_base,
         api_key_env=MODEL_KEY_ENV,
     )
-    return DaemonConfig(
+    return GatewaydConfig(
         state_dir=config.state_dir,
         policy_dirs=(policies,),
         netns_prefix=config.netns_prefix,

@@ -38,7 +38,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from gatewayd.daemon import DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig
+from gatewayd.daemon import open_daemon
 from gatewayd.sandbox.daemons import (
     DAEMONS_DIR,
     DaemonClash,
@@ -468,9 +469,9 @@ async def test_an_in_process_daemon_on_a_live_ones_state_dir_raises_before_openi
 ) -> None:
     """Daemons of one process register like any others; a daemon without the OS sandbox
     still registers its state directory (its start sweeps run directories there)."""
-    first = DaemonConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
+    first = GatewaydConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
     other_audit = base / "other" / "audit.jsonl"
-    second = DaemonConfig(
+    second = GatewaydConfig(
         state_dir=base / "state", audit_path=other_audit, policy_dirs=(base,), os_sandbox=False
     )
     async with open_daemon(first) as daemon:
@@ -849,7 +850,7 @@ async def test_a_control_socket_replaced_under_a_daemon_is_not_removed_at_its_st
     """A stop removes the path only while it is still the socket this daemon bound."""
     from gatewayd.control import ControlServer
 
-    config = DaemonConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
+    config = GatewaydConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
     path = base / "control.sock"
     async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
         await nursery.start(ControlServer(daemon).serve, path)

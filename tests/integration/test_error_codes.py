@@ -17,7 +17,8 @@ import trio
 from cogni_tool.client import Client, ToolError
 from gatewayd.errors import ToolFailed
 from gatewayd.tools import builtin_tools
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import ToolContext, ToolRegistry
 from tests.conftest import Gateway, frame, make_gateway, raw_exchange, read_frame, request
 
 
@@ -171,38 +172,38 @@ class _Empty(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     pass
 
 
-async def _sleep_forever(_a: _Empty, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+async def _sleep_forever(_a: _Empty, _c: ToolContext) -> Any:
     await trio.sleep_forever()
 
 
-async def _crash(_a: _Empty, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+async def _crash(_a: _Empty, _c: ToolContext) -> Any:
     raise RuntimeError("secret host detail /root/.ssh/id_rsa")
 
 
-async def _fail(_a: _Empty, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+async def _fail(_a: _Empty, _c: ToolContext) -> Any:
     raise ToolFailed("upstream said no")
 
 
-async def _unencodable(_a: _Empty, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+async def _unencodable(_a: _Empty, _c: ToolContext) -> Any:
     return {"set": {object()}}  # no JSON for it: gatewayd's bug, never the caller's
 
 
 # Deliberately slow / crashing tools: the only way to reach the timeout and internal
 # paths with tools that are otherwise correct.
-TEST_TOOLS: dict[str, ToolSpec[Any]] = {
-    **builtin_tools(),
-    "test.sleep": ToolSpec(
-        name="test.sleep", summary="sleeps", args_type=_Empty, run=_sleep_forever
-    ),
-    "test.crash": ToolSpec(name="test.crash", summary="crashes", args_type=_Empty, run=_crash),
-    "test.fail": ToolSpec(name="test.fail", summary="fails", args_type=_Empty, run=_fail),
-    "test.unencodable": ToolSpec(
-        name="test.unencodable",
-        summary="answers what JSON cannot hold",
-        args_type=_Empty,
-        run=_unencodable,
-    ),
-}
+TEST_TOOLS = ToolRegistry(
+    (
+        *builtin_tools().values(),
+        builtin_tool(name="test.sleep", summary="sleeps", args_type=_Empty, run=_sleep_forever),
+        builtin_tool(name="test.crash", summary="crashes", args_type=_Empty, run=_crash),
+        builtin_tool(name="test.fail", summary="fails", args_type=_Empty, run=_fail),
+        builtin_tool(
+            name="test.unencodable",
+            summary="answers what JSON cannot hold",
+            args_type=_Empty,
+            run=_unencodable,
+        ),
+    )
+)
 TEST_POLICY = """
 version: 1
 name: test-tools

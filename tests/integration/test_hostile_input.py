@@ -24,7 +24,8 @@ import trio
 
 from gatewayd.review.replay import CallsFileError, load_calls
 from gatewayd.tools import builtin_tools
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import ToolContext, ToolRegistry
 from tests.conftest import OPEN_POLICY, frame, make_gateway, read_frame, request
 from tests.livedaemon import LiveDaemon, start_daemon
 
@@ -499,18 +500,23 @@ class _Wait(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     pass
 
 
-async def _wait_for_release(_a: _Wait, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+async def _wait_for_release(_a: _Wait, _c: ToolContext) -> Any:
     await RELEASE[0].wait()
     return {"released": True}
 
 
 RELEASE: list[trio.Event] = []
-WAIT_TOOLS: dict[str, ToolSpec[Any]] = {
-    **builtin_tools(),
-    "test.wait": ToolSpec(
-        name="test.wait", summary="waits until released", args_type=_Wait, run=_wait_for_release
-    ),
-}
+WAIT_TOOLS = ToolRegistry(
+    (
+        *builtin_tools().values(),
+        builtin_tool(
+            name="test.wait",
+            summary="waits until released",
+            args_type=_Wait,
+            run=_wait_for_release,
+        ),
+    )
+)
 WAIT_POLICY = OPEN_POLICY.replace(
     'allow: [time.now, "fs.*"]', 'allow: [time.now, "fs.*", test.wait]'
 )

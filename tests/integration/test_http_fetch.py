@@ -19,7 +19,8 @@ import msgspec
 import pytest
 import trio
 
-from gatewayd.daemon import DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig
+from gatewayd.daemon import open_daemon
 from gatewayd.dialer import RESOLVER_THREADS, Resolver, resolve_host
 from gatewayd.errors import PolicyViolation
 from gatewayd.policy.model import NetworkSection
@@ -85,7 +86,9 @@ def server() -> Iterator[int]:
 async def gw(short_tmp: Path) -> AsyncIterator[Gateway]:
     policies = short_tmp / "policies"
     policies.mkdir()
-    config = DaemonConfig(state_dir=short_tmp / "state", policy_dirs=(policies,), os_sandbox=False)
+    config = GatewaydConfig(
+        state_dir=short_tmp / "state", policy_dirs=(policies,), os_sandbox=False
+    )
     async with open_daemon(config) as daemon:
         yield Gateway(daemon, policies)
 

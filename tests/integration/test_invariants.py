@@ -16,6 +16,7 @@ import trio
 
 from cogni_tool.client import Client, ToolError
 from gatewayd.audit import verify_file
+from gatewayd.config import GatewaydConfig
 from gatewayd.runs import RunRequest
 from tests.conftest import ROOT, Gateway, frame, raw_exchange, request
 
@@ -124,7 +125,7 @@ async def test_no_effect_happens_when_the_audit_entry_cannot_be_made_durable(
     short_tmp: Path, workspace: Path
 ) -> None:
     """Fill the audit log's filesystem for real: the write must not happen."""
-    from gatewayd.daemon import DaemonConfig, open_daemon
+    from gatewayd.daemon import open_daemon
 
     small = short_tmp / "small"
     small.mkdir()
@@ -132,7 +133,7 @@ async def test_no_effect_happens_when_the_audit_entry_cannot_be_made_durable(
     try:
         policies = short_tmp / "pol"
         policies.mkdir()
-        config = DaemonConfig(
+        config = GatewaydConfig(
             state_dir=short_tmp / "state",
             audit_path=small / "audit.jsonl",
             policy_dirs=(policies,),

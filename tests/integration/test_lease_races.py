@@ -28,13 +28,13 @@ from typing import Final
 
 import pytest
 
-from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig, SandboxUids
+from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.runs import Grant, RunRequest
 from gatewayd.sandbox.lease import LeaseError, give_back, lend
 from gatewayd.sandbox.lendable import LendableRoots, NotLendable
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.session import UnsafeMounts, WorkspaceInUse, clean_leftovers
-from gatewayd.sandbox.uids import UidRange
 
 DEMO = Path(__file__).resolve().parents[2] / "policies" / "examples" / "demo.yaml"
 PY = "/usr/bin/python3"
@@ -250,11 +250,11 @@ def test_lending_under_a_racer_changes_only_the_directory_judged_never_a_symlink
 
 @pytest.fixture
 async def daemon(base: Path) -> AsyncIterator[Daemon]:
-    config = DaemonConfig(
+    config = GatewaydConfig(
         state_dir=base / "state",
         policy_dirs=(DEMO.parent,),
         netns_prefix=f"cgt{secrets.token_hex(4)}-",
-        sandbox_uids=UidRange(1_700_000_000 + secrets.randbelow(50_000) * 1024, 64),
+        sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=64),
         lendable_roots=(base / "homes",),
     )
     (base / "homes").mkdir()

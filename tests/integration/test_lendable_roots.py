@@ -29,13 +29,13 @@ from typing import Any
 
 import pytest
 
-from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig, SandboxUids
+from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.runs import Grant, Run, RunRequest
 from gatewayd.sandbox.lease import LeaseError, give_back, lend, read_lease
 from gatewayd.sandbox.lendable import LendableRoots, NotLendable, OwnDirectory
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.session import clean_leftovers
-from gatewayd.sandbox.uids import UidRange
 from tests.decoyroot import run_in_decoy_root
 
 GATEWAYD = str(Path(sys.executable).parent / "gatewayd")
@@ -476,11 +476,11 @@ class Lending:
 
 @pytest.fixture
 async def lending(base: Path) -> AsyncIterator[Lending]:
-    config = DaemonConfig(
+    config = GatewaydConfig(
         state_dir=base / "state",
         policy_dirs=(Path(DEMO).parent,),
         netns_prefix=f"cgt{secrets.token_hex(4)}-",
-        sandbox_uids=UidRange(1_700_000_000 + secrets.randbelow(50_000) * 1024, 64),
+        sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=64),
     )
     async with open_daemon(config) as daemon:
         assert daemon.support.available, daemon.support.reason
@@ -785,13 +785,14 @@ async def test_a_tree_holding_or_in_gatewayds_own_directories_is_refused_on_its_
 ) -> None:
     (base / "policies").mkdir()
     case = _own_case(name, base)
-    config = DaemonConfig(
+    config = GatewaydConfig(
         policy_dirs=(Path(DEMO).parent, base / "policies"),
         netns_prefix=f"cgt{secrets.token_hex(4)}-",
-        sandbox_uids=UidRange(1_700_000_000 + secrets.randbelow(50_000) * 1024, 64),
+        sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=64),
         **case.config,
     )
-    async with open_daemon(config) as daemon:
+    # Served where the case names one, as `gatewayd serve` serves its setting's.
+    async with open_daemon(config, control_socket=config.control_socket) as daemon:
         before = _owners_beneath(case.own)
         log = daemon.config.resolved_audit_path
         request = RunRequest(
@@ -855,7 +856,7 @@ def test_a_configured_root_leading_into_the_state_directory_is_no_root_at_runtim
     base: Path,
 ) -> None:
     # The configuration checks the root when it is read; a symlink made afterwards (or
-    # a DaemonConfig made in code) is caught where the root is used, on its real path.
+    # a configuration made in code) is caught where the root is used, on its real path.
     state = base / "state"
     (state / "ws").mkdir(parents=True)
     (base / "srv-ws").symlink_to(state)

@@ -23,7 +23,8 @@ import structlog
 
 from cogni_tool.client import Client, ToolError
 from gatewayd.tools import builtin_tools
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import ToolContext, ToolRegistry
 from tests.conftest import frame, make_gateway, raw_exchange, request
 from tests.fakeprovider import FakeProvider, HttpError
 from tests.integration.test_secrets import FORGE, FORGE_ENV, KEY, KEY_ENV, echoing, leaks
@@ -165,17 +166,17 @@ class _Empty(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     pass
 
 
-async def _context(_a: _Empty, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+async def _context(_a: _Empty, _c: ToolContext) -> Any:
     # What structlog's merge_contextvars adds to a line logged here, in the call's task.
     return structlog.contextvars.get_contextvars()
 
 
-TOOLS: dict[str, ToolSpec[Any]] = {
-    **builtin_tools(),
-    "test.context": ToolSpec(
-        name="test.context", summary="log context", args_type=_Empty, run=_context
-    ),
-}
+TOOLS = ToolRegistry(
+    (
+        *builtin_tools().values(),
+        builtin_tool(name="test.context", summary="log context", args_type=_Empty, run=_context),
+    )
+)
 
 
 async def test_a_line_logged_inside_a_call_gets_the_run_id_without_passing_it(

@@ -34,14 +34,15 @@ import trio.testing
 
 from gatewayd import cli, server
 from gatewayd.audit import AuditLog, Peer, open_audit_log, read_entries, verify_file
+from gatewayd.config import GatewaydConfig, SandboxUids
 from gatewayd.control import ControlServer
-from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.dispatch import CANCELLED_MESSAGE, Dispatcher
 from gatewayd.protocol import ErrorCode, FrameError, Request, Response
 from gatewayd.runs import Grant, Run, RunRequest
-from gatewayd.sandbox.uids import UidRange
 from gatewayd.tools import builtin_tools
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import Tool, ToolContext, ToolRegistry
 from tests.conftest import (
     OPEN_POLICY,
     Gateway,
@@ -189,7 +190,7 @@ async def test_every_kind_of_answer_is_sent_only_once_its_result_entry_is_durabl
 
 @asynccontextmanager
 async def dispatcher_on_own_log(
-    base: Path, *, reply_after_result: bool, tools: dict[str, ToolSpec[Any]] | None = None
+    base: Path, *, reply_after_result: bool, tools: ToolRegistry | None = None
 ) -> AsyncIterator[Dispatcher]:
     """A dispatcher on a fresh, fdatasync'd audit log whose timer never fires."""
     async with open_audit_log(base / "own-audit.jsonl", sync_delay_s=NEVER_DUE_S) as audit:
@@ -327,19 +328,17 @@ class _Hang(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     pass
 
 
-async def _hang(_a: _Hang, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+async def _hang(_a: _Hang, _c: ToolContext) -> Any:
     await trio.sleep_forever()
 
 
 async def test_a_call_cancelled_while_its_tool_runs_still_gets_its_result_entry(
     gateway: Gateway, workspace: Path, short_tmp: Path
 ) -> None:
-    tools = {
-        **builtin_tools(),
-        "test.hang": ToolSpec(
-            name="test.hang", summary="never returns", args_type=_Hang, run=_hang
-        ),
-    }
+    tools = builtin_tools()
+    tools.register(
+        builtin_tool(name="test.hang", summary="never returns", args_type=_Hang, run=_hang)
+    )
     run = await gateway.create_run(workspace, POLICY.replace("time.now,", "time.now, test.hang,"))
     async with (
         dispatcher_on_own_log(short_tmp, reply_after_result=True, tools=tools) as d,
@@ -360,17 +359,17 @@ class _Fill(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     pass
 
 
-def filling_tool(audit_fd: list[int], *, side_effects: bool) -> ToolSpec[_Fill]:
+def filling_tool(audit_fd: list[int], *, side_effects: bool) -> Tool[_Fill]:
     """A tool during whose run the audit disk fills up: the log's descriptor is pointed
     at /dev/full, so the next write fails with a real ENOSPC."""
 
-    async def run(_a: _Fill, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+    async def run(_a: _Fill, _c: ToolContext) -> Any:
         full = os.open("/dev/full", os.O_WRONLY | os.O_CLOEXEC)
         os.dup2(full, audit_fd[0])
         os.close(full)
         return {"secret": "the-tools-value"}
 
-    return ToolSpec(
+    return builtin_tool(
         name="test.fill",
         summary="fills the disk",
         args_type=_Fill,
@@ -384,7 +383,8 @@ async def test_a_result_that_cannot_be_made_durable_is_answered_internal_never_w
     gateway: Gateway, workspace: Path, short_tmp: Path, side_effects: bool
 ) -> None:
     audit_fd: list[int] = []
-    tools = {**builtin_tools(), "test.fill": filling_tool(audit_fd, side_effects=side_effects)}
+    tools = builtin_tools()
+    tools.register(filling_tool(audit_fd, side_effects=side_effects))
     run = await gateway.create_run(workspace, POLICY.replace("time.now,", "time.now, test.fill,"))
     async with dispatcher_on_own_log(short_tmp, reply_after_result=True, tools=tools) as d:
         audit_fd.append(d.audit.fileno())
@@ -517,11 +517,11 @@ async def control_socket_daemon(
 ) -> AsyncIterator[tuple[Daemon, Path, Run]]:
     """A daemon with the OS sandbox serving its control socket, and one sandboxed run."""
     base.chmod(0o711)  # the sandbox's uid passes through to its workspace and socket
-    config = DaemonConfig(
+    config = GatewaydConfig(
         state_dir=base / "state",
         policy_dirs=(base,),
         netns_prefix=f"cgr{secrets.token_hex(4)}-",
-        sandbox_uids=UidRange(1_700_000_000 + secrets.randbelow(50_000) * 1024, 8),
+        sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=8),
         audit_reply_after_result=reply_after_result,
     )
     ws = base / "ws"

@@ -28,7 +28,8 @@ from typing import Any
 import pytest
 import trio
 
-from gatewayd.daemon import Daemon, DaemonConfig, open_daemon
+from gatewayd.config import GatewaydConfig, SandboxUids
+from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.errors import AuthzDenied, PolicyViolation
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from gatewayd.sandbox.launch import ExecResult
@@ -39,7 +40,7 @@ from gatewayd.sandbox.session import (
     UnsafeMounts,
     WorkspaceInUse,
 )
-from gatewayd.sandbox.uids import UidRange, pids_of_uid
+from gatewayd.sandbox.uids import pids_of_uid
 from tests.conftest import frame, raw_exchange, read_frame
 
 PY = "/usr/bin/python3"
@@ -114,12 +115,12 @@ class Sandboxed:
         return [json.loads(line) for line in self.audit_path.read_text().splitlines() if line]
 
 
-def sandbox_config(base: Path) -> DaemonConfig:
-    return DaemonConfig(
+def sandbox_config(base: Path) -> GatewaydConfig:
+    return GatewaydConfig(
         state_dir=base / "state",
         policy_dirs=(base,),
         netns_prefix=f"cgt{secrets.token_hex(4)}-",
-        sandbox_uids=UidRange(1_700_000_000 + secrets.randbelow(50_000) * 1024, 64),
+        sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=64),
     )
 
 
@@ -155,7 +156,7 @@ async def test_a_run_gets_its_own_uid_netns_and_a_workspace_lent_and_given_back(
     run = await sb.run(workspace=ws)
     assert run.sandbox is not None
     uid = run.sandbox.user.uid
-    assert uid in sb.daemon.config.sandbox_uids and uid != 0
+    assert uid in sb.daemon.config.resolved_sandbox_uids and uid != 0
     assert (NETNS_RUN_DIR / run.sandbox.netns.name).exists()
     assert os.stat(ws / "notes.md").st_uid == uid  # lent for the run
     result = await sb.py(
@@ -809,7 +810,7 @@ async def test_ending_a_run_stops_its_running_commands(sb: Sandboxed) -> None:
 async def test_without_an_os_sandbox_a_requiring_policy_is_refused_and_a_lenient_one_degraded(
     base: Path,
 ) -> None:
-    config = DaemonConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
+    config = GatewaydConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
     ws = base / "ws"
     ws.mkdir()
     async with open_daemon(config) as daemon:
@@ -1371,7 +1372,7 @@ async def test_a_workspace_another_live_run_holds_is_refused(sb: Sandboxed) -> N
 
 async def test_a_workspace_owned_by_a_sandbox_uid_is_refused_not_lent_again(sb: Sandboxed) -> None:
     ws = sb.workspace()
-    stray = sb.daemon.config.sandbox_uids.base + 5  # a lost lease's owner, say
+    stray = sb.daemon.config.resolved_sandbox_uids.base + 5  # a lost lease's owner, say
     os.chown(ws, stray, stray)
     with pytest.raises(SandboxUnavailable, match=f"owned by sandbox uid {stray}"):
         await sb.run(workspace=ws)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import dataclasses
 import hashlib
 import http.server
 import io
@@ -115,9 +114,7 @@ async def sb(base: Path, key: str, fake: FakeProvider) -> AsyncIterator[Sandboxe
     alias = ModelAlias(
         provider="openai", model="fake-chat", api_base=fake.api_base, api_key_env=KEY_ENV
     )
-    config = dataclasses.replace(
-        sandbox_config(base), models={"assistant": alias}, secret_env=(FORGE_ENV,)
-    )
+    config = sandbox_config(base).changed(models={"assistant": alias}, secret_env=(FORGE_ENV,))
     async with open_daemon(config) as daemon:
         assert daemon.support.available, daemon.support.reason
         yield Sandboxed(daemon, base)
@@ -515,8 +512,7 @@ async def proxied(base: Path) -> AsyncIterator[Sandboxed]:
             return (ipaddress.ip_address("127.0.0.1"),)
         raise OSError(f"no such host {host}")
 
-    config = dataclasses.replace(sandbox_config(base), resolver=resolve)
-    async with open_daemon(config) as daemon:
+    async with open_daemon(sandbox_config(base), resolver=resolve) as daemon:
         assert daemon.support.available, daemon.support.reason
         yield Sandboxed(daemon, base)
 

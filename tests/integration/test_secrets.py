@@ -17,8 +17,8 @@ from structlog.testing import capture_logs
 
 from gatewayd.audit import verify_file
 from gatewayd.cli import _config, build_parser
-from gatewayd.config import ConfigError, ModelAlias, load_config
-from gatewayd.daemon import DaemonConfig, open_daemon
+from gatewayd.config import ConfigError, GatewaydConfig, ModelAlias, load_config
+from gatewayd.daemon import open_daemon
 from gatewayd.secrets import MIN_SCRUB_CHARS, REFRESH_INTERVAL_S
 from tests.conftest import Gateway
 from tests.fakeprovider import FakeProvider, HttpError, Reply, Text
@@ -105,13 +105,13 @@ def echoing(fake: FakeProvider, make: Callable[[str], Reply], extra: Sequence[st
     fake.respond = respond
 
 
-def daemon_config(base: Path, fake: FakeProvider) -> DaemonConfig:
+def daemon_config(base: Path, fake: FakeProvider) -> GatewaydConfig:
     policies = base / "policies"
     policies.mkdir(exist_ok=True)
     alias = ModelAlias(
         provider="openai", model="fake-chat", api_base=fake.api_base, api_key_env=KEY_ENV
     )
-    return DaemonConfig(
+    return GatewaydConfig(
         state_dir=base / "state",
         policy_dirs=(policies,),
         os_sandbox=False,

@@ -12,7 +12,8 @@ import trio
 
 from gatewayd import server
 from gatewayd.tools import builtin_tools
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import ToolContext, ToolRegistry
 from tests.conftest import frame, make_gateway, raw_exchange, read_frame, request
 
 
@@ -20,7 +21,7 @@ class _Nap(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     seconds: float = 0.3
 
 
-async def _nap(args: _Nap, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+async def _nap(args: _Nap, _c: ToolContext) -> Any:
     await trio.sleep(args.seconds)
     return {"slept": args.seconds}
 
@@ -29,15 +30,17 @@ class _Big(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     chars: int
 
 
-async def _big(args: _Big, _c: ToolContext, _r: tuple[Any, ...]) -> Any:
+async def _big(args: _Big, _c: ToolContext) -> Any:
     return "x" * args.chars
 
 
-TOOLS: dict[str, ToolSpec[Any]] = {
-    **builtin_tools(),
-    "test.nap": ToolSpec(name="test.nap", summary="sleeps", args_type=_Nap, run=_nap),
-    "test.big": ToolSpec(name="test.big", summary="a long string", args_type=_Big, run=_big),
-}
+TOOLS = ToolRegistry(
+    (
+        *builtin_tools().values(),
+        builtin_tool(name="test.nap", summary="sleeps", args_type=_Nap, run=_nap),
+        builtin_tool(name="test.big", summary="a long string", args_type=_Big, run=_big),
+    )
+)
 POLICY = """
 version: 1
 name: server-tests

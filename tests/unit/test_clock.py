@@ -20,7 +20,7 @@ MAX_EPOCH_NS = 253_402_300_799_999_999_999
 async def test_time_now_returns_the_host_time_in_utc() -> None:
     before = time.time_ns() // 1_000_000
     ctx = ToolContext(run_id="run-1", grants=(), max_output_bytes=1 << 20)
-    result = await TIME_NOW.run(NowArgs(), ctx, ())
+    result = await TIME_NOW.runner.run(NowArgs(), ctx)
     after = time.time_ns() // 1_000_000
     assert set(result) == {"iso", "epochMs", "timezone"}
     assert result["timezone"] == "UTC"

@@ -4,8 +4,10 @@ config show|check`."""
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import json
+import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from gatewayd.config import (
     env_name,
     resolve_settings,
 )
-from gatewayd.daemon import DaemonConfig
+from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.protocol import MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from gatewayd.sandbox.daemons import derived_uid_range
 from gatewayd.sandbox.uids import UidRange
@@ -300,23 +302,85 @@ def test_a_named_file_that_is_missing_is_an_error(tmp_path: Path) -> None:
 # --- into the daemon ---------------------------------------------------------------------
 
 
-def test_every_daemon_setting_is_in_the_configuration() -> None:
-    """A DaemonConfig field without a setting could only be set by code (``resolver``
-    is for tests: it maps host names to loopback)."""
-    daemon = {f.name for f in dataclasses.fields(DaemonConfig)} - {"resolver"}
-    assert daemon <= set(GatewaydConfig.model_fields)
+def test_the_daemon_is_built_from_the_configuration_itself() -> None:
+    """One type: every setting the daemon has, and its default, is the configuration's;
+    what only code gives it (a resolver for tests, the control socket ``serve`` serves,
+    a tool table) is a parameter, never a setting a file could hold."""
+    for build in (open_daemon, Daemon.__init__):
+        assert typing.get_type_hints(build)["config"] is GatewaydConfig, build
+        inputs = set(inspect.signature(build).parameters) - {"config"}
+        assert not inputs & set(GatewaydConfig.model_fields) - {"control_socket"}, build
+    # The control socket served is the one the setting names (`gatewayd serve` passes
+    # it on); a one-shot run serves none, whatever the setting says.
+    assert inspect.signature(open_daemon).parameters["control_socket"].default is None
 
 
-def test_the_configurations_defaults_are_the_daemons() -> None:
-    settings, daemon = GatewaydConfig(), DaemonConfig()
-    for field in dataclasses.fields(DaemonConfig):
-        if field.name == "resolver":
-            continue
-        value = getattr(settings, field.name)
-        if isinstance(value, SandboxUids):
-            value = value.as_range()
-        assert value == getattr(daemon, field.name), field.name
-    assert GatewaydConfig().resolved_audit_path == DaemonConfig().resolved_audit_path
+# A change made in code, from the state directory, and what the refusal says (STATE:
+# the state directory).
+CHANGED_IN_CODE: list[tuple[Callable[[Path], dict[str, Any]], str]] = [
+    (lambda state: {"secret_env": ("not a name",)}, "secret_env name 'not a name'"),
+    (lambda state: {"audit_path": Path("audit.jsonl")}, "'audit.jsonl' must be an absolute"),
+    (lambda state: {"lendable_roots": (Path("/usr/local"),)}, "lies in the system tree /usr"),
+    (lambda state: {"lendable_roots": (state / "ws",)}, "lies in gatewayd's own state_dir"),
+    (lambda state: {"agent_dir": state / "agent"}, "agent_dir STATE/agent lies in state_dir"),
+]
+
+
+@pytest.mark.parametrize(("change", "says"), CHANGED_IN_CODE)
+def test_a_configuration_changed_in_code_is_validated_as_a_file_is(
+    tmp_path: Path, change: Callable[[Path], dict[str, Any]], says: str
+) -> None:
+    state = tmp_path / "state"
+    given = GatewaydConfig(state_dir=state, netns_prefix="gw-")
+    with pytest.raises(pydantic.ValidationError) as caught:
+        given.changed(**change(state))
+    assert says.replace("STATE", str(state)) in str(caught.value)
+
+
+def test_a_changed_configuration_keeps_what_it_did_not_change(tmp_path: Path) -> None:
+    given = GatewaydConfig(state_dir=tmp_path / "state", netns_prefix="gw-")
+    changed = given.changed(secret_env=("TOKEN",))
+    assert changed.secret_env == ("TOKEN",)
+    assert (changed.state_dir, changed.netns_prefix) == (tmp_path / "state", "gw-")
+    assert changed.sandbox_uids is None  # still derived from the state directory
+    assert changed.resolved_sandbox_uids == given.resolved_sandbox_uids
+
+
+# Every setting: a value other than the running one's, and whether a reload applies it
+# at once (only the model aliases; docs/configuration.md, "Reload").
+RELOAD_CASES: list[tuple[str, Any, bool]] = [
+    ("state_dir", Path("/srv/other"), False),
+    ("audit_path", Path("/srv/audit.jsonl"), False),
+    ("control_socket", Path("/run/other.sock"), False),
+    ("agent_dir", Path("/srv/agent"), False),
+    ("policy_dirs", (Path("/etc/gw/policies"),), False),
+    ("audit_fsync", False, False),
+    ("audit_reply_after_result", False, False),
+    ("audit_max_bytes", 0, False),
+    ("max_frame_bytes", 4096, False),
+    ("os_sandbox", False, False),
+    ("bwrap", "/opt/bwrap", False),
+    ("netns_prefix", "gw-", False),
+    ("sandbox_uids", SandboxUids(base=100_000, count=8), False),
+    ("lendable_roots", (Path("/srv/ws"),), False),
+    ("models", {"r": ModelAlias(provider="openai", model="m")}, True),
+    ("secret_env", ("TOKEN",), False),
+]
+
+
+def test_the_reload_cases_name_every_setting() -> None:
+    assert [case[0] for case in RELOAD_CASES] == list(GatewaydConfig.model_fields)
+
+
+@pytest.mark.parametrize(("setting", "value", "at_once"), RELOAD_CASES)
+def test_a_reloaded_setting_needs_a_restart_unless_it_is_applied_at_once(
+    setting: str, value: Any, at_once: bool
+) -> None:
+    running = GatewaydConfig(state_dir=Path("/srv/gw")).with_real_dirs()
+    reread = running.changed(**{setting: value}).with_real_dirs()
+    assert getattr(reread, setting) != getattr(running, setting)
+    assert running.needs_restart(reread) == ([] if at_once else [setting])
+    assert running.needs_restart(running) == []
 
 
 @pytest.mark.parametrize(
@@ -361,9 +425,10 @@ secret_env: [TOKEN]
 def test_the_daemon_is_built_from_every_setting_of_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, FULL_FILE)
     daemon = cli._config(cli.build_parser().parse_args(["serve", "--config", str(path)]))
-    assert daemon == DaemonConfig(
+    assert daemon == GatewaydConfig(
         state_dir=Path("/srv/gw"),
         audit_path=Path("/srv/audit.jsonl"),
+        control_socket=Path("/run/gw.sock"),
         policy_dirs=(Path("/etc/gw/policies"),),
         audit_fsync=False,
         audit_reply_after_result=False,
@@ -372,7 +437,7 @@ def test_the_daemon_is_built_from_every_setting_of_the_file(tmp_path: Path) -> N
         os_sandbox=False,
         bwrap="/opt/bwrap",
         netns_prefix="gw-",
-        sandbox_uids=UidRange(100000, 8),
+        sandbox_uids=SandboxUids(base=100000, count=8),
         models={"r": ModelAlias(provider="openai", model="m")},
         secret_env=("TOKEN",),
     )
@@ -407,7 +472,7 @@ def test_options_of_serve_override_the_file_and_variables(
     assert daemon.audit_max_bytes == 0  # 0 is given, not absent
     assert daemon.state_dir == tmp_path / "rel"  # relative on the command line: from cwd
     assert daemon.policy_dirs == (Path("/p1"), Path("/p2"))
-    assert daemon.sandbox_uids == UidRange(200000, 2)
+    assert daemon.resolved_sandbox_uids == UidRange(200000, 2)
     assert daemon.netns_prefix == "env-"
     assert daemon.os_sandbox is False
     assert daemon.audit_path == Path("/srv/audit.jsonl")

@@ -16,8 +16,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gatewayd import cli
-from gatewayd.config import DERIVED_SOURCE, ConfigError, GatewaydConfig, resolve_settings
-from gatewayd.daemon import DaemonConfig
+from gatewayd.config import (
+    DERIVED_SOURCE,
+    ConfigError,
+    GatewaydConfig,
+    SandboxUids,
+    resolve_settings,
+)
 from gatewayd.sandbox.daemons import (
     PREFIX_HASH_HEX,
     DaemonShare,
@@ -362,25 +367,26 @@ def test_the_registered_share_holds_the_real_paths_of_the_audit_log_and_control_
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Whatever way the paths are given (a symlinked directory, a symlink to the file, a
-    relative path with ``..``), the registry compares where they really lead."""
+    path with ``..`` as a relative option gives it), the registry compares where they
+    really lead."""
     real = tmp_path / "real"
     (real / "audit").mkdir(parents=True)
     (tmp_path / "alias").symlink_to(real)
     (tmp_path / "sock-link").symlink_to(real / "control.sock")
     monkeypatch.chdir(real / "audit")
-    config = DaemonConfig(
+    config = GatewaydConfig(
         state_dir=tmp_path / "alias" / "state",
-        audit_path=Path("../audit/./audit.jsonl"),
-        control_socket=tmp_path / "sock-link",
+        audit_path=Path("../audit/./audit.jsonl").absolute(),  # as `--audit` takes it
     )
-    shared = config.host_share()
+    shared = config.host_share(control_socket=tmp_path / "sock-link")
     assert shared.state_dir == real / "state"
     assert shared.audit_path == real / "audit" / "audit.jsonl"
     assert shared.control_socket == real / "control.sock"
-    assert DaemonConfig(state_dir=real / "state").host_share().control_socket is None
-    assert DaemonConfig(state_dir=tmp_path / "alias").host_share().audit_path == (
-        real / "audit" / "audit.jsonl"
-    )
+    alone = GatewaydConfig(state_dir=real / "state")
+    assert alone.host_share(control_socket=None).control_socket is None
+    assert GatewaydConfig(state_dir=tmp_path / "alias").host_share(
+        control_socket=None
+    ).audit_path == (real / "audit" / "audit.jsonl")
 
 
 @pytest.mark.parametrize(
@@ -426,7 +432,7 @@ def test_unset_prefix_and_uids_are_derived_from_the_state_dir_and_shown_as_such(
     assert (daemon.netns_prefix, daemon.sandbox_uids) == (None, None)
     assert daemon.resolved_netns_prefix == derived_netns_prefix(state)
     assert daemon.resolved_sandbox_uids == uids
-    assert daemon.host_share().netns_prefix == derived_netns_prefix(state)
+    assert daemon.host_share(control_socket=None).netns_prefix == derived_netns_prefix(state)
 
 
 def test_explicit_settings_are_kept_as_given() -> None:
@@ -437,7 +443,9 @@ def test_explicit_settings_are_kept_as_given() -> None:
     assert explicit.config.resolved_netns_prefix == "gw2-"
     assert explicit.config.resolved_sandbox_uids == UidRange(1_700_000_000, 256)
     assert explicit.sources["netns_prefix"] == "env GATEWAYD_NETNS_PREFIX"
-    config = DaemonConfig(netns_prefix="gw2-", sandbox_uids=UidRange(1_700_000_000, 256))
+    config = GatewaydConfig(
+        netns_prefix="gw2-", sandbox_uids=SandboxUids(base=1_700_000_000, count=256)
+    )
     assert (config.resolved_netns_prefix, config.resolved_sandbox_uids) == (
         "gw2-",
         UidRange(1_700_000_000, 256),
@@ -451,7 +459,7 @@ def test_a_count_without_a_base_is_placed_by_the_state_dir(tmp_path: Path) -> No
     assert settings.config.resolved_sandbox_uids == derived_uid_range(Path("/srv/gw"), 16)
     assert settings.sources["sandbox_uids"] == f"file {path}, base from state_dir"
     daemon = cli._config(cli.build_parser().parse_args(["serve", "--config", str(path)]))
-    assert daemon.sandbox_uids == derived_uid_range(Path("/srv/gw"), 16)
+    assert daemon.resolved_sandbox_uids == derived_uid_range(Path("/srv/gw"), 16)
     path.write_text("sandbox_uids: {base: 1700000000}\n")
     assert resolve_settings(file=path, environ={}).config.resolved_sandbox_uids == UidRange(
         1_700_000_000, DEFAULT_UID_COUNT
@@ -465,9 +473,13 @@ def test_a_count_too_big_to_place_is_refused_naming_the_setting(tmp_path: Path) 
         resolve_settings(file=path, environ={})
 
 
-def test_the_defaults_of_the_configuration_and_the_daemon_derive_alike() -> None:
-    for state_dir in (Path("/var/lib/gatewayd"), Path("/srv/gw")):
+def test_the_daemon_takes_the_defaults_the_configuration_derives(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "lnk").symlink_to(tmp_path / "real")
+    for state_dir in (Path("/var/lib/gatewayd"), Path("/srv/gw"), tmp_path / "lnk" / "gw"):
         settings = GatewaydConfig(state_dir=state_dir)
-        daemon = DaemonConfig(state_dir=state_dir)
-        assert settings.resolved_netns_prefix == daemon.resolved_netns_prefix
-        assert settings.resolved_sandbox_uids == daemon.resolved_sandbox_uids
+        daemon = settings.with_real_dirs()  # what open_daemon builds the daemon from
+        assert settings.resolved_netns_prefix == derived_netns_prefix(state_dir)
+        assert settings.resolved_sandbox_uids == derived_uid_range(state_dir)
+        assert daemon.resolved_netns_prefix == settings.resolved_netns_prefix
+        assert daemon.resolved_sandbox_uids == settings.resolved_sandbox_uids

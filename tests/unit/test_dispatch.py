@@ -8,8 +8,8 @@ answer (invariant RESULT_BEFORE_REPLY, and the ``reply_after_result`` opt-out).
 
 The pieces around the dispatcher are fakes, each for a reason:
 
-- the tools are tiny ``ToolSpec``s that note when they run and what the log had made
-  durable by then (so write-ahead is checked, not assumed);
+- the tools are tiny built-in ``Tool``s that note when they run and what the log had
+  made durable by then (so write-ahead is checked, not assumed);
 - the audit log is :class:`FakeAuditLog`: the real sans-IO ``Chain`` seals and validates
   every entry exactly as the writer would (a field the writer would refuse fails here
   too), but the flush is simulated, with no file and no flusher thread. That makes every
@@ -52,6 +52,14 @@ from gatewayd.dispatch import CANCELLED_MESSAGE, TOOLS_LIST, Dispatcher
 from gatewayd.errors import InvalidArguments, ToolFailed
 from gatewayd.metrics import GatewayMetrics
 from gatewayd.policy import RunRules, TokenBucket, load_policy_text
+from gatewayd.policy.capabilities import (
+    EVERY_PATH,
+    NO_CAPABILITIES,
+    Capabilities,
+    CapabilityRequest,
+    FileCapability,
+    no_request,
+)
 from gatewayd.policy.paths import (
     WORKSPACE_VISIBLE_ROOT,
     PathAccess,
@@ -72,7 +80,8 @@ from gatewayd.review.reviewer import (
 from gatewayd.review.ruleset import RuleSet
 from gatewayd.runs import Grant, Run, RunRequest, RunSpec
 from gatewayd.secrets import Scrubber
-from gatewayd.tools.registry import ToolContext, ToolSpec
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import Tool, ToolContext, ToolRegistry
 
 PEER: Final = Peer(pid=4242, uid=1000, gid=1000)
 RUN_ID: Final = "0123456789abcdef0123456789abcdef"
@@ -191,8 +200,13 @@ class CountArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise InvalidArguments("count must be 0 or more; it counts lines")
 
 
-def write_paths(args: WriteArgs) -> tuple[PathAccess, ...]:
-    return (PathAccess(path=args.path, access="write", size=len(args.text.encode())),)
+def write_request(args: WriteArgs) -> CapabilityRequest:
+    return CapabilityRequest(
+        paths=(PathAccess(path=args.path, access="write", size=len(args.text.encode())),)
+    )
+
+
+WRITES_FILES: Final = Capabilities(files=(FileCapability(path=EVERY_PATH, mode=PathMode.RW),))
 
 
 @dataclass
@@ -209,10 +223,10 @@ class Seen:
         self.started.set()
 
 
-Runner = Callable[[Any, ToolContext, tuple[ResolvedPath, ...]], Awaitable[Any]]
+Runner = Callable[[Any, ToolContext], Awaitable[Any]]
 
 
-def fake_tools(seen: Seen, *, breaks_log: FakeAuditLog | None = None) -> dict[str, ToolSpec[Any]]:
+def fake_tools(seen: Seen, *, breaks_log: FakeAuditLog | None = None) -> ToolRegistry:
     """The tool table: one tool per way a runner can end. ``breaks_log``: the log that
     ``test.breaks_log`` fails while it runs."""
 
@@ -222,22 +236,23 @@ def fake_tools(seen: Seen, *, breaks_log: FakeAuditLog | None = None) -> dict[st
         args_type: type[msgspec.Struct] = NoArgs,
         *,
         side_effects: bool = False,
-        paths: Callable[[Any], tuple[PathAccess, ...]] | None = None,
+        requests: Callable[[Any], CapabilityRequest] = no_request,
+        capabilities: Capabilities = NO_CAPABILITIES,
         sleep_s: float = 0.0,
-    ) -> ToolSpec[Any]:
-        async def run(args: Any, _ctx: ToolContext, resolved: tuple[ResolvedPath, ...]) -> Any:
+    ) -> Tool[Any]:
+        async def run(args: Any, ctx: ToolContext) -> Any:
             seen.ran(name)
             await trio.sleep(sleep_s)
-            return result(args, resolved)
+            return result(args, ctx.resolved)
 
-        extra: dict[str, Any] = {} if paths is None else {"paths": paths}
-        return ToolSpec(
+        return builtin_tool(
             name=name,
             summary=f"{name} (a fake tool)",
             args_type=args_type,
             run=run,
             side_effects=side_effects,
-            **extra,
+            requests=requests,
+            capabilities=capabilities,
         )
 
     def fail(message: str) -> Callable[[Any, Any], Any]:
@@ -254,7 +269,7 @@ def fake_tools(seen: Seen, *, breaks_log: FakeAuditLog | None = None) -> dict[st
         breaks_log.failure = "disk full"
         return {"secret": "the-tools-value"}
 
-    async def hang(_args: Any, _ctx: ToolContext, _resolved: tuple[ResolvedPath, ...]) -> Any:
+    async def hang(_args: Any, _ctx: ToolContext) -> Any:
         seen.ran("test.hang")
         await trio.sleep_forever()
 
@@ -265,7 +280,8 @@ def fake_tools(seen: Seen, *, breaks_log: FakeAuditLog | None = None) -> dict[st
             lambda _a, r: {"wrote": r[0].visible},
             WriteArgs,
             side_effects=True,
-            paths=write_paths,
+            requests=write_request,
+            capabilities=WRITES_FILES,
         ),
         tool("test.checked", lambda a, _r: {"count": a.count}, CountArgs),
         tool("test.leak", lambda _a, _r: {"key": SECRET}),
@@ -277,11 +293,11 @@ def fake_tools(seen: Seen, *, breaks_log: FakeAuditLog | None = None) -> dict[st
         tool("test.unencodable", lambda _a, _r: object()),
         tool("test.breaks_log", break_log),
         tool("test.breaks_log_effect", break_log, side_effects=True),
-        ToolSpec(name="test.hang", summary="never returns", args_type=NoArgs, run=hang),
+        builtin_tool(name="test.hang", summary="never returns", args_type=NoArgs, run=hang),
         # A tool gatewayd has that this run's policy does not allow.
         tool("other.tool", lambda _a, _r: {}),
     ]
-    return {spec.name: spec for spec in specs}
+    return ToolRegistry(specs)
 
 
 # --- the run, the reviewer, the dispatcher --------------------------------------------
@@ -378,7 +394,7 @@ class FakeReviewer(Reviewer):
 
 def make_dispatcher(
     log: FakeAuditLog | AuditLog,
-    tools: dict[str, ToolSpec[Any]],
+    tools: ToolRegistry,
     clock: MockClock,
     *,
     reviewer: Reviewer | None = None,
@@ -629,13 +645,13 @@ CASES: Final = [
 ]
 
 
-def writes_ahead(case: Case, tools: Mapping[str, ToolSpec[Any]], reply_after_result: bool) -> bool:
+def writes_ahead(case: Case, tools: Mapping[str, Tool[Any]], reply_after_result: bool) -> bool:
     """Whether the call's entry must be durable before its tool runs: every allowed call
     with the opt-out, otherwise only a tool with side effects."""
     if case.decision == "deny":
         return False
     spec = tools.get(case.tool)
-    return not reply_after_result or (spec is not None and spec.side_effects)
+    return not reply_after_result or (spec is not None and spec.manifest.side_effects)
 
 
 def assert_answer(case: Case, response: Response) -> None:

@@ -16,7 +16,7 @@ async def test_a_run_without_an_os_sandbox_runs_no_command() -> None:
         run_id="r", grants=(), max_output_bytes=1 << 20, sandbox=None, degraded="no bwrap"
     )
     with pytest.raises(PolicyViolation) as caught:
-        await SANDBOX_EXEC.run(ExecArgs(command="id"), ctx, ())
+        await SANDBOX_EXEC.runner.run(ExecArgs(command="id"), ctx)
     assert caught.value.code is ErrorCode.POLICY_DENIED
     assert "only inside an OS sandbox" in str(caught.value) and "no bwrap" in str(caught.value)
 
@@ -36,6 +36,6 @@ def test_bad_arguments_are_refused_naming_the_field(args: dict[str, object], fie
 
 
 def test_the_schema_describes_every_field() -> None:
-    schema = SANDBOX_EXEC.args_schema()["$defs"]["ExecArgs"]
+    schema = SANDBOX_EXEC.manifest.args_schema["$defs"]["ExecArgs"]
     assert set(schema["properties"]) == {"command", "stdin", "timeout_s"}
     assert all("description" in p for p in schema["properties"].values())

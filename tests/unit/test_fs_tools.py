@@ -1,4 +1,4 @@
-"""The fs.* tools on real directories, called through their ToolSpecs under trio."""
+"""The fs.* tools on real directories, called through their registered Tools under trio."""
 
 from __future__ import annotations
 
@@ -21,13 +21,19 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
+from gatewayd.errors import (
+    ArgumentsRejected,
+    GatewayError,
+    InvalidArguments,
+    PolicyViolation,
+    ToolFailed,
+)
 from gatewayd.hostpaths.beneath import Resolver, forced_resolver, openat2_available
 from gatewayd.hostpaths.binding import bind_paths
 from gatewayd.policy import Allow, Deny, RunRules, decide, load_policy_text
 from gatewayd.policy.paths import PathAccess, PathGrant, PathMode, ResolvedPath
 from gatewayd.tools import builtin_tools, fs
-from gatewayd.tools.fs import Glob, LineWindow, sniff_image
+from gatewayd.tools.fs import EditArgs, Glob, LineWindow, ListArgs, ReadArgs, sniff_image
 from gatewayd.tools.registry import ToolContext
 
 SECRET = "OUTSIDE-SECRET"
@@ -87,13 +93,15 @@ async def call(
     *,
     max_output_bytes: int = DEFAULT_OUTPUT,
 ) -> dict[str, Any]:
-    """Validate, ask paths(), resolve and run, as dispatch does."""
+    """Validate, ask what the call requests, resolve and run, as dispatch does."""
     spec = TOOLS[tool]
-    typed = msgspec.convert(args, spec.args_type)
-    resolved = tuple(resolve(grant, access) for access in spec.paths(typed))
-    ctx = ToolContext(run_id="run-1", grants=(grant,), max_output_bytes=max_output_bytes)
+    typed = spec.decode(args)
+    resolved = tuple(resolve(grant, access) for access in spec.requests(typed).paths)
+    ctx = ToolContext(
+        run_id="run-1", grants=(grant,), max_output_bytes=max_output_bytes, resolved=resolved
+    )
     with trio.fail_after(10):
-        result: dict[str, Any] = await spec.run(typed, ctx, resolved)
+        result: dict[str, Any] = await spec.runner.run(typed, ctx)
     # Every result must be JSON on the wire.
     msgspec.json.encode(result)
     return result
@@ -130,32 +138,31 @@ def test_builtin_tools_are_exactly_these() -> None:
 @pytest.mark.parametrize("name", sorted(TOOLS))
 def test_every_schema_describes_its_fields_and_forbids_unknown_ones(name: str) -> None:
     spec = TOOLS[name]
-    schema = spec.args_schema()
+    schema = spec.manifest.args_schema
     body = schema["$defs"][schema["$ref"].rsplit("/", 1)[-1]]
     assert body["additionalProperties"] is False
     assert body.get("description")
     for prop in body.get("properties", {}).values():
         assert prop.get("description"), f"{name}: a field without a description"
-    with pytest.raises(msgspec.ValidationError):
-        msgspec.convert({"path": "x", "nonsense": 1}, spec.args_type)
+    with pytest.raises(ArgumentsRejected):
+        spec.decode({"path": "x", "nonsense": 1})
 
 
 def test_schema_bounds_reject_out_of_range_arguments() -> None:
-    read = TOOLS["fs.read"].args_type
     with pytest.raises(msgspec.ValidationError, match="<= 20000"):
-        msgspec.convert({"path": "a.txt", "limit": 20001}, read)
+        msgspec.convert({"path": "a.txt", "limit": 20001}, ReadArgs)
     with pytest.raises(msgspec.ValidationError, match=">= 0"):
-        msgspec.convert({"path": "a.txt", "offset": -1}, read)
+        msgspec.convert({"path": "a.txt", "offset": -1}, ReadArgs)
     with pytest.raises(msgspec.ValidationError, match="<= 10000"):
-        msgspec.convert({"limit": 10001}, TOOLS["fs.list"].args_type)
+        msgspec.convert({"limit": 10001}, ListArgs)
     with pytest.raises(msgspec.ValidationError, match="length >= 1"):
-        msgspec.convert({"path": "a.txt", "old": "", "new": "x"}, TOOLS["fs.edit"].args_type)
+        msgspec.convert({"path": "a.txt", "old": "", "new": "x"}, EditArgs)
 
 
 def test_paths_name_what_each_call_touches() -> None:
     def paths(tool: str, args: dict[str, Any]) -> tuple[PathAccess, ...]:
         spec = TOOLS[tool]
-        return spec.paths(msgspec.convert(args, spec.args_type))
+        return spec.requests(spec.decode(args)).paths
 
     assert paths("fs.read", {"path": "a.txt"}) == (PathAccess(path="a.txt", access="read"),)
     assert paths("fs.write", {"path": "a.txt", "content": "héllo"}) == (
@@ -820,16 +827,20 @@ async def call_nested(
 ) -> dict[str, Any]:
     """As dispatch does: validate, ask the pure policy, then run."""
     spec = TOOLS[tool]
-    typed = msgspec.convert(args, spec.args_type)
+    typed = spec.decode(args)
     decision = decide(
-        tool, spec.paths(typed), RunRules(tool_patterns=("fs.*",), run_tool_ids=None, grants=grants)
+        tool,
+        spec.requests(typed).paths,
+        RunRules(tool_patterns=("fs.*",), run_tool_ids=None, grants=grants),
     )
     if isinstance(decision, Deny):
         raise decision.as_error()
     assert isinstance(decision, Allow)
-    ctx = ToolContext(run_id="run-1", grants=grants, max_output_bytes=DEFAULT_OUTPUT)
+    ctx = ToolContext(
+        run_id="run-1", grants=grants, max_output_bytes=DEFAULT_OUTPUT, resolved=decision.resolved
+    )
     with trio.fail_after(10):
-        result: dict[str, Any] = await spec.run(typed, ctx, decision.resolved)
+        result: dict[str, Any] = await spec.runner.run(typed, ctx)
     return result
 
 

@@ -1,6 +1,6 @@
 """What may be lent, decided without touching the host's trees: which paths may be
 lendable roots, what a mount table says a mount point shows, how the configuration (and
-a DaemonConfig made in code) refuses a system tree as a root, and that both judge a root
+one made in code) refuses a system tree as a root, and that both judge a root
 on its real path (symlinks made under pytest's tmp_path) (gatewayd/sandbox/lendable.py,
 gatewayd/config.py, gatewayd/daemon.py)."""
 
@@ -14,7 +14,6 @@ import pydantic
 import pytest
 
 from gatewayd.config import ConfigError, GatewaydConfig, resolve_settings
-from gatewayd.daemon import DaemonConfig
 from gatewayd.sandbox.lendable import (
     DEFAULT_LENDABLE_ROOTS,
     NEVER_ROOTS,
@@ -289,16 +288,18 @@ def test_a_root_leading_into_the_state_directory_is_refused_however_either_is_wr
         ("TMP/state-agent", "TMP/state-agent lies in gatewayd's own agent_dir TMP/state-agent"),
     ],
 )
-def test_a_daemon_config_made_in_code_refuses_a_root_as_the_file_does(
+def test_a_configuration_made_in_code_refuses_a_root_as_the_file_does(
     tmp_path: Path, root: str, says: str
 ) -> None:
     (tmp_path / "run").symlink_to("/run")
-    with pytest.raises(ValueError) as caught:
-        DaemonConfig(
+    with pytest.raises(pydantic.ValidationError) as caught:
+        GatewaydConfig(
             state_dir=tmp_path / "state",
             lendable_roots=(Path("/srv/ws"), Path(root.replace("TMP", str(tmp_path)))),
         )
-    message = str(caught.value)
+    [error] = caught.value.errors()
+    where = ".".join(str(part) for part in error["loc"])  # the setting, or the whole
+    message = f"{where}: {error['ctx']['error']}" if where else str(error["ctx"]["error"])
     assert message.startswith(f"lendable_roots: {says.replace('TMP', str(tmp_path))}"), message
     assert message.endswith(f"; change {HINT}"), message
 
@@ -310,7 +311,7 @@ def test_the_daemons_own_directories_are_made_real_once_keeping_what_derives_fro
     (real / "logs").mkdir(parents=True)
     (tmp_path / "lnk").symlink_to(real)
     link = tmp_path / "lnk"
-    config = DaemonConfig(
+    config = GatewaydConfig(
         state_dir=link / "state",
         audit_path=link / "logs" / "audit.jsonl",
         control_socket=link / "control.sock",
@@ -324,12 +325,15 @@ def test_the_daemons_own_directories_are_made_real_once_keeping_what_derives_fro
     assert made.resolved_netns_prefix == config.resolved_netns_prefix
     assert made.resolved_sandbox_uids == config.resolved_sandbox_uids
     assert made.with_real_dirs() == made
-    assert [(d.setting, d.path, d.private) for d in made.own_directories()] == [
+    served = made.own_directories(control_socket=made.control_socket)
+    assert [(d.setting, d.path, d.private) for d in served] == [
         ("state_dir", real / "state", True),
         ("agent_dir", real / "state-agent", True),
         ("audit_path's directory", real / "logs", False),
         ("control_socket's directory", real, False),
     ]
+    # A daemon serving no control socket (`gatewayd run`) keeps no directory for one.
+    assert made.own_directories(control_socket=None) == served[:3]
 
 
 def test_the_sandbox_settings_take_the_state_directory_only_as_its_real_path(

@@ -1,0 +1,98 @@
+"""The built-in runner kind: tools that are async functions of gatewayd's, on the host.
+
+A built-in tool is an argument Struct (msgspec: its JSON Schema is the manifest's
+argument schema, and decoding into it is the validation), the capabilities it declares,
+a function from its validated arguments to what a call requests, and an async function
+that runs the call. :func:`builtin_tool` makes a :class:`~gatewayd.tools.registry.Tool`
+of these; the built-in tools' version is gatewayd's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Generic, TypeVar
+
+import msgspec
+
+import gatewayd
+from gatewayd.errors import ArgumentsRejected
+from gatewayd.policy.capabilities import (
+    NO_CAPABILITIES,
+    Capabilities,
+    CapabilityRequest,
+    no_request,
+)
+from gatewayd.tools.manifest import NO_LIMITS, RunnerKind, ToolLimits, ToolManifest
+from gatewayd.tools.registry import TOOLS_LIST, Tool, ToolContext
+
+A = TypeVar("A", bound=msgspec.Struct)
+
+BUILTIN_VERSION: Final = gatewayd.__version__
+
+# tools.list: answered by dispatch itself, so it has a manifest and no Tool.
+TOOLS_LIST_MANIFEST: Final = ToolManifest(
+    name=TOOLS_LIST,
+    version=BUILTIN_VERSION,
+    summary="List the tools this run may call, with their argument schemas.",
+    args_schema={"type": "object", "properties": {}, "additionalProperties": False},
+    runner=RunnerKind.BUILTIN,
+    side_effects=False,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltinRunner(Generic[A]):
+    """Runs a call by awaiting one of gatewayd's functions."""
+
+    function: Callable[[A, ToolContext], Awaitable[Any]]
+
+    async def run(self, args: A, ctx: ToolContext) -> Any:
+        return await self.function(args, ctx)
+
+
+@dataclass(frozen=True, slots=True)
+class StructDecoder(Generic[A]):
+    """Validates a call's JSON arguments into the tool's argument Struct."""
+
+    args_type: type[A]
+
+    def __call__(self, raw: Mapping[str, Any]) -> A:
+        """Error handling: ArgumentsRejected naming the field; a GatewayError raised by
+        the Struct's ``__post_init__`` passes through with its own code."""
+        try:
+            return msgspec.convert(raw, self.args_type)
+        except msgspec.ValidationError as exc:
+            raise ArgumentsRejected(str(exc)) from None
+
+
+def builtin_tool(
+    *,
+    name: str,
+    summary: str,
+    args_type: type[A],
+    run: Callable[[A, ToolContext], Awaitable[Any]],
+    requests: Callable[[A], CapabilityRequest] = no_request,
+    capabilities: Capabilities = NO_CAPABILITIES,
+    side_effects: bool = True,
+    limits: ToolLimits = NO_LIMITS,
+) -> Tool[A]:
+    """A built-in tool: ``run`` awaited with the validated ``args_type`` and the call's
+    context, after the policy step allowed what ``requests`` says the call uses (within
+    ``capabilities``). ``side_effects``: see :class:`~gatewayd.tools.manifest.ToolManifest`."""
+    manifest = ToolManifest(
+        name=name,
+        version=BUILTIN_VERSION,
+        summary=summary,
+        args_schema=msgspec.json.schema(args_type),
+        runner=RunnerKind.BUILTIN,
+        capabilities=capabilities,
+        limits=limits,
+        side_effects=side_effects,
+    )
+    return Tool(
+        manifest=manifest,
+        decode=StructDecoder(args_type),
+        requests=requests,
+        runner=BuiltinRunner(run),
+    )
