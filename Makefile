@@ -22,7 +22,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # litellm must never fetch its price map at import.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: setup system-packages venv demo test lint typecheck check bench clean
+.PHONY: setup system-packages venv demo test test-fast lint typecheck check bench clean
 
 setup: system-packages venv
 
@@ -49,12 +49,21 @@ demo: setup
 	$(VENV)/bin/python demo/run_demo.py
 
 # pytest exits 5 when it collected no test: that fails here like any other failure.
-test: setup
+# The whole suite runs the lint first: a broken layer fails CI like a failing test.
+test: setup lint
 	$(PY) -m pytest -q
 
+# The edit-test loop: the unit tests of the pure layers and of each module alone (no
+# sandbox, no daemon, no network namespace), under a minute.
+test-fast: setup
+	$(PY) -m pytest -q tests/unit
+
+# import-linter checks the layers and that no import cycle exists (contracts in
+# pyproject.toml; lint/import_contracts.py adds the module-level cycle check).
 lint: setup
-	$(VENV)/bin/ruff check gatewayd cogni_tool tests bench demo
-	$(VENV)/bin/ruff format --check gatewayd cogni_tool tests bench demo
+	$(VENV)/bin/ruff check gatewayd cogni_tool tests bench demo lint
+	$(VENV)/bin/ruff format --check gatewayd cogni_tool tests bench demo lint
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-logo --no-cache
 
 typecheck: setup
 	$(VENV)/bin/mypy

@@ -100,7 +100,7 @@ async def measure(variant: Variant, tool: str, calls: int, seconds: float) -> Fi
             os_sandbox=False,
         )
         async with open_daemon(config) as daemon:
-            run = await daemon.start_run(
+            run = await daemon.runs.start(
                 RunRequest(
                     workspacePath=str(base / "ws"),
                     policy="audit-cost",

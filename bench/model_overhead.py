@@ -120,18 +120,15 @@ models:
     api_base: {api_base}
     api_key_env: {key_env}
 """
-# Diagnostics only (--no-fsync, --stages): `gatewayd serve` started through this wrapper,
-# argv as the console script's. --no-fsync turns the audit's fdatasync off. --stages
-# records, per model.chat call, when `complete` starts and ends (trio's thread) and when
+# Diagnostic only (--stages): `gatewayd serve` started through this wrapper, argv as the
+# console script's. (--no-fsync needs no wrapper: gatewayd reads GATEWAYD_AUDIT_FSYNC.)
+# --stages records, per model.chat call, when `complete` starts and ends (trio's thread) and when
 # litellm.completion starts and ends (the worker thread), and how long litellm's own
 # success logging runs (its logging thread), and writes them to $COGNI_BENCH_STAGES when
 # the daemon exits. Only the tool's names are wrapped; gatewayd's code is unchanged.
 DIAG_LAUNCHER: Final = r"""
-import dataclasses, json, os, sys, time
+import json, os, sys, time
 import gatewayd.cli as cli
-if os.environ.get("COGNI_BENCH_NO_FSYNC"):
-    config = cli._config
-    cli._config = lambda args: dataclasses.replace(config(args), audit_fsync=False)
 stages = os.environ.get("COGNI_BENCH_STAGES")
 times = {k + end: [] for k in ("complete", "litellm", "logging") for end in ("", "_end")}
 def stamped(fn, name):
@@ -152,9 +149,9 @@ def stamped_async(fn, name):
     return call
 if stages:
     import gatewayd.tools.model as chat_tool
-    from gatewayd import model_client
+    from gatewayd import model_client, model_transport
     model_client.preload()
-    litellm = model_client._LITELLM.get()
+    litellm = model_transport.LITELLM.get()
     from litellm.litellm_core_utils.litellm_logging import Logging
     chat_tool.complete = stamped_async(chat_tool.complete, "complete")
     litellm.completion = stamped(litellm.completion, "litellm")
@@ -357,14 +354,13 @@ def gateway(port: int, base: Path, args: argparse.Namespace) -> Iterator[tuple[C
     config.write_text(CONFIG.format(alias=ALIAS, model=MODEL, api_base=api_base, key_env=KEY_ENV))
     serve_args = ("--config", str(config), "--no-os-sandbox", "--audit", str(base / "audit.jsonl"))
     launcher = None
-    if args.no_fsync or args.stages:
+    os.environ.pop("GATEWAYD_AUDIT_FSYNC", None)
+    os.environ.pop("COGNI_BENCH_STAGES", None)
+    if args.no_fsync:  # the documented setting (tests and benchmarks only)
+        os.environ["GATEWAYD_AUDIT_FSYNC"] = "false"
+    if args.stages:
         launcher = [sys.executable, "-c", DIAG_LAUNCHER]
-        os.environ.pop("COGNI_BENCH_NO_FSYNC", None)
-        os.environ.pop("COGNI_BENCH_STAGES", None)
-        if args.no_fsync:
-            os.environ["COGNI_BENCH_NO_FSYNC"] = "1"
-        if args.stages:
-            os.environ["COGNI_BENCH_STAGES"] = str(base / "stages.json")
+        os.environ["COGNI_BENCH_STAGES"] = str(base / "stages.json")
     with (
         gatewayd_run(policy, serve_args=serve_args, launcher=launcher) as (sock, run_id),
         Client(sock, run_id) as client,

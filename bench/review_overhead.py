@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import ROOT, env_info, percentile
 
-from gatewayd import model_client
+from gatewayd import model_client, model_transport
 from gatewayd.audit import Peer
 from gatewayd.audit.entry import build_body, format_time
 from gatewayd.audit.line import seal
@@ -306,7 +306,7 @@ async def start_runs(daemon: Daemon, base: Path) -> dict[str, Run]:
         path.write_text(policy)
         ws = base / f"ws-{name}"
         ws.mkdir()
-        runs[name] = await daemon.start_run(
+        runs[name] = await daemon.runs.start(
             RunRequest(
                 workspacePath=str(ws),
                 policy=str(path),
@@ -503,7 +503,7 @@ async def in_process(
 def profile_litellm(alias: ModelAlias, prompt: Any) -> list[tuple[str, float]]:
     """cProfile of 100 ``litellm.completion`` calls as model_client makes them (in this
     worker thread: cProfile sees one thread), own time grouped by package, per call."""
-    litellm = model_client._LITELLM.get()
+    litellm = model_transport.LITELLM.get()
     request = {
         "model": alias.litellm_model,
         "messages": prompt.messages(),

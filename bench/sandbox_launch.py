@@ -8,7 +8,7 @@ Needs root, /usr/bin/bwrap and /bin/true. One in-process gatewayd with the OS sa
 daemon's) runs every variant once per round, in a freshly shuffled order each round, so
 drift and after-effects (a cgroup or pid namespace still being torn down) hit all alike:
 
-- ``/bin/true`` through ``Daemon.exec_in_run`` in an existing run: the path
+- ``/bin/true`` through ``RunManager.exec`` in an existing run: the path
   ``gatewayd exec`` and the control socket take after HTTP parsing; then the same
   without the audit entry (``RunSandbox.exec``), without plan building too
   (``run_in_sandbox`` with a plan built once, the daemon's cgroups) and without the
@@ -25,7 +25,7 @@ drift and after-effects (a cgroup or pid namespace still being torn down) hit al
   afterwards by polling ``rmdir`` every 0.2 ms: what a cgroup costs when nothing waits
   longer than it must;
 - plain ``/bin/true`` via ``subprocess.run`` (no preexec_fn, so Python can vfork);
-- ``Daemon.start_run`` + ``Daemon.end_run`` of a fresh run (uid, network namespace,
+- ``RunManager.start`` + ``RunManager.end`` of a fresh run (uid, network namespace,
   lease of a small workspace, run directory, socket, two durable audit entries), and
   its parts measured alone in the same rounds.
 
@@ -370,7 +370,7 @@ class InProcess:
         return {key: elapsed}
 
     async def exec_daemon(self) -> Durations:
-        return await self.timed_exec("exec", self.daemon.exec_in_run(self.sandbox.run_id, [TRUE]))
+        return await self.timed_exec("exec", self.daemon.runs.exec(self.sandbox.run_id, [TRUE]))
 
     async def exec_session(self) -> Durations:
         return await self.timed_exec("session", self.sandbox.exec([TRUE]))
@@ -420,14 +420,14 @@ class InProcess:
 
     async def create_teardown(self) -> Durations:
         started = time.perf_counter()
-        run = await self.daemon.start_run(self.request(), policy_paths=True)
+        run = await self.daemon.runs.start(self.request(), policy_paths=True)
         created = time.perf_counter()
-        await self.daemon.end_run(run.run_id)
+        await self.daemon.runs.end(run.run_id)
         ended = time.perf_counter()
         return {
             "create": ended - started,
-            "start_run": created - started,
-            "end_run": ended - created,
+            "start": created - started,
+            "end": ended - created,
         }
 
     async def part_netns(self) -> Durations:
@@ -442,7 +442,7 @@ class InProcess:
         return {"netns_create": created - started, "netns_remove": removed - created}
 
     async def part_lease(self) -> Durations:
-        user = self.daemon.uid_pool.acquire()
+        user = self.daemon.runs.uid_pool.acquire()
         try:
             started = time.perf_counter()
             lease = await trio.to_thread.run_sync(
@@ -452,14 +452,14 @@ class InProcess:
             await trio.to_thread.run_sync(give_back, lease)
             returned = time.perf_counter()
         finally:
-            self.daemon.uid_pool.release(user)
+            self.daemon.runs.uid_pool.release(user)
         return {"lend": lent - started, "give_back": returned - lent}
 
     async def part_uids(self) -> Durations:
         # The pool scans /proc for busy uids; teardown scans it again for the uid's pids.
         started = time.perf_counter()
-        user = self.daemon.uid_pool.acquire()
-        self.daemon.uid_pool.release(user)
+        user = self.daemon.runs.uid_pool.acquire()
+        self.daemon.runs.uid_pool.release(user)
         pids_of_uid(user.uid)
         return {"uids": time.perf_counter() - started}
 
@@ -517,15 +517,15 @@ async def in_process(warmup: int, iterations: int) -> tuple[Samples, str]:
         )
         try:
             async with open_daemon(config) as daemon:
-                if not daemon.support.available or daemon.sandbox_settings is None:
-                    raise RuntimeError(f"no OS sandbox here: {daemon.support.reason}")
-                cgroups = daemon.sandbox_settings.cgroups
+                if not daemon.runs.support.available or daemon.runs.sandbox_settings is None:
+                    raise RuntimeError(f"no OS sandbox here: {daemon.runs.support.reason}")
+                cgroups = daemon.runs.sandbox_settings.cgroups
                 cgroup_note = (
                     f"cgroup v{cgroups.version} command cgroups"
                     if cgroups is not None and cgroups.version is not None
                     else "no command cgroups (rlimits)"
                 )
-                run = await daemon.start_run(
+                run = await daemon.runs.start(
                     RunRequest(
                         workspacePath=str(make_workspace(base / "ws-exec")),
                         policy=str(policy),
@@ -667,7 +667,7 @@ def report(samples: Samples, cli: dict[str, list[float]] | None) -> None:
     s = samples.times
     raw = s["raw"]
     print(f"{'/bin/true started through':<62}{'median':>9}{'p90':>9}{'vs raw':>10}  (ms)")
-    print(row("gatewayd: Daemon.exec_in_run (the exec path)", s["exec"], raw))
+    print(row("gatewayd: RunManager.exec (the exec path)", s["exec"], raw))
     print(row("  without its audit entry: RunSandbox.exec", s["session"], raw))
     print(row("  without plan building too: run_in_sandbox", s.get("launcher_cg"), raw))
     print(row("  without the command cgroup too: cgroups=None", s["launcher"], raw))
@@ -687,9 +687,9 @@ def report(samples: Samples, cli: dict[str, list[float]] | None) -> None:
         print("     sleeps its 10 ms REMOVE_POLL_S before trying again)")
 
     print(f"{'run create + teardown':<62}{'median':>9}{'p90':>9}  (ms)")
-    print(row("Daemon.start_run + Daemon.end_run, a fresh run", s["create"]))
-    print(row("  start_run", s["start_run"]))
-    print(row("  end_run", s["end_run"]))
+    print(row("RunManager.start + RunManager.end, a fresh run", s["create"]))
+    print(row("  start", s["start"]))
+    print(row("  end", s["end"]))
     print("  parts, timed alone in the same rounds:")
     parts = {
         "netns_create": "network namespace create (pyroute2, lo up, verify)",

@@ -37,13 +37,15 @@ import trio
 
 from gatewayd import strictjson
 from gatewayd.audit import AuditWriteError
-from gatewayd.daemon import Daemon
 from gatewayd.errors import GatewayError
 from gatewayd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from gatewayd.metrics import GatewayMetrics
 from gatewayd.policy import PolicyError
 from gatewayd.protocol import ErrorCode, Fault
 from gatewayd.review.rulebook import Applied, Pending, RuleAction, RuleChangeError
-from gatewayd.runs import MAX_PATH_CHARS, RunRequest, format_validation_error
+from gatewayd.review.ruledesk import RuleDesk
+from gatewayd.runs import MAX_PATH_CHARS, RunRegistry, RunRequest, format_validation_error
+from gatewayd.runs.lifecycle import RunManager
 from gatewayd.sandbox.launch import ResultForm, exec_result_json
 from gatewayd.sandbox.session import SandboxUnavailable
 from gatewayd.server import open_unix_listener, peer_credentials
@@ -247,10 +249,21 @@ def _query_parameters(method: str, target: str, query: str) -> dict[str, str]:
 
 
 class ControlServer:
-    """Serves the control API for one daemon."""
+    """Serves the control API for one daemon: its runs (``registry``, started, ended and
+    run in through ``runs``), its review rules (``rules``) and its ``metrics``."""
 
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
+    def __init__(
+        self,
+        *,
+        runs: RunManager,
+        rules: RuleDesk,
+        registry: RunRegistry,
+        metrics: GatewayMetrics,
+    ) -> None:
+        self.runs = runs
+        self.rules = rules
+        self.registry = registry
+        self.metrics = metrics
 
     async def serve(
         self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -363,11 +376,11 @@ class ControlServer:
         try:
             params = _query_parameters(method, target, query)
             if target == "/v1/health" and method == "GET":
-                return 200, {"ok": True, "runs": len(self.daemon.registry.all())}
+                return 200, {"ok": True, "runs": len(self.registry.all())}
             if target == "/v1/metrics" and method == "GET":
-                return 200, _Text(self.daemon.metrics.render())
+                return 200, _Text(self.metrics.render())
             if target == "/v1/runs" and method == "GET":
-                return 200, {"ok": True, "runs": [r.summary() for r in self.daemon.registry.all()]}
+                return 200, {"ok": True, "runs": [r.summary() for r in self.registry.all()]}
             if target == "/v1/runs" and method == "POST":
                 return await self._create(body)
             if target.startswith("/v1/rules"):
@@ -377,12 +390,12 @@ class ControlServer:
                 return await self._exec(exec_match.group(1), body)
             match = _RUN_PATH.fullmatch(target)
             if match and method == "GET":
-                run = self.daemon.registry.get(match.group(1))
+                run = self.registry.get(match.group(1))
                 if run is None:
                     raise HttpError(404, ErrorCode.BAD_REQUEST, "no such run")
                 return 200, {"ok": True, "run": run.summary()}
             if match and method == "DELETE":
-                summary = await self.daemon.end_run(match.group(1), reason="ended_by_operator")
+                summary = await self.runs.end(match.group(1), reason="ended_by_operator")
                 if summary is None:
                     raise HttpError(404, ErrorCode.BAD_REQUEST, "no such run")
                 return 200, {"ok": True, "run": summary}
@@ -409,7 +422,7 @@ class ControlServer:
     async def _create(self, body: bytes) -> tuple[int, Any]:
         request = _parse(RunRequest, body, "run request")
         try:
-            run = await self.daemon.start_run(request)
+            run = await self.runs.start(request)
         except GatewayError as exc:  # AuthzDenied, PolicyViolation, SandboxUnavailable
             raise HttpError(_STATUS[exc.code.fault], exc.code, str(exc)) from None
         except (PolicyError, ValueError) as exc:
@@ -426,14 +439,13 @@ class ControlServer:
     ) -> tuple[int, Any]:
         """Review rules: read them, change them (tightening at once, loosening pending),
         confirm or cancel a pending change. Only here: no run socket reaches rules."""
-        daemon = self.daemon
+        desk = self.rules
         try:
             if target == "/v1/rules" and method == "GET":
                 ref = params.get("policy", "")
                 if not ref:
                     raise HttpError(400, ErrorCode.BAD_REQUEST, "name the policy: ?policy=NAME")
-                policy, source = daemon.registry.load_policy_by_name(ref)
-                section, rules = daemon.rules.current(source, policy.review)
+                source, section, rules = desk.current(ref)
                 return 200, {
                     "ok": True,
                     "policy": os.path.realpath(source),
@@ -443,7 +455,7 @@ class ControlServer:
                 }
             if target == "/v1/rules" and method == "POST":
                 asked = _parse(RuleRequest, body)
-                outcome = await daemon.change_rule(
+                outcome = await desk.change(
                     asked.policy, RuleAction(asked.action), asked.rule, asked.addedBy
                 )
                 if isinstance(outcome, Pending):
@@ -461,17 +473,17 @@ class ControlServer:
                     "ok": True,
                     "pending": [
                         {"confirmationId": cid, "change": change.describe()}
-                        for cid, change in daemon.rules.pending().items()
+                        for cid, change in desk.pending().items()
                     ],
                 }
             match = _PENDING_PATH.fullmatch(target)
             if match and match.group(2) == "/confirm" and method == "POST":
                 return 200, {
                     "ok": True,
-                    "applied": _applied(await daemon.confirm_rule(match.group(1))),
+                    "applied": _applied(await desk.confirm(match.group(1))),
                 }
             if match and not match.group(2) and method == "DELETE":
-                cancelled = await daemon.cancel_rule(match.group(1))
+                cancelled = await desk.cancel(match.group(1))
                 return 200, {"ok": True, "cancelled": cancelled.describe()}
         except (RuleChangeError, PolicyError) as exc:
             raise HttpError(400, ErrorCode.BAD_REQUEST, str(exc)) from None
@@ -481,7 +493,7 @@ class ControlServer:
         request = _parse(ExecRequest, body, "exec request")
         stdin = None if request.stdin is None else request.stdin.encode()
         try:
-            result = await self.daemon.exec_in_run(
+            result = await self.runs.exec(
                 run_id, list(request.command), stdin=stdin, timeout_s=request.timeoutSec
             )
         except LookupError:

@@ -32,20 +32,20 @@ forwarded byte; a refusal's or failure's ``egress`` entry before its error answe
 (``audit_reply_after_result: false``). The ``egress`` entry of a connection that was
 relayed ends it, after its last byte went out: a stream has no single answer to hold
 back, and its destination was on the record before it started.
+
+The proxy's HTTP framing (target parsing, header rewriting, error answers) is in
+:mod:`gatewayd.egress_framing`; moving an allowed connection's bytes (the tunnel's
+pumps, one plain-HTTP exchange, the byte meter) in :mod:`gatewayd.egress_relay`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import http
 import math
-import re
-import socket
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 import h11
 import httpcore
@@ -55,10 +55,19 @@ import trio
 
 from gatewayd.audit import AuditEvent, AuditLog, AuditWriteError, Peer
 from gatewayd.dialer import PinnedBackend, Resolver, resolve_checked, resolve_host
+from gatewayd.egress_framing import (
+    CONNECTED,
+    Refused,
+    error_response,
+    forwarded_request_headers,
+    parse_absolute_target,
+    parse_connect_target,
+)
+from gatewayd.egress_relay import RECV_CHUNK, Exchange, Meter, Outcome, pump_down, pump_up
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation
 from gatewayd.metrics import DENIED, METRICS
 from gatewayd.policy.model import NetworkSection
-from gatewayd.policy.network import REFUSED_HEADERS, IpAddress, check_destination, check_method
+from gatewayd.policy.network import IpAddress, check_destination, check_method
 from gatewayd.policy.rate import TokenBucket
 from gatewayd.protocol import ErrorCode
 from gatewayd.server import (
@@ -78,9 +87,6 @@ MAX_HEAD_BYTES: Final = 64 * 1024
 # A client sends its request head at once; one that dribbles it for longer is holding a
 # connection slot for nothing (slowloris), and is closed.
 HEAD_TIMEOUT_S: Final = 30.0
-# One read moves at most this much: large enough for fast downloads in few reads, small
-# enough that one connection never holds more than a little memory.
-RECV_CHUNK: Final = 64 * 1024
 # After an error answer: how long, and how much, to read and discard before closing, so
 # the client reads the answer instead of a connection reset (as server.py does).
 LINGER_S: Final = 1.0
@@ -90,228 +96,6 @@ LINGER_MAX_BYTES: Final = 1 << 20
 AUDIT_WAIT_S: Final = 5.0
 # The answer when an entry cannot be made durable (503): nothing goes out unaudited.
 _AUDIT_DOWN: Final = "gatewayd's audit log cannot be written, so no connection goes out"
-
-# Hop-by-hop headers (RFC 9110 7.6.1) are the proxy's own: never forwarded either way.
-HOP_BY_HOP_HEADERS: Final = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-# What gatewayd sets itself on a forwarded request (as for http.fetch: Host and framing
-# are re-derived from what was checked), plus Expect: the proxy answers 100-continue.
-_DROPPED_REQUEST_HEADERS: Final = REFUSED_HEADERS | HOP_BY_HOP_HEADERS | {"expect"}
-# CONNECT's target: host:port, the host a DNS name (ASCII) or a bracketed IPv6 literal.
-_AUTHORITY_RE: Final = re.compile(r"(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253}):([0-9]{1,5})")
-_CONNECTED: Final = b"HTTP/1.1 200 Connection established\r\n\r\n"
-
-Verdict = Literal["allowed", "denied"]
-
-
-class _Refused(Exception):
-    """Answer the client with ``status`` and ``reason``; audited with ``code``."""
-
-    def __init__(
-        self,
-        status: int,
-        code: ErrorCode,
-        reason: str,
-        *,
-        headers: tuple[tuple[str, str], ...] = (),
-    ) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.code = code
-        self.reason = reason
-        self.headers = headers
-
-
-@dataclass(slots=True, kw_only=True)
-class _Outcome:
-    """What one connection's audit entry says; filled in as the connection goes."""
-
-    domain: str | None = None
-    port: int | None = None
-    method: str | None = None
-    verdict: Verdict = "denied"
-    bytes_up: int = 0
-    bytes_down: int = 0
-    code: ErrorCode | None = None
-    reason: str | None = None
-    # The HTTP status to answer with, if the client has not been answered yet.
-    status: int | None = None
-    extra: dict[str, object] = field(default_factory=dict)
-    # When the connection was accepted (trio's clock), and whether its ``egress`` entry
-    # is recorded already (before an error answer): it is recorded once.
-    started: float = 0.0
-    recorded: bool = False
-
-    def fail(self, code: ErrorCode | None, reason: str, status: int | None = None) -> None:
-        """Record why the connection failed; the first failure is the one that counts."""
-        if self.reason is None:
-            self.code, self.reason, self.status = code, reason, status
-
-
-def error_response(
-    status: int,
-    message: str,
-    *,
-    head_only: bool = False,
-    headers: Iterable[tuple[str, str]] = (),
-) -> bytes:
-    """A complete ``text/plain`` answer that closes the connection (``message`` + newline)."""
-    body = f"cogni egress proxy: {message}\n".encode()
-    lines = [
-        f"HTTP/1.1 {status} {http.HTTPStatus(status).phrase}",
-        "Content-Type: text/plain; charset=utf-8",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-        *(f"{name}: {value}" for name, value in headers),
-    ]
-    head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-    return head if head_only else head + body
-
-
-def _connection_tokens(headers: Iterable[tuple[str, bytes]]) -> set[str]:
-    """Header names a ``Connection`` header marks as hop-by-hop."""
-    return {
-        token.strip().lower()
-        for name, value in headers
-        if name == "connection"
-        for token in value.decode("latin-1").split(",")
-    }
-
-
-def _named(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, bytes, bytes]]:
-    """(lowercase name, name as sent, value): compared by the first, forwarded as sent."""
-    return [(name.decode("latin-1").lower(), name, value) for name, value in headers]
-
-
-def forwarded_request_headers(
-    headers: Iterable[tuple[bytes, bytes]], netloc: bytes
-) -> list[tuple[bytes, bytes]]:
-    """The client's request headers as sent upstream: Host from the checked URL, the
-    body framing re-derived (chunked wins over Content-Length, as h11 read it), no
-    ``Proxy-*``, hop-by-hop or ``Expect`` header, and ``Connection: close``."""
-    items = _named(headers)
-    drop = _connection_tokens((lower, value) for lower, _, value in items)
-    out: list[tuple[bytes, bytes]] = [(b"Host", netloc)]
-    for lower, name, value in items:
-        if lower in _DROPPED_REQUEST_HEADERS or lower in drop or lower.startswith("proxy-"):
-            continue
-        out.append((name, value))
-    lengths = [value for lower, _, value in items if lower == "content-length"]
-    if any(lower == "transfer-encoding" for lower, _, _ in items):  # h11 took it as chunked
-        out.append((b"Transfer-Encoding", b"chunked"))
-    elif lengths:  # h11 checked that repeats agree
-        out.append((b"Content-Length", lengths[0]))
-    out.append((b"Connection", b"close"))
-    return out
-
-
-def forwarded_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The origin's response headers as sent to the client: hop-by-hop ones dropped (h11
-    re-frames the body; a chunked body's Content-Length, which h11 ignored, goes too),
-    ``Connection: close`` added."""
-    items = _named(headers)
-    drop = _connection_tokens((lower, value) for lower, _, value in items) | HOP_BY_HOP_HEADERS
-    if any(lower == "transfer-encoding" for lower, _, _ in items):
-        drop.add("content-length")
-    out = [(name, value) for lower, name, value in items if lower not in drop]
-    out.append((b"Connection", b"close"))
-    return out
-
-
-def _parse_connect_target(target: str) -> httpx.URL:
-    match = _AUTHORITY_RE.fullmatch(target)
-    if match is None:
-        raise _Refused(
-            400,
-            ErrorCode.BAD_REQUEST,
-            f"CONNECT needs host:port (e.g. CONNECT pypi.org:443), not {target[:200]!r}",
-        )
-    try:
-        return httpx.URL(f"https://{target}/")
-    except httpx.InvalidURL as exc:
-        raise _Refused(
-            400, ErrorCode.BAD_REQUEST, f"CONNECT target {target[:200]!r}: {exc}"
-        ) from None
-
-
-def _parse_absolute_target(target: str) -> httpx.URL:
-    scheme = target.partition("://")[0].lower() if "://" in target else ""
-    if scheme == "https":
-        raise _Refused(
-            400,
-            ErrorCode.BAD_REQUEST,
-            "an https:// URL goes through a CONNECT tunnel: use HTTPS_PROXY, not a plain "
-            "request to the proxy",
-        )
-    if scheme != "http":
-        raise _Refused(
-            400,
-            ErrorCode.BAD_REQUEST,
-            "this is a forward proxy: send an absolute URL (GET http://host/path HTTP/1.1), "
-            f"or CONNECT host:port for https; got the target {target[:200]!r}",
-        )
-    try:
-        url = httpx.URL(target)
-    except httpx.InvalidURL as exc:
-        raise _Refused(400, ErrorCode.BAD_REQUEST, f"not a valid URL: {exc}") from None
-    if url.fragment:
-        raise _Refused(400, ErrorCode.BAD_REQUEST, "a request URL may not carry a #fragment")
-    return url
-
-
-class _Meter:
-    """One connection's byte count against its cap, and its idle deadline."""
-
-    def __init__(self, outcome: _Outcome, net: NetworkSection) -> None:
-        self._outcome = outcome
-        self._cap = net.proxy.max_connection_bytes
-        self._idle_s = net.proxy.idle_timeout_s
-        self.scope = trio.CancelScope()
-        self.touch()
-
-    def touch(self) -> None:
-        """Bytes moved: the connection is not idle."""
-        self.scope.deadline = trio.current_time() + self._idle_s
-
-    def admit(self, n: int, *, up: bool) -> bool:
-        """Count ``n`` bytes about to be forwarded; False (and the connection cut) when
-        they would take it over ``max_connection_bytes``."""
-        outcome = self._outcome
-        if outcome.bytes_up + outcome.bytes_down + n > self._cap:
-            outcome.fail(
-                ErrorCode.TOO_LARGE,
-                f"the connection would move more than {self._cap} bytes (both ways, "
-                "network.proxy.max_connection_bytes); it was cut",
-                413 if up else 502,
-            )
-            self.scope.cancel()
-            return False
-        if up:
-            outcome.bytes_up += n
-        else:
-            outcome.bytes_down += n
-        self.touch()
-        return True
-
-    def settle(self) -> None:
-        """After the scope: an expired deadline (not a cut) means the connection idled."""
-        if self.scope.cancelled_caught and self._outcome.reason is None:
-            self._outcome.fail(
-                ErrorCode.TIMEOUT,
-                f"no byte either way for {self._idle_s:g} s (network.proxy.idle_timeout_s); closed",
-                504,
-            )
 
 
 class EgressProxy:
@@ -357,7 +141,7 @@ class EgressProxy:
         as ``internal``.
         """
         start = trio.current_time()
-        outcome = _Outcome(started=start)
+        outcome = Outcome(started=start)
         self.active += 1
         try:
             await self._serve(stream, outcome, peer)
@@ -396,7 +180,7 @@ class EgressProxy:
         throttle.lingering += lingering
         try:
             if suppressed is not None:
-                outcome = _Outcome(started=start)
+                outcome = Outcome(started=start)
                 outcome.fail(code, message)
                 if suppressed:
                     outcome.extra["suppressedSinceLast"] = suppressed
@@ -428,7 +212,7 @@ class EgressProxy:
 
     # -- one connection ------------------------------------------------------------
 
-    async def _serve(self, stream: trio.abc.Stream, outcome: _Outcome, peer: Peer | None) -> None:
+    async def _serve(self, stream: trio.abc.Stream, outcome: Outcome, peer: Peer | None) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         head_only = False
         try:
@@ -443,7 +227,7 @@ class EgressProxy:
             await self._record_opening(outcome, peer)
             outcome.verdict = "allowed"
             upstream = await self._connect(host, port, addresses)
-        except _Refused as refusal:
+        except Refused as refusal:
             outcome.fail(refusal.code, refusal.reason, refusal.status)
             await self._answer_on_record(
                 stream,
@@ -465,7 +249,7 @@ class EgressProxy:
                 await upstream.aclose()
 
     async def _read_head(
-        self, stream: trio.abc.Stream, conn: h11.Connection, outcome: _Outcome
+        self, stream: trio.abc.Stream, conn: h11.Connection, outcome: Outcome
     ) -> h11.Request | None:
         """The request head, or None when the client closed or took too long (no answer).
 
@@ -480,12 +264,12 @@ class EgressProxy:
                 except h11.RemoteProtocolError as exc:
                     status = exc.error_status_hint
                     if status == 431:
-                        raise _Refused(
+                        raise Refused(
                             431,
                             ErrorCode.TOO_LARGE,
                             f"request head over {MAX_HEAD_BYTES} bytes",
                         ) from None
-                    raise _Refused(
+                    raise Refused(
                         400 if status < 500 else status,
                         ErrorCode.BAD_REQUEST,
                         f"malformed request: {exc}",
@@ -495,7 +279,7 @@ class EgressProxy:
                 if event is not h11.NEED_DATA:  # ConnectionClosed: nothing was asked
                     break
                 if fed > MAX_HEAD_BYTES:
-                    raise _Refused(
+                    raise Refused(
                         431, ErrorCode.TOO_LARGE, f"request head over {MAX_HEAD_BYTES} bytes"
                     )
                 try:
@@ -515,31 +299,31 @@ class EgressProxy:
         )
         return None
 
-    def _check(self, request: h11.Request, outcome: _Outcome) -> tuple[httpx.URL, str, int]:
-        """The destination of ``request`` (URL, host, port) once checked; _Refused for
+    def _check(self, request: h11.Request, outcome: Outcome) -> tuple[httpx.URL, str, int]:
+        """The destination of ``request`` (URL, host, port) once checked; Refused for
         anything the request's form or the policy does not allow."""
         net = self.network
         try:
             target = request.target.decode("ascii")
         except UnicodeDecodeError:
-            raise _Refused(
+            raise Refused(
                 400, ErrorCode.BAD_REQUEST, "the request target is not ASCII (IDNA-encode it)"
             ) from None
         connect = request.method == b"CONNECT"
-        url = _parse_connect_target(target) if connect else _parse_absolute_target(target)
+        url = parse_connect_target(target) if connect else parse_absolute_target(target)
         outcome.domain = url.raw_host.decode("ascii").rstrip(".") or None
         outcome.port = url.port or (443 if connect else 80)
         try:
             host, port = check_destination(url, net)
         except PolicyViolation as exc:
-            raise _Refused(403, ErrorCode.POLICY_DENIED, str(exc)) from None
+            raise Refused(403, ErrorCode.POLICY_DENIED, str(exc)) from None
         except InvalidArguments as exc:
-            raise _Refused(400, ErrorCode.BAD_REQUEST, str(exc)) from None
+            raise Refused(400, ErrorCode.BAD_REQUEST, str(exc)) from None
         if not connect:  # CONNECT is the https scheme's, not a method of network.methods
             try:
                 check_method(request.method.decode("ascii", "replace"), net)
             except PolicyViolation as exc:
-                raise _Refused(
+                raise Refused(
                     405,
                     ErrorCode.POLICY_DENIED,
                     str(exc),
@@ -552,10 +336,10 @@ class EgressProxy:
             try:
                 return await resolve_checked(host, port, self.network, self._resolve)
             except PolicyViolation as exc:
-                raise _Refused(403, ErrorCode.POLICY_DENIED, str(exc)) from None
+                raise Refused(403, ErrorCode.POLICY_DENIED, str(exc)) from None
             except GatewayError as exc:  # ToolFailed: the name does not resolve
-                raise _Refused(502, ErrorCode.TOOL_FAILED, str(exc)) from None
-        raise _Refused(
+                raise Refused(502, ErrorCode.TOOL_FAILED, str(exc)) from None
+        raise Refused(
             502,
             ErrorCode.TOOL_FAILED,
             f"resolving {host!r} took over {self.network.timeout_s:g} s (network.timeout_s)",
@@ -571,27 +355,27 @@ class EgressProxy:
             reason = f"timed out after {self.network.timeout_s:g} s (network.timeout_s)"
         except (httpcore.ConnectError, OSError) as exc:
             reason = str(exc) or type(exc).__name__
-        raise _Refused(502, ErrorCode.TOOL_FAILED, f"cannot connect to {host}:{port}: {reason}")
+        raise Refused(502, ErrorCode.TOOL_FAILED, f"cannot connect to {host}:{port}: {reason}")
 
     async def _tunnel(
         self,
         client: trio.abc.Stream,
         conn: h11.Connection,
         upstream: httpcore.AsyncNetworkStream,
-        outcome: _Outcome,
+        outcome: Outcome,
     ) -> None:
         """Answer 200 and relay raw bytes both ways until both sides are done, the
         connection idles or goes over its byte cap."""
         early, _ = conn.trailing_data  # sent before our 200 (e.g. a TLS ClientHello)
         try:
-            await client.send_all(_CONNECTED)
+            await client.send_all(CONNECTED)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             return
-        meter = _Meter(outcome, self.network)
+        meter = Meter(outcome, self.network)
         with meter.scope:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_pump_up, client, upstream, early, meter, nursery)
-                nursery.start_soon(_pump_down, upstream, client, meter, nursery)
+                nursery.start_soon(pump_up, client, upstream, early, meter, nursery)
+                nursery.start_soon(pump_down, upstream, client, meter, nursery)
         meter.settle()
 
     async def _exchange(
@@ -601,14 +385,14 @@ class EgressProxy:
         request: h11.Request,
         url: httpx.URL,
         upstream: httpcore.AsyncNetworkStream,
-        outcome: _Outcome,
+        outcome: Outcome,
         peer: Peer | None,
     ) -> None:
         """Forward one plain-HTTP request (head, then body as it arrives) and stream the
         answer back; both re-framed by h11, so what reaches either side is well formed."""
         up = h11.Connection(h11.CLIENT)
-        meter = _Meter(outcome, self.network)
-        exchange = _Exchange(client, conn, upstream, up, meter, outcome)
+        meter = Meter(outcome, self.network)
+        exchange = Exchange(client, conn, upstream, up, meter, outcome)
         head = h11.Request(
             method=request.method,
             target=url.raw_path or b"/",
@@ -639,7 +423,7 @@ class EgressProxy:
     async def _answer_on_record(
         self,
         stream: trio.abc.Stream,
-        outcome: _Outcome,
+        outcome: Outcome,
         peer: Peer | None,
         status: int,
         reason: str,
@@ -664,10 +448,10 @@ class EgressProxy:
             answer = error_response(503, _AUDIT_DOWN, head_only=head_only)
         await _answer(stream, answer, linger=linger)
 
-    async def _record_opening(self, outcome: _Outcome, peer: Peer | None) -> None:
+    async def _record_opening(self, outcome: Outcome, peer: Peer | None) -> None:
         """The write-ahead entry of an allowed connection, durable before it is made.
 
-        Error handling: _Refused (503) when the audit log cannot take it: no egress
+        Error handling: Refused (503) when the audit log cannot take it: no egress
         without its audit entry (fail closed).
         """
         try:
@@ -686,10 +470,10 @@ class EgressProxy:
                 )
         except (AuditWriteError, ValueError, trio.TooSlowError) as exc:
             log.error("egress_audit_failed", run_id=self.run_id, error=str(exc))
-            raise _Refused(503, ErrorCode.INTERNAL, _AUDIT_DOWN) from None
+            raise Refused(503, ErrorCode.INTERNAL, _AUDIT_DOWN) from None
 
     async def _record(
-        self, outcome: _Outcome, duration_s: float, peer: Peer | None, *, wait: bool = True
+        self, outcome: Outcome, duration_s: float, peer: Peer | None, *, wait: bool = True
     ) -> bool:
         """Record the connection's ``egress`` entry and, with ``wait``, wait (at most
         AUDIT_WAIT_S) until it is durable. True once it is (or, without ``wait``, once
@@ -729,169 +513,6 @@ class EgressProxy:
         except ValueError as exc:
             log.error("egress_audit_failed", run_id=self.run_id, error=str(exc), **detail)
         return False
-
-
-class _Exchange:
-    """One plain-HTTP request and its answer, between the client and the origin."""
-
-    def __init__(
-        self,
-        client: trio.abc.Stream,
-        conn: h11.Connection,
-        upstream: httpcore.AsyncNetworkStream,
-        up: h11.Connection,
-        meter: _Meter,
-        outcome: _Outcome,
-    ) -> None:
-        self.client = client
-        self.conn = conn  # h11, the client's side
-        self.upstream = upstream
-        self.up = up  # h11, the origin's side
-        self.meter = meter
-        self.outcome = outcome
-        self.answered = False  # a byte of the answer went to the client
-
-    async def send_up(self, data: bytes) -> bool:
-        if not data:
-            return True
-        if not self.meter.admit(len(data), up=True):
-            return False
-        try:
-            await self.upstream.write(data)
-        except httpcore.NetworkError as exc:
-            self.outcome.fail(
-                ErrorCode.TOOL_FAILED, f"the origin stopped taking the request: {exc}", 502
-            )
-            return False
-        self.meter.touch()
-        return True
-
-    async def send_down(self, data: bytes) -> bool:
-        if not data:
-            return True
-        if not self.meter.admit(len(data), up=False):
-            return False
-        self.answered = True
-        try:
-            await self.client.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.outcome.fail(None, "the client went away before the whole answer")
-            return False
-        self.meter.touch()
-        return True
-
-    async def upload(self, done: trio.CancelScope) -> None:
-        """The request body, from the client to the origin, as it arrives."""
-        conn = self.conn
-        try:
-            while True:
-                event = conn.next_event()
-                if event is h11.NEED_DATA:
-                    data = await self.client.receive_some(RECV_CHUNK)
-                    self.meter.touch()
-                    conn.receive_data(bytes(data))
-                elif isinstance(event, h11.Data):
-                    if not await self.send_up(self.up.send(event)):
-                        break
-                elif isinstance(event, h11.EndOfMessage):
-                    await self.send_up(self.up.send(h11.EndOfMessage()))
-                    return  # the answer may still be coming: keep the exchange
-                else:
-                    break
-        except h11.RemoteProtocolError as exc:
-            self.outcome.fail(ErrorCode.BAD_REQUEST, f"malformed request body: {exc}", 400)
-        except h11.LocalProtocolError as exc:  # a body h11 will not forward as is
-            self.outcome.fail(ErrorCode.BAD_REQUEST, f"the request cannot be forwarded: {exc}", 400)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            self.outcome.fail(None, "the client went away before the whole request")
-        done.cancel()
-
-    async def download(self) -> None:
-        """The origin's answer, to the client, as it arrives."""
-        up, conn = self.up, self.conn
-        try:
-            while True:
-                event = up.next_event()
-                if event is h11.NEED_DATA:
-                    data = await self.upstream.read(RECV_CHUNK)
-                    self.meter.touch()
-                    up.receive_data(data)
-                elif isinstance(event, h11.InformationalResponse):
-                    continue  # 100-continue is ours to send; 103 hints are dropped
-                elif isinstance(event, h11.Response):
-                    answer = h11.Response(
-                        status_code=event.status_code,
-                        headers=forwarded_response_headers(event.headers.raw_items()),
-                        reason=event.reason,
-                    )
-                    if not await self.send_down(conn.send(answer)):
-                        return
-                elif isinstance(event, h11.Data):
-                    if not await self.send_down(conn.send(event)):
-                        return
-                elif isinstance(event, h11.EndOfMessage):
-                    await self.send_down(conn.send(h11.EndOfMessage()))
-                    return
-                else:
-                    return
-        except h11.RemoteProtocolError as exc:
-            where = "its body" if self.answered else "its answer"
-            self.outcome.fail(ErrorCode.TOOL_FAILED, f"the origin broke off {where}: {exc}", 502)
-        except httpcore.NetworkError as exc:
-            self.outcome.fail(ErrorCode.TOOL_FAILED, f"the origin's connection failed: {exc}", 502)
-        except h11.LocalProtocolError as exc:  # an answer h11 will not forward as is
-            self.outcome.fail(
-                ErrorCode.TOOL_FAILED, f"the origin's answer cannot be forwarded: {exc}", 502
-            )
-
-
-async def _pump_up(
-    client: trio.abc.Stream,
-    upstream: httpcore.AsyncNetworkStream,
-    early: bytes,
-    meter: _Meter,
-    nursery: trio.Nursery,
-) -> None:
-    """Client to origin until the client's EOF (passed on as a half-close)."""
-    try:
-        data: bytes | bytearray = early
-        while True:
-            if data:
-                if not meter.admit(len(data), up=True):
-                    return
-                await upstream.write(bytes(data))
-                meter.touch()
-            data = await client.receive_some(RECV_CHUNK)
-            if not data:
-                with contextlib.suppress(OSError):
-                    upstream.get_extra_info("socket").shutdown(socket.SHUT_WR)
-                return
-            meter.touch()
-    except (trio.BrokenResourceError, trio.ClosedResourceError, httpcore.NetworkError):
-        nursery.cancel_scope.cancel()  # one side is gone: the tunnel is over
-
-
-async def _pump_down(
-    upstream: httpcore.AsyncNetworkStream,
-    client: trio.abc.Stream,
-    meter: _Meter,
-    nursery: trio.Nursery,
-) -> None:
-    """Origin to client until the origin's EOF (passed on as a half-close)."""
-    try:
-        while True:
-            data = await upstream.read(RECV_CHUNK)
-            if not data:
-                if isinstance(client, trio.abc.HalfCloseableStream):
-                    await client.send_eof()
-                return
-            meter.touch()
-            if not meter.admit(len(data), up=False):
-                return
-            await client.send_all(data)
-            meter.touch()
-    except (trio.BrokenResourceError, trio.ClosedResourceError, httpcore.NetworkError):
-        nursery.cancel_scope.cancel()
 
 
 async def _answer(stream: trio.abc.Stream, data: bytes, *, linger: bool) -> None:

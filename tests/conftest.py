@@ -98,7 +98,7 @@ class Gateway:
             toolIds=tool_ids,
         )
         # The test is the daemon's local caller, like `gatewayd run`: it names a file.
-        return await self.daemon.start_run(request, policy_paths=True)
+        return await self.daemon.runs.start(request, policy_paths=True)
 
     async def audit_entries(self) -> list[dict[str, Any]]:
         """Every entry so far, after making all recorded entries durable (result entries

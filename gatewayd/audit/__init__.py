@@ -3,7 +3,8 @@
 Public names are re-exported here; the modules behind them are:
 ``line`` (hash primitives), ``entry`` (schema and limits), ``events`` (the registry of
 event names), ``chain`` (the recipe), ``head`` (the head file), ``tail`` (finding the
-end of an existing log), ``writer`` (the trio writer with group commit and size-based
+end of an existing log), ``opening`` (opening the log's files, locking them, reading
+where its chain ends), ``writer`` (the trio writer with group commit and size-based
 rotation), ``segments`` (closed segment names), ``verify`` and ``show`` (the CLI's
 readers), ``query`` (reading every segment, the filters), ``report`` (stats, a run's
 result bundle), ``export`` and ``follow`` (``tail -f``).
@@ -22,9 +23,10 @@ from gatewayd.audit.entry import (
 )
 from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.head import HeadRecord, head_path, read_head
+from gatewayd.audit.opening import AuditOpenError
 from gatewayd.audit.show import format_table, read_entries
 from gatewayd.audit.verify import Problem, ProblemKind, VerifyReport, verify_file
-from gatewayd.audit.writer import AuditLog, AuditOpenError, AuditWriteError, open_audit_log
+from gatewayd.audit.writer import AuditLog, AuditWriteError, open_audit_log
 
 __all__ = [
     "GENESIS",

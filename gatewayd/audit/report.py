@@ -19,7 +19,7 @@ import msgspec
 from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.query import RunFacts, error_code_of, time_ns_of
 
-# The run result's error codes (reference note 004's SandboxRunResult.errorCode).
+# The run result's error codes (``errorCode``).
 RESULT_TIMEOUT: Final = "timeout"
 RESULT_OOM: Final = "oom_killed"
 RESULT_INTERNAL: Final = "internal"
@@ -220,8 +220,8 @@ def _command_failure(entry: Mapping[str, Any]) -> str | None:
 
 
 def run_result(run_id: str, entries: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """The result bundle of one run, in the shape of reference note 004's
-    ``SandboxRunResult``, built from the run's entries only (see docs/audit.md).
+    """The result bundle of one run, in the shape of an agent run's
+    result, built from the run's entries only (see docs/audit.md).
 
     ``auditLog``: every entry of the run, in order. ``errorCode``: ``timeout`` when
     the run ran out of time, ``internal`` when its services or its clean-up failed

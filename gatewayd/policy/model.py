@@ -330,7 +330,7 @@ class SandboxSection(Section):
 
 class ModelAccessSection(Section):
     """Which of gatewayd's model aliases the run's ``model.chat`` may use, and the run's
-    budget for them (reference note 001's ``model_access``). Empty: no model."""
+    budget for them. Empty: no model."""
 
     models: tuple[ModelAliasName, ...] = ()
     # Per run, over all its model.chat calls: spent means rate_limited.
@@ -456,7 +456,7 @@ class Policy(Section):
     tools: ToolsSection = Field(default_factory=ToolsSection)
     filesystem: FilesystemSection = Field(default_factory=FilesystemSection)
     limits: Limits = Field(default_factory=Limits)
-    # Reference note 003: without bubblewrap or namespaces the run is refused, unless the
+    # Without bubblewrap or namespaces the run is refused, unless the
     # policy accepts a degraded run (then every call is audited as degraded).
     require_os_sandbox: StrictBool = True
     env: EnvSection = Field(default_factory=EnvSection)

@@ -1,5 +1,5 @@
 """The policy's ``review`` section: plain-language rules a separate model checks each call
-against (reference note 000, "Rule Review Middleware"), and deterministic rules decided
+against, and deterministic rules decided
 before any model is asked.
 
 ```yaml

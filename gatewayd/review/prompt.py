@@ -1,4 +1,4 @@
-"""The reviewer's chat messages for one call (reference note 000, "Rule Review Middleware").
+"""The reviewer's chat messages for one call.
 
 The system message holds the instructions and the rules; the user message holds the
 call, and only the call, as JSON between a ``<<<CALL`` line and a ``CALL>>>`` line.

@@ -1,4 +1,5 @@
-"""Live review rules, and changing them with the asymmetry of reference note 000.
+"""Live review rules, and changing them asymmetrically: tightening at once, loosening
+only on confirmation.
 
 | change | takes effect |
 | --- | --- |

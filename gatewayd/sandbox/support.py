@@ -1,6 +1,6 @@
 """Can this host build gatewayd's OS sandbox? Asked once, at daemon start.
 
-Reference note 003's ``require_os_sandbox``: where bubblewrap or namespaces are missing,
+``require_os_sandbox``: where bubblewrap or namespaces are missing,
 a run whose policy requires the sandbox is refused, and one whose policy says
 ``require_os_sandbox: false`` runs degraded (no isolation, every call audited as such).
 The probe does what a run does, in small: it starts bwrap as an unprivileged uid with

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from gatewayd.tools.clock import TIME_NOW
 from gatewayd.tools.exec import SANDBOX_EXEC
-from gatewayd.tools.fs import FS_EDIT, FS_LIST, FS_READ, FS_STAT, FS_WRITE
+from gatewayd.tools.fs.listing import FS_LIST, FS_STAT
+from gatewayd.tools.fs.read import FS_READ
+from gatewayd.tools.fs.write import FS_EDIT, FS_WRITE
 from gatewayd.tools.http import HTTP_FETCH
 from gatewayd.tools.model import MODEL_CHAT
 from gatewayd.tools.registry import ToolRegistry

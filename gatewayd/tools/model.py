@@ -1,5 +1,5 @@
-"""``model.chat``: a model conversation served on the host (reference note 001's
-ModelGateway), so the sandbox reaches a model without any key or route of its own.
+"""``model.chat``: a model conversation served on the host, so the sandbox reaches a model
+without any key or route of its own.
 
 OpenAI-style messages and parameters in; a normalized answer out. The model is named by
 one of gatewayd's aliases (its configuration file: provider, model, endpoint, the *name*

@@ -1,5 +1,6 @@
-"""Host-side repository operations for agent runs (gatewayd.agent.repo), against real git:
-bare repos in tmp dirs served by ``git http-backend`` on 127.0.0.1 with Basic auth.
+"""Host-side repository operations for agent runs (gatewayd.agent.repo, .patches, .forge)
+against real git: bare repos in tmp dirs served by ``git http-backend`` on 127.0.0.1 with
+Basic auth.
 
 The key test is the hostile workspace: the sandbox plants hooks, a hostile ``.git/config``,
 filters, a nested ``.git``, symlinks out of the tree; the host must turn only the file
@@ -24,17 +25,17 @@ from typing import Any
 
 import pytest
 
+from gatewayd.agent import forge as forge_mod
+from gatewayd.agent import patches as patches_mod
 from gatewayd.agent import repo as repo_mod
+from gatewayd.agent.forge import open_pull_request
+from gatewayd.agent.patches import PatchResult, patch_from_tree, push_branch_from_patches
 from gatewayd.agent.repo import (
-    PatchResult,
     RepoCredentials,
     RepoError,
     checkout_at,
     default_branch,
     fetch_mirror,
-    open_pull_request,
-    patch_from_tree,
-    push_branch_from_patches,
 )
 from gatewayd.protocol import ErrorCode
 from gatewayd.workspace.session import WorkspaceDiff
@@ -323,12 +324,12 @@ def test_safe_git_config_turns_hooks_and_fsmonitor_off_even_in_a_hostile_repo(
         "GIT_COMMITTER_EMAIL": "t@x.invalid",
     }
     r = ["-C", str(repo)]
-    repo_mod._git([*r, "status"], what="status")
-    repo_mod._git([*r, "add", "b.txt"], what="add")
-    repo_mod._git([*r, "commit", "--quiet", "-m", "b"], what="commit", extra_env=identity)
-    made = repo_mod._git([*r, "format-patch", "-1", "--stdout", "HEAD"], what="fp").stdout
-    repo_mod._git([*r, "checkout", "--quiet", "--detach", "HEAD~1"], what="checkout")
-    repo_mod._git([*r, "am", "--quiet"], what="am", stdin=made, extra_env=identity)
+    repo_mod.run_git([*r, "status"], what="status")
+    repo_mod.run_git([*r, "add", "b.txt"], what="add")
+    repo_mod.run_git([*r, "commit", "--quiet", "-m", "b"], what="commit", extra_env=identity)
+    made = repo_mod.run_git([*r, "format-patch", "-1", "--stdout", "HEAD"], what="fp").stdout
+    repo_mod.run_git([*r, "checkout", "--quiet", "--detach", "HEAD~1"], what="checkout")
+    repo_mod.run_git([*r, "am", "--quiet"], what="am", stdin=made, extra_env=identity)
     assert list(markers.iterdir()) == []
 
     # Control: plain git in the same repo runs the planted hooks.
@@ -454,9 +455,9 @@ def test_writes_into_the_scratch_clone_never_follow_a_symlink(tmp_path: Path) ->
     root.mkdir()
     (root / "a").symlink_to(outside)
     with pytest.raises(OSError):
-        repo_mod._write_entry(root, "a/x", "file", b"escaped", False)
+        patches_mod._write_entry(root, "a/x", "file", b"escaped", False)
     (root / "b").symlink_to(outside / "target")
-    repo_mod._write_entry(root, "b", "file", b"replaced", False)  # the link, not its target
+    patches_mod._write_entry(root, "b", "file", b"replaced", False)  # the link, not its target
     assert list(outside.iterdir()) == []
     assert (root / "b").read_bytes() == b"replaced" and not (root / "b").is_symlink()
 
@@ -521,7 +522,7 @@ def test_a_patch_carries_at_most_max_bytes_and_says_what_it_left_out(
 def test_many_small_files_are_charged_for_their_paths_and_the_skipped_list_is_capped(
     tmp_path: Path, origin: tuple[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(repo_mod, "MAX_PATCH_ENTRIES", 150)
+    monkeypatch.setattr(patches_mod, "MAX_PATCH_ENTRIES", 150)
     url, sha = origin
     mirror, ws, snap = checkouts(tmp_path, url, sha)
     (ws / "many").mkdir()
@@ -569,7 +570,7 @@ def test_a_patch_that_does_not_round_trip_through_git_am_is_not_pushed(
     """The second line of defence: even a message that reached the patch unescaped
     (here mail_safe is turned off) cannot add a file, because the applied commit is
     checked against the patch before anything is pushed."""
-    monkeypatch.setattr(repo_mod, "mail_safe", lambda message: message)
+    monkeypatch.setattr(patches_mod, "mail_safe", lambda message: message)
     url, sha = origin
     mirror, ws, snap = checkouts(tmp_path, url, sha)
     (ws / "README.md").write_text("changed\n")
@@ -812,8 +813,8 @@ DEEP = b"[" * 200_000
         (201, {"html_url": "https://forge.invalid/\n\x1b[2J"}, "holds characters a URL cannot"),
         (
             201,
-            {"html_url": "https://forge.invalid/" + "a" * repo_mod.MAX_PR_URL_CHARS},
-            f"its html_url is 2070 characters long \\(at most {repo_mod.MAX_PR_URL_CHARS}\\)",
+            {"html_url": "https://forge.invalid/" + "a" * forge_mod.MAX_PR_URL_CHARS},
+            f"its html_url is 2070 characters long \\(at most {forge_mod.MAX_PR_URL_CHARS}\\)",
         ),
         (422, {"message": "Validation Failed", "errors": 5}, "answered 422: Validation Failed$"),
         (422, {"message": {"why": [1]}, "errors": "abc"}, 'answered 422: {"why": \\[1\\]}$'),

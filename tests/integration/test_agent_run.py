@@ -25,15 +25,10 @@ from typing import Any
 
 import pytest
 
-from gatewayd.agent.loop import (
-    MAX_CALLS_PER_TURN,
-    AgentLimits,
-    AgentResult,
-    AgentTask,
-    PullRequestSpec,
-    run_agent,
-)
+from gatewayd.agent.conversation import MAX_CALLS_PER_TURN
+from gatewayd.agent.loop import run_agent
 from gatewayd.agent.repo import RepoCredentials
+from gatewayd.agent.task import AgentLimits, AgentResult, AgentTask, PullRequestSpec
 from gatewayd.audit.verify import verify_file
 from gatewayd.config import GatewaydConfig, ModelAlias
 from gatewayd.daemon import Daemon, open_daemon
@@ -199,7 +194,10 @@ async def test_clone_edit_test_push_end_to_end(
     progress: list[str] = []
 
     result = await run_agent(
-        daemon, task(server.url_for("calc.git"), sha, backend=backend), progress.append
+        daemon.runs,
+        daemon.dispatcher,
+        task(server.url_for("calc.git"), sha, backend=backend),
+        progress.append,
     )
 
     assert result.ok, result.to_json()
@@ -299,7 +297,7 @@ async def test_what_the_sandbox_writes_into_git_never_runs_on_the_host(
         ),
         Text(content="Fix add()"),
     )
-    result = await run_agent(daemon, task(server.url_for("calc.git"), sha))
+    result = await run_agent(daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha))
     assert tool_results(provider)[0]["stdout"].strip() == "planted", json.dumps(
         tool_results(provider)[0]
     )
@@ -334,7 +332,9 @@ async def test_a_refused_call_is_told_to_the_model_and_audited(
         ),
         Text(content="nothing to do"),
     )
-    result = await run_agent(daemon, task(server.url_for("calc.git"), sha, push=False))
+    result = await run_agent(
+        daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha, push=False)
+    )
     told = tool_results(provider)
     assert told[0]["error"] == "policy_denied" and "/workspace" in told[0]["message"]
     assert told[1] == {
@@ -360,7 +360,9 @@ async def test_tool_calls_past_the_per_answer_cap_are_refused(
     sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
     many = tuple(Call(name="list", arguments={"path": "."}) for _ in range(MAX_CALLS_PER_TURN + 2))
     provider.script(Text(content=None, calls=many), Text(content="done"))
-    result = await run_agent(daemon, task(server.url_for("calc.git"), sha, push=False))
+    result = await run_agent(
+        daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha, push=False)
+    )
     told = tool_results(provider)
     assert len(told) == MAX_CALLS_PER_TURN + 2
     assert all("error" not in t for t in told[:MAX_CALLS_PER_TURN])
@@ -378,7 +380,8 @@ async def test_the_overlay_workspace_holds_at_most_max_workspace_bytes(
         Text(content="tried"),
     )
     result = await run_agent(
-        daemon,
+        daemon.runs,
+        daemon.dispatcher,
         task(server.url_for("calc.git"), sha, push=False, max_workspace_bytes=16 << 20),
     )
     told = tool_results(provider)[0]
@@ -397,7 +400,10 @@ async def test_control_characters_from_the_model_never_reach_the_terminal(
     )
     lines: list[str] = []
     result = await run_agent(
-        daemon, task(server.url_for("calc.git"), sha, push=False), lines.append
+        daemon.runs,
+        daemon.dispatcher,
+        task(server.url_for("calc.git"), sha, push=False),
+        lines.append,
     )
     assert not any("\x1b" in line or "\x07" in line for line in lines + result.logs)
     assert any("\\x1b]52;c;aGk=\\x07list" in line for line in lines)
@@ -410,7 +416,8 @@ async def test_an_answer_without_usage_is_charged_what_it_could_have_cost(
     look = Call(name="list", arguments={"path": "."})
     provider.script(*[Text(content=None, calls=(look,), usage=False)] * 3)
     result = await run_agent(
-        daemon,
+        daemon.runs,
+        daemon.dispatcher,
         task(
             server.url_for("calc.git"),
             sha,
@@ -437,7 +444,9 @@ async def _partial(
 ) -> tuple[AgentResult, str]:
     sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
     provider.script(*script)
-    result = await run_agent(daemon, task(server.url_for("calc.git"), sha, **kw))
+    result = await run_agent(
+        daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha, **kw)
+    )
     assert not result.ok
     # The partial result: the change made so far, as a patch that applies; nothing pushed.
     assert len(result.patches) == 1 and "+    return a + b" in result.patches[0]
@@ -525,7 +534,7 @@ async def test_what_a_crashed_agent_run_left_is_unmounted_and_removed_at_start(
 ) -> None:
     import fcntl
 
-    from gatewayd.agent.loop import WORK_MARKER
+    from gatewayd.agent.workdir import WORK_MARKER
     from gatewayd.workspace import OverlayWorkspace
 
     config = agent_config(base, provider)
@@ -571,7 +580,7 @@ async def test_a_failure_inside_gatewayd_ends_the_run_and_says_internal(
     monkeypatch.setattr(loop, "patch_from_tree", broken)
     sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
     provider.script(*fixing_script())
-    result = await run_agent(daemon, task(server.url_for("calc.git"), sha))
+    result = await run_agent(daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha))
     assert not result.ok and result.error_code == "internal"
     assert result.message == (
         "gatewayd failed during the run (RuntimeError); gatewayd's log has the details"
@@ -599,7 +608,9 @@ async def test_the_policys_rule_review_judges_the_models_commands(
         Text(content="I will not delete anything"),
     )
     result = await run_agent(
-        daemon, task(server.url_for("calc.git"), sha, push=False, policy=str(policy))
+        daemon.runs,
+        daemon.dispatcher,
+        task(server.url_for("calc.git"), sha, push=False, policy=str(policy)),
     )
     told = tool_results(provider)[0]
     assert told["error"] == "review_denied", told
@@ -622,7 +633,7 @@ async def test_changes_that_all_stay_out_of_the_patch_fail_a_push_run(
         Text(content=None, calls=(Call(name="exec", arguments={"command": only_ignored}),)),
         Text(content="done"),
     )
-    result = await run_agent(daemon, task(server.url_for("calc.git"), sha))
+    result = await run_agent(daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha))
     assert not result.ok and result.error_code == "task_failed"
     assert result.message.startswith("every change was left out of the patch")
     assert result.skipped == ["__pycache__/calc.pyc: ignored by .gitignore"]
@@ -637,7 +648,7 @@ async def test_an_agent_dir_others_may_write_is_refused_and_left_as_it_is(
     shared.mkdir()
     shared.chmod(mode)
     async with open_daemon(agent_config(base, provider, agent_dir=shared)) as d:
-        result = await run_agent(d, task(server.url_for("calc.git"), "a" * 40))
+        result = await run_agent(d.runs, d.dispatcher, task(server.url_for("calc.git"), "a" * 40))
         await d.audit.durable(d.audit.last_seq)
         lines = d.config.resolved_audit_path.read_text().splitlines()
     assert result.error_code == "internal"
@@ -663,9 +674,11 @@ async def test_without_the_os_sandbox_no_agent_run_starts(
     try:
         async with open_daemon(agent_config(base, provider, os_sandbox=False)) as d:
             # The shipped policy requires the sandbox: the run is refused at its start.
-            strict = await run_agent(d, task(server.url_for("calc.git"), sha))
+            strict = await run_agent(d.runs, d.dispatcher, task(server.url_for("calc.git"), sha))
             # A policy that would let the run go on without one: still no agent run.
-            degraded = await run_agent(d, task(server.url_for("calc.git"), sha, policy=str(lax)))
+            degraded = await run_agent(
+                d.runs, d.dispatcher, task(server.url_for("calc.git"), sha, policy=str(lax))
+            )
             await d.audit.durable(d.audit.last_seq)
             entries = [json.loads(x) for x in d.config.resolved_audit_path.read_text().splitlines()]
     finally:
@@ -715,7 +728,7 @@ async def test_a_model_reply_gatewayd_cannot_read_ends_the_run_internal_and_audi
     sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
     provider.script(Text(content=None, calls=(EDIT,)), reply)
 
-    result = await run_agent(daemon, task(server.url_for("calc.git"), sha))
+    result = await run_agent(daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha))
 
     assert (result.ok, result.error_code) == (False, "internal")
     assert result.message.startswith(says), result.message
@@ -772,7 +785,9 @@ async def test_a_pull_request_the_forge_answers_badly_fails_the_run_after_its_pu
         pr = PullRequestSpec(
             api_base=forge.url, repository="o/calc", target_branch="main", token_env=TOKEN_ENV
         )
-        result = await run_agent(daemon, task(server.url_for("calc.git"), sha, pull_request=pr))
+        result = await run_agent(
+            daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha, pull_request=pr)
+        )
         assert len(forge.seen) == 1
 
     assert (result.ok, result.error_code) == (False, "internal")
@@ -811,7 +826,9 @@ async def test_a_pull_request_step_gatewayd_fails_in_is_still_reported_and_audit
         token_env=TOKEN_ENV,
     )
 
-    result = await run_agent(daemon, task(server.url_for("calc.git"), sha, pull_request=pr))
+    result = await run_agent(
+        daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha, pull_request=pr)
+    )
 
     assert (result.ok, result.error_code) == (False, "internal")
     assert result.message == (

@@ -36,7 +36,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trio
 
 from gatewayd.config import GatewaydConfig
 from gatewayd.daemon import open_daemon
@@ -848,13 +847,9 @@ async def test_a_control_socket_replaced_under_a_daemon_is_not_removed_at_its_st
     base: Path,
 ) -> None:
     """A stop removes the path only while it is still the socket this daemon bound."""
-    from gatewayd.control import ControlServer
-
     config = GatewaydConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
     path = base / "control.sock"
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        await nursery.start(ControlServer(daemon).serve, path)
+    async with open_daemon(config, control_socket=path):  # serves it, as `gatewayd serve`
         path.rename(base / "moved.sock")
         path.write_text("put here since\n")
-        nursery.cancel_scope.cancel()
     assert path.read_text() == "put here since\n"

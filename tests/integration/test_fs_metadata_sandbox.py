@@ -74,7 +74,7 @@ def base() -> Iterator[Path]:
 @pytest.fixture
 async def sb(base: Path) -> AsyncIterator[Sandboxed]:
     async with open_daemon(sandbox_config(base)) as daemon:
-        assert daemon.support.available, daemon.support.reason
+        assert daemon.runs.support.available, daemon.runs.support.reason
         yield Sandboxed(daemon, base)
 
 
@@ -142,5 +142,5 @@ async def test_stat_and_list_from_the_sandbox_tell_nothing_of_a_hard_linked_host
         ("fs.list", "allow"),
         ("fs.read", "allow"),
     ]
-    await sb.daemon.end_run(run.run_id)
+    await sb.daemon.runs.end(run.run_id)
     assert outside.read_bytes() == b"s" * OUTSIDE_SIZE

@@ -83,7 +83,7 @@ async def test_ending_a_run_removes_its_socket_and_directory(
     gateway: Gateway, workspace: Path
 ) -> None:
     run = await gateway.create_run(workspace)
-    summary = await gateway.daemon.end_run(run.run_id)
+    summary = await gateway.daemon.runs.end(run.run_id)
     assert summary is not None and summary["state"] == "ended"
     assert not run.directory.exists()
     with pytest.raises(OSError):

@@ -259,7 +259,7 @@ async def daemon(base: Path) -> AsyncIterator[Daemon]:
     )
     (base / "homes").mkdir()
     async with open_daemon(config) as live:
-        assert live.support.available, live.support.reason
+        assert live.runs.support.available, live.runs.support.reason
         yield live
 
 
@@ -289,14 +289,14 @@ async def test_a_runs_end_under_a_racer_gives_back_the_whole_directory_lent_and_
     for attempt in range(RUN_END_ATTEMPTS):
         ws, other = homes.make(decoys.target(kind))
         workspace = _identity(ws)
-        run = await daemon.start_run(_request(ws))
+        run = await daemon.runs.start(_request(ws))
         assert run.sandbox is not None
-        made = await daemon.exec_in_run(
+        made = await daemon.runs.exec(
             run.run_id, ["sh", "-c", "echo made > /workspace/made.txt && mkdir /workspace/new"]
         )
         assert made.exitCode == 0, made.stderr
         with racing(ws, other, swaps):
-            await daemon.end_run(run.run_id)
+            await daemon.runs.end(run.run_id)
         decoys.assert_untouched(f"attempt {attempt}")
         tree = _found(ws.parent, workspace)
         # Wherever the racer left it, all of it is its owner's again, the run's files too.
@@ -400,7 +400,7 @@ async def test_a_run_is_lent_exactly_the_directory_its_sandbox_binds_while_the_p
         ws, other = homes.make(None)  # two directories of the racer's: ws and other
         with racing(ws, other, swaps):
             try:
-                run = await daemon.start_run(_request(ws))
+                run = await daemon.runs.start(_request(ws))
                 refusal = ""
             except (UnsafeMounts, WorkspaceInUse) as exc:
                 refusal = str(exc)
@@ -418,7 +418,7 @@ async def test_a_run_is_lent_exactly_the_directory_its_sandbox_binds_while_the_p
         assert run.sandbox is not None
         uid = run.sandbox.user.uid
         # From inside: the directory bound at /workspace is the one lent (writable).
-        wrote = await daemon.exec_in_run(
+        wrote = await daemon.runs.exec(
             run.run_id, ["sh", "-c", "cat /workspace/notes.txt && echo w > /workspace/w.txt"]
         )
         assert wrote.exitCode == 0, f"attempt {attempt}: {wrote.stderr!r}"
@@ -427,7 +427,7 @@ async def test_a_run_is_lent_exactly_the_directory_its_sandbox_binds_while_the_p
         # ... and the only one lent: the other is all its owner's.
         assert _owners(bound) == {uid}
         assert _owners(other if bound == ws else ws) == {RACER_UID}
-        await daemon.end_run(run.run_id)
+        await daemon.runs.end(run.run_id)
         assert _owners(ws) == _owners(other) == {RACER_UID}
     assert sum(swaps) > 0, "the racer never swapped: the test proved nothing"
     # Both checks met the race, and runs still start under it.

@@ -463,7 +463,7 @@ class Lending:
         self.base = base
 
     async def run(self, workspace: Path) -> Run:
-        return await self.daemon.start_run(
+        return await self.daemon.runs.start(
             RunRequest(
                 workspacePath=str(workspace),
                 policy="demo",
@@ -483,7 +483,7 @@ async def lending(base: Path) -> AsyncIterator[Lending]:
         sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=64),
     )
     async with open_daemon(config) as daemon:
-        assert daemon.support.available, daemon.support.reason
+        assert daemon.runs.support.available, daemon.runs.support.reason
         yield Lending(daemon, base)
 
 
@@ -558,9 +558,9 @@ async def test_a_run_leaves_every_owner_mode_bit_and_capability_as_it_found_them
         assert os.lstat(ws / name).st_uid == 0, name
     assert _state(ws)["capped"][3] is not None
     assert os.lstat(ws / "plain.txt").st_uid == uid  # the rest is lent
-    result = await lending.daemon.exec_in_run(run.run_id, ["true"], timeout_s=30)
+    result = await lending.daemon.runs.exec(run.run_id, ["true"], timeout_s=30)
     assert result.exitCode == 0, result.stderr
-    probe = await lending.daemon.exec_in_run(run.run_id, [PY, "-I", "-c", PROBE], timeout_s=30)
+    probe = await lending.daemon.runs.exec(run.run_id, [PY, "-I", "-c", PROBE], timeout_s=30)
     assert probe.exitCode == 0, probe.stderr
     assert json.loads(probe.stdout) == {
         "setuid": "EACCES",
@@ -574,7 +574,7 @@ async def test_a_run_leaves_every_owner_mode_bit_and_capability_as_it_found_them
         "grouped.txt": "writable",
         "shared/inner.txt": "writable",
     }
-    await lending.daemon.end_run(run.run_id)
+    await lending.daemon.runs.end(run.run_id)
     assert _state(ws) == before
 
 
@@ -804,13 +804,13 @@ async def test_a_tree_holding_or_in_gatewayds_own_directories_is_refused_on_its_
         )
         refusal = ""
         try:
-            run = await daemon.start_run(request)
+            run = await daemon.runs.start(request)
         except NotLendable as exc:
             refusal = str(exc)
         else:  # lent: the attack, from inside the sandbox, as the review showed it
             if case.attack:
-                await daemon.exec_in_run(run.run_id, ["sh", "-c", case.attack], timeout_s=30)
-            await daemon.end_run(run.run_id)
+                await daemon.runs.exec(run.run_id, ["sh", "-c", case.attack], timeout_s=30)
+            await daemon.runs.end(run.run_id)
         text = log.read_text()
     assert "FORGED" not in text.splitlines(), "the sandbox wrote gatewayd's audit log"
     entries = [json.loads(line) for line in text.splitlines()]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import trio
 
-from gatewayd import model_client
+from gatewayd import model_client, model_transport
 from gatewayd.config import DEFAULT_MAX_REPLY_BYTES, ModelAlias
 from gatewayd.model_client import (
     KEYLESS_PLACEHOLDER,
@@ -397,7 +397,7 @@ async def test_timeout_must_be_a_positive_number(fake: FakeProvider, timeout_s: 
 
 @pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")  # litellm's own
 def test_fake_streams_sse_chunks_that_litellm_reassembles(fake: FakeProvider) -> None:
-    litellm = model_client._LITELLM.get()
+    litellm = model_transport.LITELLM.get()
     fake.script(Text(content="a streamed answer", prompt_tokens=5, completion_tokens=4))
 
     chunks = list(

@@ -30,7 +30,8 @@ from gatewayd import model_client
 from gatewayd.agent.loop import run_agent
 from gatewayd.config import DEFAULT_MAX_REPLY_BYTES, MIN_REPLY_BYTES, ModelAlias
 from gatewayd.daemon import open_daemon
-from gatewayd.model_client import ACCEPT_ENCODING, ModelCallError, ModelCallKind, complete
+from gatewayd.model_client import ModelCallError, ModelCallKind, complete
+from gatewayd.model_transport import ACCEPT_ENCODING
 from tests.conftest import Gateway, make_gateway
 from tests.fakeprovider import Call, FakeProvider, Huge, Malformed, Text, provider_with_key
 from tests.gitserver import DEFAULT_TOKEN, GitServer, make_bare_repo
@@ -413,7 +414,9 @@ async def test_an_agent_run_whose_model_reply_is_too_large_ends_internal(
         provider.script(Text(content=None, calls=(edit,)), reply)
         sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
         async with open_daemon(agent_config(base, provider)) as daemon:
-            result = await run_agent(daemon, task(server.url_for("calc.git"), sha))
+            result = await run_agent(
+                daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha)
+            )
         assert not result.ok and result.error_code == "internal"
         assert result.message.startswith("the model call failed (too_large): model alias")
         assert f"passed the cap of {DEFAULT_MAX_REPLY_BYTES} bytes" in result.message

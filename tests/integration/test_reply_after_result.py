@@ -32,8 +32,10 @@ import pytest
 import trio
 import trio.testing
 
-from gatewayd import cli, server
+from gatewayd import server
 from gatewayd.audit import AuditLog, Peer, open_audit_log, read_entries, verify_file
+from gatewayd.cli import run as cli_run
+from gatewayd.cli.command import EXIT_FAILED
 from gatewayd.config import GatewaydConfig, SandboxUids
 from gatewayd.control import ControlServer
 from gatewayd.daemon import Daemon, open_daemon
@@ -528,10 +530,9 @@ async def control_socket_daemon(
     ws.mkdir()
     policy = write_policy(base, SANDBOX_POLICY, "exec.yaml")
     control = base / "control.sock"
-    async with open_daemon(config) as daemon, trio.open_nursery() as nursery:
-        assert daemon.support.available, daemon.support.reason
-        await nursery.start(ControlServer(daemon).serve, control)
-        run = await daemon.start_run(
+    async with open_daemon(config, control_socket=control) as daemon:
+        assert daemon.runs.support.available, daemon.runs.support.reason
+        run = await daemon.runs.start(
             RunRequest(
                 workspacePath=str(ws),
                 policy=str(policy),
@@ -542,7 +543,6 @@ async def control_socket_daemon(
             policy_paths=True,
         )
         yield daemon, control, run
-        nursery.cancel_scope.cancel()
 
 
 async def control_post(socket_path: Path, target: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -651,16 +651,16 @@ async def test_a_commands_result_is_withheld_when_its_end_cannot_be_audited(
 async def test_a_sandboxed_gatewayd_run_exits_1_when_its_commands_end_cannot_be_audited(
     short_tmp: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """`gatewayd run`'s sandboxed path (cli._run_in_sandbox, on an in-process daemon):
+    """`gatewayd run`'s sandboxed path (cli.run._run_in_sandbox, on an in-process daemon):
     exit 1 and why, not the command's 0."""
     statuses: list[int] = []
     async with control_socket_daemon(short_tmp, reply_after_result=True) as (daemon, _, run):
 
         async def one_shot() -> None:
-            statuses.append(await cli._run_in_sandbox(daemon, run, WAITING_COMMAND, 60))
+            statuses.append(await cli_run._run_in_sandbox(daemon, run, WAITING_COMMAND, 60))
 
         await with_the_disk_full_when_it_ends(daemon, short_tmp / "ws", one_shot, monkeypatch)
-    assert statuses == [cli.EXIT_FAILED]
+    assert statuses == [EXIT_FAILED]
     err = capfd.readouterr().err
     assert "gatewayd: the audit log cannot be written (" in err
     assert "so the command's exit status is not passed on (exit 1)" in err

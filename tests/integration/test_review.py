@@ -265,7 +265,7 @@ async def test_a_rule_change_invalidates_the_cache_for_live_runs(
     run = await gw.create_run(ws, REVIEWED)
     assert (await call(run, "fs.read", {"path": "notes.md"}, "a"))["ok"]
     source = Path(run.spec.policy_source).stem  # rule changes name a policy
-    await gw.daemon.change_rule(source, RuleAction.ADD_DENY, "Reading notes.md", "alice")
+    await gw.daemon.rule_desk.change(source, RuleAction.ADD_DENY, "Reading notes.md", "alice")
     answer = await call(run, "fs.read", {"path": "notes.md"}, "b")
     assert answer["errorCode"] == "review_denied"
     assert len(fake.chat_requests) == 2  # asked again: the old verdict is not used
@@ -315,19 +315,19 @@ async def test_tightening_is_immediate_and_loosening_waits_for_confirmation(
     run = await gw.create_run(ws, REVIEWED)
     source = run.spec.policy_source
     name = Path(source).stem  # rule changes name a policy
-    applied = await gw.daemon.change_rule(name, RuleAction.ADD_DENY, "No JSON files", "bob")
+    applied = await gw.daemon.rule_desk.change(name, RuleAction.ADD_DENY, "No JSON files", "bob")
     assert not isinstance(applied, Pending)
     assert "No JSON files" in Path(source).read_text()  # persisted
-    pending = await gw.daemon.change_rule(name, RuleAction.ADD_ALLOW, "Anything at all", "eve")
+    pending = await gw.daemon.rule_desk.change(name, RuleAction.ADD_ALLOW, "Anything at all", "eve")
     assert isinstance(pending, Pending)
     assert "Anything at all" not in Path(source).read_text()  # not yet
     section, _ = gw.daemon.rules.current(source, run.spec.policy.review)
     assert "Anything at all" not in [r.text for r in section.rules.allow]
-    await gw.daemon.confirm_rule(pending.confirmation_id)
+    await gw.daemon.rule_desk.confirm(pending.confirmation_id)
     assert "Anything at all" in Path(source).read_text()
-    removed = await gw.daemon.change_rule(name, RuleAction.REMOVE_DENY, "No JSON files", "eve")
+    removed = await gw.daemon.rule_desk.change(name, RuleAction.REMOVE_DENY, "No JSON files", "eve")
     assert isinstance(removed, Pending)
-    await gw.daemon.cancel_rule(removed.confirmation_id)
+    await gw.daemon.rule_desk.cancel(removed.confirmation_id)
     assert "No JSON files" in Path(source).read_text()
     events = [e.get("event") for e in await gw.audit_entries() if e["kind"] == "event"]
     assert events.count("rule_changed") == 2
@@ -340,13 +340,13 @@ async def test_a_rule_change_that_cannot_be_made_says_why(
     run = await gw.create_run(ws, REVIEWED)
     source = Path(run.spec.policy_source).stem  # rule changes name a policy
     with pytest.raises(RuleChangeError, match="no allow rule 'Nothing like this'"):
-        await gw.daemon.change_rule(source, RuleAction.REMOVE_ALLOW, "Nothing like this", None)
+        await gw.daemon.rule_desk.change(source, RuleAction.REMOVE_ALLOW, "Nothing like this", None)
     with pytest.raises(RuleChangeError, match="already there"):
-        await gw.daemon.change_rule(
+        await gw.daemon.rule_desk.change(
             source, RuleAction.ADD_DENY, "Writing anything that looks like a credential", None
         )
     with pytest.raises(RuleChangeError, match="no pending rule change"):
-        await gw.daemon.confirm_rule("0" * 32)
+        await gw.daemon.rule_desk.confirm("0" * 32)
 
 
 async def test_no_tool_on_a_run_socket_changes_rules(gw: Gateway, ws: Path) -> None:

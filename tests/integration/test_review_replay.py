@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from gatewayd import model_client
-from gatewayd.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE, main
+from gatewayd.cli import main
+from gatewayd.cli.command import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gatewayd.config import ModelAlias
 from gatewayd.policy import load_policy_text
 from gatewayd.policy.review_section import ReviewSection

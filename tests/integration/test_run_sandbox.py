@@ -2,7 +2,7 @@
 
 An in-process gatewayd with the OS sandbox on (real bwrap, real network namespaces, a
 real uid per run, the run's workspace lent to it) creates runs; every command runs in the
-run's sandbox through ``Daemon.exec_in_run`` (the path ``gatewayd run``, ``gatewayd exec``
+run's sandbox through ``RunManager.exec`` (the path ``gatewayd run``, ``gatewayd exec``
 and the control socket's exec all take). Each property is shown by a probe that tries and
 fails inside, or by the host's audit log, never by reading our own configuration back.
 """
@@ -103,10 +103,10 @@ class Sandboxed:
             grant=Grant(allowSandbox=grant),
             limits=RunLimits(maxMemoryMb=memory_mb),
         )
-        return await self.daemon.start_run(request, policy_paths=True)
+        return await self.daemon.runs.start(request, policy_paths=True)
 
     async def py(self, run: Run, code: str, *args: str, timeout: float = 30) -> ExecResult:
-        return await self.daemon.exec_in_run(
+        return await self.daemon.runs.exec(
             run.run_id, [PY, "-I", "-c", textwrap.dedent(code), *args], timeout_s=timeout
         )
 
@@ -139,7 +139,7 @@ async def sb(base: Path) -> AsyncIterator[Sandboxed]:
     os.environ[SECRET_NAME] = "sk-host-only-" + secrets.token_hex(8)
     try:
         async with open_daemon(sandbox_config(base)) as daemon:
-            assert daemon.support.available, daemon.support.reason
+            assert daemon.runs.support.available, daemon.runs.support.reason
             yield Sandboxed(daemon, base)
     finally:
         del os.environ[SECRET_NAME]
@@ -171,7 +171,7 @@ async def test_a_run_gets_its_own_uid_netns_and_a_workspace_lent_and_given_back(
     assert result.exitCode == 0, result.stderr
     assert result.stdout.split() == [b"1000", b"1000"]  # the sandbox user inside
     netns = run.sandbox.netns.name
-    await sb.daemon.end_run(run.run_id)
+    await sb.daemon.runs.end(run.run_id)
     # Given back: lent and new entries belong to the workspace's owner again.
     for path in (ws, ws / "notes.md", ws / "made.txt", ws / "sub"):
         assert os.stat(path).st_uid == owner, path
@@ -233,7 +233,7 @@ async def test_host_loopback_and_outside_addresses_are_unreachable_tcp_udp_and_c
     run = await sb.run()
     try:
         result = await sb.py(run, NET_PROBE, str(tcp_port), OUTSIDE_V4, str(udp_port))
-        curl = await sb.daemon.exec_in_run(
+        curl = await sb.daemon.runs.exec(
             run.run_id,
             ["curl", "-sS", "--max-time", "5", f"http://127.0.0.1:{tcp_port}/"],
         )
@@ -255,7 +255,7 @@ async def test_host_loopback_and_outside_addresses_are_unreachable_tcp_udp_and_c
 
 async def test_the_only_interface_inside_is_loopback(sb: Sandboxed) -> None:
     run = await sb.run()
-    result = await sb.daemon.exec_in_run(run.run_id, ["cat", "/proc/net/dev"])
+    result = await sb.daemon.runs.exec(run.run_id, ["cat", "/proc/net/dev"])
     interfaces = [line.split(b":")[0].strip() for line in result.stdout.splitlines()[2:]]
     assert interfaces == [b"lo"]
 
@@ -267,7 +267,7 @@ async def test_cogni_tool_inside_calls_the_gateway_and_every_call_is_audited(
     sb: Sandboxed,
 ) -> None:
     run = await sb.run()
-    result = await sb.daemon.exec_in_run(
+    result = await sb.daemon.runs.exec(
         run.run_id,
         [
             "sh",
@@ -293,7 +293,7 @@ async def test_cogni_tool_inside_calls_the_gateway_and_every_call_is_audited(
     # The peer recorded is the sandboxed process, as the host sees it: the run's uid.
     assert run.sandbox is not None
     assert {c["peer"]["uid"] for c in calls} == {run.sandbox.user.uid}
-    await sb.daemon.end_run(run.run_id)
+    await sb.daemon.runs.end(run.run_id)
     verify = subprocess.run(
         [str(Path(sys.executable).parent / "gatewayd"), "audit", "verify", str(sb.audit_path)],
         capture_output=True,
@@ -670,9 +670,7 @@ async def test_fork_and_memory_bombs_are_contained_while_other_runs_are_served(
         for _ in range(5):
             # Served meanwhile, promptly: a bomb in one run must not stall another.
             with trio.fail_after(10):
-                result = await sb.daemon.exec_in_run(
-                    other.run_id, ["cogni-tool", "exec", "time.now"]
-                )
+                result = await sb.daemon.runs.exec(other.run_id, ["cogni-tool", "exec", "time.now"])
             answers.append(result.stdout)
 
     async with trio.open_nursery() as nursery:
@@ -681,7 +679,7 @@ async def test_fork_and_memory_bombs_are_contained_while_other_runs_are_served(
         memory = await sb.py(bombed, MEMORY_BOMB)
     count, error = fork.stdout.split(maxsplit=1)
     assert int(count) < 48 and b"Resource temporarily unavailable" in error, fork.stderr
-    settings = sb.daemon.sandbox_settings
+    settings = sb.daemon.runs.sandbox_settings
     if settings is not None and settings.cgroups is not None:  # the kernel's OOM killer
         assert (memory.errorCode, memory.memoryLimit) == ("oom_killed", "cgroup"), memory
     else:  # RLIMIT_AS: the allocation fails inside and Python gives up
@@ -693,7 +691,7 @@ async def test_fork_and_memory_bombs_are_contained_while_other_runs_are_served(
 async def test_a_command_over_its_timeout_is_killed_with_its_children(sb: Sandboxed) -> None:
     run = await sb.run()
     assert run.sandbox is not None
-    result = await sb.daemon.exec_in_run(
+    result = await sb.daemon.runs.exec(
         run.run_id,
         ["sh", "-c", "trap '' TERM; (trap '' TERM; sleep 60) & sleep 60"],
         timeout_s=0.5,
@@ -710,7 +708,7 @@ async def test_output_over_the_policy_cap_is_truncated_and_flagged(sb: Sandboxed
 
 async def test_a_caller_timeout_can_shorten_but_never_lengthen_the_policys(sb: Sandboxed) -> None:
     run = await sb.run(POLICY.replace("timeout_s: 30", "timeout_s: 0.5"))
-    result = await sb.daemon.exec_in_run(run.run_id, ["sleep", "30"], timeout_s=3600)
+    result = await sb.daemon.runs.exec(run.run_id, ["sleep", "30"], timeout_s=3600)
     assert result.errorCode == "timeout" and result.durationMs < 10_000
 
 
@@ -730,7 +728,7 @@ async def test_a_workspace_under_a_private_directory_works_since_its_source_is_p
     run = await sb.run(workspace=ws)
     result = await sb.py(run, "print(open('/workspace/notes.md').read().strip())")
     assert result.stdout.strip() == b"hello", result.stderr
-    await sb.daemon.end_run(run.run_id)
+    await sb.daemon.runs.end(run.run_id)
     assert os.stat(ws / "notes.md").st_uid == 0
 
 
@@ -776,9 +774,9 @@ async def test_a_nested_grant_swapped_between_commands_still_binds_the_pinned_di
 
 async def test_exec_in_an_ended_or_unknown_run_is_refused(sb: Sandboxed) -> None:
     run = await sb.run()
-    await sb.daemon.end_run(run.run_id)
+    await sb.daemon.runs.end(run.run_id)
     with pytest.raises(LookupError):
-        await sb.daemon.exec_in_run(run.run_id, ["true"])
+        await sb.daemon.runs.exec(run.run_id, ["true"])
 
 
 async def test_ending_a_run_stops_its_running_commands(sb: Sandboxed) -> None:
@@ -789,7 +787,7 @@ async def test_ending_a_run_stops_its_running_commands(sb: Sandboxed) -> None:
 
     async def long_command() -> None:
         try:
-            await sb.daemon.exec_in_run(run.run_id, ["sleep", "60"])
+            await sb.daemon.runs.exec(run.run_id, ["sleep", "60"])
         except Exception as exc:
             outcome.append(exc)
 
@@ -799,7 +797,7 @@ async def test_ending_a_run_stops_its_running_commands(sb: Sandboxed) -> None:
             while not pids_of_uid(uid):
                 await trio.sleep(0.02)
         with trio.fail_after(10):
-            await sb.daemon.end_run(run.run_id)
+            await sb.daemon.runs.end(run.run_id)
     assert outcome and "ended while the command ran" in str(outcome[0])
     assert pids_of_uid(uid) == []
 
@@ -829,7 +827,7 @@ async def test_without_an_os_sandbox_a_requiring_policy_is_refused_and_a_lenient
         assert answer is not None and answer["ok"] is True
         assert denied is not None and denied["errorCode"] == "policy_denied"
         with pytest.raises(Exception, match="no OS sandbox"):
-            await daemon.exec_in_run(run.run_id, ["true"])
+            await daemon.runs.exec(run.run_id, ["true"])
         entries = await gw.entries()
     refused = next(e for e in entries if e.get("event") == "run_refused")
     assert refused["errorCode"] == "policy_denied"
@@ -848,8 +846,8 @@ async def test_a_state_dir_the_sandbox_cannot_pass_makes_the_sandbox_unavailable
     locked.mkdir(mode=0o700)
     config = sandbox_config(locked)
     async with open_daemon(config) as daemon:
-        assert not daemon.support.available
-        assert f"chmod o+x {locked}" in daemon.support.reason
+        assert not daemon.runs.support.available
+        assert f"chmod o+x {locked}" in daemon.runs.support.reason
 
 
 # --- crash cleanup ---------------------------------------------------------------------
@@ -1229,7 +1227,7 @@ async def test_a_workspace_that_would_expose_the_state_dir_is_refused_before_any
         await sb.run(ro)
     assert getattr(caught.value, "code", None) == "bad_request"
     assert os.stat(canary).st_uid == 0 and os.stat(sb.base).st_uid == 0
-    assert sb.daemon.uid_pool.in_use == 0
+    assert sb.daemon.runs.uid_pool.in_use == 0
     assert not [
         p for p in NETNS_RUN_DIR.iterdir() if p.name.startswith(sb.daemon.config.netns_prefix)
     ]
@@ -1257,7 +1255,7 @@ async def test_a_hard_link_in_the_workspace_is_not_lent_so_its_other_name_stays_
         """,
     )
     assert result.stdout.split(b"\n")[:2] == [b"host data", b"EACCES"], result.stderr
-    await sb.daemon.end_run(run.run_id)
+    await sb.daemon.runs.end(run.run_id)
     assert outside.read_text() == "host data\n" and os.stat(outside).st_uid == 0
 
 
@@ -1315,7 +1313,7 @@ async def test_the_sandbox_cannot_make_a_setuid_or_setgid_file_by_any_call(
     assert lines[1] == "0o755"
     for path in ws.rglob("*"):  # nothing on the host carries the bits, during the run
         assert not path.lstat().st_mode & (stat.S_ISUID | stat.S_ISGID), path
-    await sb.daemon.end_run(run.run_id)
+    await sb.daemon.runs.end(run.run_id)
 
 
 async def test_a_process_holding_the_runs_uid_only_as_effective_uid_is_killed_at_run_end(
@@ -1342,7 +1340,7 @@ async def test_a_process_holding_the_runs_uid_only_as_effective_uid_is_killed_at
         with trio.fail_after(10):
             while survivor.pid not in pids_of_uid(uid):
                 await trio.sleep(0.01)
-        await sb.daemon.end_run(run.run_id)
+        await sb.daemon.runs.end(run.run_id)
         assert survivor.wait(timeout=10) == -9  # SIGKILL
     finally:
         survivor.kill()
@@ -1364,9 +1362,9 @@ async def test_a_workspace_another_live_run_holds_is_refused(sb: Sandboxed) -> N
         await sb.run(workspace=nested)
     with pytest.raises(WorkspaceInUse, match="overlaps"):
         await sb.run(workspace=outer)  # a parent of the held one
-    await sb.daemon.end_run(first.run_id)
+    await sb.daemon.runs.end(first.run_id)
     second = await sb.run(workspace=ws)  # free again
-    await sb.daemon.end_run(second.run_id)
+    await sb.daemon.runs.end(second.run_id)
     assert os.stat(ws).st_uid == 0 and os.stat(ws / "notes.md").st_uid == 0
 
 
@@ -1379,7 +1377,7 @@ async def test_a_workspace_owned_by_a_sandbox_uid_is_refused_not_lent_again(sb: 
     refused = [e for e in await sb.entries() if e.get("event") == "run_refused"][-1]
     assert "one workspace serves one run at a time" in refused["safeMessage"]
     assert os.stat(ws).st_uid == stray  # untouched
-    assert sb.daemon.uid_pool.in_use == 0
+    assert sb.daemon.runs.uid_pool.in_use == 0
 
 
 async def test_a_tree_thousands_of_levels_deep_is_lent_and_given_back(sb: Sandboxed) -> None:
@@ -1400,7 +1398,7 @@ async def test_a_tree_thousands_of_levels_deep_is_lent_and_given_back(sb: Sandbo
         """,
     )
     assert result.stdout.strip() == b"made", result.stderr
-    await sb.daemon.end_run(run.run_id)
+    await sb.daemon.runs.end(run.run_id)
     ended = [e for e in await sb.entries() if e.get("event") == "run_ended"][-1]
     assert "cleanupFailed" not in ended["detail"], ended
     assert ended["detail"]["entriesReturned"] >= 3001

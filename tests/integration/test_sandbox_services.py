@@ -116,7 +116,7 @@ async def sb(base: Path, key: str, fake: FakeProvider) -> AsyncIterator[Sandboxe
     )
     config = sandbox_config(base).changed(models={"assistant": alias}, secret_env=(FORGE_ENV,))
     async with open_daemon(config) as daemon:
-        assert daemon.support.available, daemon.support.reason
+        assert daemon.runs.support.available, daemon.runs.support.reason
         yield Sandboxed(daemon, base)
 
 
@@ -172,7 +172,7 @@ async def test_the_openai_sdk_inside_gets_the_providers_answer_and_never_sees_th
     assert out["env"]["OPENAI_API_KEY"] == SANDBOX_API_KEY
     assert key not in json.dumps(out)
     assert KEY_ENV not in out["env"]
-    found = await sb.daemon.exec_in_run(
+    found = await sb.daemon.runs.exec(
         run.run_id,
         [
             "sh",
@@ -513,7 +513,7 @@ async def proxied(base: Path) -> AsyncIterator[Sandboxed]:
         raise OSError(f"no such host {host}")
 
     async with open_daemon(sandbox_config(base), resolver=resolve) as daemon:
-        assert daemon.support.available, daemon.support.reason
+        assert daemon.runs.support.available, daemon.runs.support.reason
         yield Sandboxed(daemon, base)
 
 
@@ -526,7 +526,7 @@ async def test_downloads_through_the_proxy_reach_allowed_names_only_and_are_audi
         run = await proxied.run(proxy_policy(port))
         ws = Path(run.spec.workspace)
         (ws / "payload.sha").write_text(hashlib.sha256(payload).hexdigest())
-        fetched = await proxied.daemon.exec_in_run(
+        fetched = await proxied.daemon.runs.exec(
             run.run_id,
             [
                 "sh",
@@ -548,7 +548,7 @@ async def test_downloads_through_the_proxy_reach_allowed_names_only_and_are_audi
         run2 = await proxied.run(proxy_policy(tls_port), workspace=proxied.workspace("ws2"))
         ws2 = Path(run2.spec.workspace)
         (ws2 / "ca.pem").write_bytes(cert.read_bytes())
-        secure = await proxied.daemon.exec_in_run(
+        secure = await proxied.daemon.runs.exec(
             run2.run_id,
             [
                 "sh",
@@ -592,7 +592,7 @@ async def test_pip_downloads_a_package_through_the_proxy_over_https(
     with package_host(files, tls=(cert, key)) as port:
         run = await proxied.run(proxy_policy(port))
         (Path(run.spec.workspace) / "ca.pem").write_bytes(cert.read_bytes())
-        result = await proxied.daemon.exec_in_run(
+        result = await proxied.daemon.runs.exec(
             run.run_id,
             [
                 PY,
@@ -644,7 +644,7 @@ async def test_http_fetch_from_inside_uses_the_daemons_resolver_and_allowlist(
     with package_host({"/notes.txt": b"fetched on the host"}) as port:
         policy = proxy_policy(port).replace("allow: [time.now]", "allow: [http.fetch]")
         run = await proxied.run(policy)
-        result = await proxied.daemon.exec_in_run(
+        result = await proxied.daemon.runs.exec(
             run.run_id,
             [
                 "sh",
@@ -664,7 +664,7 @@ async def test_http_fetch_from_inside_uses_the_daemons_resolver_and_allowlist(
 async def test_services_that_do_not_come_up_refuse_the_run_with_the_reason(
     sb: Sandboxed, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("gatewayd.daemon.SERVICE_READY_TIMEOUT_S", 0.001)
+    monkeypatch.setattr("gatewayd.runs.services.SERVICE_READY_TIMEOUT_S", 0.001)
     with pytest.raises(SandboxUnavailable, match=r"in-sandbox services .* did not start: it did"):
         await sb.run(POLICY)
     entries = await sb.entries()

@@ -16,8 +16,10 @@ import trio
 from structlog.testing import capture_logs
 
 from gatewayd.audit import verify_file
-from gatewayd.cli import _config, build_parser
-from gatewayd.config import ConfigError, GatewaydConfig, ModelAlias, load_config
+from gatewayd.cli import build_parser
+from gatewayd.cli.options import config_from_options
+from gatewayd.config import ConfigError, GatewaydConfig, ModelAlias
+from gatewayd.configsources import load_config
 from gatewayd.daemon import open_daemon
 from gatewayd.secrets import MIN_SCRUB_CHARS, REFRESH_INTERVAL_S
 from tests.conftest import Gateway
@@ -393,4 +395,4 @@ def test_secret_env_goes_from_the_file_into_the_daemons_configuration(tmp_path: 
     path = tmp_path / "gatewayd.yaml"
     path.write_text(f"secret_env: [{FORGE_ENV}, OTHER]\n")
     args = build_parser().parse_args(["serve", "--config", str(path), "--state-dir", "/tmp/x"])
-    assert _config(args).secret_env == (FORGE_ENV, "OTHER")
+    assert config_from_options(args).secret_env == (FORGE_ENV, "OTHER")

@@ -225,7 +225,7 @@ async def test_a_call_cut_short_by_the_run_ending_still_gets_a_result_entry(
         stream = await trio.open_unix_socket(str(run.socket_path))
         await stream.send_all(frame(request(run, "test.nap", {"seconds": 30}, tcid="long")))
         await trio.sleep(0.3)  # the call is admitted and running
-        await gw.daemon.end_run(run.run_id)
+        await gw.daemon.runs.end(run.run_id)
         await stream.aclose()
         mine = [e for e in await gw.audit_entries() if e.get("toolCallId") == "long"]
         assert [e["kind"] for e in mine] == ["call", "result"]

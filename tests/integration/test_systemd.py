@@ -141,7 +141,7 @@ def test_install_systemd_writes_a_unit_for_this_installation_idempotently(
         )
         assert verified.returncode == 0, verified.stderr
     # The installed starting configuration is one gatewayd accepts.
-    from gatewayd.config import load_config
+    from gatewayd.configsources import load_config
 
     assert load_config(config).models == {}
     # Again: nothing changes, the operator's configuration is kept.

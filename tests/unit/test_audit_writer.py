@@ -35,7 +35,8 @@ from gatewayd.audit import (
     read_head,
     verify_file,
 )
-from gatewayd.audit.writer import MAX_BATCH_BYTES, RESULT_SYNC_DELAY_S
+from gatewayd.audit.opening import MAX_BATCH_BYTES
+from gatewayd.audit.writer import RESULT_SYNC_DELAY_S
 from gatewayd.protocol import ErrorCode
 
 PEER = {"pid": 4242, "uid": 1000, "gid": 1000}

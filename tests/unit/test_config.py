@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.config import ConfigError, GatewaydConfig, load_config
+from gatewayd.config import ConfigError, GatewaydConfig
+from gatewayd.configsources import load_config
 
 GOOD = """
 models:

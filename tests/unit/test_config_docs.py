@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from gatewayd.config import GatewaydConfig, env_name
+from gatewayd.config import GatewaydConfig
+from gatewayd.configsources import env_name
 from tests.unit.test_policy_docs import documented_rows, field_paths
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
@@ -75,7 +76,7 @@ def test_the_check_fails_when_a_nested_field_is_removed(row: str, field: str) ->
 
 
 def test_the_example_file_is_valid_and_sets_what_it_shows(tmp_path: Path) -> None:
-    from gatewayd.config import load_config
+    from gatewayd.configsources import load_config
 
     text = DOC.read_text()
     section = text[text.index("## An example file") :]

@@ -14,19 +14,14 @@ from typing import Any
 import pydantic
 import pytest
 
-from gatewayd import cli, config
-from gatewayd.config import (
-    DERIVED_SOURCE,
-    ENV_SYNTAX,
-    ConfigError,
-    GatewaydConfig,
-    ModelAlias,
-    SandboxUids,
-    env_name,
-    resolve_settings,
-)
-from gatewayd.daemon import Daemon, open_daemon
+from gatewayd import cli, configsources
+from gatewayd.cli import command as cli_command
+from gatewayd.cli import options as cli_options
+from gatewayd.config import ConfigError, GatewaydConfig, ModelAlias, SandboxUids
+from gatewayd.configsources import DERIVED_SOURCE, ENV_SYNTAX, env_name, resolve_settings
+from gatewayd.daemon import open_daemon
 from gatewayd.protocol import MAX_FRAME_BYTES, MIN_FRAME_BYTES
+from gatewayd.runs.lifecycle import RunManager
 from gatewayd.sandbox.daemons import derived_uid_range
 from gatewayd.sandbox.uids import UidRange
 
@@ -57,7 +52,7 @@ ENV_CASES: dict[str, tuple[str, Any]] = {
 @pytest.fixture(autouse=True)
 def no_default_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No test may pick up a real /etc/gatewayd/gatewayd.yaml or GATEWAYD_ variable."""
-    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", tmp_path / "absent.yaml")
+    monkeypatch.setattr(configsources, "DEFAULT_CONFIG_PATH", tmp_path / "absent.yaml")
     for name in list(__import__("os").environ):
         if name.startswith("GATEWAYD_"):
             monkeypatch.delenv(name)
@@ -285,13 +280,13 @@ def test_the_file_is_the_option_else_the_variable_else_the_default_if_present(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     option, named, default = tmp_path / "o.yaml", tmp_path / "e.yaml", tmp_path / "d.yaml"
-    monkeypatch.setattr(config, "DEFAULT_CONFIG_PATH", default)
+    monkeypatch.setattr(configsources, "DEFAULT_CONFIG_PATH", default)
     environ = {"GATEWAYD_CONFIG": str(named)}
-    assert config.config_file(option, environ) == option
-    assert config.config_file(None, environ) == named
-    assert config.config_file(None, {}) is None
+    assert configsources.config_file(option, environ) == option
+    assert configsources.config_file(None, environ) == named
+    assert configsources.config_file(None, {}) is None
     default.write_text("")
-    assert config.config_file(None, {}) == default
+    assert configsources.config_file(None, {}) == default
 
 
 def test_a_named_file_that_is_missing_is_an_error(tmp_path: Path) -> None:
@@ -306,7 +301,7 @@ def test_the_daemon_is_built_from_the_configuration_itself() -> None:
     """One type: every setting the daemon has, and its default, is the configuration's;
     what only code gives it (a resolver for tests, the control socket ``serve`` serves,
     a tool table) is a parameter, never a setting a file could hold."""
-    for build in (open_daemon, Daemon.__init__):
+    for build in (open_daemon, RunManager.__init__):
         assert typing.get_type_hints(build)["config"] is GatewaydConfig, build
         inputs = set(inspect.signature(build).parameters) - {"config"}
         assert not inputs & set(GatewaydConfig.model_fields) - {"control_socket"}, build
@@ -424,7 +419,9 @@ secret_env: [TOKEN]
 
 def test_the_daemon_is_built_from_every_setting_of_the_file(tmp_path: Path) -> None:
     path = write(tmp_path, FULL_FILE)
-    daemon = cli._config(cli.build_parser().parse_args(["serve", "--config", str(path)]))
+    daemon = cli_options.config_from_options(
+        cli.build_parser().parse_args(["serve", "--config", str(path)])
+    )
     assert daemon == GatewaydConfig(
         state_dir=Path("/srv/gw"),
         audit_path=Path("/srv/audit.jsonl"),
@@ -468,7 +465,7 @@ def test_options_of_serve_override_the_file_and_variables(
             "0",
         ]
     )
-    daemon = cli._config(args)
+    daemon = cli_options.config_from_options(args)
     assert daemon.audit_max_bytes == 0  # 0 is given, not absent
     assert daemon.state_dir == tmp_path / "rel"  # relative on the command line: from cwd
     assert daemon.policy_dirs == (Path("/p1"), Path("/p2"))
@@ -481,7 +478,7 @@ def test_options_of_serve_override_the_file_and_variables(
 def test_a_bad_variable_ends_the_command_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GATEWAYD_SANDBOX_UIDS", "lots")
     with pytest.raises(SystemExit) as caught:
-        cli._config(cli.build_parser().parse_args(["serve"]))
+        cli_options.config_from_options(cli.build_parser().parse_args(["serve"]))
     assert str(caught.value.code).startswith("gatewayd: bad configuration: GATEWAYD_SANDBOX_UIDS")
 
 
@@ -490,23 +487,29 @@ def test_exec_and_rules_find_the_control_socket_of_the_configuration(
 ) -> None:
     parse = cli.build_parser().parse_args
     monkeypatch.setenv("GATEWAYD_CONFIG", str(write(tmp_path, "state_dir: /srv/gw\n")))
-    assert cli._control_socket(parse(["exec", "r", "--", "true"])) == Path("/srv/gw/control.sock")
-    assert cli._control_socket(parse(["rules", "pending"])) == Path("/srv/gw/control.sock")
+    assert cli_options.control_socket_of(parse(["exec", "r", "--", "true"])) == Path(
+        "/srv/gw/control.sock"
+    )
+    assert cli_options.control_socket_of(parse(["rules", "pending"])) == Path(
+        "/srv/gw/control.sock"
+    )
     monkeypatch.setenv("GATEWAYD_CONTROL_SOCKET", "/run/c.sock")
-    assert cli._control_socket(parse(["rules", "pending"])) == Path("/run/c.sock")
+    assert cli_options.control_socket_of(parse(["rules", "pending"])) == Path("/run/c.sock")
     args = parse(["exec", "--state-dir", "/o", "r", "--", "true"])
-    assert cli._control_socket(args) == Path("/run/c.sock")  # the variable names the socket
+    assert cli_options.control_socket_of(args) == Path(
+        "/run/c.sock"
+    )  # the variable names the socket
     monkeypatch.delenv("GATEWAYD_CONTROL_SOCKET")
-    assert cli._control_socket(args) == Path("/o/control.sock")
+    assert cli_options.control_socket_of(args) == Path("/o/control.sock")
     args = parse(["exec", "--control-socket", "/x.sock", "r", "--", "true"])
-    assert cli._control_socket(args) == Path("/x.sock")
+    assert cli_options.control_socket_of(args) == Path("/x.sock")
 
 
 # --- gatewayd config show | check ------------------------------------------------------------
 
 
 def show(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
-    assert cli.main(["config", "show", "--json", *argv]) == cli.EXIT_OK
+    assert cli.main(["config", "show", "--json", *argv]) == cli_command.EXIT_OK
     document: dict[str, Any] = json.loads(capsys.readouterr().out)
     return document
 
@@ -548,7 +551,7 @@ def test_config_show_prints_no_secret(
     alias = document["settings"]["models"]["value"]["r"]
     assert alias["api_base"] == "https://user:***@llm.example:8443/v1"
     assert alias["api_key_env"] == "PROVIDER_KEY"
-    assert cli.main(["config", "show", "--config", str(path)]) == cli.EXIT_OK
+    assert cli.main(["config", "show", "--config", str(path)]) == cli_command.EXIT_OK
     text = capsys.readouterr().out
     for output in (json.dumps(document), text):
         assert key not in output and password not in output and token not in output
@@ -559,7 +562,7 @@ def test_config_show_text_names_each_source(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("GATEWAYD_AUDIT_FSYNC", "false")
-    assert cli.main(["config", "show", "--netns-prefix", "opt-"]) == cli.EXIT_OK
+    assert cli.main(["config", "show", "--netns-prefix", "opt-"]) == cli_command.EXIT_OK
     lines = capsys.readouterr().out.splitlines()
     assert "audit_fsync: false  # env GATEWAYD_AUDIT_FSYNC" in lines
     assert "netns_prefix: opt-  # option --netns-prefix" in lines
@@ -575,7 +578,7 @@ def test_config_show_refuses_a_bad_variable(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_config_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = write(tmp_path, FULL_FILE)
-    assert cli.main(["config", "check", str(good)]) == cli.EXIT_OK
+    assert cli.main(["config", "check", str(good)]) == cli_command.EXIT_OK
     out, err = capsys.readouterr()
     assert out.startswith(f"{good}: OK; sets state_dir, audit_path")
     assert "audit_fsync: false" in err  # the warning
@@ -585,24 +588,24 @@ def test_config_check_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "docs/audit.md" in err
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
-    assert cli.main(["config", "check", str(empty)]) == cli.EXIT_OK
+    assert cli.main(["config", "check", str(empty)]) == cli_command.EXIT_OK
     assert "nothing (every setting default)" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"
     bad.write_text("state_dri: /x\n")
-    assert cli.main(["config", "check", str(bad)]) == cli.EXIT_FAILED
+    assert cli.main(["config", "check", str(bad)]) == cli_command.EXIT_FAILED
     assert "did you mean 'state_dir'?" in capsys.readouterr().err
-    assert cli.main(["config", "check", str(tmp_path / "absent.yaml")]) == cli.EXIT_FAILED
+    assert cli.main(["config", "check", str(tmp_path / "absent.yaml")]) == cli_command.EXIT_FAILED
     assert "cannot read the configuration" in capsys.readouterr().err
     with pytest.raises(SystemExit) as caught:
         cli.main(["config", "check"])
-    assert caught.value.code == cli.EXIT_USAGE
+    assert caught.value.code == cli_command.EXIT_USAGE
 
 
 def test_config_check_ignores_variables(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("GATEWAYD_OS_SANDBOX", "maybe")  # bad, but not the file's problem
-    assert cli.main(["config", "check", str(write(tmp_path, ""))]) == cli.EXIT_OK
+    assert cli.main(["config", "check", str(write(tmp_path, ""))]) == cli_command.EXIT_OK
 
 
 @pytest.mark.parametrize("agent_dir", ["/srv/gw", "/srv/gw/agent"])

@@ -9,7 +9,7 @@ CODE = """
 import resource
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
-from gatewayd.daemon import raise_open_file_limit
+from gatewayd.runs.startup import raise_open_file_limit
 print(raise_open_file_limit() == hard, resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard)
 """
 

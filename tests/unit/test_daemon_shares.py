@@ -16,13 +16,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gatewayd import cli
-from gatewayd.config import (
-    DERIVED_SOURCE,
-    ConfigError,
-    GatewaydConfig,
-    SandboxUids,
-    resolve_settings,
-)
+from gatewayd.cli import command as cli_command
+from gatewayd.cli import options as cli_options
+from gatewayd.config import ConfigError, GatewaydConfig, SandboxUids
+from gatewayd.configsources import DERIVED_SOURCE, resolve_settings
 from gatewayd.sandbox.daemons import (
     PREFIX_HASH_HEX,
     DaemonShare,
@@ -416,7 +413,7 @@ def test_unset_prefix_and_uids_are_derived_from_the_state_dir_and_shown_as_such(
 ) -> None:
     monkeypatch.delenv("GATEWAYD_CONFIG", raising=False)
     state = tmp_path / "state"
-    assert cli.main(["config", "show", "--json", "--state-dir", str(state)]) == cli.EXIT_OK
+    assert cli.main(["config", "show", "--json", "--state-dir", str(state)]) == cli_command.EXIT_OK
     shown = json.loads(capsys.readouterr().out)["settings"]
     uids = derived_uid_range(state)
     assert shown["netns_prefix"] == {"value": derived_netns_prefix(state), "source": DERIVED_SOURCE}
@@ -424,11 +421,13 @@ def test_unset_prefix_and_uids_are_derived_from_the_state_dir_and_shown_as_such(
         "value": {"base": uids.base, "count": uids.count},
         "source": DERIVED_SOURCE,
     }
-    assert cli.main(["config", "show", "--state-dir", str(state)]) == cli.EXIT_OK
+    assert cli.main(["config", "show", "--state-dir", str(state)]) == cli_command.EXIT_OK
     lines = capsys.readouterr().out.splitlines()
     assert f"netns_prefix: {derived_netns_prefix(state)}  # {DERIVED_SOURCE}" in lines
     # The daemon these options build uses exactly what was shown.
-    daemon = cli._config(cli.build_parser().parse_args(["serve", "--state-dir", str(state)]))
+    daemon = cli_options.config_from_options(
+        cli.build_parser().parse_args(["serve", "--state-dir", str(state)])
+    )
     assert (daemon.netns_prefix, daemon.sandbox_uids) == (None, None)
     assert daemon.resolved_netns_prefix == derived_netns_prefix(state)
     assert daemon.resolved_sandbox_uids == uids
@@ -458,7 +457,9 @@ def test_a_count_without_a_base_is_placed_by_the_state_dir(tmp_path: Path) -> No
     settings = resolve_settings(file=path, environ={})
     assert settings.config.resolved_sandbox_uids == derived_uid_range(Path("/srv/gw"), 16)
     assert settings.sources["sandbox_uids"] == f"file {path}, base from state_dir"
-    daemon = cli._config(cli.build_parser().parse_args(["serve", "--config", str(path)]))
+    daemon = cli_options.config_from_options(
+        cli.build_parser().parse_args(["serve", "--config", str(path)])
+    )
     assert daemon.resolved_sandbox_uids == derived_uid_range(Path("/srv/gw"), 16)
     path.write_text("sandbox_uids: {base: 1700000000}\n")
     assert resolve_settings(file=path, environ={}).config.resolved_sandbox_uids == UidRange(

@@ -32,8 +32,18 @@ from gatewayd.hostpaths.beneath import Resolver, forced_resolver, openat2_availa
 from gatewayd.hostpaths.binding import bind_paths
 from gatewayd.policy import Allow, Deny, RunRules, decide, load_policy_text
 from gatewayd.policy.paths import PathAccess, PathGrant, PathMode, ResolvedPath
-from gatewayd.tools import builtin_tools, fs
-from gatewayd.tools.fs import EditArgs, Glob, LineWindow, ListArgs, ReadArgs, sniff_image
+from gatewayd.tools import builtin_tools
+from gatewayd.tools.fs import listing as fs_listing
+from gatewayd.tools.fs.listing import Glob, ListArgs, list_dir
+from gatewayd.tools.fs.read import (
+    OUTPUT_HEADROOM_BYTES,
+    LineWindow,
+    ReadArgs,
+    read_file,
+    sniff_image,
+)
+from gatewayd.tools.fs.threads import in_thread_abandoned_on_cancel, in_thread_to_completion
+from gatewayd.tools.fs.write import EditArgs, replace_file
 from gatewayd.tools.registry import ToolContext
 
 SECRET = "OUTSIDE-SECRET"
@@ -230,7 +240,7 @@ async def test_read_offset_past_the_end_is_invalid_and_says_the_line_count(root:
 
 async def test_read_caps_content_by_the_output_budget(root: Path) -> None:
     (root / "a.txt").write_text("x" * 99 + "\n" + "y" * 99 + "\n" + "z\n")
-    cap = fs.OUTPUT_HEADROOM_BYTES + len("/workspace/a.txt") + 150
+    cap = OUTPUT_HEADROOM_BYTES + len("/workspace/a.txt") + 150
     result = await call("fs.read", {"path": "a.txt"}, make_grant(root), max_output_bytes=cap)
     assert result["content"] == "x" * 99 + "\n"
     assert (result["truncatedBy"], result["outputLines"], result["totalLines"]) == ("bytes", 1, 3)
@@ -239,7 +249,7 @@ async def test_read_caps_content_by_the_output_budget(root: Path) -> None:
 
 async def test_read_of_one_huge_line_returns_the_prefix_that_fits(root: Path) -> None:
     (root / "a.txt").write_text('"' * 5000)  # every quote costs two bytes in JSON
-    cap = fs.OUTPUT_HEADROOM_BYTES + len("/workspace/a.txt") + 100
+    cap = OUTPUT_HEADROOM_BYTES + len("/workspace/a.txt") + 100
     result = await call("fs.read", {"path": "a.txt"}, make_grant(root), max_output_bytes=cap)
     assert result["content"] == '"' * 50
     assert result["truncatedBy"] == "bytes"
@@ -268,7 +278,7 @@ async def test_read_returns_images_as_base64(root: Path) -> None:
 
 async def test_read_refuses_an_image_too_big_for_the_output_cap(root: Path) -> None:
     (root / "pic.png").write_bytes(PNG)
-    cap = fs.OUTPUT_HEADROOM_BYTES + len("/workspace/pic.png") + 400
+    cap = OUTPUT_HEADROOM_BYTES + len("/workspace/pic.png") + 400
     with pytest.raises(PolicyViolation) as caught:
         await call("fs.read", {"path": "pic.png"}, make_grant(root), max_output_bytes=cap)
     message = str(caught.value)
@@ -613,9 +623,7 @@ def test_edit_refuses_to_write_when_the_file_changed_since_it_was_read(root: Pat
     fd = os.open(root, os.O_PATH | os.O_DIRECTORY)
     try:
         with pytest.raises(ToolFailed, match="changed while it was being edited"):
-            fs.replace_file(
-                fd, "a.txt", b"x", target.visible, expected=(before.st_dev, before.st_ino)
-            )
+            replace_file(fd, "a.txt", b"x", target.visible, expected=(before.st_dev, before.st_ino))
     finally:
         os.close(fd)
     assert (root / "a.txt").read_text() == "other"
@@ -688,7 +696,7 @@ async def test_list_stops_at_the_limit_and_says_so(root: Path) -> None:
 async def test_list_stops_at_the_visit_cap_on_huge_trees(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fs, "LIST_MAX_VISITED_ENTRIES", 20)
+    monkeypatch.setattr(fs_listing, "LIST_MAX_VISITED_ENTRIES", 20)
     for d in range(5):
         (root / f"d{d}").mkdir()
         for i in range(10):
@@ -701,7 +709,7 @@ async def test_list_stops_at_the_visit_cap_on_huge_trees(
 async def test_list_stops_descending_at_the_depth_cap(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fs, "LIST_MAX_DEPTH", 3)
+    monkeypatch.setattr(fs_listing, "LIST_MAX_DEPTH", 3)
     (root / "a" / "b" / "c" / "d").mkdir(parents=True)
     result = await call("fs.list", {"pattern": "**"}, make_grant(root))
     assert [e["path"] for e in result["entries"]] == [
@@ -1005,7 +1013,7 @@ async def test_a_call_without_effect_answers_a_cancel_at_once_and_is_told_to_sto
 
     begin = time.monotonic()
     with trio.move_on_after(0.05) as scope:
-        await fs.in_thread_abandoned_on_cancel(slow)
+        await in_thread_abandoned_on_cancel(slow)
     assert scope.cancelled_caught
     assert time.monotonic() - begin < 1
     assert started.is_set()
@@ -1021,7 +1029,7 @@ async def test_a_call_with_effect_is_never_abandoned_midway(tmp_path: Path) -> N
         return {}
 
     with trio.move_on_after(0.02):
-        await fs.in_thread_to_completion(write)
+        await in_thread_to_completion(write)
     # The cancel came at 20 ms, but the answer waited until the write was over.
     assert done.read_text() == "written"
 
@@ -1034,16 +1042,14 @@ def test_an_abandoned_read_or_list_stops_at_its_next_step(root: Path) -> None:
     stop.set()
     message = "the call was stopped (timed out or cancelled) before it finished"
     with pytest.raises(ToolFailed, match=re.escape(message)):
-        fs.read_file(
-            fs.ReadArgs(path="a.txt"), resolve(grant, read("a.txt")), DEFAULT_OUTPUT, stop=stop
-        )
+        read_file(ReadArgs(path="a.txt"), resolve(grant, read("a.txt")), DEFAULT_OUTPUT, stop=stop)
     with pytest.raises(ToolFailed, match=re.escape(message)):
-        fs.list_dir(fs.ListArgs(path="."), resolve(grant, read(".")), stop=stop)
+        list_dir(ListArgs(path="."), resolve(grant, read(".")), stop=stop)
     # Not set: the same calls finish.
     unset = threading.Event()
     assert (
-        fs.read_file(
-            fs.ReadArgs(path="a.txt"), resolve(grant, read("a.txt")), DEFAULT_OUTPUT, stop=unset
+        read_file(
+            ReadArgs(path="a.txt"), resolve(grant, read("a.txt")), DEFAULT_OUTPUT, stop=unset
         )["totalLines"]
         == 100
     )

@@ -2,7 +2,7 @@
 lendable roots, what a mount table says a mount point shows, how the configuration (and
 one made in code) refuses a system tree as a root, and that both judge a root
 on its real path (symlinks made under pytest's tmp_path) (gatewayd/sandbox/lendable.py,
-gatewayd/config.py, gatewayd/daemon.py)."""
+gatewayd/config.py, gatewayd/runs/lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from gatewayd.config import ConfigError, GatewaydConfig, resolve_settings
+from gatewayd.config import ConfigError, GatewaydConfig
+from gatewayd.configsources import resolve_settings
 from gatewayd.sandbox.lendable import (
     DEFAULT_LENDABLE_ROOTS,
     NEVER_ROOTS,

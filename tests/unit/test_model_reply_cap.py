@@ -9,14 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gatewayd.config import (
-    DEFAULT_MAX_REPLY_BYTES,
-    MAX_REPLY_BYTES,
-    MIN_REPLY_BYTES,
-    ConfigError,
-    load_config,
-)
-from gatewayd.model_client import INFLATE_PIECE_BYTES, ModelCallKind, _Inflater
+from gatewayd.config import DEFAULT_MAX_REPLY_BYTES, MAX_REPLY_BYTES, MIN_REPLY_BYTES, ConfigError
+from gatewayd.configsources import load_config
+from gatewayd.model_client import ModelCallKind
+from gatewayd.model_transport import INFLATE_PIECE_BYTES, _Inflater
 from gatewayd.review.reviewer import _FAILURE_WORDS
 
 ALIAS = "models: {{r: {{provider: openai, model: m{extra}}}}}"

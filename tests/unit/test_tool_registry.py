@@ -26,7 +26,9 @@ from gatewayd.tools import builtin_tools
 from gatewayd.tools.builtin import BUILTIN_VERSION, TOOLS_LIST_MANIFEST, builtin_tool
 from gatewayd.tools.clock import NowArgs
 from gatewayd.tools.exec import ExecArgs
-from gatewayd.tools.fs import EditArgs, ListArgs, ReadArgs, StatArgs, WriteArgs
+from gatewayd.tools.fs.listing import ListArgs, StatArgs
+from gatewayd.tools.fs.read import ReadArgs
+from gatewayd.tools.fs.write import EditArgs, WriteArgs
 from gatewayd.tools.http import FetchArgs
 from gatewayd.tools.manifest import RunnerKind, ToolLimits, ToolManifest
 from gatewayd.tools.model import ChatArgs

@@ -1,7 +1,7 @@
 """``gatewayd agent run``: one host-owned agent run from the command line.
 
-Progress goes to stderr as it happens (turn, tool, verdict); the result (reference note
-004's run result, docs/agent-runs.md) goes to stdout as JSON, or to ``--result FILE``.
+Progress goes to stderr as it happens (turn, tool, verdict); the result
+(docs/agent-runs.md) goes to stdout as JSON, or to ``--result FILE``.
 Exit status: 0 when the task finished (and was pushed, unless ``--no-push``), 1 when it
 did not, 2 for a usage error.
 """
@@ -13,16 +13,19 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
+
+from gatewayd.cli.command import EXIT_FAILED, EXIT_OK, EXIT_USAGE, refusing
+from gatewayd.cli.options import add_daemon_options, config_from_options, log_scrubber
+
+if TYPE_CHECKING:
+    from gatewayd.cli.command import Subparsers
 
 DEFAULT_GIT_TOKEN_ENV: Final = "COGNI_GIT_TOKEN"  # noqa: S105 (a variable's name)
 DEFAULT_AGENT_POLICY: Final = "agent"
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1
-EXIT_USAGE: Final = 2
 
 
-def add_parser(sub: Any, add_daemon_options: Any) -> None:
+def add_parsers(sub: Subparsers) -> None:
     agent = sub.add_parser("agent", help="host-owned agent runs (docs/agent-runs.md)")
     commands = agent.add_subparsers(dest="agent_command", required=True)
     run = commands.add_parser(
@@ -93,11 +96,15 @@ def add_parser(sub: Any, add_daemon_options: Any) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    return refusing(_agent_run, args)
+
+
+def _agent_run(args: argparse.Namespace) -> int:
     import trio
 
-    from gatewayd.agent.loop import AgentLimits, AgentTask, PullRequestSpec, run_agent
+    from gatewayd.agent.loop import run_agent
     from gatewayd.agent.repo import SHA_RE, RepoCredentials
-    from gatewayd.cli import _config, _log_scrubber
+    from gatewayd.agent.task import AgentLimits, AgentTask, PullRequestSpec
     from gatewayd.daemon import open_daemon
     from gatewayd.logs import configure_logging
     from gatewayd.secrets import SecretError, SecretMissing, read_secret
@@ -131,11 +138,11 @@ def main(args: argparse.Namespace) -> int:
         token = None  # a public or local repository
     except (SecretError, ValueError) as exc:
         return usage(str(exc))
-    config = _config(args)
+    config = config_from_options(args)
     # The tokens are gatewayd's secrets for this process: scrubbed from every output.
     names = [args.git_token_env] + ([args.forge_token_env] if args.forge_token_env else [])
     config = config.changed(secret_env=tuple(dict.fromkeys([*config.secret_env, *names])))
-    configure_logging(logging.WARNING, scrubber=_log_scrubber(config))
+    configure_logging(logging.WARNING, scrubber=log_scrubber(config))
     task = AgentTask(
         repo_url=args.repo,
         sha=args.sha,
@@ -167,7 +174,7 @@ def main(args: argparse.Namespace) -> int:
 
     async def go() -> None:
         async with open_daemon(config) as daemon:
-            result = await run_agent(daemon, task, progress)
+            result = await run_agent(daemon.runs, daemon.dispatcher, task, progress)
             out.update(result.to_json())
 
     trio.run(go)

@@ -1,0 +1,7 @@
+"""`python -m gatewayd.cli`: the `gatewayd` console script."""
+
+import sys
+
+from gatewayd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,63 @@
+"""What every `gatewayd` command module is, and what the commands share: their exit
+statuses, and how a command that starts a daemon reports a refused start.
+
+A command module (``gatewayd.cli.serve``, ``gatewayd.cli.audit``...) adds its
+subcommands to the parser (``add_parsers``) and runs one (``main``); heavy imports
+(trio, the daemon) happen inside ``main``'s callees, so `gatewayd audit verify` and
+`gatewayd policy check` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, Protocol
+
+if TYPE_CHECKING:
+    # argparse's own (private) name for what ``add_subparsers`` returns.
+    Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
+
+# Exit codes of gatewayd itself (a one-shot run exits with its command's status).
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1  # verify found a problem, policy invalid, run refused
+EXIT_USAGE: Final = 2
+
+
+class CommandModule(Protocol):
+    """A module of ``gatewayd.cli``: its subcommands' parsers and their handler."""
+
+    def add_parsers(self, sub: Subparsers) -> None:
+        """Add this module's commands to ``gatewayd``'s subcommands."""
+
+    def main(self, args: argparse.Namespace) -> int:
+        """Run the command ``args`` names; returns gatewayd's exit status."""
+
+
+def refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a command that starts a daemon; a refused start (another daemon on this host
+    holds what this one would use, the host's registry of daemons cannot be used, the
+    audit log cannot be continued, or the control socket's path is taken) is its message
+    and EXIT_FAILED, not a traceback."""
+    from gatewayd.audit import AuditOpenError
+    from gatewayd.control import ControlSocketInUse
+    from gatewayd.sandbox.daemons import DaemonRegistryError
+
+    refusals = (DaemonRegistryError, AuditOpenError, ControlSocketInUse)
+    try:
+        return command(args)
+    except refusals as exc:
+        # AuditOpenError: the audit log is another daemon's (locked) or cannot be continued.
+        print(f"gatewayd: refused to start: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except BaseExceptionGroup as group:
+        # Raised inside the daemon's nursery (a control socket path something else
+        # holds, ControlServer.serve): a refusal still, if that is all the group holds.
+        refused, rest = group.split(refusals)
+        if refused is None or rest is not None:
+            raise
+        first: BaseException = refused
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"gatewayd: refused to start: {first}", file=sys.stderr)
+        return EXIT_FAILED

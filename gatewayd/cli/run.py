@@ -1,0 +1,380 @@
+"""`gatewayd run` (one shot: create a run, start a command in its sandbox, report, exit
+with the command's status) and `gatewayd exec` (a command in a live run's sandbox,
+through `gatewayd serve`'s control socket)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from gatewayd.cli.command import EXIT_FAILED, EXIT_USAGE, refusing
+from gatewayd.cli.control_client import control_request
+from gatewayd.cli.options import (
+    add_daemon_options,
+    config_from_options,
+    control_socket_of,
+    log_scrubber,
+)
+
+if TYPE_CHECKING:
+    from gatewayd.cli.command import Subparsers
+    from gatewayd.daemon import Daemon
+    from gatewayd.runs import Run, RunRequest
+
+# A child killed by signal N exits 128 + N, like a shell reports it.
+SIGNAL_EXIT_BASE: Final = 128
+# Variables a run's command may inherit from gatewayd's environment; everything else
+# is dropped (invariant SECRETS_HOST_ONLY), and the two COGNI_ variables are added.
+ENV_ALLOWLIST: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TZ")
+# Like timeout(1): the run's command was stopped because the run ran out of time.
+EXIT_MAX_RUNTIME: Final = 124
+# A run spec is a few hundred bytes, like the control socket's run request (whose body
+# cap this is): anything bigger is not a spec.
+MAX_SPEC_BYTES: Final = 1 << 20
+
+
+def add_parsers(sub: Subparsers) -> None:
+    run = sub.add_parser(
+        "run",
+        help="one shot: create a run, start CMD with COGNI_GATEWAY_SOCK set, report, exit",
+    )
+    add_daemon_options(run)
+    run.add_argument("--policy", help="policy file, or the name of a shipped policy")
+    run.add_argument("--workspace", type=Path, help="the run's workspace directory")
+    run.add_argument("--actor", default=os.environ.get("USER", "operator"))
+    run.add_argument("--tenant", default="local")
+    run.add_argument(
+        "--max-runtime",
+        type=int,
+        default=None,
+        help="seconds before the run ends (default 3600); its command is also bounded by "
+        "the policy's sandbox.timeout_s (default 600), whichever is shorter",
+    )
+    run.add_argument(
+        "--tool",
+        action="append",
+        dest="tools",
+        default=None,
+        help="restrict the run to these tool ids (repeatable); default: the policy's list",
+    )
+    run.add_argument(
+        "--image",
+        type=Path,
+        default=None,
+        help="a root filesystem directory for the sandbox instead of the host's system "
+        "directories (see sandbox_image/README.md; check it with `gatewayd image check`)",
+    )
+    run.add_argument(
+        "--spec",
+        type=Path,
+        default=None,
+        help="a JSON RunRequest file instead of --policy/--workspace (grant included)",
+    )
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+
+    execute = sub.add_parser(
+        "exec",
+        help="run a command in a live run's sandbox (through gatewayd serve's control socket)",
+    )
+    execute.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="the daemon's state directory (to find its control socket); default: the "
+        "configuration's",
+    )
+    execute.add_argument(
+        "--control-socket", type=Path, default=None, help="default STATE_DIR/control.sock"
+    )
+    execute.add_argument(
+        "--timeout", type=float, default=None, help="seconds (at most the policy's timeout)"
+    )
+    execute.add_argument(
+        "-i", "--stdin", action="store_true", help="pass this command's standard input"
+    )
+    execute.add_argument("run_id", metavar="RUN", help="the run id (32 hex digits)")
+    execute.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.command == "exec":
+        return _exec(args)
+    return refusing(_run, args)
+
+
+def _run_request(args: argparse.Namespace) -> RunRequest:
+    import pydantic
+
+    from gatewayd.runs import Grant, RunLimits, RunRequest, format_validation_error
+
+    if args.spec is not None:
+        from gatewayd import strictjson
+        from gatewayd.inputfile import InputFileError, read_input_file
+
+        try:
+            raw = read_input_file(args.spec, max_bytes=MAX_SPEC_BYTES, what="the run spec")
+            strictjson.check(raw)
+            return RunRequest.model_validate_json(raw, strict=True)
+        except (InputFileError, strictjson.JsonInputError, pydantic.ValidationError) as exc:
+            detail = (
+                format_validation_error(exc)
+                if isinstance(exc, pydantic.ValidationError)
+                else str(exc)
+            )
+            raise SystemExit(f"gatewayd: bad --spec {args.spec}: {detail}") from None
+    if not args.policy or not args.workspace:
+        raise SystemExit("gatewayd run: --policy and --workspace are required (or --spec FILE)")
+    # The operator starting a run from the host's command line is the system grant.
+    return RunRequest(
+        workspacePath=str(args.workspace.resolve()),
+        policy=args.policy,
+        actorId=args.actor,
+        tenantId=args.tenant,
+        grant=Grant(allowSandbox=True),
+        toolIds=tuple(args.tools) if args.tools else None,
+        limits=RunLimits(maxRuntimeSec=args.max_runtime)
+        if args.max_runtime is not None
+        else RunLimits(),
+        sandboxImage=str(args.image.absolute()) if args.image else None,
+    )
+
+
+def child_environment(run: Run) -> dict[str, str]:
+    """The environment of a run's command: an allowlist plus the two COGNI_ variables.
+
+    The directory of this interpreter goes first on PATH so ``cogni-tool`` is found.
+    """
+    env = {k: v for k, v in os.environ.items() if k in ENV_ALLOWLIST}
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env["COGNI_GATEWAY_SOCK"] = str(run.socket_path)
+    env["COGNI_RUN_ID"] = run.run_id
+    return env
+
+
+def _run(args: argparse.Namespace) -> int:
+    import trio
+
+    from gatewayd.audit import AuditEvent, AuditWriteError
+    from gatewayd.daemon import open_daemon
+    from gatewayd.errors import GatewayError
+    from gatewayd.logs import configure_logging
+    from gatewayd.policy import PolicyError
+    from gatewayd.runs.lifecycle import AUDITED_COMMAND_ARGS
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("gatewayd run: give the command after --, e.g. -- python3 agent.py", file=sys.stderr)
+        return EXIT_USAGE
+    request = _run_request(args)
+    config = config_from_options(args)
+    configure_logging(logging.WARNING, scrubber=log_scrubber(config))
+    status = EXIT_FAILED
+
+    async def one_shot() -> None:
+        nonlocal status
+        async with open_daemon(config) as daemon:
+            try:
+                run = await daemon.runs.start(request, policy_paths=True)
+            except GatewayError as exc:  # no grant, no sandbox, a workspace out of reach
+                print(f"gatewayd: {exc.code}: {exc}", file=sys.stderr)
+                return
+            except (PolicyError, ValueError) as exc:
+                print(f"gatewayd: run refused: {exc}", file=sys.stderr)
+                return
+            print(
+                f"gatewayd: run {run.run_id} started (policy {run.spec.policy.name})",
+                file=sys.stderr,
+            )
+            max_runtime = run.spec.request.limits.maxRuntimeSec
+            if run.sandbox is not None:
+                status = await _run_in_sandbox(daemon, run, cmd, max_runtime)
+                return
+            print(
+                f"gatewayd: WARNING: run {run.run_id} has NO OS sandbox ({run.degraded}); "
+                "its command runs on the host without isolation",
+                file=sys.stderr,
+            )
+            # Audited like a sandboxed command, marked degraded: the reviewer sees what
+            # ran without isolation.
+            await daemon.audit.append(
+                "event",
+                event=AuditEvent.EXEC_STARTED,
+                runId=run.run_id,
+                detail={"command": cmd[:AUDITED_COMMAND_ARGS], "timeoutS": max_runtime},
+                degraded=run.degraded,
+            )
+            # Cancelling run_process stops the command (SIGTERM, then SIGKILL).
+            with trio.move_on_after(max_runtime) as scope:
+                proc = await trio.run_process(
+                    cmd,
+                    cwd=str(run.spec.workspace),
+                    env=child_environment(run),
+                    check=False,
+                    start_new_session=True,
+                )
+            if scope.cancelled_caught:
+                print(
+                    f"gatewayd: run {run.run_id} exceeded its {max_runtime} s "
+                    "(maxRuntimeSec); its command was stopped",
+                    file=sys.stderr,
+                )
+                rc, status = -1, EXIT_MAX_RUNTIME
+            else:
+                rc = proc.returncode
+                status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
+            seq = daemon.audit.record(
+                "event",
+                event=AuditEvent.EXEC_ENDED,
+                runId=run.run_id,
+                detail={
+                    "exitCode": rc if rc >= 0 else None,
+                    "signal": -rc if rc < 0 and not scope.cancelled_caught else None,
+                    "errorCode": "timeout" if scope.cancelled_caught else None,
+                },
+                degraded=run.degraded,
+            )
+            try:
+                # The exit status says how the command ended: only once the log does.
+                await daemon.runs.durable_before_answer(seq)
+            except AuditWriteError as exc:
+                print(_exec_end_not_audited(exc.detail), file=sys.stderr)
+                status = EXIT_FAILED
+            await _end_one_shot(daemon, run, f"exit {rc}")
+
+    trio.run(one_shot)
+    return status
+
+
+async def _end_one_shot(daemon: Daemon, run: Run, outcome: str) -> None:
+    # The run may already have ended (maxRuntimeSec); its counters stay on it.
+    await daemon.runs.end(run.run_id, reason="command_exited")
+    by_code = ", ".join(f"{k}: {v}" for k, v in sorted(run.denied_by_code.items()))
+    print(
+        f"gatewayd: run {run.run_id} ended: {outcome}; {run.calls} calls, "
+        f"{run.allowed} allowed, {run.denied} denied" + (f" ({by_code})" if by_code else ""),
+        file=sys.stderr,
+    )
+    print(f"gatewayd: audit log {daemon.config.resolved_audit_path}", file=sys.stderr)
+
+
+async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime: int) -> int:
+    """The one-shot run's command, in the run's sandbox; returns gatewayd's exit status."""
+    from gatewayd.audit import AuditWriteError
+    from gatewayd.errors import GatewayError
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # The command's output is shown as it comes (all of it; the result keeps the cap).
+    echo = (_writer(sys.stdout.fileno()), _writer(sys.stderr.fileno()))
+    try:
+        result = await daemon.runs.exec(run.run_id, cmd, timeout_s=max_runtime, echo=echo)
+    except AuditWriteError as exc:
+        print(_exec_end_not_audited(exc.detail), file=sys.stderr)
+        await _end_one_shot(daemon, run, "its end not audited")
+        return EXIT_FAILED
+    except GatewayError as exc:
+        print(f"gatewayd: the sandbox could not start: {exc}", file=sys.stderr)
+        await _end_one_shot(daemon, run, "not started")
+        return EXIT_FAILED
+    status = _exec_status(result.exitCode, result.signal, _str_or_none(result.errorCode))
+    outcome = _describe_exec(result.exitCode, result.signal, _str_or_none(result.errorCode))
+    await _end_one_shot(daemon, run, outcome)
+    return status
+
+
+def _exec_end_not_audited(detail: str) -> str:
+    """`gatewayd run`'s word when its command's end cannot be made durable: the
+    command's exit status is not passed on (EXIT_FAILED instead), as a call's value is
+    withheld."""
+    return (
+        f"gatewayd: the audit log cannot be written ({detail}), so the command's exit "
+        f"status is not passed on (exit {EXIT_FAILED}); fix the audit log"
+    )
+
+
+def _str_or_none(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _writer(fd: int) -> Callable[[bytes], None]:
+    from gatewayd.files import write_all
+
+    return functools.partial(write_all, fd)
+
+
+def _write_output(stdout: bytes, stderr: bytes) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _writer(sys.stdout.fileno())(stdout)
+    _writer(sys.stderr.fileno())(stderr)
+
+
+def _exec_status(exit_code: int | None, sig: int | None, error: str | None) -> int:
+    """gatewayd's exit status for a sandboxed command: its own, 128+N for a signal,
+    124 when it ran out of time (like timeout(1))."""
+    if error == "timeout":
+        return EXIT_MAX_RUNTIME
+    if sig is not None:
+        return SIGNAL_EXIT_BASE + sig
+    return exit_code if exit_code is not None else EXIT_FAILED
+
+
+def _describe_exec(exit_code: int | None, sig: int | None, error: str | None) -> str:
+    what = f"signal {sig}" if sig is not None else f"exit {exit_code}"
+    return f"{what} ({error})" if error else what
+
+
+def _exec(args: argparse.Namespace) -> int:
+    """`gatewayd exec RUN -- CMD`: POST the command to the control socket, print its
+    output, exit with its status."""
+    import base64
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("gatewayd exec: give the command after --, e.g. RUN -- make test", file=sys.stderr)
+        return EXIT_USAGE
+    body: dict[str, object] = {"command": cmd}
+    if args.timeout is not None:
+        body["timeoutSec"] = args.timeout
+    if args.stdin:
+        body["stdin"] = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    control = control_socket_of(args)
+    try:
+        status, payload = control_request(control, "POST", f"/v1/runs/{args.run_id}/exec", body)
+    except OSError as exc:
+        print(f"gatewayd exec: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if status != 200 or not payload.get("ok"):
+        print(
+            f"gatewayd exec: {payload.get('errorCode', status)}: {payload.get('message')}",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+    result = payload["result"]
+    streams = []
+    for name in ("stdout", "stderr"):
+        text = result[name]
+        data = base64.b64decode(text) if result[f"{name}Encoding"] == "base64" else text.encode()
+        streams.append(data)
+    _write_output(streams[0], streams[1])
+    for name in ("stdout", "stderr"):
+        if result[f"{name}Truncated"]:
+            print(f"gatewayd exec: {name} was cut at the run's output limit", file=sys.stderr)
+    if result["errorCode"]:
+        print(
+            "gatewayd exec: "
+            + _describe_exec(result["exitCode"], result["signal"], result["errorCode"]),
+            file=sys.stderr,
+        )
+    return _exec_status(result["exitCode"], result["signal"], result["errorCode"])

@@ -1,0 +1,452 @@
+"""The run lifecycle: start a run (refuse, isolate, serve), run commands in its sandbox,
+and end it, each step audited.
+
+:class:`RunManager` owns no task of its own: every run's listener and services live in
+the daemon's nursery it is given, and a run ends by cancelling its scope; its end
+(:meth:`RunManager._finish`) runs shielded, whatever ended it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import structlog
+import trio
+
+from gatewayd.audit import AuditEvent, AuditLog, AuditWriteError
+from gatewayd.config import GatewaydConfig
+from gatewayd.dialer import Resolver, resolve_host
+from gatewayd.dispatch import Dispatcher
+from gatewayd.errors import GatewayError, PolicyViolation
+from gatewayd.metrics import GatewayMetrics
+from gatewayd.policy import PolicyError, SandboxSection
+from gatewayd.policy.paths import PathMode
+from gatewayd.protocol import ErrorCode
+from gatewayd.runs.model import Run, RunRequest, RunState
+from gatewayd.runs.registry import RunRegistry
+from gatewayd.runs.services import services_for, start_services
+from gatewayd.runs.startup import HostSandbox
+from gatewayd.sandbox.launch import Echo, ExecResult, ResultForm, exec_result_json
+from gatewayd.sandbox.lendable import LendableRoots
+from gatewayd.sandbox.limits import HostUser
+from gatewayd.sandbox.session import CommandLimits, RunSandbox, SandboxUnavailable
+from gatewayd.sandbox.uids import UidPool
+from gatewayd.server import serve_run
+
+log = structlog.get_logger("gatewayd.runs")
+
+# An exec's command as its exec_started entry records it: the program and its first
+# arguments (a command line is a few words; more is a payload, not what ran).
+AUDITED_COMMAND_ARGS = 64
+
+
+class RunManager:
+    """Creates, serves, runs commands in and ends runs. Every run's listener lives in
+    the nursery given; ``config`` is the configuration in force (a reload replaces its
+    model aliases: :func:`gatewayd.runs.reload.reload_config`)."""
+
+    def __init__(
+        self,
+        config: GatewaydConfig,
+        *,
+        audit: AuditLog,
+        registry: RunRegistry,
+        dispatcher: Dispatcher,
+        nursery: trio.Nursery,
+        host: HostSandbox,
+        uid_pool: UidPool,
+        metrics: GatewayMetrics,
+        resolver: Resolver | None = None,
+        control_socket: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.audit = audit
+        self.registry = registry
+        self.uid_pool = uid_pool
+        # Whether runs get the OS sandbox (``support.reason``: why not), and what every
+        # run's sandbox is made with (None without it).
+        self.support = host.support
+        self.sandbox_settings = host.settings
+        self._dispatcher = dispatcher
+        self._nursery = nursery
+        self._metrics = metrics
+        # How the egress proxy resolves names (None: the host's resolver).
+        self._resolver = resolver
+        # The control socket this daemon serves (None: none), never lent to a run.
+        self._control_socket = control_socket
+        # Sandboxes are made one at a time: the check that no live run holds a workspace
+        # and the lease that then takes it must not interleave with another start.
+        self._isolating = trio.Lock()
+        # Trees of runs whose give-back failed: still (partly) a sandbox uid's, so no
+        # other run may take them until the next start returns them.
+        self._stuck_trees: list[Path] = []
+
+    async def start(
+        self,
+        request: RunRequest,
+        *,
+        sandbox_user: HostUser | None = None,
+        lend_workspace: bool = True,
+        policy_paths: bool = False,
+        own_root: Path | None = None,
+    ) -> Run:
+        """Create a run and start serving its socket. Refusals are audited, then raised.
+        ``sandbox_user`` and ``lend_workspace``: see :meth:`RunSandbox.open` (an agent
+        run's overlay workspace is made the run uid's before the run starts).
+        ``own_root``: a directory gatewayd made for this run alone (an agent run's work
+        directory), beneath which its trees may lie besides the lendable roots.
+        ``policy_paths``: the request may name its policy by a file's path (gatewayd's own
+        command line); otherwise only by name, from the configured policy directories.
+
+        Error handling: AuthzDenied (no sandbox grant), PolicyError (bad policy),
+        ValueError (bad workspace), NotLendable (a workspace or rw path under no lendable
+        root), OSError (gatewayd could not make the run's files); each is recorded as a
+        ``run_refused`` event with the matching code.
+        """
+        roots = LendableRoots(
+            configured=self.config.lendable_roots,
+            own=(own_root,) if own_root else (),
+            reserved=self.config.own_directories(control_socket=self._control_socket),
+        )
+        try:
+            run = self.registry.create(request, policy_paths=policy_paths)
+            structlog.contextvars.bind_contextvars(run_id=run.run_id)  # this task's lines
+            try:
+                # Every run, sandboxed or degraded (whose host-side tools write as
+                # gatewayd), before anything of it is touched.
+                _require_lendable(run, roots)
+                await self._isolate(run, roots, sandbox_user, lend_workspace)
+            except BaseException:
+                self.registry.remove(run)
+                raise
+        except Exception as exc:
+            self._metrics.runs_refused.inc((str(_refusal_code(exc)),))
+            await self.audit.append(
+                "event",
+                event=AuditEvent.RUN_REFUSED,
+                errorCode=str(_refusal_code(exc)),
+                safeMessage=str(exc),
+                detail={
+                    "actorId": request.actorId,
+                    "tenantId": request.tenantId,
+                    "policy": request.policy,
+                    "workspacePath": request.workspacePath,
+                    "allowSandbox": request.grant.allowSandbox,
+                },
+            )
+            raise
+        await self.audit.append(
+            "event",
+            event=AuditEvent.RUN_CREATED,
+            runId=run.run_id,
+            detail={
+                "actorId": request.actorId,
+                "tenantId": request.tenantId,
+                "policy": run.spec.policy.name,
+                "policySource": run.spec.policy_source,
+                "workspace": str(run.spec.workspace),
+                "toolIds": list(request.toolIds) if request.toolIds is not None else None,
+                "sandbox": _sandbox_detail(run),
+            },
+        )
+        try:
+            await self._nursery.start(self._serve, run)
+        except BaseException:
+            # _serve's own cleanup (_finish) has ended the run already, sandbox and all.
+            if run.state is not RunState.ENDED:
+                run.move_to(RunState.FAILED)
+                self.registry.remove(run)
+            raise
+        self._metrics.runs_started.inc()
+        log.info("run_started", run_id=run.run_id, policy=run.spec.policy.name)
+        return run
+
+    async def _isolate(
+        self,
+        run: Run,
+        roots: LendableRoots,
+        user: HostUser | None = None,
+        lend_workspace: bool = True,
+    ) -> None:
+        """Give the run its OS sandbox, or make it degraded if its policy allows that.
+
+        Error handling: PolicyViolation when the policy requires a sandbox this host
+        cannot give; SandboxUnavailable when making it failed.
+        """
+        policy = run.spec.policy
+        held = sorted(set(policy.env.allow) & self._secret_env_names())
+        if held:
+            raise PolicyViolation(
+                f"policy {policy.name!r} passes {held[0]} into the sandbox (env.allow), and "
+                "gatewayd holds a secret in that variable (a model key or secret_env); secrets "
+                "never enter "
+                "a sandbox: remove it from env.allow (model.chat and the in-sandbox endpoint "
+                "use the key on the host)"
+            )
+        if self.sandbox_settings is None:
+            if policy.require_os_sandbox:
+                raise PolicyViolation(
+                    f"policy {policy.name!r} requires the OS sandbox (require_os_sandbox: "
+                    f"true) and this gatewayd has none: {self.support.reason}. Fix the host, "
+                    "or set require_os_sandbox: false in the policy to run without isolation"
+                )
+            run.degraded = f"no OS sandbox: {self.support.reason}"
+            log.warning(
+                "run_degraded_no_os_sandbox",
+                run_id=run.run_id,
+                reason=self.support.reason,
+                note="the run's commands run WITHOUT isolation; every call is audited as degraded",
+            )
+            return
+        limits = policy.sandbox
+        image = run.spec.request.sandboxImage
+        async with self._isolating:
+            await self._open_sandbox(run, limits, image, user, lend_workspace, roots)
+
+    async def _open_sandbox(
+        self,
+        run: Run,
+        limits: SandboxSection,
+        image: str | None,
+        user: HostUser | None,
+        lend_workspace: bool,
+        roots: LendableRoots,
+    ) -> None:
+        settings = self.sandbox_settings
+        if settings is None:  # _isolate makes a degraded run instead
+            raise SandboxUnavailable(f"run {run.run_id}: no OS sandbox on this host")
+        busy = [*self._stuck_trees]
+        busy += [
+            tree for other in self.registry.all() if other.sandbox for tree in other.sandbox.trees
+        ]
+        run.sandbox = await RunSandbox.open(
+            run_id=run.run_id,
+            settings=settings,
+            pool=self.uid_pool,
+            run_dir=run.directory,
+            socket_path=run.socket_path,
+            workspace=run.spec.workspace,
+            grants=run.spec.grants,
+            env_names=run.spec.policy.env.allow,
+            limits=CommandLimits(
+                timeout_s=limits.timeout_s,
+                cpu_s=limits.cpu_s,
+                memory_mb=run.spec.request.limits.maxMemoryMb,
+                max_processes=limits.max_processes,
+                max_file_mb=limits.max_file_mb,
+                max_open_files=limits.max_open_files,
+                max_output_bytes=limits.max_output_bytes,
+                tmp_mb=limits.tmp_mb,
+            ),
+            image_dir=None if image is None else Path(image),
+            busy_trees=busy,
+            services=services_for(run, self._dispatcher.tools),
+            user=user,
+            lend_workspace=lend_workspace,
+            roots=roots,
+        )
+
+    def _secret_env_names(self) -> set[str]:
+        """Variables whose values gatewayd holds as secrets (model keys, secret_env)."""
+        return set(self._dispatcher.scrubber.names)
+
+    async def exec(
+        self,
+        run_id: str,
+        command: list[str],
+        *,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        echo: Echo | None = None,
+    ) -> ExecResult:
+        """Run ``command`` in the run's sandbox (host to sandbox); audited before it
+        starts (durable before bwrap runs) and when it ends: the result (or the error)
+        is returned only once ``exec_ended`` is durable, so whoever is told the exit code
+        finds it in the log after a crash (unless the operator opted out:
+        :meth:`durable_before_answer`).
+
+        Error handling: LookupError for an unknown run; SandboxUnavailable for a run
+        without a sandbox or one that is ending; PlanError/LaunchError if bwrap cannot
+        start (also audited); AuditWriteError when ``exec_ended`` cannot be made durable
+        (the command ran; its result must not be given).
+        """
+        run = self.registry.get(run_id)
+        if run is None:
+            raise LookupError(f"no run {run_id}")
+        structlog.contextvars.bind_contextvars(run_id=run_id)  # this task's lines
+        if run.sandbox is None:
+            raise SandboxUnavailable(
+                f"run {run_id} has no OS sandbox ({run.degraded}); commands run only inside "
+                "a sandbox"
+            )
+        await self.audit.append(
+            "event",
+            event=AuditEvent.EXEC_STARTED,
+            runId=run_id,
+            detail={"command": command[:AUDITED_COMMAND_ARGS], "timeoutS": timeout_s},
+        )
+        try:
+            result = await run.sandbox.exec(command, stdin=stdin, timeout_s=timeout_s, echo=echo)
+        except Exception as exc:
+            seq = self.audit.record(
+                "event",
+                event=AuditEvent.EXEC_ENDED,
+                runId=run_id,
+                errorCode=str(ErrorCode.INTERNAL),
+                safeMessage=str(exc),
+            )
+            await self.durable_before_answer(seq)
+            raise
+        seq = self.audit.record(
+            "event",
+            event=AuditEvent.EXEC_ENDED,
+            runId=run_id,
+            durationMs=result.durationMs,
+            detail=exec_result_json(result, ResultForm.AUDIT),
+        )
+        await self.durable_before_answer(seq)
+        return result
+
+    async def durable_before_answer(self, seq: int) -> None:
+        """Return once the entry ``seq`` (what an answer about to leave gatewayd reports:
+        a command's end, its exit code) is durable, as every call's answer waits for its
+        result entry (invariant RESULT_BEFORE_REPLY); at once when the operator opted out
+        (``audit_reply_after_result: false``: the entry rides the next flush).
+
+        Error handling: AuditWriteError when the log cannot take it; the answer must
+        then not say what the entry would have."""
+        if self.config.audit_reply_after_result:
+            await self.audit.durable(seq)
+
+    async def _serve(self, run: Run, *, task_status: trio.TaskStatus[None]) -> None:
+        # Every line logged by this task and the tasks it starts (the run's connections,
+        # calls, services, egress proxy) carries the run's id.
+        structlog.contextvars.bind_contextvars(run_id=run.run_id)
+        max_runtime = run.spec.request.limits.maxRuntimeSec
+        try:
+            with trio.move_on_after(max_runtime) as scope:
+                try:
+                    async with trio.open_nursery() as nursery:
+                        await nursery.start(self._serve_socket, run, nursery.cancel_scope)
+                        await start_services(
+                            run,
+                            nursery,
+                            lifetime_s=max_runtime,
+                            audit=self.audit,
+                            resolve=self._resolver or resolve_host,
+                            models=self.config.models,
+                            reply_after_result=self.config.audit_reply_after_result,
+                        )
+                        task_status.started()
+                except BaseExceptionGroup as group:
+                    # The services did not come up: the caller gets that error itself
+                    # (the control socket answers it with its code and reason).
+                    if len(group.exceptions) == 1 and isinstance(
+                        group.exceptions[0], SandboxUnavailable
+                    ):
+                        raise group.exceptions[0] from None
+                    raise
+            if scope.cancelled_caught:
+                run.end_reason = "max_runtime_exceeded"
+                log.warning("run_max_runtime", run_id=run.run_id, seconds=max_runtime)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._finish(run)
+
+    async def _serve_socket(
+        self,
+        run: Run,
+        services: trio.CancelScope,
+        *,
+        task_status: trio.TaskStatus[None],
+    ) -> None:
+        """The run's socket; when it stops (the run ends), so do the run's services."""
+        try:
+            await serve_run(
+                run,
+                self._dispatcher,
+                max_frame_bytes=self.config.max_frame_bytes,
+                task_status=task_status,
+            )
+        finally:
+            services.cancel()
+
+    async def end(self, run_id: str, reason: str = "ended") -> dict[str, Any] | None:
+        """Stop serving a run and remove its socket; returns its final summary."""
+        run = self.registry.get(run_id)
+        if run is None:
+            return None
+        run.end_reason = reason
+        run.cancel_scope.cancel()
+        await run.finished.wait()
+        return run.summary()
+
+    async def end_all(self) -> None:
+        """End every run (used at shutdown)."""
+        for run in self.registry.all():
+            await self.end(run.run_id, reason="daemon_stopping")
+
+    async def _finish(self, run: Run) -> None:
+        if run.state in (RunState.CREATED, RunState.SERVING):
+            run.move_to(RunState.ENDING)
+        cleanup: dict[str, Any] = {}
+        if run.sandbox is not None:
+            try:
+                cleanup = await run.sandbox.close()
+            except Exception as exc:  # keep the lease record: the next start returns it
+                log.exception("sandbox_cleanup_failed", run_id=run.run_id)
+                cleanup = {"cleanupFailed": str(exc)}
+                self._stuck_trees.extend(run.sandbox.trees)
+            else:
+                self.uid_pool.release(run.sandbox.user)
+        if "cleanupFailed" not in cleanup:
+            self.registry.remove(run)
+        else:
+            self.registry.forget(run)
+        run.move_to(RunState.ENDED)  # from ENDING, or from FAILED
+        try:
+            await self.audit.append(
+                "event",
+                event=AuditEvent.RUN_ENDED,
+                runId=run.run_id,
+                detail={"reason": run.end_reason, **_counts(run), **cleanup},
+            )
+        except AuditWriteError:
+            log.error("run_end_not_audited", run_id=run.run_id, reason=run.end_reason)
+        finally:
+            run.finished.set()
+            self._metrics.runs_ended.inc((run.end_reason,))
+            log.info("run_ended", run_id=run.run_id, reason=run.end_reason)
+
+
+def _sandbox_detail(run: Run) -> dict[str, Any]:
+    if run.sandbox is None:
+        return {"os": False, "degraded": run.degraded}
+    return {"os": True, "uid": run.sandbox.user.uid, "netns": run.sandbox.netns.name}
+
+
+def _require_lendable(run: Run, roots: LendableRoots) -> None:
+    """The run's workspace and every rw policy path may be lent (NotLendable if not)."""
+    roots.require(run.spec.workspace, what="workspace")
+    for grant in run.spec.grants:
+        if grant.mode is PathMode.RW:
+            roots.require(grant.host_root, what=f"policy path {grant.name!r} (rw)")
+
+
+def _refusal_code(exc: Exception) -> ErrorCode:
+    """Whose fault a refused run was: the grant, the request, or gatewayd itself."""
+    if isinstance(exc, GatewayError):  # AuthzDenied, PolicyViolation, SandboxUnavailable...
+        return exc.code
+    if isinstance(exc, PolicyError | ValueError):
+        return ErrorCode.BAD_REQUEST
+    return ErrorCode.INTERNAL
+
+
+def _counts(run: Run) -> dict[str, Any]:
+    return {
+        "calls": run.calls,
+        "allowed": run.allowed,
+        "denied": run.denied,
+        "deniedByCode": dict(run.denied_by_code),
+    }
