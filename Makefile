@@ -6,6 +6,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The lint tools' own virtualenv (pyproject.toml's `lint` extra, without gatewayd's
+# dependencies): import-linter reads the source, it never imports gatewayd.
+LINT_VENV ?= .venv-lint
+LINT_STAMP := $(LINT_VENV)/.installed
 # Debian packages the product and its tests need. Installed only when missing.
 #   bubblewrap      the sandbox (mount/pid/user namespaces)
 #   libcap-dev      headers for python-prctl
@@ -58,15 +62,27 @@ test: setup lint
 test-fast: setup
 	$(PY) -m pytest -q tests/unit
 
+$(LINT_STAMP): pyproject.toml Makefile
+	@echo "==> creating virtualenv $(LINT_VENV) for the lint tools (pyproject.toml's lint extra)"
+	@[ -x $(LINT_VENV)/bin/python ] || $(PYTHON) -m venv $(LINT_VENV)
+	$(LINT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LINT_VENV)/bin/python -m pip install -q $$($(LINT_VENV)/bin/python -c \
+	  'import tomllib; print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["lint"]))')
+	@touch $(LINT_STAMP)
+
 # import-linter checks the layers and that no import cycle exists (contracts in
-# pyproject.toml; lint/import_contracts.py adds the module-level cycle check).
-lint: setup
+# pyproject.toml; lint/import_contracts.py adds the module-level cycle check, tested
+# first). It reads the source found on PYTHONPATH; gatewayd is not installed there.
+lint: setup $(LINT_STAMP)
 	$(VENV)/bin/ruff check gatewayd cogni_tool tests bench demo lint
 	$(VENV)/bin/ruff format --check gatewayd cogni_tool tests bench demo lint
-	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-logo --no-cache
+	PYTHONPATH=$(CURDIR) $(LINT_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	  -W ignore::pytest.PytestConfigWarning lint  # pyproject's pytest options are the suite's
+	PYTHONPATH=$(CURDIR) $(LINT_VENV)/bin/lint-imports --no-logo --no-cache
 
-typecheck: setup
+typecheck: setup $(LINT_STAMP)
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict --python-executable $(LINT_VENV)/bin/python lint
 
 check: lint typecheck test
 
@@ -81,4 +97,4 @@ bench: setup
 	$(PY) bench/workspace.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .mypy_cache .ruff_cache

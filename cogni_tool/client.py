@@ -60,7 +60,7 @@ PROTOCOL_VERSION: Final = 1
 SOCKET_ENV: Final = "COGNI_GATEWAY_SOCK"
 RUN_ID_ENV: Final = "COGNI_RUN_ID"
 
-# The gateway's own default request limit (gatewayd.protocol.DEFAULT_MAX_FRAME_BYTES).
+# The gateway's own default request limit (gatewayd.frame_limits.DEFAULT_MAX_FRAME_BYTES).
 # Checking it here turns an oversize request into a clear local error instead of a
 # server-side too_large that also closes the connection.
 DEFAULT_MAX_FRAME_BYTES: Final = 1 << 20

@@ -44,8 +44,8 @@ from pydantic import (
     model_validator,
 )
 
+from gatewayd.frame_limits import DEFAULT_MAX_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from gatewayd.policy.section import MODEL_ALIAS_RE
-from gatewayd.protocol import DEFAULT_MAX_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from gatewayd.sandbox.daemons import DaemonShare, derived_netns_prefix, derived_uid_range
 from gatewayd.sandbox.lendable import (
     DEFAULT_LENDABLE_ROOTS,

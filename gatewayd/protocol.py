@@ -22,16 +22,9 @@ from typing import Any, Final
 import msgspec
 
 from gatewayd import strictjson
+from gatewayd.frame_limits import DEFAULT_MAX_FRAME_BYTES, MIN_FRAME_BYTES
 
 PROTOCOL_VERSION: Final = 1
-
-# Large enough for a file page or a model answer, small enough that one connection
-# cannot make the daemon buffer arbitrary amounts of memory before it can say no.
-DEFAULT_MAX_FRAME_BYTES: Final = 1 << 20
-# The range an operator may set it in: a frame must hold a request header, and more than
-# 64 MiB per frame is not a tool call but a way to make the daemon buffer memory.
-MIN_FRAME_BYTES: Final = 64
-MAX_FRAME_BYTES: Final = 64 << 20
 
 HEADER: Final = struct.Struct(">I")
 HEADER_BYTES: Final = HEADER.size

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from gatewayd.protocol import MAX_FRAME_BYTES, MIN_FRAME_BYTES
+from gatewayd.frame_limits import MAX_FRAME_BYTES, MIN_FRAME_BYTES
 
 if TYPE_CHECKING:
     from gatewayd.config import GatewaydConfig

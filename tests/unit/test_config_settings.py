@@ -20,7 +20,7 @@ from gatewayd.cli import options as cli_options
 from gatewayd.config import ConfigError, GatewaydConfig, ModelAlias, SandboxUids
 from gatewayd.configsources import DERIVED_SOURCE, ENV_SYNTAX, env_name, resolve_settings
 from gatewayd.daemon import open_daemon
-from gatewayd.protocol import MAX_FRAME_BYTES, MIN_FRAME_BYTES
+from gatewayd.frame_limits import MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from gatewayd.runs.lifecycle import RunManager
 from gatewayd.sandbox.daemons import derived_uid_range
 from gatewayd.sandbox.uids import UidRange

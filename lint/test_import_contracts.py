@@ -1,10 +1,9 @@
-"""The module-level cycle contract that ``make lint`` runs (lint/import_contracts.py)."""
+"""The module-level cycle contract that ``make lint`` runs (lint/import_contracts.py).
+
+Run by `make lint` in the lint tools' virtualenv, where grimp and import-linter are.
+"""
 
 from __future__ import annotations
-
-import re
-import tomllib
-from pathlib import Path
 
 import grimp
 import pytest
@@ -80,32 +79,3 @@ def test_each_cycle_is_reported_once_and_modules_outside_the_packages_are_not_ju
     )
     cycles = _check(graph, ["app"])
     assert sorted(loop[0].split(" ")[0] for loop in cycles) == ["app.a", "app.c"]
-
-
-ROOT = Path(__file__).resolve().parents[2]
-# Packages whose modules sit in different layers, so each of their children is listed.
-SPLIT_PACKAGES = ("gatewayd.runs",)
-
-
-def _layers() -> set[str]:
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    (contract,) = [c for c in config["contracts"] if c["type"] == "layers"]
-    return {name for layer in contract["layers"] for name in re.split(r"[|:\s]+", layer) if name}
-
-
-def _children(package: str) -> set[str]:
-    folder = ROOT.joinpath(*package.split("."))
-    return {
-        f"{package}.{path.stem if path.is_file() else path.name}"
-        for path in folder.iterdir()
-        if (path.suffix == ".py" and path.stem != "__init__") or (path / "__init__.py").exists()
-    }
-
-
-def test_every_module_of_gatewayd_sits_in_a_layer() -> None:
-    """A new module finds its layer: the layers contract only judges what it lists."""
-    expected = _children("gatewayd") - set(SPLIT_PACKAGES)
-    for package in SPLIT_PACKAGES:
-        expected |= _children(package)
-    assert expected - _layers() == set(), "add these to the layers in pyproject.toml"
-    assert _layers() - expected == set(), "these layers name no module of gatewayd"
