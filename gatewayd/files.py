@@ -29,6 +29,18 @@ LIBC.mount.argtypes = (
     ctypes.c_void_p,
 )
 
+# renameat2(olddirfd, oldpath, newdirfd, newpath, flags): glibc 2.28+ wraps it.
+LIBC.renameat2.argtypes = (
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_int,
+    ctypes.c_char_p,
+    ctypes.c_uint,
+)
+# From <linux/fs.h>: refuse to replace an existing target; swap two names atomically.
+RENAME_NOREPLACE: Final = 1 << 0
+RENAME_EXCHANGE: Final = 1 << 1
+
 # Opening a directory only to fsync it: reading is the least a descriptor fsync accepts.
 _SYNC_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
@@ -91,3 +103,16 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def rename_at(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str, flags: int) -> None:
+    """``renameat2(2)``: ``flags`` :data:`RENAME_NOREPLACE` (fail with ``EEXIST`` if
+    ``dst`` exists) or :data:`RENAME_EXCHANGE` (swap the two names, both must exist), each
+    in one atomic step the os module cannot take.
+
+    Error handling: OSError with the call's errno (``EINVAL`` where the file system
+    does not support the flag).
+    """
+    if LIBC.renameat2(src_dir_fd, os.fsencode(src), dst_dir_fd, os.fsencode(dst), flags) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), f"{src} -> {dst}")

@@ -38,7 +38,25 @@ _SHOWN_TOKEN_CHARS: Final = 2
 
 class YamlInputError(ValueError):
     """A document that is not acceptable YAML; ``str(exc)`` says what and where
-    (``line L, column C: ...``) without quoting the document."""
+    (``line L, column C: ...``) without quoting the document.
+
+    ``line`` and ``column`` (1-based) are where, when known, and ``problem`` is what,
+    so a caller that reads YAML embedded in a larger file (an app's front matter) can
+    name the line of that file.
+    """
+
+    def __init__(self, problem: str, *, line: int | None = None, column: int | None = None):
+        where = "" if line is None else f"line {line}, column {column}: "
+        super().__init__(where + problem)
+        self.problem = problem
+        self.line = line
+        self.column = column
+
+
+def _error_at(mark: Any, problem: str) -> YamlInputError:
+    if mark is None:
+        return YamlInputError(problem)
+    return YamlInputError(problem, line=mark.line + 1, column=mark.column + 1)
 
 
 # libyaml's parser when PyYAML was built with it (Debian's and PyPI's wheels are): the
@@ -79,12 +97,40 @@ def load(text: str) -> Any:
         # A SafeLoader subclass: only plain data types are ever constructed.
         return yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506
     except yaml.YAMLError as exc:
-        raise YamlInputError(_problem(exc)) from None
+        raise _problem(exc) from None
     except (ValueError, RecursionError):  # a guard: the event check refuses both first
         raise YamlInputError(
             f"a value is too large or nests too deeply (at most {MAX_NUMBER_DIGITS} digits "
             f"in a number, {MAX_DEPTH} levels of nesting)"
         ) from None
+
+
+def key_lines(text: str) -> dict[tuple[str | int, ...], int]:
+    """The 1-based line of each mapping key and list item in ``text``, by its path
+    (keys, and list indexes from 0): where a validation error at that path points.
+
+    Only for a document :func:`load` accepted (so no aliases, bounded depth); keys that
+    are not plain scalars are left out.
+    """
+    lines: dict[tuple[str | int, ...], int] = {}
+    try:
+        root = yaml.compose(text, Loader=_StrictSafeLoader)
+    except yaml.YAMLError:  # not a document load() accepted: no lines to give
+        return lines
+    pending: list[tuple[tuple[str | int, ...], yaml.Node | None]] = [((), root)]
+    while pending:  # a stack, not recursion (load() bounds the depth all the same)
+        path, node = pending.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                if isinstance(key_node, yaml.ScalarNode):
+                    key_path = (*path, str(key_node.value))
+                    lines[key_path] = key_node.start_mark.line + 1
+                    pending.append((key_path, value_node))
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                lines[(*path, index)] = item.start_mark.line + 1
+                pending.append(((*path, index), item))
+    return lines
 
 
 def _check_events(text: str) -> None:
@@ -93,16 +139,14 @@ def _check_events(text: str) -> None:
     try:
         for event in yaml.parse(text, Loader=_StrictSafeLoader):
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
-                raise YamlInputError(
-                    f"{_where(event.start_mark)}anchors and aliases (&name, *name) are not "
-                    "accepted; write the value out"
+                raise _error_at(
+                    event.start_mark,
+                    "anchors and aliases (&name, *name) are not accepted; write the value out",
                 )
             if isinstance(event, yaml.CollectionStartEvent):
                 depth += 1
                 if depth > MAX_DEPTH:
-                    raise YamlInputError(
-                        f"{_where(event.start_mark)}nested more than {MAX_DEPTH} levels deep"
-                    )
+                    raise _error_at(event.start_mark, f"nested more than {MAX_DEPTH} levels deep")
             elif isinstance(event, yaml.CollectionEndEvent):
                 depth -= 1
             elif (
@@ -111,11 +155,11 @@ def _check_events(text: str) -> None:
                 and len(event.value) > MAX_NUMBER_DIGITS
                 and resolver.resolve(yaml.ScalarNode, event.value, (True, False)) in _NUMBER_TAGS
             ):
-                raise YamlInputError(
-                    f"{_where(event.start_mark)}a number of more than {MAX_NUMBER_DIGITS} digits"
+                raise _error_at(
+                    event.start_mark, f"a number of more than {MAX_NUMBER_DIGITS} digits"
                 )
     except yaml.YAMLError as exc:
-        raise YamlInputError(_problem(exc)) from None
+        raise _problem(exc) from None
 
 
 def _hide_long(match: re.Match[str]) -> str:
@@ -123,11 +167,7 @@ def _hide_long(match: re.Match[str]) -> str:
     return shown if len(shown) <= _SHOWN_TOKEN_CHARS + 2 else "(not shown)"
 
 
-def _where(mark: Any) -> str:
-    return "" if mark is None else f"line {mark.line + 1}, column {mark.column + 1}: "
-
-
-def _problem(exc: yaml.YAMLError) -> str:
+def _problem(exc: yaml.YAMLError) -> YamlInputError:
     """PyYAML's message without the document's text: its position and its problem,
     quoted pieces longer than a syntax token (a tag, a name) left out."""
     if isinstance(exc, yaml.MarkedYAMLError):
@@ -135,5 +175,5 @@ def _problem(exc: yaml.YAMLError) -> str:
         what = _QUOTED.sub(_hide_long, exc.problem or exc.context or "invalid YAML")
         if "maximum nesting depth" in what:  # libyaml's own limit, met before ours
             what = f"nested more than {MAX_DEPTH} levels deep"
-        return f"{_where(mark)}YAML syntax: {what}"
-    return "YAML syntax: the document could not be read"
+        return _error_at(mark, f"YAML syntax: {what}")
+    return YamlInputError("YAML syntax: the document could not be read")

@@ -97,6 +97,14 @@ class AuditEvent(enum.StrEnum):
     # The agent run could not start: no work directory, a failed clone, no OS sandbox.
     AGENT_RUN_REFUSED = "agent_run_refused"
 
+    # -- apps
+    # An app folder that discovery could not use (file, line, field, reason): the app is
+    # not offered; the other apps are.
+    APP_SKIPPED = "app_skipped"
+    # An app installed into a workspace's apps/ (app, tool, whether it replaced one and
+    # kept its data/, files and bytes copied); written by an install the daemon makes.
+    APP_INSTALLED = "app_installed"
+
 
 # The names the writer accepts. A str subclass hashes as its value, so a member and
 # the plain string of a registered name are both found here; nothing else is.

@@ -1,5 +1,5 @@
 """`gatewayd` command line: serve, run, exec, rules, image, config, policy, audit,
-install-systemd, agent, review.
+install-systemd, agent, review, apps.
 
 Each command group is a module of this package (:class:`~gatewayd.cli.command.CommandModule`):
 it adds its parsers and runs its commands; :data:`COMMANDS` says which module runs
@@ -18,6 +18,7 @@ from typing import Final
 
 from gatewayd.cli import (
     agent,
+    apps,
     audit,
     config,
     image,
@@ -43,6 +44,7 @@ COMMANDS: Final[Mapping[str, CommandModule]] = {
     "install-systemd": install,
     "agent": agent,
     "review": review,
+    "apps": apps,
 }
 
 

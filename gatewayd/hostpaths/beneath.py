@@ -39,6 +39,12 @@ followed, and every opened file is checked on its descriptor (``fstat``), never 
 path: only regular files with a single link are read or written (see
 :func:`require_single_link_regular`).
 
+The workspace's apps folder (:mod:`gatewayd.policy.appsfolder`) is refused by the
+policy on the path as written; beneath a root that holds it, while it exists, reads
+follow no symlink either (a link ``notes -> apps/x/data`` would otherwise lead there),
+and every directory the walk opens is compared with the folder by (device, inode), so
+no other name of it (a case-folding file system's ``APPS``, a bind mount) gets in.
+
 Messages name the agent's visible path, never the host path.
 """
 
@@ -58,6 +64,7 @@ from typing import Final
 
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
 from gatewayd.files import LIBC
+from gatewayd.policy.appsfolder import apps_folder_message
 from gatewayd.policy.paths import ResolvedPath, shown
 
 # openat2(2)'s number. It is 437 on every architecture that uses the unified
@@ -326,7 +333,9 @@ class BeneathRoot:
     a link ``/workspace/x -> ro-docs`` would otherwise write where it said no. Reads
     beneath a root that holds another grant's root follow none either, for the same
     reason (a link ``/workspace/x -> docs/key.pem`` would read past the rules of
-    ``docs``).
+    ``docs``). Nor do reads beneath a root that holds the workspace's apps folder while
+    it exists (decided when the block is entered): ``apps_id`` is then the folder's
+    (device, inode), and a directory with it is refused whatever name reached it.
     """
 
     def __init__(self, target: ResolvedPath, *, follow_symlinks: bool | None = None) -> None:
@@ -336,10 +345,22 @@ class BeneathRoot:
         self.follows = wanted and not target.grant.holds_nested
         # Without following, the per-component no-follow walk is exactly the rule.
         self.resolver = active_resolver() if self.follows else Resolver.WALK
+        self.apps_id: tuple[int, int] | None = None
         self._root_fd = -1
 
     def __enter__(self) -> BeneathRoot:
         self._root_fd = open_pinned_root(self.target)
+        try:
+            self.apps_id = self._apps_folder_id()
+        except BaseException:
+            os.close(self._root_fd)
+            self._root_fd = -1
+            raise
+        if self.apps_id is not None:
+            # A symlink could lead into the folder under any name: walk, following none,
+            # so the path the policy judged is the path opened.
+            self.follows = False
+            self.resolver = Resolver.WALK
         return self
 
     def __exit__(
@@ -351,6 +372,35 @@ class BeneathRoot:
         if self._root_fd >= 0:
             os.close(self._root_fd)
             self._root_fd = -1
+
+    # --- the apps folder -----------------------------------------------------
+
+    def _apps_folder_id(self) -> tuple[int, int] | None:
+        """(device, inode) of the apps folder beneath this root, if it is a directory now."""
+        parts = self.target.grant.apps_parts
+        if not parts:
+            return None
+        try:
+            st = os.stat("/".join(parts), dir_fd=self._root_fd, follow_symlinks=False)
+        except OSError:
+            return None  # absent (or unreachable): nothing of it to reach
+        return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+    def _refuse_apps_folder(self, fd: int) -> None:
+        """Refuse (and close) ``fd`` if it is the apps folder, whatever name reached it."""
+        if self.apps_id is None:
+            return
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self.apps_id:
+            return
+        os.close(fd)
+        grant = self.target.grant
+        folder = grant.visible_root.joinpath(*(grant.apps_parts or ()))
+        raise PolicyViolation(
+            apps_folder_message(
+                shown(self.target.visible), str(folder), write=self.target.access == "write"
+            )
+        )
 
     # --- visible names -------------------------------------------------------
 
@@ -389,6 +439,7 @@ class BeneathRoot:
                     raise _SymlinkRefused(index) from None
                 raise _ComponentFailed(index, exc) from None
             os.close(fd)
+            self._refuse_apps_folder(child)
             fd = child
         return fd
 
@@ -427,6 +478,11 @@ class BeneathRoot:
             reason = (
                 f"'{grant.visible_root}' holds the directory of another path grant with its "
                 "own rules, which a symlink could dodge, so no symlink is followed there"
+            )
+        elif self.target.access == "read" and self.apps_id is not None:
+            reason = (
+                f"'{grant.visible_root}' holds the apps folder, which no run may read and "
+                "a symlink could lead into, so no symlink is followed there"
             )
         else:
             reason = (
@@ -553,6 +609,7 @@ class BeneathRoot:
         if flags & os.O_PATH and stat.S_ISLNK(os.fstat(fd).st_mode):
             os.close(fd)
             raise self._final_symlink_error(follow_final)
+        self._refuse_apps_folder(fd)
         return fd
 
 

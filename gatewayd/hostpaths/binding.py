@@ -7,6 +7,10 @@ inside the workspace, and its (device, inode) is recorded: the fs tools and work
 (:mod:`gatewayd.hostpaths.beneath`) refuse a root that was later swapped for a symlink or
 another directory. This is the only place a policy's paths touch the filesystem before a
 call.
+
+The workspace's apps folder is no grant's to give (:mod:`gatewayd.policy.appsfolder`):
+a root in it is refused, and a root holding it records where (``apps_parts``), so every
+call refuses it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+from gatewayd.policy.appsfolder import APPS_DIR_NAME, apps_parts_beneath, lies_in_apps_folder
 from gatewayd.policy.model import PathRule, Policy, PolicyError
 from gatewayd.policy.paths import PathGrant, PathMode
 
@@ -28,8 +33,9 @@ def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
     swapped for a symlink or another directory. A grant whose host root contains
     another grant's is marked ``holds_nested`` (no symlink is followed beneath it).
 
-    Error handling: a missing workspace or root, a root that is not a directory, or a
-    relative root that resolves outside the workspace is a :class:`PolicyError`.
+    Error handling: a missing workspace or root, a root that is not a directory, a
+    relative root that resolves outside the workspace, or a root in the workspace's apps
+    folder is a :class:`PolicyError`.
     """
     source = f"policy {policy.name!r}"
     rules = policy.filesystem.paths
@@ -61,6 +67,15 @@ def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
                     f"{base}; a relative root must stay inside the workspace"
                 ],
             )
+        if lies_in_apps_folder(host_root, base):
+            raise PolicyError(
+                source,
+                [
+                    f"{where}: {wanted} lies in the workspace's apps folder "
+                    f"{base / APPS_DIR_NAME}, which no run reads or writes (an app is "
+                    "reached only by calling its tool)"
+                ],
+            )
         bound.append((name, rule, host_root, (st.st_dev, st.st_ino)))
     roots = [host_root for _, _, host_root, _ in bound]
     return tuple(
@@ -75,6 +90,7 @@ def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
             mode=PathMode(rule.mode),
             suffixes=rule.suffixes,
             max_file_bytes=rule.max_file_bytes,
+            apps_parts=apps_parts_beneath(host_root, base),
         )
         for name, rule, host_root, root_id in bound
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation
+from gatewayd.policy.appsfolder import apps_folder_message, in_apps_folder
 from gatewayd.policy.paths import (
     MAX_PATH_BYTES,
     WORKSPACE_VISIBLE_ROOT,
@@ -26,6 +27,7 @@ from gatewayd.policy.paths import (
     ResolvedPath,
     shown,
 )
+from gatewayd.policy.section import tool_pattern_matches
 from gatewayd.protocol import ErrorCode
 
 _WORKSPACE_PARTS: Final = WORKSPACE_VISIBLE_ROOT.parts[1:]
@@ -72,10 +74,10 @@ Decision = Allow | Deny
 
 
 def tool_matches(pattern: str, tool: str) -> bool:
-    """``fs.read`` matches itself; ``fs.*`` matches every tool whose name starts ``fs.``."""
-    if pattern.endswith(".*"):
-        return tool.startswith(pattern[:-1])
-    return tool == pattern
+    """``fs.read`` matches itself; ``fs.*`` every tool whose name starts ``fs.``; ``app_*``
+    every one-segment continuation of ``app_`` (:func:`.section.tool_pattern_matches`, the
+    one matcher of the grammar that validates the patterns)."""
+    return tool_pattern_matches(pattern, tool)
 
 
 def _policy_allows(tool: str, rules: RunRules) -> bool:
@@ -201,7 +203,8 @@ def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> Reso
     """Map the agent's ``path`` onto a grant, lexically; refuse what lies outside.
 
     Empty paths, NUL bytes and over-long paths are INVALID_ARGS; a path outside every
-    grant, or a write into a read-only grant, is POLICY_DENIED.
+    grant, at or beneath the workspace's apps folder, or a write into a read-only grant,
+    is POLICY_DENIED.
     """
     malformed = malformed_path(path)
     if malformed is not None:
@@ -221,6 +224,12 @@ def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> Reso
                 f"Readable paths: {_readable(grants)}"
             )
         return Deny(code=ErrorCode.POLICY_DENIED, message=message)
+    below = parts[len(grant.visible_root.parts) - 1 :]
+    if grant.apps_parts is not None and in_apps_folder(below, grant.apps_parts):
+        folder = grant.visible_root.joinpath(*grant.apps_parts)
+        spelled = below[len(grant.apps_parts) - 1]
+        message = apps_folder_message(quoted, str(folder), write=access == "write", spelled=spelled)
+        return Deny(code=ErrorCode.POLICY_DENIED, message=message)
     if access == "write" and grant.mode is not PathMode.RW:
         return Deny(
             code=ErrorCode.POLICY_DENIED,
@@ -229,7 +238,6 @@ def resolve_path(path: str, access: Access, grants: Sequence[PathGrant]) -> Reso
                 f"Writable paths: {_writable(grants)}"
             ),
         )
-    below = parts[len(grant.visible_root.parts) - 1 :]
     return ResolvedPath(grant=grant, parts=below, visible="/" + "/".join(parts), access=access)
 
 

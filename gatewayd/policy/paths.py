@@ -55,6 +55,10 @@ class PathGrant:
     symlink here could then lead into that grant and read it under this grant's
     rules (a ``.md``-only grant's ``key.pem``), so the fs tools follow no symlink at
     all beneath this root.
+
+    ``apps_parts`` says where the workspace's apps folder lies beneath this root (its
+    components: ``("apps",)`` for the workspace itself), or None when it lies outside
+    it: no call reaches a path there (:mod:`gatewayd.policy.appsfolder`).
     """
 
     name: str
@@ -65,6 +69,7 @@ class PathGrant:
     mode: PathMode
     suffixes: tuple[str, ...] = ()  # empty: any suffix
     max_file_bytes: int | None = None  # None: no policy limit (tool limits still apply)
+    apps_parts: tuple[str, ...] | None = None  # the apps folder beneath host_root, if there
 
 
 Access = Literal["read", "write"]

@@ -37,6 +37,7 @@ from gatewayd.policy.section import (
     StrictBool,
     StrictStr,
     ToolPattern,
+    tool_pattern_matches,
 )
 
 # A rule is a sentence or a short paragraph; anything longer is a document pasted by
@@ -72,9 +73,10 @@ def _check_rule_text(value: str) -> str:
 def _check_tool_glob(value: str) -> str:
     if value == "*" or value.endswith(".*"):
         return value  # every tool, or a family
-    if not re.fullmatch(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*", value):
+    if not re.fullmatch(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*(_\*)?", value):
         raise ValueError(
-            f"tool {value!r} must be an exact tool name ('fs.write'), a family ('fs.*') or '*'"
+            f"tool {value!r} must be an exact tool name ('fs.write'), a family ('fs.*'), "
+            "a prefix wildcard ('app_*') or '*'"
         )
     return value
 
@@ -225,9 +227,8 @@ class ReviewSection(Section):
 
 
 def tool_glob_matches(pattern: str, tool: str) -> bool:
-    """``*`` (every tool), a family (``fs.*``) or an exact name."""
+    """``*`` (every tool), or a tools.allow pattern: an exact name, a family (``fs.*``),
+    a prefix wildcard (``app_*``), matched as tools.allow matches it."""
     if pattern == "*":
         return True
-    if pattern.endswith(".*"):
-        return tool.startswith(pattern[:-1])
-    return tool == pattern
+    return tool_pattern_matches(pattern, tool)

@@ -14,15 +14,61 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInf
 
 from gatewayd.protocol import MAX_ID_CHARS
 
-# An exact tool name ("fs.read") or a family wildcard ("fs.*"); see decide.tool_matches.
-_TOOL_PATTERN_RE: Final = re.compile(r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*(\.\*)?")
+# A tool name: lowercase segments, dotted ("fs.read", "app_note_taker").
+_TOOL_NAME: Final = r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*"
+# An exact tool name, a family wildcard ("fs.*") or a prefix wildcard ("app_*"); see
+# tool_pattern_matches. Nothing broader: a bare "*" would allow every tool, including
+# ones added to gatewayd later, in one character.
+_TOOL_PATTERN_RE: Final = re.compile(_TOOL_NAME + r"(\.\*|_\*)?")
+# The two wildcard endings: a family takes every name below a dot, a prefix wildcard
+# every name that goes on after an underscore within the same dotted segment.
+FAMILY_WILDCARD: Final = ".*"
+PREFIX_WILDCARD: Final = "_*"
+
+
+def tool_pattern_matches(pattern: str, tool: str) -> bool:
+    """Does the ``tools.allow`` entry ``pattern`` match the tool name ``tool``?
+
+    ``fs.read`` matches itself only; ``fs.*`` every tool whose name starts ``fs.``;
+    ``app_*`` every tool whose name starts ``app_`` and goes on without another dot
+    (``app_note_taker``, not ``app_``, ``apps.x``, ``application`` nor ``app_x.y``):
+    app tools are one segment, so the wildcard reaches no further than that segment.
+    """
+    if pattern.endswith(FAMILY_WILDCARD):
+        return tool.startswith(pattern[:-1])
+    if pattern.endswith(PREFIX_WILDCARD):
+        prefix = pattern[:-1]
+        rest = tool[len(prefix) :]
+        return tool.startswith(prefix) and bool(rest) and "." not in rest
+    return tool == pattern
+
+
+def _tool_pattern_hint(value: str) -> str:
+    """A did-you-mean for a tools.allow entry the grammar refuses ("" when none fits)."""
+    if value.strip("*. _") == "":
+        return (
+            "; no pattern allows every tool (one that gatewayd adds later would be allowed "
+            "too): list the tools or their families"
+        )
+    lowered = value.lower()
+    if lowered != value and _TOOL_PATTERN_RE.fullmatch(lowered):
+        return f"; did you mean {lowered!r}? (tool names are lowercase)"
+    if value.endswith("*") and not value.endswith((FAMILY_WILDCARD, PREFIX_WILDCARD)):
+        stem = value.rstrip("*").rstrip("._")
+        if stem and _TOOL_PATTERN_RE.fullmatch(stem):
+            return (
+                f"; did you mean {stem + FAMILY_WILDCARD!r} (the {stem} family) or "
+                f"{stem + PREFIX_WILDCARD!r} (names starting {stem + '_'!r})?"
+            )
+    return ""
 
 
 def _check_tool_pattern(value: str) -> str:
     if len(value) > MAX_ID_CHARS or not _TOOL_PATTERN_RE.fullmatch(value):
         raise ValueError(
             f"{value!r} is neither an exact tool name such as 'fs.read' nor a family "
-            "wildcard such as 'fs.*' (lowercase, dotted)"
+            "wildcard such as 'fs.*' nor a prefix wildcard such as 'app_*' (lowercase, "
+            f"dotted; '*' only at the end, after '.' or '_'){_tool_pattern_hint(value)}"
         )
     return value
 

@@ -9,6 +9,12 @@ host, :func:`probe_host_layout`, only reads which system directories are symlink
 Threat model of this layer: the process in the sandbox is hostile and tries to read host
 secrets or write outside its workspace. The plan decides what it can *see*; the network
 namespace (joined by the launcher, see ``netns_path``), seccomp and limits are other layers.
+
+A bound tree may hold a tree the sandbox must never see (a run's plan: the workspace's
+apps folder, :mod:`gatewayd.policy.appsfolder`): each such *covered tree* gets an empty,
+read-only tmpfs wherever a bind shows it, mounted after every bind and made read-only at
+once, so the sandbox sees an empty directory it cannot write, remove or rename (a mount
+point), and a symlink it plants resolves, inside its own mount namespace, onto the cover.
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ SANDBOX_USER: Final = "sandbox"
 SANDBOX_HOSTNAME: Final = "cogni-sandbox"
 # A tmpfs smaller than a page cannot hold a file.
 MIN_TMPFS_BYTES: Final = 4096
+# A covered tree's tmpfs holds nothing and is read-only: the smallest size is enough.
+COVER_TMPFS_BYTES: Final = MIN_TMPFS_BYTES
 
 # Options every plan gets, in this order (bubblewrap 0.8.0, Debian 12).
 ISOLATION_OPTIONS: Final[tuple[str, ...]] = (
@@ -301,6 +309,9 @@ class SandboxPlan:
     # strings, so a symlink in either would hide the overlap (SandboxSettings checks it).
     state_dir: str
     services: Services = Services()
+    # Host trees inside bound trees that the sandbox never sees (real paths): each is
+    # covered by an empty read-only tmpfs where a bind shows it (see the module doc).
+    covered_trees: tuple[str, ...] = ()
 
     @property
     def data_steps(self) -> tuple[RoBindData, ...]:
@@ -343,6 +354,7 @@ def build_plan(
     tmpfs_bytes: int | None = None,
     pinned: Mapping[str, str] | None = None,
     services: Services | None = None,
+    covered_trees: Sequence[str] = (),
 ) -> SandboxPlan:
     """The plan for ``command`` in run ``run_id``; call :func:`validate` on it before use.
 
@@ -355,7 +367,8 @@ def build_plan(
     ``tmpfs_bytes`` caps /tmp and /dev/shm each (None: the kernel's default).
     ``pinned`` maps a workspace or policy path to the run-private mount point bwrap binds
     it from (see :class:`Bind`). ``services`` adds the egress socket beside the run's and
-    the variables naming the in-sandbox services.
+    the variables naming the in-sandbox services. ``covered_trees`` (real host paths) are
+    covered by an empty read-only tmpfs wherever a bind of the plan shows them.
 
     Error handling: raises :class:`PlanError` for an unusable run id, environment name or
     value, a reserved extra name, a tmpfs size under one page, or a system symlink
@@ -395,6 +408,9 @@ def build_plan(
     for mount in sorted(policy_paths, key=lambda m: (m.visible.count("/"), m.visible)):
         kind = Bind if mount.mode is PathMode.RW else RoBind
         steps.append(kind(src=mount.host, dest=mount.visible, via=pinned.get(mount.host)))
+    # After every bind that may show them (and no mount after them lies beneath one).
+    for cover in sorted(set(_covers(steps, covered_trees)), key=lambda d: (d.count("/"), d)):
+        steps.extend((Tmpfs(dest=cover, size_bytes=COVER_TMPFS_BYTES), RemountRo(dest=cover)))
     steps.append(RoBind(src=cogni_tool_host_dir, dest=COGNI_TOOL_VISIBLE_DIR))
     steps.append(RoBind(src=gateway_socket_host, dest=SANDBOX_SOCKET))
     services = services or Services()
@@ -419,7 +435,22 @@ def build_plan(
         netns_path=netns_path,
         state_dir=state_dir,
         services=services,
+        covered_trees=tuple(covered_trees),
     )
+
+
+def _covers(steps: Sequence[Step], covered_trees: Sequence[str]) -> list[str]:
+    """Where each covered tree appears in the sandbox: beneath the destination of every
+    bind whose source holds it."""
+    covers = []
+    for step in steps:
+        if not isinstance(step, RoBind | Bind):
+            continue
+        for tree in covered_trees:
+            if tree != step.src and _is_within(tree, step.src):
+                rest = tree[len(step.src) :].lstrip("/")
+                covers.append(posixpath.join(step.dest, rest))
+    return covers
 
 
 def _system_steps(layout: HostLayout) -> list[Step]:
@@ -496,8 +527,10 @@ def validate(plan: SandboxPlan) -> None:
     above a denied host tree (or the state directory), nor at or above a hidden one; the
     socket is exactly this run's, at exactly :data:`SANDBOX_SOCKET` (and its egress socket
     at :data:`SANDBOX_EGRESS_SOCKET` exactly when the run has the proxy), and nothing else
-    of /run is mounted; the environment holds only allowlisted names with gatewayd's
-    values.
+    of /run is mounted; no source lies at or beneath a covered tree, and wherever a bind
+    shows one it is covered (a tmpfs there after that bind, made read-only by the very
+    next step, with no mount beneath it); the environment holds only allowlisted names
+    with gatewayd's values.
     """
     if not _RUN_ID.fullmatch(plan.run_id):
         raise PlanError(f"run id {plan.run_id!r} is not 1-64 characters of [A-Za-z0-9_-]")
@@ -547,6 +580,7 @@ def validate(plan: SandboxPlan) -> None:
             _check_source(plan, name, step.src)
             if step.via is not None:
                 _check_via(plan, name, step.via)
+    _check_covers(plan)
     if sockets[SANDBOX_SOCKET] != 1:
         raise PlanError(
             f"the plan mounts the run's socket {sockets[SANDBOX_SOCKET]} times; it must "
@@ -625,6 +659,58 @@ def _check_source(plan: SandboxPlan, name: str, src: str) -> None:
             raise PlanError(
                 f"{name} exposes all of {hidden}; bind the one directory beneath it the run "
                 "needs instead"
+            )
+
+
+def _check_covers(plan: SandboxPlan) -> None:
+    """Every covered tree is hidden wherever a bind shows it, and never bound itself; a
+    writable bind shows one only as a child of its own root (a mount point, which the
+    sandbox cannot rename), never deeper: the sandbox could rename a directory on the
+    way (``/data/up/ws`` to ``/data/up/elsewhere``), and the host's tools, which find
+    the tree by its path, would no longer know where it is."""
+    if not plan.covered_trees:
+        return
+    for tree in plan.covered_trees:
+        if not _is_clean_absolute(tree):
+            raise PlanError(f"covered tree {tree!r} must be an absolute, normalized path")
+    for index, step in enumerate(plan.steps):
+        if not isinstance(step, RoBind | Bind):
+            continue
+        for tree in plan.covered_trees:
+            if _is_within(step.src, tree):
+                raise PlanError(
+                    f"{describe(index, step)} binds {step.src}, at or beneath {tree}, which "
+                    "the sandbox never sees"
+                )
+            below = tree[len(step.src) :].strip("/")
+            if isinstance(step, Bind) and _is_within(tree, step.src) and "/" in below:
+                raise PlanError(
+                    f"{describe(index, step)} is writable and holds {tree}, a covered tree, "
+                    f"below a directory the sandbox could rename ({below.split('/')[0]}): "
+                    "bind it read-only"
+                )
+        for cover in _covers([step], plan.covered_trees):
+            _check_cover(plan, index, step, cover)
+
+
+def _check_cover(plan: SandboxPlan, bind_index: int, bind: Step, cover: str) -> None:
+    """After step ``bind_index`` (which shows a covered tree at ``cover``): a tmpfs at
+    ``cover``, the next step making it read-only, and no later mount at or beneath it."""
+    steps = plan.steps
+    at = next(
+        (i for i in range(bind_index + 1, len(steps)) if steps[i].dest == cover),
+        None,
+    )
+    what = f"{describe(bind_index, bind)} shows {cover}, a covered tree the sandbox never sees"
+    if at is None or not isinstance(steps[at], Tmpfs):
+        raise PlanError(f"{what}; the plan must cover it with a tmpfs after that bind")
+    if at + 1 >= len(steps) or steps[at + 1] != RemountRo(dest=cover):
+        raise PlanError(f"{what}; its tmpfs must be made read-only by the very next step")
+    for index in range(at + 2, len(steps)):
+        if _is_within(steps[index].dest, cover):
+            raise PlanError(
+                f"{describe(index, steps[index])} mounts at or beneath {cover}, through the "
+                "cover of a tree the sandbox never sees"
             )
 
 

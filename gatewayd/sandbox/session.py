@@ -12,6 +12,11 @@ At run end (:meth:`RunSandbox.close`): running commands are stopped, every proce
 uid is killed, the lease is given back, the namespace removed, the uid returned.
 A daemon that crashes leaves the lease record and the namespace; :func:`clean_leftovers`
 removes both at the next start.
+
+No run sees the workspace's apps folder: every plan covers it
+(:mod:`gatewayd.sandbox.plan`), the start makes sure it can be covered and that no file of
+it has a name outside it (:mod:`gatewayd.sandbox.appsfolder`), and the lease lends nothing
+of a folder that was there before the run.
 """
 
 from __future__ import annotations
@@ -30,8 +35,16 @@ import structlog
 import trio
 
 from gatewayd.errors import GatewayError
+from gatewayd.policy.appsfolder import APPS_DIR_NAME
 from gatewayd.policy.paths import PathGrant, PathMode
 from gatewayd.protocol import ErrorCode
+from gatewayd.sandbox.appsfolder import (
+    AppsFolder,
+    AppsFolderRefused,
+    prepare_apps_folder,
+    remove_leftover_folder,
+    remove_made_folder,
+)
 from gatewayd.sandbox.cgroup import CgroupSupport
 from gatewayd.sandbox.daemons import DaemonRegistryError, sandbox_uid_ranges
 from gatewayd.sandbox.image import ImageError, require_image
@@ -193,9 +206,11 @@ class RunSandbox:
     image_dir: Path | None = None
     services: Services = field(default_factory=Services)
     # The bind sources, opened once at run start: (descriptor, run-private mount point),
-    # and host path -> mount point for the plan (see plan.Bind.via).
+    # and host path -> mount point for the plan (see plan.Bind.via). The workspace first.
     pins: tuple[tuple[int, str], ...] = ()
     pinned: dict[str, str] = field(default_factory=dict)
+    # The workspace's apps folder every command's sandbox covers (None: not looked at).
+    apps_folder: AppsFolder | None = None
     _running: set[trio.CancelScope] = field(default_factory=set)
     _idle: trio.Event = field(default_factory=trio.Event)
     _closed: bool = False
@@ -228,7 +243,8 @@ class RunSandbox:
         own and disposes of it (an agent run's overlay, gatewayd/agent/), so it is not
         lent and not given back.
 
-        Error handling: :class:`SandboxUnavailable` naming the step and the cause;
+        Error handling: :class:`SandboxUnavailable` naming the step and the cause
+        (:class:`UnsafeMounts` for a workspace whose apps folder cannot be hidden);
         :class:`~gatewayd.sandbox.lendable.NotLendable` for a writable tree that may not
         be lent (nothing was lent).
         """
@@ -237,6 +253,7 @@ class RunSandbox:
         lease: Lease | None = None
         pins: list[tuple[int, str]] = []
         pinned: dict[str, str] = {}
+        apps: AppsFolder | None = None
         try:
             _open_run_dir(run_dir, user)
             mounts = _policy_mounts(grants, workspace)
@@ -275,11 +292,23 @@ class RunSandbox:
             _check_not_in_use(writable, busy_trees)
             if not lend_workspace:
                 writable = writable[1:]
+            workspace_fd = pins[0][0]
+            try:
+                apps = await trio.to_thread.run_sync(
+                    lambda: prepare_apps_folder(workspace_fd, workspace, run_dir)
+                )
+            except AppsFolderRefused as exc:
+                raise UnsafeMounts(f"run refused: {exc}") from exc
             netns = await trio.to_thread.run_sync(
                 lambda: create_run_netns(run_id, prefix=settings.netns_prefix)
             )
             info = os.stat(netns.path)
             read_only = {bound[Path(m.host)] for m in mounts if m.mode is PathMode.RO}
+            # An apps folder there before the run stays its owner's with everything in
+            # it: the run's uid owns nothing there, whatever names reach it. One made for
+            # the run is empty and goes with the workspace, like a directory the run made.
+            if apps.made is None:
+                read_only.add(apps.identity)
             lease = await trio.to_thread.run_sync(
                 lambda: lend(
                     writable,
@@ -292,6 +321,9 @@ class RunSandbox:
                 )
             )
         except BaseException as exc:
+            if apps is not None and apps.made is not None:
+                with contextlib.suppress(OSError):
+                    remove_made_folder(pins[0][0], apps.made)
             for fd, _ in pins:
                 os.close(fd)
             with trio.CancelScope(shield=True):
@@ -322,6 +354,7 @@ class RunSandbox:
             services=services or Services(),
             pins=tuple(pins),
             pinned=pinned,
+            apps_folder=apps,
         )
 
     def plan(self, command: Sequence[str], env_values: Mapping[str, str]) -> SandboxPlan:
@@ -409,6 +442,9 @@ class RunSandbox:
     def _release(self) -> dict[str, int]:
         try:
             killed = _kill_uid(self.user.uid)
+            # Only now: while a process of the run lives, the folder is its cover's mount
+            # point, and removing it would lift the cover in that process's namespace.
+            self._remove_made_apps_folder()
             # The trees by the descriptors pinned at the start: given back wherever they
             # are now, never whatever their paths were swapped for.
             points = {point: fd for fd, point in self.pins}
@@ -421,6 +457,17 @@ class RunSandbox:
             self.pins = ()
         removed = remove_run_netns(self.netns.name)
         return {"processesKilled": killed, "entriesReturned": returned, "netnsRemoved": removed}
+
+    def _remove_made_apps_folder(self) -> None:
+        """The apps folder made for this run goes once no process of it is left (while
+        the workspace's descriptor is still held); best effort (see appsfolder)."""
+        made = self.apps_folder.made if self.apps_folder is not None else None
+        if made is None or not self.pins:
+            return
+        try:
+            remove_made_folder(self.pins[0][0], made)
+        except OSError as exc:
+            log.warning("apps_folder_not_removed", run_id=self.run_id, error=str(exc))
 
 
 def _plan(
@@ -455,6 +502,8 @@ def _plan(
         tmpfs_bytes=limits.tmp_mb * _MIB,
         pinned=pinned,
         services=services,
+        # Every command of every run: the workspace's apps folder is never seen.
+        covered_trees=(str(workspace / APPS_DIR_NAME),),
     )
     validate(plan)
     return plan
@@ -614,6 +663,7 @@ def clean_leftovers(runs_dir: Path, netns_prefix: str | None) -> dict[str, list[
                     _kill_uid(lease.uid)  # none should be left (pdeathsig); make sure
                     give_back(lease)
                     returned.extend(tree.path for tree in lease.trees)
+                remove_leftover_folder(entry)
             except Exception as exc:
                 # One bad leftover must not stop the rest; its record stays, so the
                 # next start tries again.

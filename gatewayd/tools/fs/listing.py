@@ -1,7 +1,10 @@
 """``fs.list`` and ``fs.stat``: the file tools that describe directory entries.
 
 Both tell the same facts of an entry (:class:`EntryFacts`), and only those of an inode
-that is the grant's own; neither follows a symlink below the path it was given.
+that is the grant's own; neither follows a symlink below the path it was given. Neither
+shows the workspace's apps folder (:mod:`gatewayd.policy.appsfolder`): the policy refuses
+it as a path, and ``fs.list`` leaves it out of every listing and never enters it, so not
+even the names of the apps reach a run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from gatewayd.hostpaths.beneath import (
     open_child_dir,
     translate_oserror,
 )
+from gatewayd.policy.appsfolder import in_apps_folder
 from gatewayd.policy.capabilities import CapabilityRequest
 from gatewayd.policy.paths import MAX_PATH_BYTES, PathAccess, ResolvedPath, shown
 from gatewayd.tools.builtin import builtin_tool
@@ -221,6 +225,10 @@ class _Listing:
     base: PurePosixPath
     limit: int
     stop: threading.Event | None = None
+    # The apps folder, left out: where it lies beneath the listed directory (components,
+    # its name in any case), and its (device, inode) while it exists.
+    apps_at: tuple[str, ...] | None = None
+    apps_id: tuple[int, int] | None = None
     entries: list[dict[str, Any]] = field(default_factory=list)
     visited: int = 0
     truncated: bool = False
@@ -245,6 +253,10 @@ class _Listing:
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             except OSError:
                 continue  # gone since it was listed
+            if in_apps_folder((*rel, name), self.apps_at) or (
+                (st.st_dev, st.st_ino) == self.apps_id and stat.S_ISDIR(st.st_mode)
+            ):
+                continue  # neither listed nor entered
             following = self.glob.step(states, name)
             kind = _entry_type(st.st_mode)
             if self.glob.accepts(following):
@@ -285,6 +297,7 @@ def list_dir(
     glob = Glob.parse(args.pattern)
     with BeneathRoot(target) as root:
         path_fd = root.open_file(os.O_PATH, follow_final=True)
+        apps_id = root.apps_id
     try:
         if not stat.S_ISDIR(os.fstat(path_fd).st_mode):
             raise ToolFailed(
@@ -297,7 +310,14 @@ def list_dir(
         raise translate_oserror(exc, target.visible) from None
     finally:
         os.close(path_fd)
-    listing = _Listing(glob=glob, base=PurePosixPath(target.visible), limit=args.limit, stop=stop)
+    listing = _Listing(
+        glob=glob,
+        base=PurePosixPath(target.visible),
+        limit=args.limit,
+        stop=stop,
+        apps_at=_apps_beneath(target),
+        apps_id=apps_id,
+    )
     try:
         listing.walk(dir_fd, (), glob.start())
     except OSError as exc:
@@ -305,6 +325,16 @@ def list_dir(
     finally:
         os.close(dir_fd)
     return {"path": target.visible, "entries": listing.entries, "truncated": listing.truncated}
+
+
+def _apps_beneath(target: ResolvedPath) -> tuple[str, ...] | None:
+    """Where the apps folder lies beneath the listed directory, as components; None when
+    it does not (the policy refused a directory at or beneath it already)."""
+    apps = target.grant.apps_parts
+    depth = len(target.parts)
+    if apps is None or depth >= len(apps) or tuple(apps[:depth]) != target.parts:
+        return None
+    return apps[depth:]
 
 
 # --- fs.stat -----------------------------------------------------------------------
