@@ -41,12 +41,12 @@ from gatewayd.apps.manifest import (
 from gatewayd.apps.problems import ManifestError, ManifestProblem
 from gatewayd.audit import MAX_SAFE_MESSAGE_CHARS, AuditEvent
 from gatewayd.hostpaths.beneath import describe_mode, hard_linked
+from gatewayd.policy.appsfolder import APPS_DIR_NAME
 from gatewayd.policy.paths import shown
 
 if TYPE_CHECKING:
     from gatewayd.audit import AuditLog
 
-APPS_DIR: Final = "apps"
 DATA_DIR: Final = "data"
 SCRIPTS_DIR: Final = "scripts"
 
@@ -147,11 +147,11 @@ def discover_apps(workspace: Path) -> Discovery:
     root = _open_workspace(workspace)
     try:
         try:
-            apps_fd = os.open(APPS_DIR, _DIR_FLAGS, dir_fd=root)
+            apps_fd = os.open(APPS_DIR_NAME, _DIR_FLAGS, dir_fd=root)
         except FileNotFoundError:
             return Discovery(workspace=workspace, apps=(), skipped=())
         except OSError as exc:
-            skip = _skip(APPS_DIR, _Refused(_not_a_folder(root, APPS_DIR, exc)))
+            skip = _skip(APPS_DIR_NAME, _Refused(_not_a_folder(root, APPS_DIR_NAME, exc)))
             return Discovery(workspace=workspace, apps=(), skipped=(skip,))
         try:
             return _discover_in(workspace, apps_fd)
@@ -171,15 +171,17 @@ def find_app(workspace: Path, app_id: str) -> DiscoveredApp | SkippedApp | None:
     root = _open_workspace(workspace)
     try:
         try:
-            apps_fd = os.open(APPS_DIR, _DIR_FLAGS, dir_fd=root)
+            apps_fd = os.open(APPS_DIR_NAME, _DIR_FLAGS, dir_fd=root)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            return _skip(APPS_DIR, _Refused(_not_a_folder(root, APPS_DIR, exc)))
+            return _skip(APPS_DIR_NAME, _Refused(_not_a_folder(root, APPS_DIR_NAME, exc)))
         try:
             if app_id_problem(app_id) is None and not _exists(apps_fd, app_id):
                 return None
-            return _read_app(apps_fd, app_id, workspace / APPS_DIR / app_id, f"{APPS_DIR}/")
+            return _read_app(
+                apps_fd, app_id, workspace / APPS_DIR_NAME / app_id, f"{APPS_DIR_NAME}/"
+            )
         finally:
             os.close(apps_fd)
     finally:
@@ -249,7 +251,7 @@ def _discover_in(workspace: Path, apps_fd: int) -> Discovery:
     apps: list[DiscoveredApp] = []
     skipped: list[SkippedApp] = []
     for name in names[:MAX_APPS]:
-        found = _read_app(apps_fd, name, workspace / APPS_DIR / name, f"{APPS_DIR}/")
+        found = _read_app(apps_fd, name, workspace / APPS_DIR_NAME / name, f"{APPS_DIR_NAME}/")
         if isinstance(found, DiscoveredApp):
             apps.append(found)
         else:
@@ -260,7 +262,7 @@ def _discover_in(workspace: Path, apps_fd: int) -> Discovery:
         more = ", ..." if len(beyond) > _NAMES_QUOTED else ""
         skipped.append(
             _skip(
-                APPS_DIR,
+                APPS_DIR_NAME,
                 _Refused(
                     f"{len(beyond)} app folders beyond the first {MAX_APPS} (in name order) "
                     f"were not read ({quoted}{more}); a workspace has at most {MAX_APPS} apps"
@@ -270,9 +272,9 @@ def _discover_in(workspace: Path, apps_fd: int) -> Discovery:
     if truncated:
         skipped.append(
             _skip(
-                APPS_DIR,
+                APPS_DIR_NAME,
                 _Refused(
-                    f"{APPS_DIR}/ holds more than {MAX_APPS_DIR_ENTRIES} entries; only the "
+                    f"{APPS_DIR_NAME}/ holds more than {MAX_APPS_DIR_ENTRIES} entries; only the "
                     "first ones listed were looked at, so some apps may be missing"
                 ),
             )
@@ -326,7 +328,7 @@ def _read_app(apps_fd: int, name: str, folder: Path, prefix: str) -> DiscoveredA
             source,
             _Refused(
                 f"the manifest's name {manifest.name!r} is not its folder's name {name!r}: "
-                f"app {manifest.name!r} lives in {APPS_DIR}/{manifest.name}/",
+                f"app {manifest.name!r} lives in {APPS_DIR_NAME}/{manifest.name}/",
                 "name",
             ),
         )

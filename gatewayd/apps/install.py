@@ -66,11 +66,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
-from gatewayd.apps.discovery import APPS_DIR, DATA_DIR, DiscoveredApp, check_app_at
+from gatewayd.apps.discovery import DATA_DIR, DiscoveredApp, check_app_at
 from gatewayd.apps.manifest import MANIFEST_FILE
 from gatewayd.audit import AuditEvent
 from gatewayd.files import RENAME_EXCHANGE, RENAME_NOREPLACE, fsync_dir_fd, rename_at, write_all
 from gatewayd.hostpaths.beneath import describe_mode, hard_linked
+from gatewayd.policy.appsfolder import APPS_DIR_NAME
 from gatewayd.policy.paths import shown
 
 if TYPE_CHECKING:
@@ -183,7 +184,7 @@ def install_app(source: Path, workspace: Path, *, replace: bool = False) -> Inst
                         )
                     except OSError as exc:
                         raise InstallError(
-                            f"installing {source} into {workspace}/{APPS_DIR}/ failed: {exc}; "
+                            f"installing {source} into {workspace}/{APPS_DIR_NAME}/ failed: {exc}; "
                             "nothing was installed (what was left is cleaned up by the next "
                             "install)"
                         ) from None
@@ -236,21 +237,21 @@ def _open_workspace(workspace: Path) -> int:
 def _open_apps_folder(ws_fd: int, workspace: Path) -> int:
     """``apps/`` of the workspace, made if missing; never through a symlink."""
     with contextlib.suppress(FileExistsError):
-        os.mkdir(APPS_DIR, APPS_FOLDER_MODE, dir_fd=ws_fd)
+        os.mkdir(APPS_DIR_NAME, APPS_FOLDER_MODE, dir_fd=ws_fd)
     try:
-        return os.open(APPS_DIR, _DIR_FLAGS, dir_fd=ws_fd)
+        return os.open(APPS_DIR_NAME, _DIR_FLAGS, dir_fd=ws_fd)
     except OSError as exc:
         try:
-            st = os.stat(APPS_DIR, dir_fd=ws_fd, follow_symlinks=False)
+            st = os.stat(APPS_DIR_NAME, dir_fd=ws_fd, follow_symlinks=False)
         except OSError:
             st = None
         if st is not None and not stat.S_ISDIR(st.st_mode):
             raise InstallError(
-                f"{workspace}/{APPS_DIR} is a {describe_mode(st.st_mode)}, not a folder; "
+                f"{workspace}/{APPS_DIR_NAME} is a {describe_mode(st.st_mode)}, not a folder; "
                 "apps are installed into a real folder there (never through a link): "
                 "remove it and install again"
             ) from None
-        raise InstallError(f"cannot open {workspace}/{APPS_DIR}: {exc.strerror}") from None
+        raise InstallError(f"cannot open {workspace}/{APPS_DIR_NAME}: {exc.strerror}") from None
 
 
 def _refuse_source_in_apps(src_fd: int, apps_fd: int, source: Path, workspace: Path) -> None:
@@ -263,7 +264,7 @@ def _refuse_source_in_apps(src_fd: int, apps_fd: int, source: Path, workspace: P
             here = _identity(os.fstat(fd))
             if here == apps_id:
                 raise InstallError(
-                    f"the source {source} lies in {workspace}/{APPS_DIR}/, where apps are "
+                    f"the source {source} lies in {workspace}/{APPS_DIR_NAME}/, where apps are "
                     "installed (an installed app, its data or an install under way): "
                     "install from a folder outside it"
                 )
@@ -287,7 +288,7 @@ def _install_lock(apps_fd: int, workspace: Path) -> Iterator[None]:
         except BlockingIOError:
             if time.monotonic() >= deadline:
                 raise InstallError(
-                    f"another install into {workspace}/{APPS_DIR}/ has run for more than "
+                    f"another install into {workspace}/{APPS_DIR_NAME}/ has run for more than "
                     f"{INSTALL_LOCK_WAIT_S:g} s; try again when it ends"
                 ) from None
             time.sleep(_LOCK_POLL_S)
@@ -316,11 +317,11 @@ def _install_locked(
             copier = _Copier(source, _identity(os.fstat(apps_fd)), workspace)
             copier.copy_dir(src_fd, stage_fd, "", 0)
             app = _validate_copy(stage_fd, source)
-            target = workspace / APPS_DIR / app.id
+            target = workspace / APPS_DIR_NAME / app.id
             existing = _existing_app(apps_fd, app.id, workspace)
             if existing and not replace:
                 raise InstallError(
-                    f"app {app.id!r} is already installed in {workspace}/{APPS_DIR}/{app.id}; "
+                    f"app {app.id!r} is already installed in {workspace}/{APPS_DIR_NAME}/{app.id}; "
                     "to replace it (its data/ is kept) install again with --replace"
                 )
             kept_data = False
@@ -372,7 +373,7 @@ def _existing_app(apps_fd: int, app_id: str, workspace: Path) -> bool:
         return False
     if not stat.S_ISDIR(st.st_mode):
         raise InstallError(
-            f"{workspace}/{APPS_DIR}/{app_id} is a {describe_mode(st.st_mode)}, not an app "
+            f"{workspace}/{APPS_DIR_NAME}/{app_id} is a {describe_mode(st.st_mode)}, not an app "
             "folder; it is not replaced (a link could lead anywhere): remove it and install again"
         )
     return True
@@ -395,7 +396,7 @@ def _move_in(apps_fd: int, staging: str, app_id: str, workspace: Path) -> None:
         rename_at(apps_fd, staging, apps_fd, app_id, RENAME_NOREPLACE)
     except FileExistsError:
         raise InstallError(
-            f"app {app_id!r} appeared in {workspace}/{APPS_DIR}/ while this install ran; "
+            f"app {app_id!r} appeared in {workspace}/{APPS_DIR_NAME}/ while this install ran; "
             "nothing was changed: install again (with --replace to replace it)"
         ) from None
     except OSError as exc:
@@ -413,9 +414,9 @@ def _swap_in(apps_fd: int, staging: str, app_id: str, workspace: Path) -> bool:
             rename_at(apps_fd, staging, apps_fd, replacing, RENAME_NOREPLACE)
         except FileExistsError:
             raise InstallError(
-                f"{workspace}/{APPS_DIR}/{replacing}, left by an interrupted replacement, "
+                f"{workspace}/{APPS_DIR_NAME}/{replacing}, left by an interrupted replacement, "
                 f"still holds a data/ of app {app_id!r}; keep the one you want in "
-                f"{APPS_DIR}/{app_id}/data, remove {replacing}, and install again"
+                f"{APPS_DIR_NAME}/{app_id}/data, remove {replacing}, and install again"
             ) from None
         except OSError as exc:
             raise InstallError(_rename_failed(workspace, exc)) from None
@@ -458,11 +459,11 @@ def _exchange(apps_fd: int, replacing: str, app_id: str, workspace: Path) -> Non
 def _rename_failed(workspace: Path, exc: OSError) -> str:
     if exc.errno == errno.EINVAL:
         return (
-            f"the file system of {workspace}/{APPS_DIR}/ cannot rename atomically "
+            f"the file system of {workspace}/{APPS_DIR_NAME}/ cannot rename atomically "
             "(renameat2 NOREPLACE/EXCHANGE), which a safe install needs: keep the "
             "workspace on ext4, xfs, btrfs or tmpfs"
         )
-    return f"cannot move the app into {workspace}/{APPS_DIR}/: {exc.strerror}"
+    return f"cannot move the app into {workspace}/{APPS_DIR_NAME}/: {exc.strerror}"
 
 
 # --- leftovers -------------------------------------------------------------------------
@@ -505,7 +506,7 @@ def _recover_replacing(apps_fd: int, name: str, app_id: str) -> str:
             if _exists_at(app_fd, DATA_DIR):
                 return (
                     f"left {shown(name)} alone: it holds a data/ of app {app_id}, which has "
-                    f"one too; keep the one you want in {APPS_DIR}/{app_id}/data and remove "
+                    f"one too; keep the one you want in {APPS_DIR_NAME}/{app_id}/data and remove "
                     f"{shown(name)}"
                 )
             os.rename(DATA_DIR, DATA_DIR, src_dir_fd=left_fd, dst_dir_fd=app_fd)
@@ -598,7 +599,7 @@ class _Copier:
         try:
             if _identity(os.fstat(sub_src)) == self.apps_id:
                 raise InstallError(
-                    f"the source {self.source} holds {self.workspace}/{APPS_DIR}/ (at "
+                    f"the source {self.source} holds {self.workspace}/{APPS_DIR_NAME}/ (at "
                     f"{shown(where)}), where apps are installed: install from the app's "
                     "own folder"
                 )
