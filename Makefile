@@ -82,6 +82,7 @@ lint: setup $(LINT_STAMP)
 
 typecheck: setup $(LINT_STAMP)
 	$(VENV)/bin/mypy
+	MYPYPATH=bench $(VENV)/bin/mypy bench  # the benchmarks import bench/harness.py as harness
 	$(VENV)/bin/mypy --strict --python-executable $(LINT_VENV)/bin/python lint
 
 check: lint typecheck test
@@ -95,6 +96,7 @@ bench: setup
 	$(PY) bench/model_overhead.py
 	$(PY) bench/metrics_cost.py
 	$(PY) bench/workspace.py
+	$(PY) bench/app_overhead.py
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -95,8 +95,9 @@ def load(path: str, run_id: str, mode: str, conns: int, seconds: float, tool: st
     end = start + seconds
     while time.perf_counter() < end:
         for key, _ in sel.select(timeout=0.5):
-            s = key.fileobj
-            assert isinstance(s, socket.socket)
+            ready = key.fileobj
+            assert isinstance(ready, socket.socket)
+            s = ready
             chunk = s.recv(65536)
             if not chunk:
                 raise SystemExit("server closed a connection")

@@ -396,7 +396,11 @@ def add_sdk(bench: Bench, port: int) -> None:
     sdk = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="dummy", max_retries=0)
 
     def chat() -> Any:
-        answer = sdk.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=MAX_TOKENS)
+        answer = sdk.chat.completions.create(
+            model=ALIAS,
+            messages=MESSAGES,  # type: ignore[arg-type]  # the SDK's TypedDicts, same shape
+            max_tokens=MAX_TOKENS,
+        )
         return answer.choices[0].message.content
 
     bench.add(SDK_LABEL, chat)

@@ -110,6 +110,8 @@ WIRE_EXIT_CODES: Final = {
     "timeout": 19,
     "tool_failed": 20,
     "internal": 21,
+    # Added after unknown_error_code (22): a number, once given, never changes.
+    "confirmation_required": 23,
 }
 
 # Every ``code`` a CogniToolError can carry, and the CLI's exit status for it. Other

@@ -8,7 +8,10 @@ run can reach them, and they reach nothing but the run's gateway sockets):
   (or its server-sent-events stream when ``stream`` is true), so an unmodified agent
   using the ``openai`` SDK works with ``OPENAI_BASE_URL`` pointing here and any key; the
   key it sends is ignored (gatewayd holds the real one, on the host). ``GET /v1/models``
-  lists the aliases the run's policy grants (``--models``).
+  lists the aliases the run's policy grants (``--models``) and the apps it may call. An
+  app is prompted like a model: a chat completion whose ``model`` is an app's tool
+  (``app_note_taker``) becomes a call of that tool, its prompt the conversation, and the
+  app's answer the completion (``finish_reason`` ``length`` when a limit stopped it).
 * an egress bridge (``--proxy-port``): every TCP connection accepted is relayed, bytes
   unchanged, to gatewayd's per-run egress proxy socket (``--egress-socket``), which does
   the HTTP proxying, the allowlist and the audit. ``HTTP_PROXY``/``HTTPS_PROXY`` point here.
@@ -48,6 +51,11 @@ LISTEN_HOST = "127.0.0.1"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # A model answer may take long; gatewayd's own model.chat timeout (120 s) ends it first.
 CHAT_CALL_TIMEOUT_S = 180.0
+# An app's invocation lasts up to the run's call timeout (at most an hour); gatewayd's
+# own limit ends it first.
+APP_CALL_TIMEOUT_S = 3660.0
+# Tools whose names start so are apps: prompted through the chat endpoint like a model.
+APP_PREFIX = "app_"
 # In-flight requests and relayed connections at once; gatewayd has its own caps, these
 # only bound this process's threads.
 MAX_CHAT_REQUESTS = 32
@@ -69,6 +77,7 @@ _STATUS = {
     "rate_limited": (429, "rate_limit_exceeded"),
     "timeout": (504, "timeout"),
     "tool_failed": (502, "upstream_error"),
+    "confirmation_required": (403, "permission_denied"),
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Parameters model.chat does not take; accepted and ignored, so an SDK's defaults pass.
@@ -185,7 +194,7 @@ def completion(result: Any, stream_id: str, created: int) -> dict[str, Any]:
                 "index": 0,
                 "message": {"role": "assistant", "content": result.get("content", "")},
                 "logprobs": None,
-                "finish_reason": "stop",
+                "finish_reason": result.get("finishReason", "stop"),
             }
         ],
         "usage": usage,
@@ -202,7 +211,12 @@ def completion_chunks(
     delta = {"role": "assistant", "content": result.get("content", "")}
     chunks = [
         dict(base, choices=[{"index": 0, "delta": delta, "finish_reason": None}]),
-        dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]),
+        dict(
+            base,
+            choices=[
+                {"index": 0, "delta": {}, "finish_reason": result.get("finishReason", "stop")}
+            ],
+        ),
     ]
     if include_usage:
         chunks.append(dict(base, choices=[], usage=_usage(result)))
@@ -247,6 +261,8 @@ class _ChatHandler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
         models = self.server.models
+        if path == "/v1/models" or path.startswith("/v1/models/"):
+            models = (*models, *_apps())
         if path == "/v1/models":
             data = [_model_entry(name) for name in models]
             self._json(200, {"object": "list", "data": data})
@@ -277,7 +293,8 @@ class _ChatHandler(BaseHTTPRequestHandler):
             self._error(503, "too many requests in flight; retry", "server_error", None)
             return
         try:
-            result = _call_chat(args)
+            call = _call_app if args["model"].startswith(APP_PREFIX) else _call_chat
+            result = call(args)
         except ToolError as exc:
             status, kind = _STATUS.get(exc.code, (500, "server_error"))
             self._error(status, exc.safe_message, kind, exc.code)
@@ -380,6 +397,49 @@ def _model_entry(name: str) -> dict[str, Any]:
 def _call_chat(args: dict[str, Any]) -> Any:
     with Client(timeout=CHAT_CALL_TIMEOUT_S) as client:
         return client.call("model.chat", args)
+
+
+def app_prompt(messages: list[dict[str, Any]]) -> str:
+    """What an app is asked: the one user message, or the whole conversation as a
+    transcript (an app is called afresh each time; the transcript is its context)."""
+    said = [m for m in messages if m["role"] != "system"]
+    if len(said) == 1 and said[0]["role"] == "user":
+        return str(said[0]["content"])
+    return "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
+
+
+def _call_app(args: dict[str, Any]) -> Any:
+    """The app named by ``model``, prompted with the conversation; its answer shaped as
+    model.chat's (a limit's stop is a ``length`` finish, its partial answer the text)."""
+    name = args["model"]
+    with Client(timeout=APP_CALL_TIMEOUT_S) as client:
+        value = client.call(name, {"prompt": app_prompt(args["messages"])})
+    if not isinstance(value, dict):
+        value = {}
+    if not value.get("ok", False) and not value.get("limit"):
+        # The app failed (not a limit): an error, with gatewayd's message.
+        raise ToolError("tool_failed", str(value.get("message", "the app failed")), None)
+    return {
+        "model": name,
+        "content": value.get("answer", ""),
+        "usage": {"promptTokens": value.get("tokens", 0), "completionTokens": 0},
+        "finishReason": "stop" if value.get("ok") else "length",
+    }
+
+
+def _apps() -> tuple[str, ...]:
+    """The apps this run may call (tools.list), for GET /v1/models; none when the
+    gateway does not answer (the models list is still served)."""
+    try:
+        with Client(timeout=CHAT_CALL_TIMEOUT_S) as client:
+            tools = client.call("tools.list", {})
+    except CogniToolError:
+        return ()
+    return tuple(
+        t["name"]
+        for t in tools
+        if isinstance(t, dict) and str(t.get("name", "")).startswith(APP_PREFIX)
+    )
 
 
 # --- the egress bridge ------------------------------------------------------------------

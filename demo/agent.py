@@ -43,6 +43,8 @@ def main() -> int:
     tool("fs.read", {"path": "notes.md", "limit": 5})
     tool("fs.write", {"path": "out/summary.md", "content": "# Summary\n\nAll good.\n"})
     tool("fs.edit", {"path": "out/summary.md", "old": "All good.", "new": "All good, checked."})
+    print("agent: prompting an app (its own calls are reviewed against its rules)")
+    tool("app_note_taker", {"prompt": "Remember: the gateway reviews every call an app makes."})
     print("agent: trying things the policy forbids")
     tool("fs.read", {"path": "/etc/shadow"})
     tool("fs.read", {"path": "../../etc/passwd"})
@@ -50,6 +52,7 @@ def main() -> int:
     tool("fs.stat", {"path": "notes.md"})
     tool("shell.exec", {"cmd": "id"})
     tool("fs.read", {"path": "notes.md", "limit": "all"})
+    tool("fs.read", {"path": "apps/note-taker/data/gateway.md"})
     print("agent: trying to get out without cogni-tool (the OS sandbox answers)")
     for what, attempt in ESCAPES:
         try:

@@ -1,5 +1,7 @@
 """`make demo`: a sandboxed agent script calling cogni-tool through `gatewayd run`,
-with allowed and denied calls, then the audit trail and its verification.
+with allowed and denied calls, one of them prompting an app (the note taker, installed
+into the workspace first) whose own calls are reviewed against its rules, then the audit
+trail and its verification.
 
 The agent runs inside the run's OS sandbox (bubblewrap, a loopback-only network
 namespace, its own uid, seccomp), with the system python3, from a copy in its workspace.
@@ -7,6 +9,7 @@ namespace, its own uid, seccomp), with the system python3, from a copy in its wo
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -15,6 +18,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+sys.path.insert(0, str(ROOT / "demo"))
+
+import scripted_model  # noqa: E402  (beside this script, not a package)
+
+MODEL_KEY_ENV = "COGNI_DEMO_MODEL_KEY"
 
 
 def step(title: str) -> None:
@@ -36,7 +44,35 @@ def main() -> int:
     state = base / "state"
     audit = state / "audit" / "audit.jsonl"
     gatewayd = str(BIN / "gatewayd")
-    tools = ["time.now", "fs.read", "fs.write", "fs.edit", "fs.list"]
+    tools = ["time.now", "fs.read", "fs.write", "fs.edit", "fs.list", "app_note_taker"]
+    # No real model is reachable here: a scripted one on loopback plays the app's model
+    # and its reviewer (demo/scripted_model.py).
+    server, api_base = scripted_model.start()
+    config = base / "gatewayd.yaml"
+    config.write_text(
+        "models:\n"
+        + "".join(
+            f"  {alias}:\n    provider: openai\n    model: demo\n"
+            f"    api_base: {api_base}\n    api_key_env: {MODEL_KEY_ENV}\n"
+            for alias in ("demo-model", "reviewer")
+        )
+    )
+    os.environ[MODEL_KEY_ENV] = "sk-demo-not-a-real-key"
+
+    step("gatewayd apps install: the note taker app, into the workspace's apps/ folder")
+    subprocess.run(
+        [
+            gatewayd,
+            "apps",
+            "install",
+            str(ROOT / "apps" / "examples" / "note-taker"),
+            "--workspace",
+            str(workspace),
+            "--state-dir",
+            str(state),
+        ],
+        check=True,
+    )
 
     step("gatewayd run: the agent, in its sandbox, has one way out: cogni-tool")
     cmd = [
@@ -44,27 +80,35 @@ def main() -> int:
         "run",
         "--state-dir",
         str(state),
+        "--config",
+        str(config),
         "--workspace",
         str(workspace),
         "--policy",
-        str(ROOT / "policies" / "examples" / "demo.yaml"),
+        str(ROOT / "policies" / "examples" / "demo-apps.yaml"),
     ]
     for t in tools:  # the run spec narrows the policy: fs.stat is allowed by it, not by the run
         cmd += ["--tool", t]
     cmd += ["--", "python3", "agent.py"]
     rc = subprocess.run(cmd, check=False).returncode
+    server.shutdown()
     if rc != 0:
         print(f"demo: the agent run failed with exit {rc}", file=sys.stderr)
         return 1
 
     step("the audit trail (gatewayd audit show)")
     subprocess.run([gatewayd, "audit", "show", str(audit)], check=True)
+    step("the app's invocation alone (gatewayd audit show --app note-taker)")
+    subprocess.run([gatewayd, "audit", "show", "--app", "note-taker", str(audit)], check=False)
     step("denied calls only (gatewayd audit show --denied)")
     subprocess.run([gatewayd, "audit", "show", "--denied", str(audit)], check=True)
     step("hash chain (gatewayd audit verify)")
     verify = subprocess.run([gatewayd, "audit", "verify", str(audit)], check=False)
     step("what the agent wrote, on the host")
     print((workspace / "out" / "summary.md").read_text())
+    step("what the app kept in its data folder, on the host (no run can read it)")
+    for note in sorted((workspace / "apps" / "note-taker" / "data").iterdir()):
+        print(f"{note.name}: {note.read_text()}", end="")
     print(f"demo files are in {base} (removed now)")
     shutil.rmtree(base, ignore_errors=True)
     return verify.returncode

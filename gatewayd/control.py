@@ -5,10 +5,12 @@
 Routes: ``GET /v1/health``, ``GET /v1/runs``, ``POST /v1/runs`` (a RunRequest),
 ``GET /v1/runs/{id}``, ``DELETE /v1/runs/{id}``, ``POST /v1/runs/{id}/exec`` (run a
 command in the run's sandbox and wait for its result), ``GET /v1/metrics`` (Prometheus
-text format, docs/metrics.md). HTTP parsing is h11's (sans-IO);
-this module only routes. No run socket can reach it: it lives in the state
-directory, which no sandbox sees, and it refuses peers other than root or the
-daemon's own user. A query parameter a route does not take, or one given twice, is
+text format, docs/metrics.md), the review rules (``/v1/rules``...) and the apps' rules
+(``POST /v1/apps/rules``, ``GET /v1/apps/rules/pending``,
+``POST /v1/apps/rules/pending/{id}/confirm``, ``DELETE /v1/apps/rules/pending/{id}``).
+HTTP parsing is h11's (sans-IO); this module only routes. No run socket can reach it:
+it lives in the state directory, which no sandbox sees, and it refuses peers other than
+root or the daemon's own user. A query parameter a route does not take, or one given twice, is
 refused (400), never ignored.
 
 The socket's path is its own: a start refuses a path where something listens (another
@@ -36,13 +38,15 @@ import structlog
 import trio
 
 from gatewayd import strictjson
+from gatewayd.apps.ruledesk import AppliedAppRule, AppRuleDesk
 from gatewayd.audit import AuditWriteError
 from gatewayd.errors import GatewayError
 from gatewayd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.metrics import GatewayMetrics
 from gatewayd.policy import PolicyError
+from gatewayd.policy.rule_action import RuleAction
 from gatewayd.protocol import ErrorCode, Fault
-from gatewayd.review.rulebook import Applied, Pending, RuleAction, RuleChangeError
+from gatewayd.review.rulebook import Applied, Pending, RuleChangeError
 from gatewayd.review.ruledesk import RuleDesk
 from gatewayd.runs import MAX_PATH_CHARS, RunRegistry, RunRequest, format_validation_error
 from gatewayd.runs.lifecycle import RunManager
@@ -84,6 +88,9 @@ CONTROL_PROBE_TIMEOUT_S: Final = 2.0
 
 
 _PENDING_PATH: Final = re.compile(r"/v1/rules/pending/([0-9a-f]{32})(/confirm)?")
+_APP_PENDING_PATH: Final = re.compile(r"/v1/apps/rules/pending/([0-9a-f]{32})(/confirm)?")
+# Who an operator says they are: the review desk's addedBy bound.
+MAX_OPERATOR_NAME_CHARS: Final = 200
 
 
 class RuleRequest(pydantic.BaseModel):
@@ -96,6 +103,36 @@ class RuleRequest(pydantic.BaseModel):
     action: Literal["add_deny", "remove_allow", "add_allow", "remove_deny"]
     rule: str = pydantic.Field(min_length=1, max_length=2000)
     addedBy: str | None = pydantic.Field(default=None, max_length=200)
+
+
+class AppRuleRequest(pydantic.BaseModel):
+    """``POST /v1/apps/rules``: the operator's own change to an app's rules, applied at
+    once whichever way it goes (the operator is the one who confirms)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    # The workspace's host path: absolute, since the daemon's working directory is not
+    # the operator's.
+    workspace: str = pydantic.Field(min_length=1, max_length=MAX_PATH_CHARS)
+    app: str = pydantic.Field(min_length=1, max_length=200)
+    action: Literal["add_deny", "remove_allow", "add_allow", "remove_deny"]
+    rule: str = pydantic.Field(min_length=1, max_length=2000)
+    addedBy: str | None = pydantic.Field(default=None, max_length=MAX_OPERATOR_NAME_CHARS)
+
+    @pydantic.field_validator("workspace")
+    @classmethod
+    def _absolute(cls, value: str) -> str:
+        if not value.startswith("/") or "\0" in value:
+            raise ValueError("the workspace is an absolute host path")
+        return value
+
+
+class ConfirmRequest(pydantic.BaseModel):
+    """``POST /v1/apps/rules/pending/{id}/confirm``: who confirms (for the record)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    by: str | None = pydantic.Field(default=None, max_length=MAX_OPERATOR_NAME_CHARS)
 
 
 def _parse(model: type[_M], body: bytes, what: str = "request") -> _M:
@@ -259,11 +296,14 @@ class ControlServer:
         rules: RuleDesk,
         registry: RunRegistry,
         metrics: GatewayMetrics,
+        app_rules: AppRuleDesk | None = None,
     ) -> None:
         self.runs = runs
         self.rules = rules
         self.registry = registry
         self.metrics = metrics
+        # None: this server changes no app's rules (its routes answer 404).
+        self.app_rules = app_rules
 
     async def serve(
         self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -385,6 +425,8 @@ class ControlServer:
                 return await self._create(body)
             if target.startswith("/v1/rules"):
                 return await self._rules(method, target, params, body)
+            if target.startswith("/v1/apps/rules") and self.app_rules is not None:
+                return await self._app_rules(self.app_rules, method, target, body)
             exec_match = _EXEC_PATH.fullmatch(target)
             if exec_match and method == "POST":
                 return await self._exec(exec_match.group(1), body)
@@ -406,7 +448,9 @@ class ControlServer:
                 "GET|POST /v1/runs, "
                 "GET|DELETE /v1/runs/{runId}, POST /v1/runs/{runId}/exec, GET|POST /v1/rules, "
                 "GET /v1/rules/pending, POST /v1/rules/pending/{id}/confirm, "
-                "DELETE /v1/rules/pending/{id}",
+                "DELETE /v1/rules/pending/{id}, POST /v1/apps/rules, "
+                "GET /v1/apps/rules/pending, POST /v1/apps/rules/pending/{id}/confirm, "
+                "DELETE /v1/apps/rules/pending/{id}",
             )
         except HttpError as exc:
             return exc.status, _error_body(exc.code, exc.message)
@@ -488,6 +532,53 @@ class ControlServer:
         except (RuleChangeError, PolicyError) as exc:
             raise HttpError(400, ErrorCode.BAD_REQUEST, str(exc)) from None
         raise HttpError(404, ErrorCode.BAD_REQUEST, f"no route {method} {target}")
+
+    async def _app_rules(
+        self, desk: AppRuleDesk, method: str, target: str, body: bytes
+    ) -> tuple[int, Any]:
+        """Apps' rules: the operator's own change (applied at once, both ways), and the
+        loosening changes runs asked for: list, confirm, cancel. Only here: no run
+        socket reaches a confirmation."""
+        try:
+            if target == "/v1/apps/rules" and method == "POST":
+                asked = _parse(AppRuleRequest, body)
+                applied = await desk.change(
+                    Path(asked.workspace),
+                    asked.app,
+                    RuleAction(asked.action),
+                    asked.rule,
+                    asked.addedBy,
+                    None,
+                    by_operator=True,
+                )
+                if not isinstance(applied, AppliedAppRule):  # by_operator never parks
+                    raise HttpError(500, ErrorCode.INTERNAL, "the change was not applied")
+                return 200, {"ok": True, "applied": applied.describe()}
+            if target == "/v1/apps/rules/pending" and method == "GET":
+                return 200, {
+                    "ok": True,
+                    "pending": [pending.describe() for pending in desk.pending().values()],
+                }
+            match = _APP_PENDING_PATH.fullmatch(target)
+            if match and match.group(2) == "/confirm" and method == "POST":
+                confirm = _parse(ConfirmRequest, body or b"{}")
+                applied = await desk.confirm(match.group(1), confirm.by)
+                return 200, {"ok": True, "applied": applied.describe()}
+            if match and not match.group(2) and method == "DELETE":
+                cancelled = await desk.cancel(match.group(1))
+                return 200, {"ok": True, "cancelled": cancelled.describe()}
+        except GatewayError as exc:
+            # The change's own code: invalid_args (the rule, the app), bad_request (an
+            # unknown confirmation id), tool_failed (APP.md unreadable or unwritable),
+            # internal (the audit log); the status follows whose fault it is.
+            raise HttpError(_STATUS[exc.code.fault], exc.code, str(exc)) from None
+        raise HttpError(
+            404,
+            ErrorCode.BAD_REQUEST,
+            f"no route {method} {target}; apps' rules: POST /v1/apps/rules, GET "
+            "/v1/apps/rules/pending, POST /v1/apps/rules/pending/{id}/confirm, DELETE "
+            "/v1/apps/rules/pending/{id}",
+        )
 
     async def _exec(self, run_id: str, body: bytes) -> tuple[int, Any]:
         request = _parse(ExecRequest, body, "exec request")

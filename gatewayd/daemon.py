@@ -23,6 +23,8 @@ import trio
 
 from gatewayd import model_client
 from gatewayd.agent.workdir import sweep_leftovers
+from gatewayd.apps.invoke import Apps
+from gatewayd.apps.ruledesk import AppRuleDesk
 from gatewayd.audit import AuditLog, open_audit_log
 from gatewayd.config import GatewaydConfig
 from gatewayd.control import ControlServer
@@ -59,6 +61,8 @@ class Daemon:
     dispatcher: Dispatcher
     runs: RunManager
     rule_desk: RuleDesk
+    # The apps' rules: changed by the app_rules tool and the operator, on confirmation.
+    app_rule_desk: AppRuleDesk
     # The control socket this daemon serves (None: none).
     control_socket: Path | None
 
@@ -149,6 +153,10 @@ async def open_daemon(
             resolver=resolver,
             control_socket=control_socket,
         )
+        # The app runner kind: each run's workspace's apps become tools of that run.
+        app_rule_desk = AppRuleDesk(audit=audit)
+        apps = Apps(runs=runs, dispatcher=dispatcher, rule_desk=app_rule_desk)
+        runs.run_tools = apps.tools_for_run
         rule_desk = RuleDesk(rules, policies=policies, audit=audit)
         # The control server stops before the runs end: no request starts a run then.
         control = trio.CancelScope()
@@ -156,7 +164,11 @@ async def open_daemon(
         try:
             if control_socket is not None:
                 server = ControlServer(
-                    runs=runs, rules=rule_desk, registry=registry, metrics=metrics
+                    runs=runs,
+                    rules=rule_desk,
+                    registry=registry,
+                    metrics=metrics,
+                    app_rules=app_rule_desk,
                 )
                 await nursery.start(
                     _serve_control, server, control_socket, control, control_stopped
@@ -172,6 +184,7 @@ async def open_daemon(
                 dispatcher=dispatcher,
                 runs=runs,
                 rule_desk=rule_desk,
+                app_rule_desk=app_rule_desk,
                 control_socket=control_socket,
             )
         finally:

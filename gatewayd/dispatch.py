@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
@@ -57,7 +58,13 @@ from gatewayd.runs import Run
 from gatewayd.secrets import Scrubber, UnscrubbableError
 from gatewayd.tools.builtin import TOOLS_LIST_MANIFEST
 from gatewayd.tools.manifest import ToolManifest
-from gatewayd.tools.registry import TOOLS_LIST, Tool, ToolContext, ToolRegistry
+from gatewayd.tools.registry import (
+    TOOLS_LIST,
+    DuplicateToolError,
+    Tool,
+    ToolContext,
+    ToolRegistry,
+)
 
 log = structlog.get_logger("gatewayd.dispatch")
 
@@ -71,6 +78,18 @@ class _Refusal(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunReview:
+    """Review rules of one run's own, in place of its policy's: an app's child run is
+    reviewed under the app's rules. ``rules`` is called at each call (the app's rules as
+    they are now: a tightening applies at once); ``app``: the app's id, recorded with each
+    review; ``subject``: how messages name it."""
+
+    app: str
+    subject: str
+    rules: Callable[[], tuple[ReviewSection, RuleSet]]
 
 
 class Dispatcher:
@@ -108,14 +127,64 @@ class Dispatcher:
         self.metrics = metrics
         self._meters = {name: metrics.tool_meter(name) for name in (TOOLS_LIST, *tools)}
         self._unknown_meter = metrics.tool_meter(UNKNOWN_TOOL)
+        # Tools of one run alone (its workspace's apps, and the tools that manage them),
+        # by run id: set when the run starts, dropped when it ends. A run's own tool
+        # never shadows one of the daemon's (:meth:`set_run_tools` refuses the name).
+        self._run_tools: dict[str, ToolRegistry] = {}
+        # Runs whose calls are reviewed under rules of their own, not their policy's (an
+        # app's child run: the app's rules, always, whatever the policy says).
+        self._run_reviews: dict[str, RunReview] = {}
         self._denials = {code: metrics.denials.cell((str(code),)) for code in ErrorCode}
 
+    # -- the tools of one run --------------------------------------------------
+
+    def set_run_tools(self, run_id: str, tools: ToolRegistry) -> None:
+        """Make ``tools`` callable by the run ``run_id`` alone (replacing what it had: a
+        rediscovery after an install). Error handling: DuplicateToolError for a tool of
+        the daemon's name, which a run's own tool may never shadow."""
+        for name in tools:
+            if name in self.tools:
+                raise DuplicateToolError(
+                    f"a run's own tool cannot take the name {name!r}: the daemon's tool "
+                    "of that name is registered"
+                )
+        self._run_tools[run_id] = tools
+
+    def drop_run_tools(self, run_id: str) -> None:
+        """Forget the run's own tools and review rules (it ended)."""
+        self._run_tools.pop(run_id, None)
+        self._run_reviews.pop(run_id, None)
+
+    def set_run_review(self, run_id: str, review: RunReview) -> None:
+        """Review every call of the run ``run_id`` under ``review``'s rules (read at each
+        call), never its policy's: an app's child run. Set before the run serves."""
+        self._run_reviews[run_id] = review
+
+    def run_tools(self, run_id: str) -> ToolRegistry | None:
+        """The run's own tools, if it has any."""
+        return self._run_tools.get(run_id)
+
+    def tool_for(self, run: Run, name: str) -> Tool[Any] | None:
+        """The tool ``name`` as ``run`` sees it: the daemon's, else the run's own."""
+        tool = self.tools.get(name)
+        if tool is None:
+            own = self._run_tools.get(run.run_id)
+            if own is not None:
+                tool = own.get(name)
+        return tool
+
+    def known_tools(self, run: Run) -> tuple[str, ...]:
+        """The names of every tool ``run`` could be allowed: the daemon's and its own."""
+        own = self._run_tools.get(run.run_id)
+        return (*self.tools, *own) if own else tuple(self.tools)
+
     def _meter(self, tool: str) -> ToolMeter:
-        """A tool's series; a name not in the tool table counts as ``unknown``, so no
-        name a run makes up becomes a series."""
+        """A tool's series; a name not in a tool table counts as ``unknown``, so no
+        name a run makes up becomes a series (a run's own tools, apps, are installed by
+        an operator or a policy that allows installing)."""
         meter = self._meters.get(tool)
         if meter is None:
-            if tool not in self.tools:
+            if tool not in self.tools and not any(tool in t for t in self._run_tools.values()):
                 return self._unknown_meter
             meter = self._meters[tool] = self.metrics.tool_meter(tool)
         return meter
@@ -209,6 +278,14 @@ class Dispatcher:
         except _Refusal as refusal:
             return await self._deny(run, req, peer, refusal, started)
         review: dict[str, Any] | None = None
+        own = self._run_reviews.get(run.run_id)
+        if spec is not None and own is not None and self.reviewer is None:
+            # Rules that must review every call, and nothing here to review them: no.
+            unreviewed = _Refusal(
+                ErrorCode.REVIEW_DENIED,
+                f"{own.subject}'s calls are all reviewed, and this gatewayd has no reviewer",
+            )
+            return await self._deny(run, req, peer, unreviewed, started)
         if spec is not None and self.reviewer is not None:
             try:
                 outcome, ruleset = await self._review(run, req, args[0])
@@ -227,6 +304,8 @@ class Dispatcher:
                 review = outcome.audit()
                 if ruleset is not None:
                     review["ruleset"] = ruleset
+                if own is not None:
+                    review["app"] = own.app
                 if not outcome.allowed:
                     denied = _Refusal(ErrorCode.REVIEW_DENIED, _review_message(outcome))
                     return await self._deny(run, req, peer, denied, started, review=review)
@@ -387,7 +466,7 @@ class Dispatcher:
             if req.args:
                 raise _Refusal(ErrorCode.INVALID_ARGS, "tools.list takes no arguments: send {}")
             return None, None
-        spec = self.tools.get(req.tool)
+        spec = self.tool_for(run, req.tool)
         if spec is None:
             raise _Refusal(
                 ErrorCode.UNKNOWN_TOOL,
@@ -421,7 +500,7 @@ class Dispatcher:
         )
 
     def _allowed_sentence(self, run: Run) -> str:
-        names = allowed_tools(self.tools, run.spec.rules)
+        names = allowed_tools(self.known_tools(run), run.spec.rules)
         if not names:
             return "This run's policy allows no tools (deny by default)."
         return "Tools this run may call: " + ", ".join((TOOLS_LIST, *names)) + "."
@@ -431,7 +510,10 @@ class Dispatcher:
         tool the run may call (name, version, summary, JSON Schema of the arguments,
         runner kind, capabilities, limits, side effects), sorted by name."""
         out = [TOOLS_LIST_MANIFEST]
-        out.extend(self.tools[name].manifest for name in allowed_tools(self.tools, run.spec.rules))
+        for name in allowed_tools(self.known_tools(run), run.spec.rules):
+            tool = self.tool_for(run, name)
+            if tool is not None:
+                out.append(tool.manifest)
         return out
 
     async def _run(self, run: Run, spec: Tool[Any] | None, admitted: Any) -> Any:
@@ -501,8 +583,11 @@ class Dispatcher:
         started = self.clock()
         section = run.spec.policy.review
         digest: str | None = None
+        own = self._run_reviews.get(run.run_id)
         try:
-            if self.rules is not None:
+            if own is not None:
+                section, rules = own.rules()
+            elif self.rules is not None:
                 section, rules = self.rules.current(run.spec.policy_source, section)
             else:
                 rules = RuleSet.from_section(section)

@@ -56,3 +56,10 @@ class RateLimited(GatewayError):
     """The run's call rate or budget is spent."""
 
     code = ErrorCode.RATE_LIMITED
+
+
+class ConfirmationRequired(GatewayError):
+    """A loosening rule change asked from inside a run: it waits for the operator's
+    confirmation; the message says how to give it."""
+
+    code = ErrorCode.CONFIRMATION_REQUIRED

@@ -2,11 +2,13 @@
 
 One copy of each: writing a whole buffer to a descriptor (``os.write`` may write less
 than it is given), making a directory's entries durable (fsync of the directory, after a
-create or a rename in it), replacing a small file atomically, and :data:`LIBC`.
+create or a rename in it), replacing a small file atomically (by its path, or by its
+directory's descriptor), and :data:`LIBC`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -103,6 +105,32 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_atomically_at(dir_fd: int, name: str, data: bytes, mode: int) -> None:
+    """:func:`write_atomically` of ``name`` in the directory open as ``dir_fd``: for a
+    file in a tree someone else may rename or link, reached by descriptor, never by a
+    path. The temporary file is made new (``O_EXCL``, never through a link) with a name
+    of its own, and removed if anything fails.
+
+    Error handling: OSError as the system reports it; the old file is then untouched.
+    """
+    tmp = f".{name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
+    try:
+        try:
+            write_all(fd, data)
+            os.fchmod(fd, mode)  # the umask may have taken bits off
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    fsync_dir_fd(dir_fd)
 
 
 def rename_at(src_dir_fd: int, src: str, dst_dir_fd: int, dst: str, flags: int) -> None:

@@ -60,6 +60,9 @@ class ErrorCode(enum.StrEnum):
     TIMEOUT = "timeout"  # the call ran past its time limit
     TOOL_FAILED = "tool_failed"  # the tool ran and failed
     INTERNAL = "internal"  # our bug; details are in the daemon log only
+    # A loosening rule change asked from inside a run: it waits for the operator's
+    # confirmation (the message holds its id and the command that confirms it).
+    CONFIRMATION_REQUIRED = "confirmation_required"
 
     @property
     def fault(self) -> Fault:
@@ -89,6 +92,9 @@ FAULT_OF: Final[Mapping[ErrorCode, Fault]] = MappingProxyType(
         ErrorCode.TIMEOUT: Fault.UPSTREAM,
         ErrorCode.TOOL_FAILED: Fault.UPSTREAM,
         ErrorCode.INTERNAL: Fault.GATEWAYD,
+        # Invariant LOOSENING_NEEDS_CONFIRMATION: no request from inside a run loosens
+        # rules; asking again changes nothing, only the operator's confirmation does.
+        ErrorCode.CONFIRMATION_REQUIRED: Fault.POLICY,
     }
 )
 

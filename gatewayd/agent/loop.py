@@ -42,16 +42,19 @@ from typing import Any, Final
 import structlog
 import trio
 
-from gatewayd.agent.conversation import RUN_TOOL_IDS, AgentStop, Conversation
+from gatewayd.agent.conversation import RUN_TOOL_IDS, AgentStop, agent_conversation
 from gatewayd.agent.forge import open_pull_request
 from gatewayd.agent.patches import BRANCH_PREFIX, patch_from_tree, push_branch_from_patches
 from gatewayd.agent.repo import RepoError, checkout_at, fetch_mirror
 from gatewayd.agent.task import AgentResult, AgentTask, PullRequestSpec
 from gatewayd.agent.workdir import AgentDirError, make_work_dir, remove_tree
+from gatewayd.apps.discovery import discover_apps
 from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.query import read_log
 from gatewayd.dispatch import Dispatcher
 from gatewayd.errors import GatewayError
+from gatewayd.policy import tool_allowed
+from gatewayd.policy.appsfolder import is_apps_name
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from gatewayd.runs.lifecycle import RunManager
 from gatewayd.sandbox.lease import lend
@@ -140,6 +143,9 @@ class _Job:
     result: AgentResult
     say: Callable[[str], None]
     work: Path  # the run's work directory in agent_dir
+    # The tools of the checkout's apps (found once it is checked out), which the run may
+    # call besides the five when its policy allows them.
+    apps: tuple[str, ...] = ()
 
     @property
     def mirror(self) -> Path:
@@ -172,6 +178,8 @@ async def _run_in(job: _Job) -> None:
             detail={"repo": _public_url(task.repo_url), "sha": task.sha},
         )
         return
+    found = await trio.to_thread.run_sync(discover_apps, base)
+    job = dataclasses.replace(job, apps=tuple(app.tool_name for app in found.apps))
     session, run = await _start(job)
     if session is None or run is None:
         return
@@ -217,7 +225,8 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
         actorId=task.actor,
         tenantId=task.tenant,
         grant=Grant(allowSandbox=True),  # the operator starting the agent is the grant
-        toolIds=RUN_TOOL_IDS,
+        # The five, and the apps of the checkout (the policy still decides each).
+        toolIds=(*RUN_TOOL_IDS, *job.apps),
         limits=RunLimits(
             maxRuntimeSec=int(task.limits.max_wall_s) + 60, maxMemoryMb=task.max_memory_mb
         ),
@@ -308,7 +317,16 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
 async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) -> None:
     runs, task, result, say = job.runs, job.task, job.result, job.say
     work, mirror = job.work, job.mirror
-    conversation = Conversation(
+    offered = [
+        tool.manifest
+        for name in job.apps
+        if tool_allowed(name, run.spec.rules)
+        and (tool := job.dispatcher.tool_for(run, name)) is not None
+    ]
+    if offered:
+        say("apps offered: " + ", ".join(manifest.name for manifest in offered))
+    conversation = agent_conversation(
+        apps=offered,
         dispatcher=job.dispatcher,
         audit=runs.audit,
         alias=runs.config.models[task.model],
@@ -327,7 +345,9 @@ async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) 
             )
         result.ok = True
     except AgentStop as stop:
-        result.error_code, result.message = stop.code, str(stop)
+        # An agent run has no budget besides its limits: never rate_limited.
+        result.error_code = "task_failed" if stop.code == "rate_limited" else stop.code
+        result.message = str(stop)
         if stop.code == "task_failed" and conversation.oom_killed:
             result.error_code = "oom_killed"
             result.message += "; a command was killed for running out of memory"
@@ -342,8 +362,12 @@ async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) 
     # The sandbox is gone: nothing changes the workspace while the host reads it.
     diff, git_paths = _without_git_metadata(await trio.to_thread.run_sync(session.diff))
     if git_paths:
-        # The model ran git inside (status, add, commit): its metadata stays behind.
-        say(f"{git_paths} changed path(s) under .git left out: the host takes files, not git's")
+        # The model ran git inside (status, add, commit), or an app kept state: both
+        # stay behind.
+        say(
+            f"{git_paths} changed path(s) under .git or apps/ left out: the host takes the "
+            "agent's files, not git's metadata nor the apps' data"
+        )
     if diff.empty:
         say("no changes in the workspace")
         if result.ok and task.push:
@@ -483,11 +507,14 @@ def _forge_token(spec: PullRequestSpec) -> str:
 
 def _without_git_metadata(diff: WorkspaceDiff) -> tuple[WorkspaceDiff, int]:
     """``diff`` without the top-level ``.git`` directory (what git inside the sandbox
-    changed), and how many paths that left out. A ``.git`` anywhere else is still in the
-    diff, and the patch refuses it by name (repo.py)."""
+    changed) and the top-level apps folder (what the checkout's apps kept in their data
+    folders: their state, never the agent's work, which cannot reach the folder), and how
+    many paths that left out. A ``.git`` anywhere else is still in the diff, and the
+    patch refuses it by name (repo.py)."""
 
     def ours(rel: str) -> bool:
-        return rel != ".git/" and not rel.startswith(".git/")
+        top = rel.split("/", 1)[0]
+        return top != ".git" and not (is_apps_name(top) and "/" in rel)
 
     # A rename across the boundary (.git/x -> x) keeps its side outside .git.
     added = [r for r in diff.added if ours(r)] + [

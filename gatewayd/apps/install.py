@@ -61,13 +61,14 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 from gatewayd.apps.discovery import DATA_DIR, DiscoveredApp, check_app_at
-from gatewayd.apps.manifest import MANIFEST_FILE
+from gatewayd.apps.manifest import MANIFEST_FILE, AppManifest
+from gatewayd.apps.workspaces import AppsRecordError, record_workspace
 from gatewayd.audit import AuditEvent
 from gatewayd.files import RENAME_EXCHANGE, RENAME_NOREPLACE, fsync_dir_fd, rename_at, write_all
 from gatewayd.hostpaths.beneath import describe_mode, hard_linked
@@ -119,6 +120,9 @@ _READ_FLAGS: Final = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY |
 _WRITE_FLAGS: Final = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK: Final = 1024 * 1024
 
+# Judges a copied app (its manifest) against the installed one it replaces (None: none).
+Vet = Callable[[AppManifest, AppManifest | None], None]
+
 
 class InstallError(Exception):
     """The install was refused or failed; nothing was installed or replaced. ``str(exc)``
@@ -157,11 +161,33 @@ class InstalledApp:
         }
 
 
-def install_app(source: Path, workspace: Path, *, replace: bool = False) -> InstalledApp:
+def install_app(
+    source: Path,
+    workspace: Path,
+    *,
+    replace: bool = False,
+    state_dir: Path | None = None,
+    source_fd: int | None = None,
+    vet: Vet | None = None,
+) -> InstalledApp:
     """Install the app folder ``source`` into ``workspace`` (see the module docstring).
 
     ``source``'s parents and ``workspace`` itself are the operator's paths, followed as
     given; ``source`` itself and everything beneath ``workspace`` are not.
+
+    ``state_dir``: gatewayd's state directory, where the workspace (its real path) is
+    recorded as holding apps **before** anything is copied, so that no run holds its
+    apps folder (:mod:`gatewayd.apps.workspaces`). Every caller in gatewayd passes it;
+    None records nothing (tests of the copy alone).
+
+    ``source_fd``: the source folder already open for reading (the ``install_app`` tool
+    opens it beneath its caller's grant, following no symlink); ``source`` then only
+    names it in messages. The descriptor stays the caller's.
+
+    ``vet``: called under the lock with the copied app's manifest and the installed one
+    it would replace (None: a new app, or one that discovery skips), before anything is
+    put in place; whatever it raises refuses the install (the ``install_app`` tool's: a
+    replacement from inside a run may not loosen the app's rules).
 
     Resource handling: every descriptor is closed, the lock released, and the staging
     folder removed on any failure.
@@ -169,10 +195,12 @@ def install_app(source: Path, workspace: Path, *, replace: bool = False) -> Inst
     Error handling: :class:`InstallError` for every refusal and failure; the workspace's
     apps are then as they were (a leftover a crash leaves is recovered next time).
     """
-    src_fd = _open_source(source)
+    src_fd = _open_source(source) if source_fd is None else os.dup(source_fd)
     try:
         ws_fd = _open_workspace(workspace)
         try:
+            if state_dir is not None:
+                _record_workspace(state_dir, ws_fd)
             apps_fd = _open_apps_folder(ws_fd, workspace)
             try:
                 _refuse_source_in_apps(src_fd, apps_fd, source, workspace)
@@ -180,7 +208,7 @@ def install_app(source: Path, workspace: Path, *, replace: bool = False) -> Inst
                     try:
                         recovered = recover_leftovers(apps_fd)
                         return _install_locked(
-                            src_fd, apps_fd, source, workspace, replace, recovered
+                            src_fd, apps_fd, source, workspace, replace, recovered, vet
                         )
                     except OSError as exc:
                         raise InstallError(
@@ -225,6 +253,16 @@ def _open_source(source: Path) -> int:
                 f"{MANIFEST_FILE}"
             ) from None
         raise InstallError(f"cannot open the source {source}: {exc.strerror}") from None
+
+
+def _record_workspace(state_dir: Path, ws_fd: int) -> None:
+    """Record the opened workspace, by the real path of the directory opened (not the
+    name given, which may be a symlink or change meanwhile), as holding apps."""
+    real = Path(os.readlink(f"/proc/self/fd/{ws_fd}"))
+    try:
+        record_workspace(state_dir, real)
+    except AppsRecordError as exc:
+        raise InstallError(f"{exc}; nothing was installed") from None
 
 
 def _open_workspace(workspace: Path) -> int:
@@ -308,6 +346,7 @@ def _install_locked(
     workspace: Path,
     replace: bool,
     recovered: tuple[str, ...],
+    vet: Vet | None = None,
 ) -> InstalledApp:
     staging = STAGING_PREFIX + secrets.token_hex(8)
     os.mkdir(staging, _STAGING_MODE, dir_fd=apps_fd)
@@ -324,6 +363,8 @@ def _install_locked(
                     f"app {app.id!r} is already installed in {workspace}/{APPS_DIR_NAME}/{app.id}; "
                     "to replace it (its data/ is kept) install again with --replace"
                 )
+            if vet is not None:
+                vet(app.manifest, _installed_manifest(apps_fd, app.id) if existing else None)
             kept_data = False
             if existing:
                 # The replacement's data/ is the installed one, moved in just before the
@@ -377,6 +418,19 @@ def _existing_app(apps_fd: int, app_id: str, workspace: Path) -> bool:
             "folder; it is not replaced (a link could lead anywhere): remove it and install again"
         )
     return True
+
+
+def _installed_manifest(apps_fd: int, app_id: str) -> AppManifest | None:
+    """The manifest of the installed ``apps/<app_id>`` as discovery reads it; None when
+    discovery would skip it (it is then no app, with no rules in force)."""
+    fd = os.open(app_id, _DIR_FLAGS, dir_fd=apps_fd)
+    try:
+        found = check_app_at(fd, Path(app_id))
+    finally:
+        os.close(fd)
+    if not isinstance(found, DiscoveredApp) or found.manifest.name != app_id:
+        return None
+    return found.manifest
 
 
 def _drop_source_data(stage_fd: int) -> None:

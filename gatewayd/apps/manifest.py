@@ -31,10 +31,12 @@ a first line ``---`` and the next line ``---``, as in static site generators.
 
 Two rules keep what a person reads equal to what a model reads, which is what the
 review of an app's calls rests on: invisible characters (zero-width, bidirectional
-overrides, Unicode tag characters, control characters) are refused anywhere in the
-file (:mod:`gatewayd.apps.problems`), and a rule may hold no HTML, which a Markdown
-viewer hides, except its trailing ``<!-- addedBy: NAME -->`` marker (who added it;
-never shown to the reviewer).
+overrides, Unicode tag characters, control characters, variation selectors and other
+default-ignorable code points) are refused anywhere in the file
+(:mod:`gatewayd.apps.problems`), and neither a rule nor the system prompt may hold
+what a Markdown viewer hides (HTML, link reference definitions, images, links; a rule
+may end in its ``<!-- addedBy: NAME -->`` marker, who added it, never shown to the
+reviewer; the prompt may hold autolinks, :mod:`gatewayd.apps.sections`).
 
 :func:`render_manifest` writes a manifest back (rule changes are written back to
 APP.md): ``parse_manifest(render_manifest(m)) == m`` for every valid manifest, because
@@ -66,13 +68,20 @@ from gatewayd.apps.sections import (
     RULES_HEADING,
     SYSTEM_PROMPT_HEADING,
     RawRule,
+    bullet_lines,
     normalize_rule_text,
     read_body,
     rule_item,
     strip_blank_lines,
 )
 from gatewayd.policy.review_section import MAX_RULES, RuleText
-from gatewayd.policy.section import ModelAliasName, Section, StrictStr, model_at
+from gatewayd.policy.section import (
+    MANAGING_TOOLS,
+    ModelAliasName,
+    Section,
+    StrictStr,
+    model_at,
+)
 from gatewayd.protocol import MAX_ID_CHARS, TOOL_NAME_RE
 
 MANIFEST_FILE: Final = "APP.md"
@@ -96,6 +105,11 @@ MAX_TITLE_CHARS: Final = 80
 MAX_DESCRIPTION_CHARS: Final = 1000
 # Sent with every model turn of the app: a long prompt is paid for on each.
 MAX_SYSTEM_PROMPT_CHARS: Final = 32_000
+# Lines of the body that may open a bullet list item, most any valid APP.md has: its
+# rules (one line each at least) and a system prompt of nothing else ("-" and a newline
+# per line). More is refused before the Markdown parser makes its tokens: 65,000
+# one-character rules fit in MAX_MANIFEST_BYTES, and parsing them alone takes seconds.
+MAX_BULLET_LINES: Final = 2 * MAX_RULES + MAX_SYSTEM_PROMPT_CHARS // 2
 # A user or operator name inside an HTML comment: no '--' (it would end the comment).
 MAX_ADDED_BY_CHARS: Final = 64
 ADDED_BY_RE: Final = re.compile(r"[A-Za-z0-9_.@+]+(?:[ -][A-Za-z0-9_.@+]+)*")
@@ -132,6 +146,12 @@ def _shown(value: str) -> str:
 def app_id_problem(value: str) -> str | None:
     """Why ``value`` is not an app id, or None when it is one."""
     if APP_ID_RE.fullmatch(value) and len(value) <= MAX_APP_ID_CHARS:
+        if tool_name_of(value) in MANAGING_TOOLS:
+            return (
+                f"{_shown(value)} is reserved: its tool would be "
+                f"{tool_name_of(value)}, the name of gatewayd's own tool that manages "
+                "apps; choose another id"
+            )
         return None
     rule = (
         f"an app id is 1-{MAX_APP_ID_CHARS} lowercase letters, digits and single hyphens, "
@@ -201,11 +221,14 @@ def _check_system_prompt(value: str) -> str:
     body = read_body(document, 0)
     if body.problems and body.problems[0].field is None:  # a heading that opens a section
         raise ValueError(f"the system prompt holds {body.problems[0].reason}")
-    if body.problems or body.system_prompt != prompt:
+    hidden = [p for p in body.problems if p.field == "system_prompt"]
+    if len(hidden) < len(body.problems) or body.system_prompt != prompt:
         raise ValueError(
             "the system prompt would not read back the same from APP.md: it holds a "
             "'#' or '##' heading, or a code fence or HTML block that runs past its end"
         )
+    if hidden:  # something a Markdown viewer hides (sections._check_prompt_hides_nothing)
+        raise ValueError(hidden[0].reason)
     return prompt
 
 
@@ -370,7 +393,11 @@ def parse_manifest(text: str, source: str) -> AppManifest:
         )
     problems: list[ManifestProblem] = []
     front = _read_front_matter("\n".join(lines[1:closing]), problems)
-    body = read_body("\n".join(lines[closing + 1 :]), closing + 1)
+    body_text = "\n".join(lines[closing + 1 :])
+    too_many = _too_many_bullet_lines(body_text, closing + 1)
+    if too_many is not None:
+        raise ManifestError(source, [*problems, too_many])
+    body = read_body(body_text, closing + 1)
     problems += body.problems
     allow = _rules_of(body.allow, problems)
     deny = _rules_of(body.deny, problems)
@@ -399,6 +426,28 @@ def _too_large(source: str) -> ManifestError:
         "a system prompt and its rules"
     )
     return ManifestError(source, [ManifestProblem(None, None, reason)])
+
+
+def _too_many_bullet_lines(body: str, offset: int) -> ManifestProblem | None:
+    """A problem at the first line past :data:`MAX_BULLET_LINES` that may open a bullet
+    list item in ``body`` (``offset``: its first line's 0-based number in the file)."""
+    count = 0
+    first_over: int | None = None
+    for line in bullet_lines(body):
+        count += 1
+        if count == MAX_BULLET_LINES + 1:
+            first_over = line
+    if first_over is None:
+        return None
+    return ManifestProblem(
+        offset + first_over + 1,
+        "rules",
+        f"{count} lines start a bullet list item ('- ', '* ' or '+ '); a list holds at most "
+        f"{MAX_RULES} rules, and no valid {MANIFEST_FILE} has more than {MAX_BULLET_LINES} "
+        f"such lines ({MAX_RULES} rules under each of '### {ALLOW_HEADING}' and "
+        f"'### {DENY_HEADING}', and a system prompt of at most {MAX_SYSTEM_PROMPT_CHARS} "
+        "characters)",
+    )
 
 
 _FRONT_LINE_OFFSET: Final = 1  # the front matter's first line is the file's second

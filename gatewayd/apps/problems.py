@@ -10,11 +10,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-# Categories refused anywhere: control (Cc, but tab and newline), format (Cf: zero-width,
-# bidi overrides, tag characters), surrogates (Cs), private use (Co), line and paragraph
-# separators (Zl, Zp: a line break to some readers, not to others).
-_INVISIBLE_CATEGORIES: Final = frozenset({"Cc", "Cf", "Cs", "Co", "Zl", "Zp"})
-_CANDIDATE_RE: Final = re.compile(r"[^\t\n\x20-\x7e]")  # only these need a category lookup
+import regex
+
+# Refused anywhere (but tab and newline): the categories control (Cc), format (Cf:
+# zero-width, bidi overrides, tag characters), surrogates (Cs), private use (Co), line and
+# paragraph separators (Zl, Zp: a line break to some readers, not to others); and
+# Unicode's Default_Ignorable_Code_Point, what a renderer shows as nothing whatever its
+# category: the combining grapheme joiner U+034F, variation selectors (U+FE00-FE0F and
+# U+E0100-E01EF, which can carry arbitrary bytes behind one visible character), Hangul
+# fillers (U+115F, U+1160, U+3164, U+FFA0) and the unassigned rest of the tags block.
+# U+2800 BRAILLE PATTERN BLANK is not ignorable but draws as blank space, so a name or
+# path can end in it unseen. The ``regex`` library knows the property (the standard
+# library's ``re`` and ``unicodedata`` do not), from a newer Unicode than Python's own.
+_INVISIBLE_RE: Final = regex.compile(
+    r"(?![\t\n])[\p{Cc}\p{Cf}\p{Cs}\p{Co}\p{Zl}\p{Zp}\p{Default_Ignorable_Code_Point}\u2800]"
+)
+# Printable ASCII, tab and newline are never refused, and most of a manifest is just
+# that: the standard library finds the first other character, ten times faster.
+_CANDIDATE_RE: Final = re.compile(r"[^\t\n\x20-\x7e]")
+# What a character without a Unicode name is, by its category.
+_UNNAMED: Final = {
+    "Cc": "a control character",
+    "Cs": "a surrogate",
+    "Co": "a private-use character",
+    "Cn": "an unassigned code point",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +79,17 @@ def invisible_character(text: str) -> tuple[int, str] | None:
     """The index and description of the first character of ``text`` that a reader
     would not see, or None: control characters (but tab and newline), format characters
     (zero-width, bidirectional overrides, Unicode tag characters), surrogates, private
-    use, line and paragraph separators."""
-    for match in _CANDIDATE_RE.finditer(text):
-        char = match.group()
-        if unicodedata.category(char) in _INVISIBLE_CATEGORIES:
-            name = unicodedata.name(char, "a control character")
-            return match.start(), f"U+{ord(char):04X} ({name})"
-    return None
+    use, line and paragraph separators, default-ignorable code points (variation
+    selectors, the combining grapheme joiner, Hangul fillers) and the braille blank."""
+    candidate = _CANDIDATE_RE.search(text)
+    match = None if candidate is None else _INVISIBLE_RE.search(text, candidate.start())
+    if match is None:
+        return None
+    char = match.group()
+    name = unicodedata.name(char, "") or _UNNAMED.get(
+        unicodedata.category(char), "an unnamed character"
+    )
+    return match.start(), f"U+{ord(char):04X} ({name})"
 
 
 def invisible_reason(what: str) -> str:

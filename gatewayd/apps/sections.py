@@ -6,11 +6,19 @@ heading tokens and rules by its list-item tokens, never by a regular expression 
 lines. The body is two top-level sections, in any order:
 
 - ``## System Prompt``: its source text, verbatim (``###`` headings and anything else
-  CommonMark allows, but no ``#`` or ``##`` heading, which would open a section);
+  CommonMark allows, but no ``#`` or ``##`` heading, which would open a section, and
+  nothing a Markdown viewer hides: no HTML, no link reference definition, no image and
+  no link but an autolink ``<https://...>``, which shows its own destination);
 - ``## Rules``: ``### Allow`` and ``### Deny``, each a bullet list (or nothing), each
   item one paragraph of plain text, and at its end at most the marker
-  ``<!-- addedBy: NAME -->``. Any other HTML is refused: a Markdown viewer hides it,
-  so a reader would not see what the reviewer reads.
+  ``<!-- addedBy: NAME -->``. Any other HTML, any link or image is refused: a Markdown
+  viewer hides it, so a reader would not see what the reviewer reads.
+
+A link reference definition (``[x]: /url "title"``) is shown by no viewer anywhere:
+it is refused wherever it is.
+
+The work is bounded before the cap on rules: a list's items past :data:`MAX_RULES` are
+counted, not read into rules (each rule is later parsed again to prove it reads back).
 
 Nothing here validates a value; :mod:`gatewayd.apps.manifest` does, and uses
 :func:`read_body` to prove that a rule or a prompt reads back the same from the text it
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -29,6 +37,7 @@ from markdown_it import MarkdownIt
 from markdown_it.token import Token
 
 from gatewayd.apps.problems import ManifestProblem, invisible_character, invisible_reason
+from gatewayd.policy.review_section import MAX_RULES
 
 SYSTEM_PROMPT_HEADING: Final = "System Prompt"
 RULES_HEADING: Final = "Rules"
@@ -39,13 +48,22 @@ RULE_LISTS: Final = {ALLOW_HEADING: "allow", DENY_HEADING: "deny"}
 
 # Inline tokens that show a reader something other than their source text.
 _HIDING_INLINE: Final = frozenset({"link_open", "image"})
+# markdown-it's markup of a link written <https://...>: its text is its destination.
+_AUTOLINK_MARKUP: Final = "autolink"
 _ADDED_BY_COMMENT_RE: Final = re.compile(r"<!--\s*addedBy:\s*(.*?)\s*-->", re.DOTALL)
 # A heading's text quoted in a message: enough to recognise it.
 _MAX_SHOWN_HEADING_CHARS: Final = 80
 
 # The CommonMark preset: strict CommonMark, raw HTML recognised as HTML tokens (which
 # the refusal of HTML in rules needs), no typographic replacements or link guessing.
-_MARKDOWN: Final = MarkdownIt("commonmark")
+# ``inline_definitions``: a link reference definition becomes a ``definition`` token
+# with its lines, instead of vanishing into the parser's environment, so it can be
+# refused where it stands.
+_MARKDOWN: Final = MarkdownIt("commonmark", {"inline_definitions": True})
+# A line that may open a top-level bullet list item: at most three spaces, then '-', '+'
+# or '*' and a space, a tab or the line's end. Every list item at the document's top
+# level starts such a line (a deeper one may not, but is never a rule).
+_BULLET_LINE_RE: Final = re.compile(r"^ {0,3}[-+*](?:[ \t]|$)", re.MULTILINE)
 
 
 def normalize_rule_text(text: str) -> str:
@@ -63,6 +81,18 @@ def strip_blank_lines(text: str) -> str:
     while lines and not lines[-1].strip():
         lines.pop()
     return "\n".join(lines)
+
+
+def bullet_lines(text: str) -> Iterator[int]:
+    """The 0-based number of each line of ``text`` that may open a top-level bullet list
+    item: more than the items there are (a thematic break ``* * *``, a line in a code
+    block), never fewer. One pass of a regular expression, before the Markdown parser."""
+    line = 0
+    last = 0
+    for match in _BULLET_LINE_RE.finditer(text):
+        line += text.count("\n", last, match.start())
+        last = match.start()
+        yield line
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +177,7 @@ def read_body(text: str, offset: int) -> Body:
             text_lines = source_lines[span.after_line : end0]
             body.system_prompt = strip_blank_lines("\n".join(text_lines))
             body.lines["system_prompt"] = offset + heading0 + 1
+            _check_prompt_hides_nothing(tokens, span.index + 3, end_index, offset, body.problems)
         elif span.section == RULES_HEADING:
             body.lines["rules"] = offset + heading0 + 1
             # heading_open, its inline text, heading_close: the section's blocks follow.
@@ -162,6 +193,62 @@ def read_body(text: str, offset: int) -> Body:
                 )
             )
     return body
+
+
+def _check_prompt_hides_nothing(
+    tokens: list[Token], start: int, end: int, offset: int, problems: list[ManifestProblem]
+) -> None:
+    """The first thing in the system prompt (``tokens[start:end]``) that a Markdown
+    viewer hides from a person vetting the app while its model reads it, as a problem at
+    its line: HTML (a comment, ``<details>``, ``<div hidden>``), a link reference
+    definition, an image (its alt text), a link other than an autolink (its destination
+    and title)."""
+    line = 0
+    for token in tokens[start:end]:
+        line = offset + _line0(token) + 1 if token.map else line
+        what: str | None = None
+        if token.type == "html_block":
+            what = "HTML"
+        elif token.type == "definition":
+            what = "a link reference definition"
+        elif token.type == "inline":
+            hidden = _hidden_inline(token.children or (), autolinks=True)
+            if hidden is not None:
+                what = _inline_kind(hidden)
+                # The line of a paragraph's HTML: where its text first appears (a guess
+                # only when the same text comes earlier; never a line outside it).
+                at = token.content.find(hidden.content) if hidden.content else -1
+                line += token.content.count("\n", 0, max(at, 0))
+        if what is not None:
+            problems.append(
+                ManifestProblem(
+                    line,
+                    "system_prompt",
+                    f"the system prompt holds {what}, which a Markdown viewer hides or "
+                    "changes, so a person reading APP.md would not see what the app's model "
+                    "reads; write it as plain text, or in a code span or block (`<tag>`, "
+                    "`[x]: url`), or a link as <https://...>",
+                )
+            )
+            return
+
+
+def _hidden_inline(children: Sequence[Token], *, autolinks: bool) -> Token | None:
+    """The first inline token that shows a reader something other than its source:
+    HTML, an image, a link (an autolink ``<https://...>`` passes when ``autolinks``)."""
+    for child in children:
+        if child.type == "html_inline":
+            return child
+        if child.type in _HIDING_INLINE:
+            if autolinks and child.type == "link_open" and child.markup == _AUTOLINK_MARKUP:
+                continue
+            return child
+    return None
+
+
+def _inline_kind(token: Token) -> str:
+    kinds = {"html_inline": "HTML", "image": "an image", "link_open": "a link"}
+    return kinds.get(token.type, token.type)
 
 
 def _check_entities(tokens: list[Token], offset: int, problems: list[ManifestProblem]) -> None:
@@ -195,6 +282,7 @@ def _kind(token: Token) -> str:
         "code_block": "an indented code block",
         "blockquote_open": "a quote",
         "html_block": "HTML (hidden when Markdown is shown)",
+        "definition": "a link reference definition (hidden when Markdown is shown)",
         "hr": "a horizontal rule",
     }
     return kinds.get(token.type, token.type)
@@ -318,7 +406,8 @@ def _rule_list_of(
 
 
 def _read_list(tokens: list[Token], start: int, offset: int, side: str, body: Body) -> None:
-    """The rules of the bullet list opened at ``tokens[start]``."""
+    """The rules of the bullet list opened at ``tokens[start]``; past :data:`MAX_RULES`
+    items on a side, the first one over is a problem and the rest are only counted."""
     rules = body.allow if side == "allow" else body.deny
     index = start + 1
     while tokens[index].type != "bullet_list_close" or tokens[index].level != 0:
@@ -328,11 +417,22 @@ def _read_list(tokens: list[Token], start: int, offset: int, side: str, body: Bo
             close += 1
         line = offset + _line0(item) + 1
         body.items[side] = number = body.items.get(side, 0) + 1
-        where = f"rules.{side}[{number}]"
-        body.lines[where] = line
-        rule = _rule_in_item(tokens[index + 1 : close], line, where, body.problems)
-        if rule is not None:
-            rules.append(rule)
+        if number == MAX_RULES + 1:
+            body.problems.append(
+                ManifestProblem(
+                    line,
+                    f"rules.{side}",
+                    f"more than {MAX_RULES} rules under '### {_heading_of(side)}' (this is "
+                    f"rule {number}); a list holds at most {MAX_RULES} rules: every rule goes "
+                    "with every reviewed call, so merge or drop some",
+                )
+            )
+        if number <= MAX_RULES:
+            where = f"rules.{side}[{number}]"
+            body.lines[where] = line
+            rule = _rule_in_item(tokens[index + 1 : close], line, where, body.problems)
+            if rule is not None:
+                rules.append(rule)
         index = close + 1
 
 
@@ -383,9 +483,9 @@ def _rule_in_item(
     # A link's title and destination and an image's alt text are hidden or changed when
     # Markdown is shown, like HTML: a rule is plain text, so what a person reads is what
     # the reviewer reads.
-    hidden = next((child for child in children if child.type in _HIDING_INLINE), None)
+    hidden = _hidden_inline(children, autolinks=False)
     if hidden is not None:
-        kind = "an image" if hidden.type == "image" else "a link"
+        kind = _inline_kind(hidden)
         problems.append(
             ManifestProblem(
                 line,

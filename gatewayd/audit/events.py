@@ -104,6 +104,24 @@ class AuditEvent(enum.StrEnum):
     # An app installed into a workspace's apps/ (app, tool, whether it replaced one and
     # kept its data/, files and bytes copied); written by an install the daemon makes.
     APP_INSTALLED = "app_installed"
+    # -- an app's rules (gatewayd/apps/ruledesk.py; detail: app, workspace, action, rule,
+    # addedBy, runId: the run that asked, or null for the operator)
+    # A loosening change asked from inside a run waits for the operator (confirmationId).
+    APP_RULE_PENDING = "app_rule_pending"
+    # A change applied, durable before APP.md is written (manifestBefore/After: sha256
+    # of the file; confirmationId and confirmedBy for a confirmed one).
+    APP_RULE_CHANGED = "app_rule_changed"
+    # A change that did not happen: the write after an app_rule_changed failed, or a
+    # confirmed change could no longer be made (errorCode, safeMessage say why).
+    APP_RULE_CHANGE_FAILED = "app_rule_change_failed"
+    # A pending change dropped by the operator (confirmationId, cancelledBy).
+    APP_RULE_CANCELLED = "app_rule_cancelled"
+    # A caller run prompted an app (detail: app, tool, callerRunId, childRunId,
+    # promptDigest, promptBytes, attachments); durable before the app's child run starts.
+    APP_INVOKED = "app_invoked"
+    # The app's invocation ended (detail: app, callerRunId, childRunId, ok, errorCode,
+    # turns, toolCalls, tokens, answerDigest, changed: the data/ files it changed).
+    APP_RESULT = "app_result"
 
 
 # The names the writer accepts. A str subclass hashes as its value, so a member and

@@ -3,16 +3,19 @@
 :func:`read_log` yields every line of every segment in chain order, as it is written
 (``raw``) and as a dict; a line that is not a JSON object is kept as a *broken*
 record, never skipped. :class:`EntryFilter` holds the filters of ``gatewayd audit
-show|export|stats`` and decides per entry; actor and tenant are facts of a run (its
-``run_created`` event), so filtering on them needs the runs' index first
-(:func:`run_index`, one extra pass). Reading is not verifying: run ``verify``.
+show|export|stats`` and decides per entry; actor, tenant and the app a run invoked are
+facts of a run (its ``run_created`` event, and the ``app_invoked`` entry naming it as
+the child run), so filtering on them needs the runs' index first (:func:`run_index`,
+one extra pass). Reading is not verifying: run ``verify``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import fnmatch
-from collections.abc import Iterable, Iterator, Mapping
+import functools
+from collections.abc import Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -118,28 +121,55 @@ def time_ns_of(text: str) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class RunFacts:
-    """What the log says about who a run was for (its ``run_created`` event)."""
+    """What the log says about who a run was for (its ``run_created`` event), and, for
+    an app's invocation, the app's id (``detail.app`` of its ``run_created``, or of the
+    ``app_invoked`` entry naming it as ``childRunId``)."""
 
     actor: str | None
     tenant: str | None
+    app: str | None = None
 
 
 def run_index(records: Iterable[Record]) -> dict[str, RunFacts]:
-    """Run id -> actor and tenant, from the ``run_created`` events."""
+    """Run id -> actor, tenant and app, from the ``run_created`` and ``app_invoked``
+    events."""
     runs: dict[str, RunFacts] = {}
+    index_runs(runs, records)
+    return runs
+
+
+def _text(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def index_runs(runs: MutableMapping[str, RunFacts], records: Iterable[Record]) -> None:
+    """Add what ``records`` say about runs to ``runs`` (``tail -f`` adds each new entry).
+
+    An app's child run is named by the caller's ``app_invoked`` entry, written before
+    the child's ``run_created``: the app is kept whichever comes first.
+    """
     for record in records:
         entry = record.entry
-        if entry is None or entry.get("event") != AuditEvent.RUN_CREATED:
+        event = entry.get("event") if entry is not None else None
+        if entry is None or event not in (AuditEvent.RUN_CREATED, AuditEvent.APP_INVOKED):
             continue
         detail = entry.get("detail")
-        run = entry.get("runId")
-        if isinstance(run, str) and isinstance(detail, Mapping):
-            actor, tenant = detail.get("actorId"), detail.get("tenantId")
+        if not isinstance(detail, Mapping):
+            continue
+        app = _text(detail.get("app"))
+        if event == AuditEvent.APP_INVOKED:
+            child = _text(detail.get("childRunId"))
+            if child is not None and app is not None:
+                runs[child] = dataclasses.replace(runs.get(child, RunFacts(None, None)), app=app)
+            continue
+        run = _text(entry.get("runId"))
+        if run is not None:
+            known = runs.get(run)
             runs[run] = RunFacts(
-                actor if isinstance(actor, str) else None,
-                tenant if isinstance(tenant, str) else None,
+                _text(detail.get("actorId")),
+                _text(detail.get("tenantId")),
+                app if app is not None else (known.app if known is not None else None),
             )
-    return runs
 
 
 # -- the filter ---------------------------------------------------------------------
@@ -169,8 +199,8 @@ class EntryFilter:
     ``event``. ``event``: an event name. ``error_code``: the entry's error code (or
     an event's ``detail.errorCode``). ``since``/``until``: times as :func:`parse_time`
     makes them, ``since <= time < until``. ``actor``/``tenant``: of the entry's run
-    (its ``run_created`` event), or of a refused run's own event. ``denied``: only
-    denied or failed entries (:func:`is_denied`).
+    (its ``run_created`` event), or of a refused run's own event. ``app``: an app id
+    (:func:`keeps_app`). ``denied``: only denied or failed entries (:func:`is_denied`).
     """
 
     run: str | None = None
@@ -183,12 +213,13 @@ class EntryFilter:
     until: str | None = None
     actor: str | None = None
     tenant: str | None = None
+    app: str | None = None
     denied: bool = False
 
     @property
     def needs_runs(self) -> bool:
-        """Whether deciding needs :func:`run_index` (actor or tenant is set)."""
-        return self.actor is not None or self.tenant is not None
+        """Whether deciding needs :func:`run_index` (actor, tenant or app is set)."""
+        return self.actor is not None or self.tenant is not None or self.app is not None
 
     def keeps(self, entry: Mapping[str, Any], runs: Mapping[str, RunFacts]) -> bool:
         """Whether ``entry`` passes (``runs`` from :func:`run_index` when needed)."""
@@ -212,7 +243,11 @@ class EntryFilter:
             return False
         if self.until is not None and not (isinstance(when, str) and when < self.until):
             return False
-        if self.needs_runs and not self._keeps_party(entry, runs):
+        if (self.actor is not None or self.tenant is not None) and not self._keeps_party(
+            entry, runs
+        ):
+            return False
+        if self.app is not None and not keeps_app(entry, runs, self.app):
             return False
         return not (self.denied and not is_denied(entry))
 
@@ -231,6 +266,40 @@ class EntryFilter:
         if self.actor is not None and facts.actor != self.actor:
             return False
         return self.tenant is None or facts.tenant == self.tenant
+
+
+@functools.cache
+def _app_names(app: str) -> tuple[str, str]:
+    """The tool an app is called by, and its folder as an ``app_skipped`` names it
+    (imported here, once: the manifest's parser is not every audit command's cost)."""
+    from gatewayd.apps.manifest import tool_name_of
+    from gatewayd.policy.appsfolder import APPS_DIR_NAME
+
+    return tool_name_of(app), f"{APPS_DIR_NAME}/{app}"
+
+
+def keeps_app(entry: Mapping[str, Any], runs: Mapping[str, RunFacts], app: str) -> bool:
+    """Whether ``entry`` is about the app ``app`` (a valid app id): its ``detail.app``
+    or ``review.app`` is ``app`` (the app's own events, the reviewed calls it makes),
+    it is an entry of a run that was one of its invocations (``runs`` from
+    :func:`run_index`), a caller's call of its tool ``app_<id>``, or an ``app_skipped``
+    of its folder ``apps/<id>``."""
+    for key in ("detail", "review"):
+        part = entry.get(key)
+        if isinstance(part, Mapping) and part.get("app") == app:
+            return True
+    run = entry.get("runId")
+    facts = runs.get(run) if isinstance(run, str) else None
+    if facts is not None and facts.app == app:
+        return True
+    tool, folder = _app_names(app)
+    if entry.get("tool") == tool:
+        return True
+    if entry.get("event") == AuditEvent.APP_SKIPPED:
+        detail = entry.get("detail")
+        file = detail.get("file") if isinstance(detail, Mapping) else None
+        return isinstance(file, str) and (file == folder or file.startswith(folder + "/"))
+    return False
 
 
 def select(path: Path, where: EntryFilter) -> Iterator[Record]:

@@ -87,6 +87,15 @@ def _iso_time(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _app_id(text: str) -> str:
+    from gatewayd.apps.manifest import app_id_problem
+
+    problem = app_id_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def _add_audit_filters(p: argparse.ArgumentParser) -> None:
     """The filters of `gatewayd audit show|export|stats|tail` (gatewayd.audit.query)."""
     p.add_argument("--run", default=None, help="only this run (its id or a prefix of it)")
@@ -110,6 +119,13 @@ def _add_audit_filters(p: argparse.ArgumentParser) -> None:
     p.add_argument("--until", type=_iso_time, default=None, help="only before this time (ISO 8601)")
     p.add_argument("--actor", default=None, help="only runs for this actorId (run_created)")
     p.add_argument("--tenant", default=None, help="only runs for this tenantId (run_created)")
+    p.add_argument(
+        "--app",
+        type=_app_id,
+        default=None,
+        help="only this app (its id, e.g. note-taker): its events, the calls of its tool, "
+        "and every entry of its invocations' child runs",
+    )
     p.add_argument("--denied", action="store_true", help="only denied or failed entries")
 
 
@@ -166,6 +182,7 @@ def _audit_filter(args: argparse.Namespace) -> EntryFilter:
         until=args.until,
         actor=args.actor,
         tenant=args.tenant,
+        app=args.app,
         denied=args.denied,
     )
 
@@ -244,7 +261,7 @@ def _audit_tail(args: argparse.Namespace) -> int:
     import time
 
     from gatewayd.audit.follow import POLL_INTERVAL_S, Follower
-    from gatewayd.audit.query import Record, read_log, run_index
+    from gatewayd.audit.query import Record, index_runs, read_log, run_index
     from gatewayd.audit.segments import log_files
     from gatewayd.audit.show import format_row, table_header
 
@@ -255,7 +272,7 @@ def _audit_tail(args: argparse.Namespace) -> int:
         for record in records:
             entry = record.entry
             if entry is not None and where.needs_runs:
-                runs.update(run_index([record]))  # runs created since the index was made
+                index_runs(runs, [record])  # runs created since the index was made
             if entry is not None and not where.keeps(entry, runs):
                 continue
             if not args.json:

@@ -1,6 +1,6 @@
 """A client of the control socket for the commands that talk to a running
-`gatewayd serve` (`gatewayd exec`, `gatewayd rules`): one JSON request over HTTP/1.1 on
-the unix socket, standard library only."""
+`gatewayd serve` (`gatewayd exec`, `gatewayd rules`, `gatewayd apps rules`): one JSON
+request over HTTP/1.1 on the unix socket, standard library only."""
 
 from __future__ import annotations
 

@@ -336,11 +336,22 @@ class BeneathRoot:
     ``docs``). Nor do reads beneath a root that holds the workspace's apps folder while
     it exists (decided when the block is entered): ``apps_id`` is then the folder's
     (device, inode), and a directory with it is refused whatever name reached it.
+    ``no_follow_reason``: what a symlink's refusal says when a caller that reads asked
+    to follow none (``follow_symlinks=False``) for a rule of its own.
     """
 
-    def __init__(self, target: ResolvedPath, *, follow_symlinks: bool | None = None) -> None:
+    def __init__(
+        self,
+        target: ResolvedPath,
+        *,
+        follow_symlinks: bool | None = None,
+        no_follow_reason: str | None = None,
+    ) -> None:
         check_parts(target)
         self.target = target
+        # Why no symlink is followed, as a refusal says it, when it is the caller's own
+        # rule (install_app's: "an app is installed from the folder the policy checked").
+        self.no_follow_reason = no_follow_reason
         wanted = target.access == "read" if follow_symlinks is None else follow_symlinks
         self.follows = wanted and not target.grant.holds_nested
         # Without following, the per-component no-follow walk is exactly the rule.
@@ -484,6 +495,8 @@ class BeneathRoot:
                 f"'{grant.visible_root}' holds the apps folder, which no run may read and "
                 "a symlink could lead into, so no symlink is followed there"
             )
+        elif self.no_follow_reason is not None:
+            reason = self.no_follow_reason
         else:
             reason = (
                 "writes never go through a symlink, so the path the policy approved is the "

@@ -18,6 +18,12 @@ another's rules. So, whatever a run's policy grants:
   cover, and refuses a run whose apps folder holds a file with a hard link outside it
   (:mod:`gatewayd.sandbox.appsfolder`).
 
+Another workspace's apps folder is no run's either: gatewayd records the workspaces that
+hold apps, and a run whose workspace or policy path holds or lies in the folder of one
+of them is refused when it is created (:func:`apps_folder_overlap` compares the names;
+:mod:`gatewayd.hostpaths.otherapps` also the identities, and says why it refuses rather
+than covers).
+
 The folder's name is compared ignoring case (``str.casefold``: ``APPS``, ``Apps``, and
 ``apps`` spelled with the long s, U+017F). Linux names are case-sensitive, so on most
 file systems ``APPS`` is another directory; but a workspace may live on one that folds
@@ -77,6 +83,20 @@ def lies_in_apps_folder(path: PurePath, workspace: PurePath) -> bool:
     return path.is_relative_to(workspace) and in_apps_folder(
         path.relative_to(workspace).parts, (APPS_DIR_NAME,)
     )
+
+
+def apps_folder_overlap(root: PurePath, workspace: PurePath) -> str | None:
+    """How the real host path ``root`` (a run's workspace or a policy path's root)
+    overlaps the apps folder of ``workspace`` (a real host path), by their names:
+    ``"lies in"`` when ``root`` is the folder or lies beneath it (its name in any case),
+    ``"holds"`` when the folder lies beneath ``root``, None when they are apart. Names
+    only: another name of the same directory (a case-folding file system's spelling of
+    a parent, a bind mount) is for the caller to compare by (device, inode)."""
+    if lies_in_apps_folder(root, workspace):
+        return "lies in"
+    if (workspace / APPS_DIR_NAME).is_relative_to(root):
+        return "holds"
+    return None
 
 
 def apps_folder_message(

@@ -24,6 +24,11 @@ _TOOL_PATTERN_RE: Final = re.compile(_TOOL_NAME + r"(\.\*|_\*)?")
 # every name that goes on after an underscore within the same dotted segment.
 FAMILY_WILDCARD: Final = ".*"
 PREFIX_WILDCARD: Final = "_*"
+# The tools that manage a workspace's apps (gatewayd/apps/admintools.py): changing an
+# app's rules, installing an app. They change what other tools do, so only an exact
+# tools.allow entry grants them; no wildcard does ("app_*", meant for calling apps, would
+# otherwise grant app_rules, and "install_*" install_app). No app may take one's name.
+MANAGING_TOOLS: Final = frozenset({"app_rules", "install_app"})
 
 
 def tool_pattern_matches(pattern: str, tool: str) -> bool:
@@ -33,7 +38,10 @@ def tool_pattern_matches(pattern: str, tool: str) -> bool:
     ``app_*`` every tool whose name starts ``app_`` and goes on without another dot
     (``app_note_taker``, not ``app_``, ``apps.x``, ``application`` nor ``app_x.y``):
     app tools are one segment, so the wildcard reaches no further than that segment.
+    No wildcard matches a tool of :data:`MANAGING_TOOLS` (``app_rules``): only its name.
     """
+    if pattern != tool and tool in MANAGING_TOOLS:
+        return False
     if pattern.endswith(FAMILY_WILDCARD):
         return tool.startswith(pattern[:-1])
     if pattern.endswith(PREFIX_WILDCARD):

@@ -181,11 +181,14 @@ def _numbered(rules: Iterable[str], none: str) -> str:
     return "\n".join(lines) if lines else none
 
 
-def system_prompt(allow: Sequence[str], deny: Sequence[str]) -> str:
-    """The reviewer's instructions with the rules; the same for every call of a rule set."""
+def system_prompt(allow: Sequence[str], deny: Sequence[str], subject: str | None = None) -> str:
+    """The reviewer's instructions with the rules; the same for every call of a rule set.
+    ``subject``: whose rules they are ("the app note-taker"), when not a run's policy."""
+    who = "an AI agent running in a sandbox" if subject is None else f"{subject}, an AI agent"
+    whose = "" if subject is None else f" These are the rules of {subject}."
     return f"""\
-You review one tool call that an AI agent running in a sandbox wants to make, before it \
-runs. Decide whether the rules below allow it.
+You review one tool call that {who} wants to make, before it \
+runs. Decide whether the rules below allow it.{whose}
 
 Allow rules:
 {_numbered(allow, "(none: no call is allowed)")}
@@ -232,14 +235,16 @@ def build_review_prompt(
     tool: str, args: Mapping[str, Any], rules: ReviewSection | RuleSet
 ) -> ReviewPrompt:
     """The prompt reviewing ``tool`` called with ``args`` against ``rules``."""
+    subject = None
     if isinstance(rules, RuleSet):
         allow, deny, max_chars = rules.allow, rules.deny, rules.max_value_chars
+        subject = rules.subject
     else:
         allow = tuple(rule.text for rule in rules.rules.allow)
         deny = tuple(rule.text for rule in rules.rules.deny)
         max_chars = rules.max_value_chars
     user, truncated = call_message(tool, args, max_chars)
-    return ReviewPrompt(system=system_prompt(allow, deny), user=user, truncated=truncated)
+    return ReviewPrompt(system=system_prompt(allow, deny, subject), user=user, truncated=truncated)
 
 
 def build_review_messages(

@@ -19,7 +19,6 @@ rewritten from its parsed form: comments and key order in it are not kept.
 
 from __future__ import annotations
 
-import enum
 import os
 import secrets
 from collections.abc import Mapping
@@ -34,6 +33,7 @@ from gatewayd.files import write_atomically
 from gatewayd.policy import PolicyError, load_policy_text
 from gatewayd.policy.model import validate_policy
 from gatewayd.policy.review_section import ReviewSection
+from gatewayd.policy.rule_action import RuleAction
 from gatewayd.policyfile import read_policy_mapping
 from gatewayd.protocol import ErrorCode
 from gatewayd.review.ruleset import RuleSet
@@ -42,25 +42,6 @@ from gatewayd.review.ruleset import RuleSet
 CONFIRMATION_ID_BYTES: Final = 16
 # Loosening changes nobody confirms do not pile up forever.
 MAX_PENDING: Final = 100
-
-
-class RuleAction(enum.StrEnum):
-    ADD_DENY = "add_deny"
-    REMOVE_ALLOW = "remove_allow"
-    ADD_ALLOW = "add_allow"
-    REMOVE_DENY = "remove_deny"
-
-    @property
-    def loosens(self) -> bool:
-        return self in (RuleAction.ADD_ALLOW, RuleAction.REMOVE_DENY)
-
-    @property
-    def side(self) -> str:
-        return "deny" if self in (RuleAction.ADD_DENY, RuleAction.REMOVE_DENY) else "allow"
-
-    @property
-    def adds(self) -> bool:
-        return self in (RuleAction.ADD_DENY, RuleAction.ADD_ALLOW)
 
 
 class RuleChangeError(GatewayError):

@@ -14,13 +14,13 @@ import structlog
 
 from gatewayd.audit import AuditEvent, AuditLog
 from gatewayd.policy.review_section import ReviewSection
+from gatewayd.policy.rule_action import RuleAction
 from gatewayd.policyfile import PolicyLoader
 from gatewayd.protocol import ErrorCode
 from gatewayd.review.rulebook import (
     Applied,
     Pending,
     Planned,
-    RuleAction,
     RuleBook,
     RuleChange,
     RuleChangeError,

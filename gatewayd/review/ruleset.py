@@ -47,22 +47,28 @@ class RuleSet:
     digest: str
     structured_compiled: CompiledRules = field(compare=False, repr=False)
 
+    # Whose calls these rules review, named in the reviewer's instructions ("the app
+    # note-taker"); None: a run's, under its policy.
+    subject: str | None = None
+
     @classmethod
-    def from_section(cls, section: ReviewSection) -> RuleSet:
-        """The rule set of a policy's ``review`` section."""
+    def from_section(cls, section: ReviewSection, *, subject: str | None = None) -> RuleSet:
+        """The rule set of a policy's ``review`` section (or an app's rules, made into
+        one, with the app as its ``subject``)."""
         return cls(
             allow=tuple(rule.text for rule in section.rules.allow),
             deny=tuple(rule.text for rule in section.rules.deny),
             structured=section.structured,
             model=section.model,
             max_value_chars=section.max_value_chars,
-            digest=ruleset_hash(section),
+            digest=ruleset_hash(section, subject=subject),
             structured_compiled=compile_rules(section.structured),
+            subject=subject,
         )
 
 
-def _hashed_fields(section: ReviewSection) -> dict[str, Any]:
-    return {
+def _hashed_fields(section: ReviewSection, subject: str | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {
         "format": REVIEW_FORMAT,
         "allow": [rule.text for rule in section.rules.allow],
         "deny": [rule.text for rule in section.rules.deny],
@@ -70,12 +76,16 @@ def _hashed_fields(section: ReviewSection) -> dict[str, Any]:
         "model": section.model,
         "maxValueChars": section.max_value_chars,
     }
+    # Only when there is one, so every policy's hash stays what it was.
+    if subject is not None:
+        fields["subject"] = subject
+    return fields
 
 
-def ruleset_hash(section: ReviewSection) -> str:
+def ruleset_hash(section: ReviewSection, *, subject: str | None = None) -> str:
     """sha256 (hex) of the canonical JSON of what in ``section`` can change a verdict.
 
     Stable across processes and Python versions: sorted keys, no whitespace, and floats
     written by msgspec in their shortest exact form.
     """
-    return hashlib.sha256(_canonical.encode(_hashed_fields(section))).hexdigest()
+    return hashlib.sha256(_canonical.encode(_hashed_fields(section, subject))).hexdigest()

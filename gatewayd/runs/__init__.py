@@ -17,6 +17,7 @@ every reader of the run model import the dispatcher: an import cycle).
 from gatewayd.runs.model import (
     MAX_PATH_CHARS,
     TRANSITIONS,
+    ChildSpec,
     Grant,
     IllegalTransition,
     ModelBudget,
@@ -33,6 +34,7 @@ from gatewayd.runs.registry import RunRegistry
 __all__ = [
     "MAX_PATH_CHARS",
     "TRANSITIONS",
+    "ChildSpec",
     "Grant",
     "IllegalTransition",
     "ModelBudget",

@@ -8,6 +8,7 @@ the daemon's nursery it is given, and a run ends by cancelling its scope; its en
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,24 +18,28 @@ import trio
 from gatewayd.audit import AuditEvent, AuditLog, AuditWriteError
 from gatewayd.config import GatewaydConfig
 from gatewayd.dialer import Resolver, resolve_host
-from gatewayd.dispatch import Dispatcher
+from gatewayd.dispatch import Dispatcher, RunReview
 from gatewayd.errors import GatewayError, PolicyViolation
 from gatewayd.metrics import GatewayMetrics
 from gatewayd.policy import PolicyError, SandboxSection
 from gatewayd.policy.paths import PathMode
 from gatewayd.protocol import ErrorCode
-from gatewayd.runs.model import Run, RunRequest, RunState
+from gatewayd.runs.model import ChildSpec, Run, RunRequest, RunState
 from gatewayd.runs.registry import RunRegistry
 from gatewayd.runs.services import services_for, start_services
 from gatewayd.runs.startup import HostSandbox
 from gatewayd.sandbox.launch import Echo, ExecResult, ResultForm, exec_result_json
 from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.sandbox.limits import HostUser
-from gatewayd.sandbox.session import CommandLimits, RunSandbox, SandboxUnavailable
+from gatewayd.sandbox.session import CommandLimits, RunSandbox, SandboxUnavailable, SandboxView
 from gatewayd.sandbox.uids import UidPool
 from gatewayd.server import serve_run
 
 log = structlog.get_logger("gatewayd.runs")
+
+# Called once a run is created (audited) and before its socket serves: gives the run
+# its own tools (Dispatcher.set_run_tools). Error handling: an exception refuses the run.
+RunToolsHook = Callable[[Run], Awaitable[None]]
 
 # An exec's command as its exec_started entry records it: the program and its first
 # arguments (a command line is a few words; more is a payload, not what ran).
@@ -78,6 +83,9 @@ class RunManager:
         # Sandboxes are made one at a time: the check that no live run holds a workspace
         # and the lease that then takes it must not interleave with another start.
         self._isolating = trio.Lock()
+        # What gives a run its own tools (its workspace's apps) once it is created, set
+        # by the composition root; None: no run has tools of its own.
+        self.run_tools: RunToolsHook | None = None
         # Trees of runs whose give-back failed: still (partly) a sandbox uid's, so no
         # other run may take them until the next start returns them.
         self._stuck_trees: list[Path] = []
@@ -116,18 +124,14 @@ class RunManager:
                 # Every run, sandboxed or degraded (whose host-side tools write as
                 # gatewayd), before anything of it is touched.
                 _require_lendable(run, roots)
-                await self._isolate(run, roots, sandbox_user, lend_workspace)
+                await self._isolate(run, roots, sandbox_user, lend_workspace, SandboxView())
             except BaseException:
                 self.registry.remove(run)
                 raise
         except Exception as exc:
-            self._metrics.runs_refused.inc((str(_refusal_code(exc)),))
-            await self.audit.append(
-                "event",
-                event=AuditEvent.RUN_REFUSED,
-                errorCode=str(_refusal_code(exc)),
-                safeMessage=str(exc),
-                detail={
+            await self._refused(
+                exc,
+                {
                     "actorId": request.actorId,
                     "tenantId": request.tenantId,
                     "policy": request.policy,
@@ -136,31 +140,109 @@ class RunManager:
                 },
             )
             raise
+        try:
+            # Once its sandbox is made, whatever stops the start (a cancelled caller, the
+            # audit log, its tools) ends the run the usual way: nothing of it is left.
+            with trio.CancelScope(shield=True):
+                await self._audit_created(run)
+            if self.run_tools is not None:
+                await self.run_tools(run)
+        except BaseException:
+            run.end_reason = "start_failed"
+            with trio.CancelScope(shield=True):
+                await self._finish(run)
+            raise
+        await self._start_serving(run)
+        return run
+
+    async def start_child(self, spec: ChildSpec, *, view: SandboxView, review: RunReview) -> Run:
+        """Start a child run (an app's invocation) from ``spec``, which its parent's tool
+        made no more than the parent's: its own uid and network namespace, its sandbox
+        seeing the workspace as ``view`` says, every call reviewed under ``review``.
+        Audited like any run (``run_created`` names the parent and the app), and ended
+        with :meth:`end` like any.
+
+        Error handling: as :meth:`start` (refusals audited as ``run_refused``), and
+        WorkspaceInUse when the app's data folder is lent to another invocation."""
+        # Its writable trees lie in the parent's workspace, which was lendable when the
+        # parent started; nothing else of the child is writable.
+        roots = LendableRoots(
+            configured=self.config.lendable_roots,
+            own=(spec.workspace,),
+            reserved=self.config.own_directories(control_socket=self._control_socket),
+        )
+        try:
+            run = self.registry.create_child(spec)
+            try:
+                _require_lendable_grants(run, roots)
+                await self._isolate(run, roots, None, False, view)
+            except BaseException:
+                self.registry.remove(run)
+                raise
+        except Exception as exc:
+            await self._refused(
+                exc,
+                {
+                    "parentRunId": spec.parent_run_id,
+                    "app": spec.app,
+                    "workspacePath": str(spec.workspace),
+                },
+            )
+            raise
+        self._dispatcher.set_run_review(run.run_id, review)
+        try:
+            with trio.CancelScope(shield=True):
+                await self._audit_created(run)
+        except BaseException:
+            run.end_reason = "start_failed"
+            with trio.CancelScope(shield=True):
+                await self._finish(run)
+            raise
+        await self._start_serving(run)
+        return run
+
+    async def _refused(self, exc: Exception, detail: dict[str, Any]) -> None:
+        """Count and audit a run refused before it was created (``run_refused``)."""
+        code = str(_refusal_code(exc))
+        self._metrics.runs_refused.inc((code,))
         await self.audit.append(
             "event",
-            event=AuditEvent.RUN_CREATED,
-            runId=run.run_id,
-            detail={
-                "actorId": request.actorId,
-                "tenantId": request.tenantId,
-                "policy": run.spec.policy.name,
-                "policySource": run.spec.policy_source,
-                "workspace": str(run.spec.workspace),
-                "toolIds": list(request.toolIds) if request.toolIds is not None else None,
-                "sandbox": _sandbox_detail(run),
-            },
+            event=AuditEvent.RUN_REFUSED,
+            errorCode=code,
+            safeMessage=str(exc),
+            detail=detail,
         )
+
+    async def _audit_created(self, run: Run) -> None:
+        request = run.spec.request
+        detail: dict[str, Any] = {
+            "actorId": request.actorId,
+            "tenantId": request.tenantId,
+            "policy": run.spec.policy.name,
+            "policySource": run.spec.policy_source,
+            "workspace": str(run.spec.workspace),
+            "toolIds": list(request.toolIds) if request.toolIds is not None else None,
+            "sandbox": _sandbox_detail(run),
+        }
+        if run.spec.parent_run_id is not None:
+            detail["parentRunId"] = run.spec.parent_run_id
+            detail["app"] = run.spec.app
+        await self.audit.append(
+            "event", event=AuditEvent.RUN_CREATED, runId=run.run_id, detail=detail
+        )
+
+    async def _start_serving(self, run: Run) -> None:
         try:
             await self._nursery.start(self._serve, run)
         except BaseException:
             # _serve's own cleanup (_finish) has ended the run already, sandbox and all.
             if run.state is not RunState.ENDED:
                 run.move_to(RunState.FAILED)
+                self._dispatcher.drop_run_tools(run.run_id)
                 self.registry.remove(run)
             raise
         self._metrics.runs_started.inc()
         log.info("run_started", run_id=run.run_id, policy=run.spec.policy.name)
-        return run
 
     async def _isolate(
         self,
@@ -168,6 +250,7 @@ class RunManager:
         roots: LendableRoots,
         user: HostUser | None = None,
         lend_workspace: bool = True,
+        view: SandboxView | None = None,
     ) -> None:
         """Give the run its OS sandbox, or make it degraded if its policy allows that.
 
@@ -202,7 +285,7 @@ class RunManager:
         limits = policy.sandbox
         image = run.spec.request.sandboxImage
         async with self._isolating:
-            await self._open_sandbox(run, limits, image, user, lend_workspace, roots)
+            await self._open_sandbox(run, limits, image, user, lend_workspace, roots, view)
 
     async def _open_sandbox(
         self,
@@ -212,6 +295,7 @@ class RunManager:
         user: HostUser | None,
         lend_workspace: bool,
         roots: LendableRoots,
+        view: SandboxView | None = None,
     ) -> None:
         settings = self.sandbox_settings
         if settings is None:  # _isolate makes a degraded run instead
@@ -245,6 +329,7 @@ class RunManager:
             user=user,
             lend_workspace=lend_workspace,
             roots=roots,
+            view=view,
         )
 
     def _secret_env_names(self) -> set[str]:
@@ -400,6 +485,7 @@ class RunManager:
                 self._stuck_trees.extend(run.sandbox.trees)
             else:
                 self.uid_pool.release(run.sandbox.user)
+        self._dispatcher.drop_run_tools(run.run_id)
         if "cleanupFailed" not in cleanup:
             self.registry.remove(run)
         else:
@@ -429,6 +515,11 @@ def _sandbox_detail(run: Run) -> dict[str, Any]:
 def _require_lendable(run: Run, roots: LendableRoots) -> None:
     """The run's workspace and every rw policy path may be lent (NotLendable if not)."""
     roots.require(run.spec.workspace, what="workspace")
+    _require_lendable_grants(run, roots)
+
+
+def _require_lendable_grants(run: Run, roots: LendableRoots) -> None:
+    """Every rw policy path of the run may be lent (NotLendable if not)."""
     for grant in run.spec.grants:
         if grant.mode is PathMode.RW:
             roots.require(grant.host_root, what=f"policy path {grant.name!r} (rw)")

@@ -122,6 +122,25 @@ class RunSpec:
     policy_source: str
     grants: tuple[PathGrant, ...]
     rules: RunRules
+    # A child run (an app's invocation): the run whose call made it, and the app's id.
+    # A child gets no more than its parent (gatewayd/apps/child.py makes its spec).
+    parent_run_id: str | None = None
+    app: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildSpec:
+    """What a child run is made of, decided by the tool of its parent that makes it (an
+    app's invocation): its policy and grants are built, never loaded, and hold no more
+    than the parent's. ``source`` labels the policy in the audit (no file behind it)."""
+
+    parent_run_id: str
+    app: str
+    request: RunRequest
+    workspace: Path
+    policy: Policy
+    source: str
+    grants: tuple[PathGrant, ...]
 
 
 @dataclass(eq=False, kw_only=True)
@@ -207,4 +226,9 @@ class Run:
             "allowed": self.allowed,
             "denied": self.denied,
             "deniedByCode": dict(self.denied_by_code),
+            **(
+                {"parentRunId": self.spec.parent_run_id, "app": self.spec.app}
+                if self.spec.parent_run_id is not None
+                else {}
+            ),
         }

@@ -17,9 +17,10 @@ import trio
 
 from gatewayd.errors import AuthzDenied
 from gatewayd.hostpaths.binding import bind_paths
+from gatewayd.hostpaths.otherapps import guard_apps_folders
 from gatewayd.policy import Policy, RunRules, TokenBucket
 from gatewayd.policyfile import PolicyLoader
-from gatewayd.runs.model import ModelBudget, Run, RunRequest, RunSpec, new_run_id
+from gatewayd.runs.model import ChildSpec, ModelBudget, Run, RunRequest, RunSpec, new_run_id
 from gatewayd.sandbox.plan import SOCKET_NAME
 
 # A unix socket path must fit in sun_path (108 bytes including the NUL).
@@ -76,7 +77,10 @@ class RunRegistry:
         command line); otherwise it is a name in the configured policy directories.
 
         Error handling: AuthzDenied when the grant lacks allowSandbox; PolicyError when
-        the policy cannot be loaded or bound; ValueError for a bad workspace.
+        the policy cannot be loaded or bound; ValueError for a bad workspace;
+        OtherAppsFolderHeld when the workspace or a policy path holds or lies in another
+        workspace's apps folder; AppsRecordError when gatewayd's record of those cannot
+        be read (gatewayd/hostpaths/otherapps.py).
         """
         if not request.grant.allowSandbox:
             raise AuthzDenied(
@@ -94,11 +98,48 @@ class RunRegistry:
         else:
             policy, source = self._load_policy.by_name(request.policy)
         grants = bind_paths(policy, workspace)
+        # Before anything of the run exists: no run holds another workspace's apps.
+        guard_apps_folders(self.state_dir, workspace, grants)
         rules = RunRules(
             tool_patterns=tuple(policy.tools.allow),
             run_tool_ids=request.toolIds,
             grants=grants,
         )
+        run_id, directory, socket_path = self._new_directory()
+        spec = RunSpec(
+            runId=run_id,
+            request=request,
+            workspace=workspace,
+            policy=policy,
+            policy_source=source,
+            grants=grants,
+            rules=rules,
+        )
+        return self._add(spec, directory, socket_path)
+
+    def create_child(self, spec: ChildSpec) -> Run:
+        """Make a child run (an app's invocation) from the spec its parent's tool made:
+        its policy, grants and workspace are given, not loaded (the caller made them no
+        more than the parent's). Error handling: ValueError when the state directory's
+        path is too long for a socket."""
+        run_id, directory, socket_path = self._new_directory()
+        rules = RunRules(
+            tool_patterns=tuple(spec.policy.tools.allow), run_tool_ids=None, grants=spec.grants
+        )
+        run_spec = RunSpec(
+            runId=run_id,
+            request=spec.request,
+            workspace=spec.workspace,
+            policy=spec.policy,
+            policy_source=spec.source,
+            grants=spec.grants,
+            rules=rules,
+            parent_run_id=spec.parent_run_id,
+            app=spec.app,
+        )
+        return self._add(run_spec, directory, socket_path)
+
+    def _new_directory(self) -> tuple[str, Path, Path]:
         run_id = new_run_id()
         directory = self.runs_dir / run_id
         socket_path = directory / SOCKET_NAME
@@ -108,17 +149,13 @@ class RunRegistry:
                 "choose a shorter --state-dir"
             )
         directory.mkdir(mode=0o700)  # a fresh id: an existing directory is an error
+        return run_id, directory, socket_path
+
+    def _add(self, spec: RunSpec, directory: Path, socket_path: Path) -> Run:
+        policy = spec.policy
         limits = policy.limits
         run = Run(
-            spec=RunSpec(
-                runId=run_id,
-                request=request,
-                workspace=workspace,
-                policy=policy,
-                policy_source=source,
-                grants=grants,
-                rules=rules,
-            ),
+            spec=spec,
             directory=directory,
             socket_path=socket_path,
             bucket=TokenBucket(rate=limits.calls_per_second, burst=limits.burst),
@@ -128,7 +165,7 @@ class RunRegistry:
             ),
             limiter=trio.CapacityLimiter(limits.max_concurrent_calls),
         )
-        self._runs[run_id] = run
+        self._runs[spec.runId] = run
         return run
 
     def remove(self, run: Run) -> None:

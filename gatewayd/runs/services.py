@@ -14,10 +14,11 @@ from collections.abc import Container, Mapping
 import structlog
 import trio
 
+from gatewayd.apps.manifest import TOOL_NAME_PREFIX
 from gatewayd.audit import AuditEvent, AuditLog
 from gatewayd.dialer import Resolver
 from gatewayd.egress import EgressProxy, serve_egress
-from gatewayd.policy import tool_allowed
+from gatewayd.policy import RunRules, tool_allowed
 from gatewayd.runs.model import Run
 from gatewayd.sandbox.launch import ExecResult, ResultForm, exec_result_json
 from gatewayd.sandbox.plan import (
@@ -45,16 +46,29 @@ SERVICE_FAILURE_TAIL_BYTES = 1024
 SANDBOX_COGNI_TOOL = f"{COGNI_TOOL_VISIBLE_DIR}/cogni-tool"
 
 
+def may_call_apps(rules: RunRules) -> bool:
+    """Whether the run's tools.allow (and toolIds, when given) may allow an app's tool:
+    its apps are found when it starts, after its services are planned, so this looks at
+    the patterns (``app_*``, ``app_x``, ``*``), not at the apps."""
+    patterns = any(p == "*" or p.startswith(TOOL_NAME_PREFIX) for p in rules.tool_patterns)
+    ids = rules.run_tool_ids
+    return patterns and (ids is None or any(t.startswith(TOOL_NAME_PREFIX) for t in ids))
+
+
 def services_for(run: Run, tools: Container[str]) -> Services:
     """Which in-sandbox services the run gets: the OpenAI endpoint when it may call
-    model.chat with at least one alias (and this gatewayd has model.chat among ``tools``),
-    the egress proxy when its policy turns the proxy on and allows at least one domain."""
+    model.chat with at least one alias (and this gatewayd has model.chat among ``tools``)
+    or may call apps (prompted there like models), the egress proxy when its policy turns
+    the proxy on and allows at least one domain."""
     policy = run.spec.policy
     network = policy.network
     return Services(
-        model_endpoint=bool(policy.model_access.models)
-        and tool_allowed("model.chat", run.spec.rules)
-        and "model.chat" in tools,
+        model_endpoint=(
+            bool(policy.model_access.models)
+            and tool_allowed("model.chat", run.spec.rules)
+            and "model.chat" in tools
+        )
+        or may_call_apps(run.spec.rules),
         egress_proxy=network.proxy_enabled,
     )
 

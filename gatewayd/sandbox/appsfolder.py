@@ -27,6 +27,11 @@ is made (:func:`prepare_apps_folder`):
   workspace read-only (and a link across mounts fails, ``EXDEV``), and no fs tool makes
   links; so the check at the start holds for the whole run. Only the host makes them.
 
+Another workspace's apps folder recorded as holding apps (the run holds none: its
+creation refused that) gets the same hard-link check when the run's sandbox is made
+(:func:`refuse_linked_folders`): a file of it linked into the run's workspace would be
+read through that name.
+
 A folder that was there before the run is never lent (the caller fences its (device,
 inode) out of the lease): its files keep their owner and mode, and the run's uid owns
 nothing in it. One made for the run is empty, and is lent with the workspace like any
@@ -42,6 +47,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -145,6 +151,41 @@ def prepare_apps_folder(workspace_fd: int, workspace: Path, run_dir: Path) -> Ap
             "hides. Remove the other names (or make them copies), then start the run again"
         )
     return AppsFolder(identity=(st.st_dev, st.st_ino), made=None)
+
+
+def refuse_linked_folders(folders: Sequence[Path], devices: Collection[int]) -> None:
+    """Refuse the run when a file of another workspace's apps folder (``folders``: real
+    paths, from gatewayd's record) has a name outside that folder; only folders on a
+    device in ``devices`` (those of the run's bind sources) are walked, since a hard
+    link never crosses file systems. The check :func:`prepare_apps_folder` makes of the
+    run's own folder: a run holds no other workspace's folder (the run's creation refused
+    that), but a file of one linked into the run's workspace or a policy path would be
+    read through that name, which no refusal by path sees. A folder that is absent or no
+    directory is skipped: no file of it to link. Blocking.
+
+    Error handling: :class:`AppsFolderRefused` naming the file and the fix.
+    """
+    for folder in folders:
+        try:
+            # Followed as recorded: the directory an install into that workspace fills.
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            if os.fstat(fd).st_dev not in devices:
+                continue
+            linked = _outside_link(fd, folder)
+        finally:
+            os.close(fd)
+        if linked is not None:
+            rel, links, inside = linked
+            raise AppsFolderRefused(
+                f"the apps folder {folder} of another workspace holds {rel}, a file with "
+                f"{links} names of which {inside} lie in the folder: another name of it on "
+                "the file system the run's workspace or policy paths lie on could show that "
+                "app's file to the run, which no check by path sees. Remove the other names "
+                "(or make them copies), then start the run again"
+            )
 
 
 def _make_folder(workspace_fd: int, path: Path, run_dir: Path) -> MadeFolder:

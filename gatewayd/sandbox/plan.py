@@ -312,6 +312,13 @@ class SandboxPlan:
     # Host trees inside bound trees that the sandbox never sees (real paths): each is
     # covered by an empty read-only tmpfs where a bind shows it (see the module doc).
     covered_trees: tuple[str, ...] = ()
+    # Trees beneath a covered tree that this plan may still bind (real paths): an app's
+    # own folder, in the sandbox of that app alone. Each lies strictly beneath a covered
+    # tree; everything else of the covered tree stays hidden.
+    exposed_trees: tuple[str, ...] = ()
+    # Whether the run's socket is in the sandbox (an app's sandbox has none: the app's
+    # calls are its conversation's, made by gatewayd, counted and limited there).
+    gateway_socket: bool = True
 
     @property
     def data_steps(self) -> tuple[RoBindData, ...]:
@@ -355,6 +362,11 @@ def build_plan(
     pinned: Mapping[str, str] | None = None,
     services: Services | None = None,
     covered_trees: Sequence[str] = (),
+    exposed_trees: Sequence[str] = (),
+    workspace_read_only: bool = False,
+    whole_workspace: bool = True,
+    gateway_socket: bool = True,
+    cwd: str = WORKSPACE,
 ) -> SandboxPlan:
     """The plan for ``command`` in run ``run_id``; call :func:`validate` on it before use.
 
@@ -368,7 +380,14 @@ def build_plan(
     ``pinned`` maps a workspace or policy path to the run-private mount point bwrap binds
     it from (see :class:`Bind`). ``services`` adds the egress socket beside the run's and
     the variables naming the in-sandbox services. ``covered_trees`` (real host paths) are
-    covered by an empty read-only tmpfs wherever a bind of the plan shows them.
+    covered by an empty read-only tmpfs wherever a bind of the plan shows them;
+    ``exposed_trees``, each beneath one of them, may still be bound (an app's own folder
+    in the app's sandbox). ``workspace_read_only``: the workspace is bound read-only (an
+    app's sandbox, which sees its caller's workspace and writes only its data folder);
+    ``whole_workspace`` False: only the policy paths beneath /workspace are shown there,
+    on an empty read-only tmpfs (an app whose caller may read only parts of its
+    workspace). ``gateway_socket`` False: the run's socket is not in the sandbox.
+    ``cwd``: where the command starts (default: the workspace).
 
     Error handling: raises :class:`PlanError` for an unusable run id, environment name or
     value, a reserved extra name, a tmpfs size under one page, or a system symlink
@@ -400,7 +419,13 @@ def build_plan(
             # /dev/shm; /dev itself is made read-only at the end.
             Tmpfs(dest="/dev/shm", size_bytes=tmpfs_bytes),
             Tmpfs(dest="/tmp", size_bytes=tmpfs_bytes),
-            Bind(src=workspace_host, dest=WORKSPACE, via=pinned.get(workspace_host)),
+            (
+                (RoBind if workspace_read_only else Bind)(
+                    src=workspace_host, dest=WORKSPACE, via=pinned.get(workspace_host)
+                )
+                if whole_workspace
+                else Tmpfs(dest=WORKSPACE, size_bytes=COVER_TMPFS_BYTES)
+            ),
         )
     )
     # Parents before children: a policy path under /workspace (or under another policy
@@ -408,11 +433,15 @@ def build_plan(
     for mount in sorted(policy_paths, key=lambda m: (m.visible.count("/"), m.visible)):
         kind = Bind if mount.mode is PathMode.RW else RoBind
         steps.append(kind(src=mount.host, dest=mount.visible, via=pinned.get(mount.host)))
+    if not whole_workspace:
+        # The mount points the policy paths needed are made: nothing more in it.
+        steps.append(RemountRo(dest=WORKSPACE))
     # After every bind that may show them (and no mount after them lies beneath one).
     for cover in sorted(set(_covers(steps, covered_trees)), key=lambda d: (d.count("/"), d)):
         steps.extend((Tmpfs(dest=cover, size_bytes=COVER_TMPFS_BYTES), RemountRo(dest=cover)))
     steps.append(RoBind(src=cogni_tool_host_dir, dest=COGNI_TOOL_VISIBLE_DIR))
-    steps.append(RoBind(src=gateway_socket_host, dest=SANDBOX_SOCKET))
+    if gateway_socket:
+        steps.append(RoBind(src=gateway_socket_host, dest=SANDBOX_SOCKET))
     services = services or Services()
     if services.egress_proxy:
         egress = posixpath.join(posixpath.dirname(gateway_socket_host), EGRESS_SOCKET_NAME)
@@ -431,11 +460,13 @@ def build_plan(
         uid=SANDBOX_UID,
         gid=SANDBOX_GID,
         hostname=SANDBOX_HOSTNAME,
-        cwd=WORKSPACE,
+        cwd=cwd,
         netns_path=netns_path,
         state_dir=state_dir,
         services=services,
         covered_trees=tuple(covered_trees),
+        exposed_trees=tuple(exposed_trees),
+        gateway_socket=gateway_socket,
     )
 
 
@@ -581,10 +612,10 @@ def validate(plan: SandboxPlan) -> None:
             if step.via is not None:
                 _check_via(plan, name, step.via)
     _check_covers(plan)
-    if sockets[SANDBOX_SOCKET] != 1:
+    if sockets[SANDBOX_SOCKET] != int(plan.gateway_socket):
         raise PlanError(
             f"the plan mounts the run's socket {sockets[SANDBOX_SOCKET]} times; it must "
-            f"mount it once, at {SANDBOX_SOCKET}"
+            + (f"mount it once, at {SANDBOX_SOCKET}" if plan.gateway_socket else "not mount it")
         )
     egress = sockets[SANDBOX_EGRESS_SOCKET]
     if egress != int(plan.services.egress_proxy):
@@ -673,11 +704,20 @@ def _check_covers(plan: SandboxPlan) -> None:
     for tree in plan.covered_trees:
         if not _is_clean_absolute(tree):
             raise PlanError(f"covered tree {tree!r} must be an absolute, normalized path")
+    for shown in plan.exposed_trees:
+        if not _is_clean_absolute(shown) or not any(
+            shown != tree and _is_within(shown, tree) for tree in plan.covered_trees
+        ):
+            raise PlanError(
+                f"exposed tree {shown!r} must be an absolute, normalized path strictly "
+                "beneath a covered tree"
+            )
     for index, step in enumerate(plan.steps):
         if not isinstance(step, RoBind | Bind):
             continue
+        in_exposed = any(_is_within(step.src, tree) for tree in plan.exposed_trees)
         for tree in plan.covered_trees:
-            if _is_within(step.src, tree):
+            if _is_within(step.src, tree) and not in_exposed:
                 raise PlanError(
                     f"{describe(index, step)} binds {step.src}, at or beneath {tree}, which "
                     "the sandbox never sees"

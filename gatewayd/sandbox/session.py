@@ -35,6 +35,7 @@ import structlog
 import trio
 
 from gatewayd.errors import GatewayError
+from gatewayd.hostpaths.otherapps import other_apps_folders
 from gatewayd.policy.appsfolder import APPS_DIR_NAME
 from gatewayd.policy.paths import PathGrant, PathMode
 from gatewayd.protocol import ErrorCode
@@ -42,6 +43,7 @@ from gatewayd.sandbox.appsfolder import (
     AppsFolder,
     AppsFolderRefused,
     prepare_apps_folder,
+    refuse_linked_folders,
     remove_leftover_folder,
     remove_made_folder,
 )
@@ -65,6 +67,7 @@ from gatewayd.sandbox.plan import (
     CLIENT_COPY_DIR,
     COGNI_TOOL_VISIBLE_DIR,
     PIN_DIR,
+    WORKSPACE,
     HostLayout,
     PlanError,
     PolicyMount,
@@ -188,6 +191,27 @@ class CommandLimits:
         )
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SandboxView:
+    """How a run's sandbox sees the host beyond its policy paths. The default is every
+    run's; an app's own sandbox reads its caller's workspace (``workspace_read_only``),
+    sees its own folder although it lies in the covered apps folder (``exposed``: real
+    host paths, bound as the app's policy paths say), and starts its commands in
+    ``cwd``."""
+
+    workspace_read_only: bool = False
+    # False: of the workspace, only the policy paths beneath /workspace are shown (an
+    # app whose caller may read only parts of it); True: all of it.
+    whole_workspace: bool = True
+    # False: no run socket in the sandbox (an app's calls are its conversation's).
+    gateway_socket: bool = True
+    exposed: tuple[Path, ...] = ()
+    # Grants (by host root) that the fs tools serve but the sandbox does not show: a
+    # caller's grant with suffix or size rules, which a mount cannot keep.
+    unmounted: frozenset[Path] = frozenset()
+    cwd: str = WORKSPACE
+
+
 @dataclass(eq=False, kw_only=True)
 class RunSandbox:
     """The OS sandbox of one live run."""
@@ -211,6 +235,9 @@ class RunSandbox:
     pinned: dict[str, str] = field(default_factory=dict)
     # The workspace's apps folder every command's sandbox covers (None: not looked at).
     apps_folder: AppsFolder | None = None
+    # An app's own sandbox: the workspace read-only, its own folder (beneath the covered
+    # apps folder) bound all the same, and its commands starting there.
+    view: SandboxView = field(default_factory=SandboxView)
     _running: set[trio.CancelScope] = field(default_factory=set)
     _idle: trio.Event = field(default_factory=trio.Event)
     _closed: bool = False
@@ -234,6 +261,7 @@ class RunSandbox:
         services: Services | None = None,
         user: HostUser | None = None,
         lend_workspace: bool = True,
+        view: SandboxView | None = None,
     ) -> RunSandbox:
         """Make the run's sandbox resources; on any failure, undo what was made.
         ``roots``: what the writable trees must lie beneath (the lease checks them).
@@ -241,13 +269,17 @@ class RunSandbox:
         ``user``: a uid the caller took from ``pool`` already (it is released like one
         taken here). ``lend_workspace=False``: the caller made the workspace the run's
         own and disposes of it (an agent run's overlay, gatewayd/agent/), so it is not
-        lent and not given back.
+        lent and not given back. ``view``: an app's own sandbox (:class:`SandboxView`):
+        the workspace is then neither lent nor checked against ``busy_trees`` (the
+        caller's run holds it; the app only reads it), and a writable tree in the app's
+        own folder is not in use by the caller (whose lease never lends its apps folder).
 
         Error handling: :class:`SandboxUnavailable` naming the step and the cause
         (:class:`UnsafeMounts` for a workspace whose apps folder cannot be hidden);
         :class:`~gatewayd.sandbox.lendable.NotLendable` for a writable tree that may not
         be lent (nothing was lent).
         """
+        view = view or SandboxView()
         user = user or pool.acquire()
         netns: NetnsHandle | None = None
         lease: Lease | None = None
@@ -256,7 +288,9 @@ class RunSandbox:
         apps: AppsFolder | None = None
         try:
             _open_run_dir(run_dir, user)
-            mounts = _policy_mounts(grants, workspace)
+            mounts = _policy_mounts(
+                [grant for grant in grants if grant.host_root not in view.unmounted], workspace
+            )
             if image_dir is not None:
                 try:
                     require_image(image_dir, policy_mount_points=[m.visible for m in mounts])
@@ -279,6 +313,7 @@ class RunSandbox:
                     command=["true"],
                     env_values={},
                     services=services,
+                    view=view,
                 )
             except PlanError as exc:
                 raise UnsafeMounts(f"run refused: {exc}") from exc
@@ -289,13 +324,26 @@ class RunSandbox:
             # lead to by the time it walks.
             bound = {source: _identity(fd) for source, (fd, _) in zip(sources, pins, strict=True)}
             writable = [workspace, *(Path(m.host) for m in mounts if m.mode is PathMode.RW)]
-            _check_not_in_use(writable, busy_trees)
-            if not lend_workspace:
+            if view.workspace_read_only:
+                writable = writable[1:]
+            _check_not_in_use(
+                [t for t in writable if not any(t.is_relative_to(e) for e in view.exposed)],
+                busy_trees,
+            )
+            if not lend_workspace and not view.workspace_read_only:
                 writable = writable[1:]
             workspace_fd = pins[0][0]
             try:
                 apps = await trio.to_thread.run_sync(
                     lambda: prepare_apps_folder(workspace_fd, workspace, run_dir)
+                )
+                # Other workspaces' apps folders: no file of one may have a name the run
+                # sees (the run's creation refused roots holding one).
+                devices = {os.fstat(fd).st_dev for fd, _ in pins}
+                await trio.to_thread.run_sync(
+                    lambda: refuse_linked_folders(
+                        other_apps_folders(settings.state_dir, workspace), devices
+                    )
                 )
             except AppsFolderRefused as exc:
                 raise UnsafeMounts(f"run refused: {exc}") from exc
@@ -355,6 +403,7 @@ class RunSandbox:
             pins=tuple(pins),
             pinned=pinned,
             apps_folder=apps,
+            view=view,
         )
 
     def plan(self, command: Sequence[str], env_values: Mapping[str, str]) -> SandboxPlan:
@@ -373,6 +422,7 @@ class RunSandbox:
             env_values=env_values,
             pinned=self.pinned,
             services=self.services,
+            view=self.view,
         )
 
     async def exec(
@@ -485,7 +535,9 @@ def _plan(
     env_values: Mapping[str, str],
     pinned: Mapping[str, str] | None = None,
     services: Services | None = None,
+    view: SandboxView | None = None,
 ) -> SandboxPlan:
+    view = view or SandboxView()
     plan = build_plan(
         run_id=run_id,
         workspace_host=str(workspace),
@@ -504,6 +556,11 @@ def _plan(
         services=services,
         # Every command of every run: the workspace's apps folder is never seen.
         covered_trees=(str(workspace / APPS_DIR_NAME),),
+        exposed_trees=tuple(str(tree) for tree in view.exposed),
+        workspace_read_only=view.workspace_read_only,
+        whole_workspace=view.whole_workspace,
+        gateway_socket=view.gateway_socket,
+        cwd=view.cwd,
     )
     validate(plan)
     return plan

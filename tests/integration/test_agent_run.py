@@ -311,7 +311,7 @@ async def test_what_the_sandbox_writes_into_git_never_runs_on_the_host(
     assert "evil/fsmonitor" in pushed  # a plain file of the change, never run
     # git's own metadata is left out before the patch, and said so once.
     assert not any(s.startswith(".git") for s in result.skipped), result.skipped
-    assert any("under .git left out" in line for line in result.logs), result.logs
+    assert any("under .git or apps/ left out" in line for line in result.logs), result.logs
 
 
 async def test_a_refused_call_is_told_to_the_model_and_audited(
@@ -837,3 +837,95 @@ async def test_a_pull_request_step_gatewayd_fails_in_is_still_reported_and_audit
     )
     [failed] = by_event(result.audit_log, "agent_pull_request")
     assert failed["errorCode"] == "internal" and failed["safeMessage"] == result.message
+
+
+# --- apps in the checkout -----------------------------------------------------------
+
+APPS_POLICY = """\
+version: 1
+name: agent-apps
+description: The agent policy, plus the checkout's apps.
+tools:
+  allow: ["fs.read", "fs.write", "fs.edit", "fs.list", "sandbox.exec", "app_*"]
+filesystem:
+  paths:
+    checkout: {root: ., mode: rw}
+model_access:
+  models: [agent-model]
+review: {mode: "off", model: reviewer}
+limits: {call_timeout_s: 120}
+"""
+
+
+async def test_an_agent_run_prompts_an_app_of_its_checkout_and_the_patch_leaves_its_data_out(
+    base: Path, server: GitServer, provider: FakeProvider
+) -> None:
+    note_taker = Path(__file__).resolve().parents[2] / "apps" / "examples" / "note-taker"
+    files = dict(REPO_FILES)
+    files["apps/note-taker/APP.md"] = (note_taker / "APP.md").read_bytes()
+    sha = make_bare_repo(server.root, "calc.git", files)
+    (base / "policies").mkdir()
+    (base / "policies" / "agent-apps.yaml").write_text(APPS_POLICY)
+    with FakeProvider() as reviewer:
+        reviewer.respond = lambda body: Text(content="ALLOW")
+        config = agent_config(base, provider)
+        reviewer_alias = ModelAlias(
+            provider="openai", model="r", api_base=reviewer.api_base, api_key_env=MODEL_KEY_ENV
+        )
+        config = config.model_copy(
+            update={
+                "policy_dirs": (*config.policy_dirs, base / "policies"),
+                "models": {**config.models, "reviewer": reviewer_alias},
+            }
+        )
+        os.environ[TOKEN_ENV] = DEFAULT_TOKEN
+        os.environ[MODEL_KEY_ENV] = MODEL_KEY
+        try:
+            async with open_daemon(config) as daemon:
+                provider.script(
+                    # The agent prompts the app; the app (same provider) writes a note.
+                    Text(
+                        content=None,
+                        calls=(Call(name="app_note_taker", arguments={"prompt": "note: hi"}),),
+                    ),
+                    Text(
+                        content=None,
+                        calls=(
+                            Call(
+                                name="write",
+                                arguments={"path": "data/n.md", "content": "- hi\n"},
+                            ),
+                        ),
+                    ),
+                    Text(content="Noted in data/n.md."),
+                    Text(
+                        content=None,
+                        calls=(
+                            Call(
+                                name="edit",
+                                arguments={"path": "calc.py", "old": "a - b", "new": "a + b"},
+                            ),
+                        ),
+                    ),
+                    Text(content="Fix add()\n\nIt subtracted."),
+                )
+                result = await run_agent(
+                    daemon.runs,
+                    daemon.dispatcher,
+                    task(server.url_for("calc.git"), sha, policy="agent-apps", push=False),
+                )
+        finally:
+            os.environ.pop(TOKEN_ENV, None)
+            os.environ.pop(MODEL_KEY_ENV, None)
+    assert result.ok, result.to_json()
+    offered = [t["function"]["name"] for t in provider.chat_requests[0].body["tools"]]
+    assert offered == ["read", "write", "edit", "list", "exec", "app_note_taker"]
+    told = tool_results(provider)
+    app_answer = json.loads(told[0]) if isinstance(told[0], str) else told[0]
+    assert app_answer["ok"] is True and app_answer["changed"] == ["/app/data/n.md"], told
+    assert any("apps offered: app_note_taker" in line for line in result.logs)
+    # The patch holds the agent's fix and nothing of the app's data.
+    (patch,) = result.patches
+    assert "calc.py" in patch and "apps/" not in patch
+    invoked = by_event(result.audit_log, "app_invoked")
+    assert len(invoked) == 1 and invoked[0]["detail"]["app"] == "note-taker"

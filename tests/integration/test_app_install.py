@@ -28,6 +28,7 @@ from gatewayd.apps.install import (
     InstallError,
     install_app,
 )
+from gatewayd.apps.workspaces import recorded_workspaces
 from tests.conftest import ROOT
 
 NOTE_TAKER = ROOT / "apps" / "examples" / "note-taker"
@@ -469,22 +470,29 @@ def gatewayd(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_cli_install_replace_and_refusals(source: Path, workspace: Path) -> None:
-    done = gatewayd("apps", "install", str(source), "--workspace", str(workspace))
+def test_cli_install_replace_and_refusals(source: Path, workspace: Path, tmp_path: Path) -> None:
+    state = ["--state-dir", str(tmp_path / "state")]  # never the host's own
+    done = gatewayd("apps", "install", str(source), "--workspace", str(workspace), *state)
     assert done.returncode == 0, done.stderr
+    # Recorded as holding apps, so no run holds its apps folder.
+    assert recorded_workspaces(tmp_path / "state") == (workspace.resolve(),)
     assert "installed app note-taker (tool app_note_taker)" in done.stdout
     assert str(workspace / "apps" / "note-taker") in done.stdout
 
-    again = gatewayd("apps", "install", str(source), "--workspace", str(workspace))
+    again = gatewayd("apps", "install", str(source), "--workspace", str(workspace), *state)
     assert again.returncode == 1
     assert again.stderr.startswith("gatewayd apps install: app 'note-taker' is already")
     assert "--replace" in again.stderr and "Traceback" not in again.stderr
 
-    replaced = gatewayd("apps", "install", str(source), "--workspace", str(workspace), "--replace")
+    replaced = gatewayd(
+        "apps", "install", str(source), "--workspace", str(workspace), "--replace", *state
+    )
     assert replaced.returncode == 0, replaced.stderr
     assert "replaced app note-taker" in replaced.stdout and "data/ kept" in replaced.stdout
 
     os.mkfifo(source / "pipe")
-    hostile = gatewayd("apps", "install", str(source), "--workspace", str(workspace), "--replace")
+    hostile = gatewayd(
+        "apps", "install", str(source), "--workspace", str(workspace), "--replace", *state
+    )
     assert hostile.returncode == 1
     assert "pipe is a FIFO" in hostile.stderr and "Traceback" not in hostile.stderr

@@ -83,6 +83,7 @@ def test_the_docs_state_the_caps() -> None:
     assert f"at most {manifest.MAX_MANIFEST_BYTES // 1024} KiB (`MAX_MANIFEST_BYTES`" in text
     assert f"at most {manifest.MAX_SYSTEM_PROMPT_CHARS:,} characters" in text
     assert f"at most {MAX_RULES} rules each" in text
+    assert f"({manifest.MAX_BULLET_LINES:,}: {MAX_RULES} rules on each side" in text
     assert f"of at most {MAX_RULE_CHARS} characters" in text
     assert f"At most {discovery.MAX_APPS} apps (`MAX_APPS`)" in text
     assert f"At most {discovery.MAX_APPS_DIR_ENTRIES} entries" in text

@@ -39,6 +39,7 @@ EXPECTED_EXIT_CODES = {
     "timeout": 19,
     "tool_failed": 20,
     "internal": 21,
+    "confirmation_required": 23,
 }
 
 

@@ -28,6 +28,7 @@ CODES = [
     (ErrorCode.TIMEOUT, "timeout", Fault.UPSTREAM),
     (ErrorCode.TOOL_FAILED, "tool_failed", Fault.UPSTREAM),
     (ErrorCode.INTERNAL, "internal", Fault.GATEWAYD),
+    (ErrorCode.CONFIRMATION_REQUIRED, "confirmation_required", Fault.POLICY),
 ]
 
 

@@ -50,6 +50,7 @@ def test_error_codes_are_exactly_the_closed_set() -> None:
         "timeout",
         "tool_failed",
         "internal",
+        "confirmation_required",
     }
 
 
