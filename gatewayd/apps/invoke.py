@@ -441,6 +441,15 @@ class Apps:
             "changed": changed[:MAX_CHANGED_SHOWN],
             "changedCount": len(changed),
         }
+        # What an operator reading data/ on the host should not follow or open blindly:
+        # symlinks, FIFOs, sockets, devices the app left (gatewayd's tools refuse them).
+        odd = sorted(
+            path
+            for path, (kind, _, _) in after.items()
+            if not (stat.S_ISREG(kind) or stat.S_ISDIR(kind))
+        )
+        if odd:
+            detail["notRegular"] = odd[:MAX_CHANGED_SHOWN]
         if outcome is None:
             detail.update(ok=False, errorCode="internal")
         else:

@@ -567,7 +567,14 @@ async def test_the_app_writes_nowhere_but_data_by_fs_tool_shell_or_mount_tricks(
         assert not mode & (stat.S_ISUID | stat.S_ISGID), (path, oct(mode))
     await assert_child_gone(sb, value["childRunId"], prober / "data")
     await assert_child_gone(sb, again["childRunId"], prober / "data")
-    await app_pairs_verify(sb)
+    entries = await app_pairs_verify(sb)
+    # The operator reading data/ on the host is told what not to follow blindly.
+    (result,) = [
+        e
+        for e in entries
+        if e.get("event") == "app_result" and e["detail"]["childRunId"] == value["childRunId"]
+    ]
+    assert {"ws", "victim", "rel"} <= set(result["detail"]["notRegular"]), result
 
 
 # --- the network, other apps, the caller's other powers -----------------------------------

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from gatewayd.apps.install import install_app
 from gatewayd.audit.verify import verify_file
@@ -360,3 +361,32 @@ async def test_the_repo_reviewer_reads_the_history_through_exec_and_cannot_write
     await sb.daemon.runs.end(run.run_id)  # the workspace is root's again
     head = os.popen(f"git -C {ws} log --oneline").read()
     assert "evil" not in head and "first" in head
+
+
+@sandboxed
+async def test_a_reload_leaves_an_apps_child_run_as_it_was_made(
+    sb: Sandboxed, model: FakeProvider
+) -> None:
+    from gatewayd.runs.reload import reload_policies
+
+    ws = sb.workspace()
+    install_app(EXAMPLES / "note-taker", ws)
+    run = await sb.run(CALLER_POLICY, workspace=ws)
+    # The app's model answers slowly: the reload comes while its child run is live.
+    model.script(Text(content="noted", delay_s=2))
+    outcomes: dict[str, str] = {}
+
+    async def reload_soon() -> None:
+        await trio.sleep(1)
+        outcomes.update(await reload_policies(sb.daemon.registry, sb.daemon.audit))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reload_soon)
+        answer = await call_inside(sb, run, "app_note_taker", {"prompt": "note: x"})
+    assert json.loads(answer["out"])["ok"] is True
+    children = [rid for rid in outcomes if rid != run.run_id]
+    # The child's policy was made for it, from no file: it is not re-read (a path-like
+    # label read as a policy file could hand the child another policy).
+    assert len(children) == 1 and outcomes[children[0]] == "unchanged", outcomes
+    failed = [e for e in await sb.entries() if e.get("event") == "policy_reload_failed"]
+    assert failed == [], failed
