@@ -54,7 +54,7 @@ from gatewayd.protocol import (
 from gatewayd.review.reviewer import Reviewer, ReviewOutcome, Source, review_crashed
 from gatewayd.review.rulebook import RuleBook
 from gatewayd.review.ruleset import RuleSet
-from gatewayd.runs import Run
+from gatewayd.runs import ModelBudget, Run
 from gatewayd.secrets import Scrubber, UnscrubbableError
 from gatewayd.tools.builtin import TOOLS_LIST_MANIFEST
 from gatewayd.tools.manifest import ToolManifest
@@ -90,6 +90,8 @@ class RunReview:
     app: str
     subject: str
     rules: Callable[[], tuple[ReviewSection, RuleSet]]
+    # The model budget each review the model answers is charged to (the caller's).
+    budget: ModelBudget | None = None
 
 
 class Dispatcher:
@@ -604,6 +606,13 @@ class Dispatcher:
             )
         if outcome is not None:
             self.metrics.reviews.observe(outcome.latency_ms / 1000, (str(outcome.source),))
+            answered = outcome.source is Source.MODEL or outcome.prompt_tokens is not None
+            if own is not None and own.budget is not None and answered:
+                # An app's reviews are spent on its caller's behalf: its budget pays.
+                own.budget.requests += 1
+                own.budget.tokens += max(outcome.prompt_tokens or 0, 0) + max(
+                    outcome.completion_tokens or 0, 0
+                )
         return outcome, digest
 
     async def _ask_reviewer(

@@ -314,7 +314,9 @@ class Apps:
                 child = await self.runs.start_child(
                     child_spec(caller, app, policy, grants, wall_s),
                     view=child_view(app, caller),
-                    review=RunReview(app=app.id, subject=subject, rules=live),
+                    review=RunReview(
+                        app=app.id, subject=subject, rules=live, budget=ctx.model_budget
+                    ),
                 )
             except Exception as exc:  # audited as run_refused by the run manager
                 raise ToolFailed(f"app {app.id!r} could not start its run: {exc}") from None

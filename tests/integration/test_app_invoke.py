@@ -183,6 +183,10 @@ async def test_a_caller_prompts_the_note_taker_twice_and_the_second_reads_the_fi
     peek = await call_inside(sb, run, "fs.read", {"path": "apps/note-taker/data/milk.md"})
     assert "policy_denied" in peek["err"] and "buy milk" not in peek["out"], peek
 
+    # The caller's model budget paid for the apps' model and for their reviews.
+    asked = len(model.chat_requests) + len(reviewer.chat_requests)
+    assert run.model_budget.requests == asked, (run.model_budget, asked)
+    assert run.model_budget.tokens == asked * (11 + 7)  # the fake's usage per answer
     # The reviewer saw each app call under the app's name and rules.
     prompts = [r.body["messages"][0]["content"] for r in reviewer.chat_requests]
     assert prompts and all('the app "note-taker"' in p for p in prompts)
