@@ -82,6 +82,11 @@ MIN_WALL_S: Final = 1.0
 # data/ is compared before and after an invocation entry by entry; past this many
 # entries the change list says it stopped counting (a data folder is notes, not a disk).
 MAX_DATA_ENTRIES: Final = 20_000
+# What an app's data folder may hold when it is called: notes and caches, not a disk.
+# One invocation can still add to it (each file within sandbox.max_file_mb); the next
+# is refused until the operator prunes it, so the folder grows by one call's writes at
+# most past this.
+MAX_DATA_BYTES: Final = 1 << 30
 # The changed files listed in the answer and the audit entry; the count says the rest.
 MAX_CHANGED_SHOWN: Final = 200
 
@@ -300,7 +305,9 @@ class Apps:
                 data = await trio.to_thread.run_sync(ensure_data_dir, app)
                 grants = await trio.to_thread.run_sync(child_grants, caller, app, data)
             except (AppUnavailable, OSError) as exc:
-                raise ToolFailed(f"app {app.id!r} cannot start: {exc}") from None
+                raise ToolFailed(
+                    f"app {app.id!r} cannot start: {_as_seen(str(exc), caller)}"
+                ) from None
             subject = f'the app "{app.id}"'
             live = LiveRules(
                 app=app,
@@ -310,6 +317,18 @@ class Apps:
             )
             policy = child_policy(caller, app, live()[0])
             before = await trio.to_thread.run_sync(_snapshot, data)
+            held = _data_bytes(before)
+            if held > MAX_DATA_BYTES or len(before) >= MAX_DATA_ENTRIES:
+                what = (
+                    f"{held} bytes, over the {MAX_DATA_BYTES}"
+                    if held > MAX_DATA_BYTES
+                    else f"{MAX_DATA_ENTRIES} entries or more, the most"
+                )
+                raise ToolFailed(
+                    f"app {app.id!r} keeps {what} an app may hold in its data folder "
+                    "before it is called again; the operator must prune apps/"
+                    f"{app.id}/data in the workspace (it is the app's state, not a disk)"
+                )
             try:
                 child = await self.runs.start_child(
                     child_spec(caller, app, policy, grants, wall_s),
@@ -319,7 +338,9 @@ class Apps:
                     ),
                 )
             except Exception as exc:  # audited as run_refused by the run manager
-                raise ToolFailed(f"app {app.id!r} could not start its run: {exc}") from None
+                raise ToolFailed(
+                    f"app {app.id!r} could not start its run: {_as_seen(str(exc), caller)}"
+                ) from None
             outcome: dict[str, Any] | None = None
             try:
                 outcome = await self._converse(app, args, ctx, caller, child, models.model, wall_s)
@@ -442,6 +463,7 @@ class Apps:
             "childRunId": child.run_id,
             "changed": changed[:MAX_CHANGED_SHOWN],
             "changedCount": len(changed),
+            "dataBytes": _data_bytes(after),
         }
         # What an operator reading data/ on the host should not follow or open blindly:
         # symlinks, FIFOs, sockets, devices the app left (gatewayd's tools refuse them).
@@ -500,6 +522,17 @@ def _snapshot(root: Path) -> dict[str, tuple[int, int, int]]:
             if stat.S_ISDIR(st.st_mode):
                 todo.append((rel + "/", Path(entry.path)))
     return out
+
+
+def _as_seen(message: str, caller: Run) -> str:
+    """``message`` with the workspace's host path as the caller sees it (/workspace):
+    the host's layout is the operator's to know, not the sandbox's."""
+    return message.replace(str(caller.spec.workspace), str(WORKSPACE_VISIBLE_ROOT))
+
+
+def _data_bytes(snapshot: Mapping[str, tuple[int, int, int]]) -> int:
+    """The bytes the regular files of a snapshot hold."""
+    return sum(size for kind, size, _ in snapshot.values() if stat.S_ISREG(kind))
 
 
 def _changed(

@@ -394,3 +394,48 @@ async def test_a_reload_leaves_an_apps_child_run_as_it_was_made(
     assert len(children) == 1 and outcomes[children[0]] == "unchanged", outcomes
     failed = [e for e in await sb.entries() if e.get("event") == "policy_reload_failed"]
     assert failed == [], failed
+
+
+@sandboxed
+@pytest.mark.parametrize("fill", ["bytes", "entries"])
+async def test_an_app_whose_data_folder_is_full_is_not_called_until_it_is_pruned(
+    sb: Sandboxed, model: FakeProvider, fill: str
+) -> None:
+    from gatewayd.apps.invoke import MAX_DATA_BYTES, MAX_DATA_ENTRIES
+
+    ws = sb.workspace()
+    install_app(EXAMPLES / "note-taker", ws)
+    data = ws / "apps" / "note-taker" / "data"
+    if fill == "bytes":
+        with open(data / "big.bin", "wb") as big:
+            big.truncate(MAX_DATA_BYTES + 1)  # sparse: its size is what counts
+    else:
+        for n in range(MAX_DATA_ENTRIES):
+            (data / f"n{n}").touch()
+    run = await sb.run(CALLER_POLICY, workspace=ws)
+    refused = await call_inside(sb, run, "app_note_taker", {"prompt": "note: x"})
+    assert "cogni-tool: tool_failed: " in refused["err"], refused
+    assert "before it is called again; the operator must prune" in refused["err"], refused
+    assert not model.chat_requests  # the app never ran
+    for path in data.iterdir():
+        path.unlink()
+    model.script(Text(content="noted"))
+    again = await call_inside(sb, run, "app_note_taker", {"prompt": "note: x"})
+    assert json.loads(again["out"])["ok"] is True, again
+
+
+@sandboxed
+async def test_an_app_whose_data_folder_became_a_file_is_refused_in_the_callers_terms(
+    sb: Sandboxed, model: FakeProvider
+) -> None:
+    ws = sb.workspace()
+    install_app(EXAMPLES / "note-taker", ws)
+    run = await sb.run(CALLER_POLICY, workspace=ws)
+    data = ws / "apps" / "note-taker" / "data"
+    data.rmdir()  # after the run's discovery: the operator's hand, not the app's
+    data.write_text("not a folder\n")
+    refused = await call_inside(sb, run, "app_note_taker", {"prompt": "note: x"})
+    err = refused["err"]
+    assert err.startswith("cogni-tool: tool_failed: app 'note-taker' cannot start"), refused
+    assert "/workspace/apps/note-taker/data is not a directory" in err, refused
+    assert str(ws) not in err and not model.chat_requests
