@@ -1,17 +1,19 @@
-"""`gatewayd run` (one shot: create a run, start a command in its sandbox, report, exit
-with the command's status) and `gatewayd exec` (a command in a live run's sandbox,
-through `gatewayd serve`'s control socket)."""
+"""`gatewayd run` (one shot: create a run, start a command in its sandbox with its
+standard streams passed through, report on stderr, exit with the command's status) and
+`gatewayd exec` (a command in a live run's sandbox, through `gatewayd serve`'s control
+socket)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TextIO
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_USAGE, refusing
 from gatewayd.cli.control_client import control_request
@@ -42,7 +44,9 @@ MAX_SPEC_BYTES: Final = 1 << 20
 def add_parsers(sub: Subparsers) -> None:
     run = sub.add_parser(
         "run",
-        help="one shot: create a run, start CMD with COGNI_GATEWAY_SOCK set, report, exit",
+        help="one shot: create a run, start CMD with COGNI_GATEWAY_SOCK set, its stdin, "
+        "stdout and stderr streamed from and to this command's own, report on stderr, exit "
+        "with CMD's status",
     )
     add_daemon_options(run)
     run.add_argument("--policy", help="policy file, or the name of a shipped policy")
@@ -174,6 +178,7 @@ def _run(args: argparse.Namespace) -> int:
     if not cmd:
         print("gatewayd run: give the command after --, e.g. -- python3 agent.py", file=sys.stderr)
         return EXIT_USAGE
+    _keep_our_lines_off_stdout()
     request = _run_request(args)
     config = config_from_options(args)
     configure_logging(logging.WARNING, scrubber=log_scrubber(config))
@@ -214,8 +219,11 @@ def _run(args: argparse.Namespace) -> int:
             )
             # Cancelling run_process stops the command (SIGTERM, then SIGKILL).
             with trio.move_on_after(max_runtime) as scope:
+                # Our own standard streams, as they are: without a sandbox the command
+                # is on the host anyway.
                 proc = await trio.run_process(
                     cmd,
+                    stdin=None,
                     cwd=str(run.spec.workspace),
                     env=child_environment(run),
                     check=False,
@@ -270,13 +278,25 @@ async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime:
     """The one-shot run's command, in the run's sandbox; returns gatewayd's exit status."""
     from gatewayd.audit import AuditWriteError
     from gatewayd.errors import GatewayError
+    from gatewayd.sandbox.passthrough import Passthrough
 
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # The command's output is shown as it comes (all of it; the result keeps the cap).
-    echo = (_writer(sys.stdout.fileno()), _writer(sys.stderr.fileno()))
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:  # None: closed when gatewayd started
+            stream.flush()
     try:
-        result = await daemon.runs.exec(run.run_id, cmd, timeout_s=max_runtime, echo=echo)
+        with contextlib.ExitStack() as opened:
+            # The command is this process in a pipeline: our stdin is its stdin, its
+            # output is ours, as it comes, through pipes (never our descriptors
+            # themselves: one could be the operator's terminal). Nothing is kept, so no
+            # output cap applies.
+            streams = Passthrough(
+                stdin=_own_descriptor(sys.stdin, os.O_RDONLY, opened),
+                stdout=_own_descriptor(sys.stdout, os.O_WRONLY, opened),
+                stderr=_own_descriptor(sys.stderr, os.O_WRONLY, opened),
+            )
+            result = await daemon.runs.exec(
+                run.run_id, cmd, timeout_s=max_runtime, passthrough=streams
+            )
     except AuditWriteError as exc:
         print(_exec_end_not_audited(exc.detail), file=sys.stderr)
         await _end_one_shot(daemon, run, "its end not audited")
@@ -289,6 +309,26 @@ async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime:
     outcome = _describe_exec(result.exitCode, result.signal, _str_or_none(result.errorCode))
     await _end_one_shot(daemon, run, outcome)
     return status
+
+
+def _keep_our_lines_off_stdout() -> None:
+    """Started with stderr closed, Python leaves ``sys.stderr`` None, and ``print(...,
+    file=sys.stderr)`` then writes to stdout, which is the command's alone: our lines go
+    to /dev/null instead (open for the rest of this one-shot process)."""
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
+
+
+def _own_descriptor(stream: TextIO | None, flags: int, opened: contextlib.ExitStack) -> int:
+    """The descriptor behind one of our standard streams, or /dev/null (opened with
+    ``flags``, closed with ``opened``) when it was closed when gatewayd started: Python
+    then leaves the stream None, and the descriptor number may since name a file
+    gatewayd opened itself (the audit log), which must never be relayed."""
+    if stream is not None:
+        return stream.fileno()
+    fd = os.open(os.devnull, flags | os.O_CLOEXEC)
+    opened.callback(os.close, fd)
+    return fd
 
 
 def _exec_end_not_audited(detail: str) -> str:

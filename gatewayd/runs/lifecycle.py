@@ -31,6 +31,7 @@ from gatewayd.runs.startup import HostSandbox
 from gatewayd.sandbox.launch import Echo, ExecResult, ResultForm, exec_result_json
 from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.sandbox.limits import HostUser
+from gatewayd.sandbox.passthrough import Passthrough
 from gatewayd.sandbox.session import CommandLimits, RunSandbox, SandboxUnavailable, SandboxView
 from gatewayd.sandbox.uids import UidPool
 from gatewayd.server import serve_run
@@ -344,6 +345,7 @@ class RunManager:
         stdin: bytes | None = None,
         timeout_s: float | None = None,
         echo: Echo | None = None,
+        passthrough: Passthrough | None = None,
     ) -> ExecResult:
         """Run ``command`` in the run's sandbox (host to sandbox); audited before it
         starts (durable before bwrap runs) and when it ends: the result (or the error)
@@ -372,7 +374,9 @@ class RunManager:
             detail={"command": command[:AUDITED_COMMAND_ARGS], "timeoutS": timeout_s},
         )
         try:
-            result = await run.sandbox.exec(command, stdin=stdin, timeout_s=timeout_s, echo=echo)
+            result = await run.sandbox.exec(
+                command, stdin=stdin, timeout_s=timeout_s, echo=echo, passthrough=passthrough
+            )
         except Exception as exc:
             seq = self.audit.record(
                 "event",
@@ -388,7 +392,11 @@ class RunManager:
             event=AuditEvent.EXEC_ENDED,
             runId=run_id,
             durationMs=result.durationMs,
-            detail=exec_result_json(result, ResultForm.AUDIT),
+            # A passed-through command's output was never kept: its byte counts instead.
+            detail=exec_result_json(
+                result,
+                ResultForm.AUDIT if result.streamed is None else ResultForm.STREAMED_AUDIT,
+            ),
         )
         await self.durable_before_answer(seq)
         return result

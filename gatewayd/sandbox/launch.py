@@ -66,6 +66,7 @@ from gatewayd.sandbox.limits import (
     classify_exit,
     rlimits,
 )
+from gatewayd.sandbox.passthrough import Passthrough, Relay, StreamedBytes
 from gatewayd.sandbox.plan import BWRAP, SandboxPlan, render_argv
 from gatewayd.sandbox.seccomp import CLONE_NEWNET, CLONE_NEWNS, write_filter
 
@@ -114,6 +115,8 @@ class ExecResult:
     ``"limit_exceeded"`` or None; see :func:`~gatewayd.sandbox.limits.classify_exit`.
     ``memoryLimit`` and ``processLimit`` say how those limits were applied (``"cgroup"``
     or ``"rlimit"``), so the audit can tell a per-command limit from a per-process one.
+    ``streamed``: for a command whose streams were passed through (:class:`Passthrough`),
+    how many bytes crossed each; its ``stdout``/``stderr`` are then empty (nothing kept).
     """
 
     exitCode: int | None  # camelCase: the wire's spelling
@@ -126,6 +129,7 @@ class ExecResult:
     errorCode: ErrorKind | None
     memoryLimit: LimitMechanism
     processLimit: LimitMechanism
+    streamed: StreamedBytes | None = None
 
 
 class ResultForm(enum.Enum):
@@ -140,6 +144,9 @@ class ResultForm(enum.Enum):
     # exec_ended's detail: the audit log never holds a command's output, only its size
     # (its duration is the entry's own durationMs).
     AUDIT = "audit"
+    # exec_ended's detail for a passed-through command: how many bytes crossed each of
+    # its streams (nothing was kept, so nothing was cut).
+    STREAMED_AUDIT = "streamed_audit"
     # services_exited's detail: how the in-sandbox services ended, nothing more.
     EXIT = "exit"
 
@@ -182,6 +189,16 @@ RESULT_FIELDS: Final[Mapping[ResultForm, tuple[str, ...]]] = {
         "stdoutTruncated",
         "stderrTruncated",
     ),
+    ResultForm.STREAMED_AUDIT: (
+        "memoryLimit",
+        "processLimit",
+        "exitCode",
+        "signal",
+        "errorCode",
+        "stdinBytes",
+        "stdoutBytes",
+        "stderrBytes",
+    ),
     ResultForm.EXIT: ("exitCode", "signal"),
 }
 
@@ -196,12 +213,16 @@ def exec_result_json(result: ExecResult, form: ResultForm) -> dict[str, Any]:
         "errorCode": None if result.errorCode is None else str(result.errorCode),
         "memoryLimit": str(result.memoryLimit),
         "processLimit": str(result.processLimit),
+        # Counted only when passed through; a captured command's input is its caller's.
+        "stdinBytes": None if result.streamed is None else result.streamed.stdin,
     }
     for name, data, truncated in (
         ("stdout", result.stdout, result.stdoutTruncated),
         ("stderr", result.stderr, result.stderrTruncated),
     ):
         facts[f"{name}Bytes"] = len(data)
+        if result.streamed is not None:
+            facts[f"{name}Bytes"] = getattr(result.streamed, name)
         facts[f"{name}Truncated"] = truncated
         if form is ResultForm.CONTROL:
             try:
@@ -241,6 +262,7 @@ async def run_in_sandbox(
     cgroups: CgroupSupport | None = None,
     echo: Echo | None = None,
     pins: Sequence[tuple[int, str]] = (),
+    passthrough: Passthrough | None = None,
 ) -> ExecResult:
     """Run ``plan.command`` in the sandbox the plan describes, inside network namespace
     ``netns``, as ``host_user``, within ``limits``; return its :class:`ExecResult`.
@@ -257,6 +279,11 @@ async def run_in_sandbox(
     itself a private mount namespace and attaches each pinned directory there, by its
     descriptor, so bwrap binds exactly the directories opened at run start
     (:attr:`~gatewayd.sandbox.plan.Bind.via`), whatever their paths have become.
+    ``passthrough`` (instead of ``stdin`` and ``echo``) relays the command's stdin,
+    stdout and stderr from and to host descriptors as they come, through pipes
+    (:mod:`~gatewayd.sandbox.passthrough`): nothing is kept, no output cap applies, the
+    result counts the bytes (``streamed``). After the command ends, what it wrote is
+    still delivered to a slow host reader, until the command's timeout.
 
     Resource handling: the memfds and the netns descriptor are closed once bwrap runs; on
     timeout the tree gets SIGTERM, then SIGKILL after ``limits.kill_grace_s``; on
@@ -266,12 +293,15 @@ async def run_in_sandbox(
     Error handling: ``PlanError`` if the plan does not validate, :class:`LaunchError` if the
     command's cgroup cannot be made, read or removed (the message names the file), the
     netns cannot be opened or bwrap cannot be started. Anything the command does is a
-    result, never an exception.
+    result, never an exception. ValueError if ``passthrough`` comes with ``stdin`` or
+    ``echo`` (a stream has one source and one destination).
     """
+    if passthrough is not None and (stdin is not None or echo is not None):
+        raise ValueError("a passed-through command takes no stdin bytes and no echo")
     cgroup = _create_cgroup(plan.run_id, limits, cgroups)
     try:
         return await _start_and_supervise(
-            plan, netns, limits, host_user, stdin, bwrap, cgroup, echo, pins
+            plan, netns, limits, host_user, stdin, bwrap, cgroup, echo, pins, passthrough
         )
     finally:
         if cgroup is not None:
@@ -308,6 +338,7 @@ async def _start_and_supervise(
     cgroup: CommandCgroup | None,
     echo: Echo | None,
     pins: Sequence[tuple[int, str]],
+    passthrough: Passthrough | None,
 ) -> ExecResult:
     with contextlib.ExitStack() as fds:
         data_fds = {step.dest: memfd(fds, "cogni-data", step.data) for step in plan.data_steps}
@@ -320,7 +351,8 @@ async def _start_and_supervise(
         fds.callback(os.close, netns_fd)
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
         err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        in_r, in_w = os.pipe2(os.O_CLOEXEC) if stdin is not None else (subprocess.DEVNULL, -1)
+        piped = stdin is not None or passthrough is not None
+        in_r, in_w = os.pipe2(os.O_CLOEXEC) if piped else (subprocess.DEVNULL, -1)
         child_ends = [fd for fd in (out_w, err_w, in_r) if fd >= 0]
         started = time.monotonic()
         try:
@@ -351,7 +383,9 @@ async def _start_and_supervise(
         # Popen returns once the child has exec'd bwrap (or failed to): fork, the
         # child's setup (netns, uid, pins) and the exec.
         METRICS.sandbox_launch.observe(time.monotonic() - started)
-    return await _supervise(process, started, out_r, err_r, in_w, stdin, limits, cgroup, echo)
+    return await _supervise(
+        process, started, out_r, err_r, in_w, stdin, limits, cgroup, echo, passthrough
+    )
 
 
 def memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
@@ -482,15 +516,25 @@ async def _supervise(
     limits: SandboxLimits,
     cgroup: CommandCgroup | None,
     echo: Echo | None,
+    passthrough: Passthrough | None,
 ) -> ExecResult:
     stdout = _Capture(limits.max_output_bytes, None if echo is None else echo[0])
     stderr = _Capture(limits.max_output_bytes, None if echo is None else echo[1])
+    relays = (Relay(), Relay(), Relay())  # stdin, stdout, stderr; used when passed through
     timed_out = False
     pidfd = os.pidfd_open(process.pid)
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(stdout.drain, trio.lowlevel.FdStream(out_r))
-            nursery.start_soon(stderr.drain, trio.lowlevel.FdStream(err_r))
+            if passthrough is None:
+                nursery.start_soon(stdout.drain, trio.lowlevel.FdStream(out_r))
+                nursery.start_soon(stderr.drain, trio.lowlevel.FdStream(err_r))
+                outputs = (stdout.done, stderr.done)
+            else:
+                feed, out, err = relays
+                nursery.start_soon(feed.feed, passthrough.stdin, trio.lowlevel.FdStream(in_w))
+                nursery.start_soon(out.drain, trio.lowlevel.FdStream(out_r), passthrough.stdout)
+                nursery.start_soon(err.drain, trio.lowlevel.FdStream(err_r), passthrough.stderr)
+                outputs = (out.done, err.done)
             if stdin is not None:
                 nursery.start_soon(_feed, trio.lowlevel.FdStream(in_w), stdin)
             with trio.move_on_after(limits.timeout_s) as deadline:
@@ -499,9 +543,9 @@ async def _supervise(
                 timed_out = True
                 with trio.CancelScope(shield=True):
                     await _terminate_tree(process, pidfd, limits.kill_grace_s)
-            with trio.move_on_after(DRAIN_AFTER_EXIT_S):
-                await stdout.done.wait()
-                await stderr.done.wait()
+            with trio.move_on_after(_drain_time(deadline, passthrough)):
+                for done in outputs:
+                    await done.wait()
             nursery.cancel_scope.cancel()
     finally:
         # Cancelled from outside (or a bug): nothing may outlive the call.
@@ -530,7 +574,19 @@ async def _supervise(
         errorCode=reading.error,
         memoryLimit=_memory_mechanism(cgroup),
         processLimit=_pids_mechanism(cgroup),
+        streamed=None
+        if passthrough is None
+        else StreamedBytes(stdin=relays[0].count, stdout=relays[1].count, stderr=relays[2].count),
     )
+
+
+def _drain_time(deadline: trio.CancelScope, passthrough: Passthrough | None) -> float:
+    """How long to wait, once the command is gone, for its output to be read to the end.
+    Captured output is read at once (:data:`DRAIN_AFTER_EXIT_S`); passed-through output
+    also waits for the host's reader to take it, as long as the command's time lasts."""
+    if passthrough is None:
+        return DRAIN_AFTER_EXIT_S
+    return max(DRAIN_AFTER_EXIT_S, deadline.deadline - trio.current_time())
 
 
 class _Capture:

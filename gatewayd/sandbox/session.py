@@ -63,6 +63,7 @@ from gatewayd.sandbox.netns import (
     remove_run_netns,
     remove_stale_netns,
 )
+from gatewayd.sandbox.passthrough import Passthrough
 from gatewayd.sandbox.plan import (
     CLIENT_COPY_DIR,
     COGNI_TOOL_VISIBLE_DIR,
@@ -434,9 +435,12 @@ class RunSandbox:
         env_values: Mapping[str, str] | None = None,
         echo: Echo | None = None,
         limits: SandboxLimits | None = None,
+        passthrough: Passthrough | None = None,
     ) -> ExecResult:
         """Run ``command`` in a fresh sandbox of this run and return what it did.
-        ``limits`` replaces the run's command limits (the run's services only).
+        ``limits`` replaces the run's command limits (the run's services only);
+        ``passthrough`` relays its streams from and to host descriptors
+        (:func:`~gatewayd.sandbox.launch.run_in_sandbox`).
 
         Must be called from the trio thread. Error handling: ``PlanError`` or
         ``LaunchError`` when the sandbox cannot start; :class:`SandboxUnavailable`
@@ -459,6 +463,7 @@ class RunSandbox:
                     cgroups=self.settings.cgroups,
                     echo=echo,
                     pins=self.pins,
+                    passthrough=passthrough,
                 )
             finally:
                 self._running.discard(scope)

@@ -10,6 +10,7 @@ import pytest
 
 from gatewayd.sandbox.launch import RESULT_FIELDS, ExecResult, ResultForm, exec_result_json
 from gatewayd.sandbox.limits import ErrorKind, LimitMechanism
+from gatewayd.sandbox.passthrough import StreamedBytes
 
 # Valid UTF-8 on stdout, not on stderr: the forms differ exactly there.
 TIMED_OUT = ExecResult(
@@ -118,3 +119,30 @@ def test_the_tool_value_starts_with_the_exit_code() -> None:
     # The agent loop recognises sandbox.exec's answer by this prefix.
     encoded = msgspec.json.encode(exec_result_json(EXITED, ResultForm.TOOL))
     assert encoded.startswith(b'{"exitCode":')
+
+
+STREAMED = ExecResult(
+    exitCode=0,
+    signal=None,
+    stdout=b"",
+    stderr=b"",
+    stdoutTruncated=False,
+    stderrTruncated=False,
+    durationMs=8,
+    errorCode=None,
+    memoryLimit=LimitMechanism.CGROUP,
+    processLimit=LimitMechanism.CGROUP,
+    streamed=StreamedBytes(stdin=52_428_800, stdout=52_428_800, stderr=12),
+)
+
+
+def test_a_streamed_commands_audit_counts_what_crossed_each_stream() -> None:
+    # Passed through, nothing was kept: the byte counts are the streams' own totals,
+    # far beyond any output cap, and no truncation flag pretends something was cut.
+    assert json.dumps(exec_result_json(STREAMED, ResultForm.STREAMED_AUDIT)) == (
+        '{"memoryLimit": "cgroup", "processLimit": "cgroup", "exitCode": 0, "signal": null, '
+        '"errorCode": null, "stdinBytes": 52428800, "stdoutBytes": 52428800, '
+        '"stderrBytes": 12}'
+    )
+    # A captured command's input is its caller's, not counted here.
+    assert exec_result_json(EXITED, ResultForm.STREAMED_AUDIT)["stdinBytes"] is None

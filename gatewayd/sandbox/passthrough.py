@@ -1,0 +1,128 @@
+"""A sandboxed command's standard streams relayed to and from host descriptors, as they
+come: what makes ``gatewayd run -- CMD`` behave like ``CMD`` in a pipeline (``cat data |
+gatewayd run ... -- tool``, or an MCP client on the host driving a stdio server).
+
+The command never gets the host's descriptors themselves: it gets pipes, and gatewayd
+copies between them and its own stdin, stdout and stderr. A descriptor handed over as it
+is could be the operator's terminal (the sandbox could type into the operator's shell
+with TIOCSTI, or read the terminal after gatewayd is gone), a file opened read-write, or
+a socket; a pipe is none of these, and every byte crossing it is counted for the audit.
+
+Why the host side is read and written in worker threads: gatewayd's own descriptors are
+shared with the shell that started it. Making them non-blocking (as ``trio.lowlevel.
+FdStream`` does) would change them for that shell too, and epoll refuses regular files
+and ``/dev/null`` (``gatewayd run ... < data``). A blocking read or write in a thread
+works on every kind of descriptor; a cancelled one is abandoned (the one-shot process
+exits right after) rather than waited for.
+
+Memory: one chunk per stream in flight, whatever the command writes; the next chunk is
+read only once the last is written (backpressure: a slow reader on the host slows the
+command, never grows gatewayd). No output cap applies: gatewayd keeps nothing, so
+``max_output_bytes`` (what gatewayd *keeps* of a captured command) has nothing to bound;
+the command's time is still bounded by its timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from dataclasses import dataclass
+from typing import Final
+
+import trio
+
+# One pipe's worth per copy: as much as the command can have written before it blocks.
+RELAY_CHUNK: Final = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Passthrough:
+    """Host descriptors a command's standard streams are relayed from and to (usually
+    gatewayd's own 0, 1 and 2). gatewayd never closes them nor changes their flags; one
+    left non-blocking by whoever started gatewayd is waited on, not taken for its end."""
+
+    stdin: int
+    stdout: int
+    stderr: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamedBytes:
+    """How many bytes crossed each stream of a passed-through command: given to the
+    command on its stdin, and read from its stdout and stderr."""
+
+    stdin: int
+    stdout: int
+    stderr: int
+
+
+class Relay:
+    """One direction of one stream: counts what it copies; ``done`` is set when it stops
+    (end of input, a closed reader, or cancellation)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.done = trio.Event()
+
+    async def feed(self, source: int, stream: trio.lowlevel.FdStream) -> None:
+        """Copy host descriptor ``source`` into the command's stdin ``stream`` until
+        ``source`` ends, then close ``stream``: the command sees end of input.
+
+        Error handling: the command closing its stdin (or ending) stops the copy quietly,
+        as a pipeline's writer stops; an unreadable ``source`` ends the command's input
+        as end of file would (it is gatewayd's input, not the command's fault).
+        """
+        async with stream:
+            try:
+                while chunk := await trio.to_thread.run_sync(
+                    _read_some, source, abandon_on_cancel=True
+                ):
+                    try:
+                        await stream.send_all(chunk)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        return
+                    self.count += len(chunk)
+            finally:
+                self.done.set()
+
+    async def drain(self, stream: trio.lowlevel.FdStream, sink: int) -> None:
+        """Copy the command's output ``stream`` to host descriptor ``sink`` until the
+        command closes it. If ``sink`` stops taking data (its reader is gone: ``gatewayd
+        run ... | head -1``), ``stream`` is closed, so the command's next write fails with
+        EPIPE (or SIGPIPE) as it would in the same pipeline without gatewayd."""
+        async with stream:
+            try:
+                while chunk := await stream.receive_some(RELAY_CHUNK):
+                    self.count += len(chunk)
+                    try:
+                        await trio.to_thread.run_sync(
+                            _write_all, sink, chunk, abandon_on_cancel=True
+                        )
+                    except OSError:  # EPIPE, or a sink gone bad: its reader decides
+                        return
+            finally:
+                self.done.set()
+
+
+def _read_some(fd: int) -> bytes:
+    """A chunk of ``fd``; empty at its end, or when it cannot be read (EIO: a terminal
+    hung up; EBADF: no stdin at all) which ends the command's input the same way."""
+    while True:
+        try:
+            return os.read(fd, RELAY_CHUNK)
+        except BlockingIOError:  # a non-blocking descriptor with nothing yet: wait
+            select.select([fd], [], [])
+        except OSError:
+            return b""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """All of ``data`` to ``fd``, waiting whenever a non-blocking ``fd`` is full.
+
+    Error handling: OSError as the system reports it (EPIPE: the reader is gone)."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            select.select([], [fd], [])

@@ -1,0 +1,182 @@
+"""The relay between a passed-through command's pipes and host descriptors, on real
+pipes: every byte in order and counted, end of input passed on, a reader that goes away
+stops the copy (the writer then gets EPIPE), and nothing unbounded is held."""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+from typing import Any, cast
+
+import pytest
+import trio
+
+from gatewayd.sandbox.launch import run_in_sandbox
+from gatewayd.sandbox.limits import HostUser, SandboxLimits
+from gatewayd.sandbox.passthrough import RELAY_CHUNK, Passthrough, Relay
+
+
+def _read_all(fd: int) -> bytes:
+    data = bytearray()
+    while chunk := os.read(fd, 1 << 16):
+        data += chunk
+    return bytes(data)
+
+
+async def test_feed_copies_every_byte_then_ends_the_commands_input() -> None:
+    host_r, host_w = os.pipe()  # stands for gatewayd's stdin
+    cmd_r, cmd_w = os.pipe()  # the command's stdin pipe
+    data = os.urandom(5 * RELAY_CHUNK + 17)  # several chunks and a ragged end
+    relay = Relay()
+    received: list[bytes] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.feed, host_r, trio.lowlevel.FdStream(cmd_w))
+        nursery.start_soon(trio.to_thread.run_sync, lambda: received.append(_read_all(cmd_r)))
+        await trio.to_thread.run_sync(os.write, host_w, data)
+        os.close(host_w)  # end of gatewayd's input ...
+    # ... is end of the command's input: the reader above saw EOF, or it would hang.
+    assert received == [data] and relay.count == len(data) and relay.done.is_set()
+    os.close(host_r)
+    os.close(cmd_r)
+
+
+async def test_feed_stops_quietly_when_the_command_closes_its_input() -> None:
+    host_r, host_w = os.pipe()
+    cmd_r, cmd_w = os.pipe()
+    os.close(cmd_r)  # the command closed its stdin (or ended)
+    os.write(host_w, b"more input\n")
+    relay = Relay()
+    with trio.fail_after(5):
+        await relay.feed(host_r, trio.lowlevel.FdStream(cmd_w))
+    assert relay.done.is_set() and relay.count == 0  # nothing reached the command
+    os.close(host_r)
+    os.close(host_w)
+
+
+async def test_feed_treats_an_unreadable_input_as_its_end() -> None:
+    # gatewayd's stdin gone bad (a hung-up terminal reads EIO; here: not a descriptor):
+    # the command sees end of input rather than gatewayd failing.
+    cmd_r, cmd_w = os.pipe()
+    bad = os.open(os.devnull, os.O_RDONLY)
+    os.close(bad)
+    relay = Relay()
+    with trio.fail_after(5):
+        await relay.feed(bad, trio.lowlevel.FdStream(cmd_w))
+    assert os.read(cmd_r, 10) == b""
+    os.close(cmd_r)
+
+
+async def test_drain_copies_the_commands_output_as_it_comes() -> None:
+    cmd_r, cmd_w = os.pipe()  # the command's stdout pipe
+    host_r, host_w = os.pipe()  # stands for gatewayd's stdout
+    relay = Relay()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.drain, trio.lowlevel.FdStream(cmd_r), host_w)
+        for line in (b"one\n", b"two\n"):
+            os.write(cmd_w, line)
+            # Each line arrives while the writer is still open: streamed, not at the end.
+            with trio.fail_after(5):
+                await trio.lowlevel.wait_readable(host_r)
+            assert os.read(host_r, 100) == line
+        os.close(cmd_w)
+    assert relay.count == 8 and relay.done.is_set()
+    os.close(host_r)
+    os.close(host_w)
+
+
+async def test_a_reader_that_goes_away_stops_the_drain_and_the_command_gets_epipe() -> None:
+    # `gatewayd run -- yes | head -1`: once head is gone, yes must stop as it would
+    # without gatewayd, not run on until its timeout while gatewayd discards its output.
+    cmd_r, cmd_w = os.pipe()
+    host_r, host_w = os.pipe()
+    os.close(host_r)  # the host's reader is gone
+    os.write(cmd_w, b"y\n")
+    relay = Relay()
+    with trio.fail_after(5):
+        await relay.drain(trio.lowlevel.FdStream(cmd_r), host_w)
+    with pytest.raises(OSError) as caught:
+        os.write(cmd_w, b"y\n")
+    assert caught.value.errno == errno.EPIPE
+    os.close(cmd_w)
+    os.close(host_w)
+
+
+async def test_a_reader_that_stops_reading_holds_back_the_command_not_gatewayd() -> None:
+    # Backpressure: with nobody reading the host side, the relay holds at most a chunk
+    # in flight and the command's pipe fills, so the command blocks; gatewayd's memory
+    # does not grow with what the command would write.
+    cmd_r, cmd_w = os.pipe()
+    host_r, host_w = os.pipe()
+    os.set_blocking(cmd_w, False)
+    relay = Relay()
+    written = 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(relay.drain, trio.lowlevel.FdStream(cmd_r), host_w)
+        with trio.move_on_after(1):
+            while True:
+                try:
+                    written += os.write(cmd_w, b"x" * RELAY_CHUNK)
+                except BlockingIOError:
+                    await trio.sleep(0.01)
+        # Two pipes and the chunk in hand, nothing more: the command could not go on.
+        assert written <= 4 * RELAY_CHUNK + relay.count
+        assert relay.count <= 3 * RELAY_CHUNK
+        nursery.cancel_scope.cancel()
+    for fd in (cmd_w, host_r, host_w):
+        os.close(fd)
+
+
+async def test_passthrough_takes_neither_stdin_bytes_nor_an_echo() -> None:
+    # One source and one destination per stream: refused before anything starts.
+    streams = Passthrough(stdin=0, stdout=1, stderr=2)
+    common: dict[str, Any] = {
+        "netns": "/nonexistent",
+        "limits": SandboxLimits(),
+        "host_user": HostUser(uid=65534, gid=65534),
+        "passthrough": streams,
+    }
+    plan = cast(Any, None)  # never reached
+    with pytest.raises(ValueError, match="no stdin bytes and no echo"):
+        await run_in_sandbox(plan, stdin=b"x", **common)
+    with pytest.raises(ValueError, match="no stdin bytes and no echo"):
+        await run_in_sandbox(plan, echo=(print, print), **common)
+
+
+async def test_host_descriptors_left_non_blocking_are_waited_on_not_taken_for_their_end() -> None:
+    # Whoever started gatewayd may hand it non-blocking pipes: "nothing yet" (EAGAIN)
+    # on stdin is not end of input, and a full stdout is waited on, not a broken one.
+    host_in_r, host_in_w = os.pipe()
+    host_out_r, host_out_w = os.pipe()
+    cmd_in_r, cmd_in_w = os.pipe()
+    cmd_out_r, cmd_out_w = os.pipe()
+    for fd in (host_in_r, host_out_w):
+        os.set_blocking(fd, False)
+    feed, drain = Relay(), Relay()
+    big = os.urandom(2 * RELAY_CHUNK)  # more than the host's stdout pipe holds
+    got = bytearray()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(feed.feed, host_in_r, trio.lowlevel.FdStream(cmd_in_w))
+        nursery.start_soon(drain.drain, trio.lowlevel.FdStream(cmd_out_r), host_out_w)
+        await trio.sleep(0.2)  # stdin empty for a while: the feed must keep waiting
+        assert not feed.done.is_set()
+        os.write(host_in_w, b"late\n")
+        os.close(host_in_w)
+        assert await trio.to_thread.run_sync(_read_all, cmd_in_r) == b"late\n"
+        await trio.to_thread.run_sync(os.write, cmd_out_w, big)  # fills, then waits
+        os.close(cmd_out_w)
+        await trio.sleep(0.2)
+        assert not drain.done.is_set()  # still waiting on the full stdout, not given up
+        got += await trio.to_thread.run_sync(_read_all_nonblocking_writer, host_out_r, drain)
+    assert bytes(got) == big and drain.count == len(big)
+    for fd in (host_in_r, host_out_r, host_out_w, cmd_in_r):
+        os.close(fd)
+
+
+def _read_all_nonblocking_writer(fd: int, relay: Relay) -> bytes:
+    """What ``relay`` copies to ``fd`` until it is done (its writer is never closed)."""
+    data = bytearray()
+    while not (relay.done.is_set() and not select.select([fd], [], [], 0)[0]):
+        if select.select([fd], [], [], 0.05)[0]:
+            data += os.read(fd, 1 << 16)
+    return bytes(data)
