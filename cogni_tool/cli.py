@@ -31,6 +31,7 @@ EXIT_INTERRUPTED: Final = 130
 USAGE: Final = """\
 usage: cogni-tool exec [--pretty] [--timeout SECONDS] <tool> ['<json-args>' | -]
        cogni-tool list [--json] [--pretty] [--timeout SECONDS]
+       cogni-tool mcp [--timeout SECONDS]
        cogni-tool --help | --version
 
 Call a tool through the gateway of the gatewayd run this sandbox belongs to.
@@ -39,6 +40,7 @@ commands:
   exec <tool> [args]  call <tool>; args is a JSON object (default {}), or - to read it
                       from stdin. Prints the tool's JSON result on one line.
   list                print the tools this run may call, one per line: name  summary
+  mcp                 serve the run's tools to an MCP client over stdio (docs/mcp.md)
   serve ...           (started by gatewayd) the run's OpenAI endpoint and egress bridge
 
 options:
@@ -281,6 +283,10 @@ def _main(words: list[str]) -> int:
         from cogni_tool.serve import main as serve
 
         return serve(words[1:])
+    if words[:1] == ["mcp"]:  # a long-lived server an MCP client starts; its own parser
+        from cogni_tool.mcp_server import main as mcp
+
+        return mcp(words[1:])
     if _wants_help(words):
         sys.stdout.write(USAGE)
         return 0
