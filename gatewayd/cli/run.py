@@ -323,9 +323,14 @@ def _own_descriptor(stream: TextIO | None, flags: int, opened: contextlib.ExitSt
     """The descriptor behind one of our standard streams, or /dev/null (opened with
     ``flags``, closed with ``opened``) when it was closed when gatewayd started: Python
     then leaves the stream None, and the descriptor number may since name a file
-    gatewayd opened itself (the audit log), which must never be relayed."""
+    gatewayd opened itself (the audit log), which must never be relayed. A stream with
+    no descriptor at all (replaced in-process, as a test harness or an embedding program
+    does) is /dev/null too: there is nothing of ours to relay."""
     if stream is not None:
-        return stream.fileno()
+        try:
+            return stream.fileno()
+        except (OSError, ValueError):  # io.UnsupportedOperation is both
+            pass
     fd = os.open(os.devnull, flags | os.O_CLOEXEC)
     opened.callback(os.close, fd)
     return fd

@@ -4,7 +4,9 @@ stops the copy (the writer then gets EPIPE), and nothing unbounded is held."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import os
 import select
 from typing import Any, cast
@@ -180,3 +182,14 @@ def _read_all_nonblocking_writer(fd: int, relay: Relay) -> bytes:
         if select.select([fd], [], [], 0.05)[0]:
             data += os.read(fd, 1 << 16)
     return bytes(data)
+
+
+@pytest.mark.parametrize("stream", [None, io.StringIO()], ids=["closed", "no-descriptor"])
+def test_a_standard_stream_without_a_descriptor_of_ours_is_relayed_as_dev_null(
+    stream: io.StringIO | None,
+) -> None:
+    from gatewayd.cli.run import _own_descriptor
+
+    with contextlib.ExitStack() as opened:
+        fd = _own_descriptor(stream, os.O_RDONLY, opened)
+        assert os.path.samestat(os.fstat(fd), os.stat(os.devnull))
