@@ -183,11 +183,7 @@ def child_grants(caller: Run, app: DiscoveredApp, data: Path) -> tuple[PathGrant
         _grant(APP_GRANT, app.folder, APP_VISIBLE_ROOT, PathMode.RO),
         _grant(DATA_GRANT, data, APP_DATA_VISIBLE_ROOT, PathMode.RW),
     ]
-    inside = [
-        grant
-        for grant in caller.spec.grants
-        if grant.visible_root.is_relative_to(WORKSPACE_VISIBLE_ROOT)
-    ]
+    inside = _workspace_grants(caller)
     roots = [grant.host_root for grant in (*inside, *own)]
     borrowed = tuple(
         PathGrant(
@@ -206,6 +202,16 @@ def child_grants(caller: Run, app: DiscoveredApp, data: Path) -> tuple[PathGrant
         for grant in inside
     )
     return (*borrowed, *own)
+
+
+def _workspace_grants(caller: Run) -> list[PathGrant]:
+    """The caller's grants inside its workspace (seen beneath /workspace): of the
+    caller's paths, all an app may ever read."""
+    return [
+        grant
+        for grant in caller.spec.grants
+        if grant.visible_root.is_relative_to(WORKSPACE_VISIBLE_ROOT)
+    ]
 
 
 def _grant(name: str, host: Path, visible: PurePosixPath, mode: PathMode) -> PathGrant:
@@ -278,11 +284,7 @@ def child_view(app: DiscoveredApp, caller: Run) -> SandboxView:
     so a grant with one is served by the fs tools alone); its own folder shown; commands
     in it; no run socket (every call of the app is its conversation's, counted and
     limited)."""
-    inside = [
-        grant
-        for grant in caller.spec.grants
-        if grant.visible_root.is_relative_to(WORKSPACE_VISIBLE_ROOT)
-    ]
+    inside = _workspace_grants(caller)
     ruled = frozenset(
         grant.host_root for grant in inside if grant.suffixes or grant.max_file_bytes is not None
     )

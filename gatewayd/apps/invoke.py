@@ -50,8 +50,14 @@ from gatewayd.apps.child import (
     restore_data_dir,
     review_section,
 )
-from gatewayd.apps.discovery import DiscoveredApp, discover_apps, record_skipped_apps
-from gatewayd.apps.manifest import MANIFEST_FILE, AppManifest, parse_manifest_bytes
+from gatewayd.apps.discovery import (
+    DiscoveredApp,
+    SkippedApp,
+    check_app_folder,
+    discover_apps,
+    record_skipped_apps,
+)
+from gatewayd.apps.manifest import MANIFEST_FILE, AppManifest
 from gatewayd.apps.ruledesk import AppRuleDesk
 from gatewayd.argsummary import sha256_digest
 from gatewayd.audit import AuditEvent
@@ -65,6 +71,7 @@ from gatewayd.policy.review_section import ReviewSection
 from gatewayd.review.ruleset import RuleSet
 from gatewayd.runs import Run
 from gatewayd.runs.lifecycle import RunManager
+from gatewayd.tools.builtin import StructDecoder
 from gatewayd.tools.manifest import RunnerKind, ToolLimits, ToolManifest
 from gatewayd.tools.registry import Tool, ToolContext, ToolRegistry
 
@@ -149,11 +156,7 @@ _ARGS_SCHEMA: Final = msgspec.json.schema(AppArgs)
 _WORKSPACE_READS: Final = (FileCapability(path=str(WORKSPACE_VISIBLE_ROOT), mode=PathMode.RO),)
 
 
-def _decode(raw: Mapping[str, Any]) -> AppArgs:
-    try:
-        return msgspec.convert(raw, AppArgs)
-    except msgspec.ValidationError as exc:
-        raise ArgumentsRejected(str(exc)) from None
+_decode: Final = StructDecoder(AppArgs)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -180,8 +183,15 @@ class LiveRules:
             st = os.stat(path, follow_symlinks=False)
             identity = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
             if identity != self._identity:
-                manifest = parse_manifest_bytes(_read_regular(path), str(path))
-                self._current = self._rules(manifest)
+                # Read as discovery reads it: no symlink followed, its size capped.
+                found = check_app_folder(self.app.folder)
+                if not isinstance(found, DiscoveredApp) or found.id != self.app.id:
+                    raise ValueError(
+                        found.describe()
+                        if isinstance(found, SkippedApp)
+                        else f"APP.md now names the app {found.id!r}"
+                    )
+                self._current = self._rules(found.manifest)
                 self._identity = identity
         except Exception as exc:  # keep the last rules; the operator's log says why
             log.warning("app_rules_unreadable", app=self.app.id, error=str(exc))
@@ -191,17 +201,6 @@ class LiveRules:
     def _rules(self, manifest: AppManifest) -> tuple[ReviewSection, RuleSet]:
         section = review_section(manifest, self.reviewer, self.settings)
         return section, RuleSet.from_section(section, subject=self.subject)
-
-
-def _read_regular(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        with os.fdopen(os.dup(fd), "rb") as file:
-            return file.read()
-    finally:
-        os.close(fd)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -23,6 +23,7 @@ from gatewayd.apps.install import install_app
 from gatewayd.audit.verify import verify_file
 from gatewayd.config import GatewaydConfig, ModelAlias
 from gatewayd.daemon import open_daemon
+from gatewayd.runs import Run
 from tests.fakeprovider import Call, FakeProvider, HttpError, Reply, Text
 from tests.integration.test_run_sandbox import Sandboxed, _unavailable, sandbox_config
 
@@ -135,6 +136,13 @@ async def call_inside(sb: Sandboxed, run: Any, tool: str, args: dict[str, Any]) 
     return answer
 
 
+async def note_taker_run(sb: Sandboxed) -> tuple[Path, Run]:
+    """A workspace with the note taker installed, and a caller run on it."""
+    ws = sb.workspace()
+    install_app(EXAMPLES / "note-taker", ws)
+    return ws, await sb.run(CALLER_POLICY, workspace=ws)
+
+
 def write_call(path: str, content: str) -> Call:
     return Call(name="write", arguments={"path": path, "content": content})
 
@@ -143,9 +151,7 @@ def write_call(path: str, content: str) -> Call:
 async def test_a_caller_prompts_the_note_taker_twice_and_the_second_reads_the_first(
     sb: Sandboxed, model: FakeProvider, reviewer: FakeProvider
 ) -> None:
-    ws = sb.workspace()
-    install_app(EXAMPLES / "note-taker", ws)
-    run = await sb.run(CALLER_POLICY, workspace=ws)
+    ws, run = await note_taker_run(sb)
 
     listed = await call_inside(sb, run, "tools.list", {})
     assert listed["rc"] == 0, listed
@@ -213,9 +219,7 @@ async def test_a_caller_prompts_the_note_taker_twice_and_the_second_reads_the_fi
 async def test_a_rule_denies_a_call_the_app_adapts_and_the_workspace_stays_read_only(
     sb: Sandboxed, model: FakeProvider
 ) -> None:
-    ws = sb.workspace()
-    install_app(EXAMPLES / "note-taker", ws)
-    run = await sb.run(CALLER_POLICY, workspace=ws)
+    ws, run = await note_taker_run(sb)
     model.script(
         Text(content=None, calls=(write_call("/workspace/notes.md", "overwritten"),)),
         Text(content=None, calls=(write_call("data/pw.md", "password: hunter2"),)),
@@ -239,9 +243,7 @@ async def test_a_rule_denies_a_call_the_app_adapts_and_the_workspace_stays_read_
 async def test_a_failing_reviewer_denies_every_call(
     sb: Sandboxed, model: FakeProvider, reviewer: FakeProvider
 ) -> None:
-    ws = sb.workspace()
-    install_app(EXAMPLES / "note-taker", ws)
-    run = await sb.run(CALLER_POLICY, workspace=ws)
+    ws, run = await note_taker_run(sb)
     reviewer.respond = lambda body: HttpError(status=500, message="down")
     model.script(
         Text(content=None, calls=(write_call("data/n.md", "x"),)),
@@ -281,9 +283,7 @@ print(json.dumps({"models": [m["id"] for m in models["data"]], "answer": answer,
 async def test_an_openai_client_inside_prompts_an_app_as_a_model(
     sb: Sandboxed, model: FakeProvider
 ) -> None:
-    ws = sb.workspace()
-    install_app(EXAMPLES / "note-taker", ws)
-    run = await sb.run(CALLER_POLICY, workspace=ws)
+    ws, run = await note_taker_run(sb)
     model.script(
         Text(content=None, calls=(write_call("data/milk.md", "- buy milk\n"),)),
         Text(content="Stored under data/milk.md."),
@@ -373,9 +373,7 @@ async def test_a_reload_leaves_an_apps_child_run_as_it_was_made(
 ) -> None:
     from gatewayd.runs.reload import reload_policies
 
-    ws = sb.workspace()
-    install_app(EXAMPLES / "note-taker", ws)
-    run = await sb.run(CALLER_POLICY, workspace=ws)
+    _, run = await note_taker_run(sb)
     # The app's model answers slowly: the reload comes while its child run is live.
     model.script(Text(content="noted", delay_s=2))
     outcomes: dict[str, str] = {}
@@ -428,9 +426,7 @@ async def test_an_app_whose_data_folder_is_full_is_not_called_until_it_is_pruned
 async def test_an_app_whose_data_folder_became_a_file_is_refused_in_the_callers_terms(
     sb: Sandboxed, model: FakeProvider
 ) -> None:
-    ws = sb.workspace()
-    install_app(EXAMPLES / "note-taker", ws)
-    run = await sb.run(CALLER_POLICY, workspace=ws)
+    ws, run = await note_taker_run(sb)
     data = ws / "apps" / "note-taker" / "data"
     data.rmdir()  # after the run's discovery: the operator's hand, not the app's
     data.write_text("not a folder\n")
@@ -439,3 +435,35 @@ async def test_an_app_whose_data_folder_became_a_file_is_refused_in_the_callers_
     assert err.startswith("cogni-tool: tool_failed: app 'note-taker' cannot start"), refused
     assert "/workspace/apps/note-taker/data is not a directory" in err, refused
     assert str(ws) not in err and not model.chat_requests
+
+
+@sandboxed
+async def test_a_rule_added_during_an_invocation_reviews_its_next_call_and_a_broken_file_keeps_the_last(
+    sb: Sandboxed, model: FakeProvider, reviewer: FakeProvider
+) -> None:
+    ws, run = await note_taker_run(sb)
+    manifest = ws / "apps" / "note-taker" / "APP.md"
+    original = manifest.read_text()
+
+    def answer(body: Mapping[str, Any]) -> Reply:
+        # While the app's model thinks about its second turn, the operator tightens.
+        turns = sum(1 for m in body["messages"] if m["role"] == "tool")
+        if turns == 1:
+            manifest.write_text(
+                original.replace("### Deny\n", "### Deny\n- Writing a file named b.md\n")
+            )
+        if turns == 2:
+            manifest.write_text("not a manifest any more\n")
+        if turns < 3:
+            name = "abc"[turns]
+            return Text(content=None, calls=(write_call(f"data/{name}.md", name),))
+        return Text(content="done")
+
+    model.respond = answer
+    value = json.loads((await call_inside(sb, run, "app_note_taker", {"prompt": "x"}))["out"])
+    assert value["ok"] is True, value
+    prompts = [r.body["messages"][0]["content"] for r in reviewer.chat_requests]
+    assert len(prompts) == 3
+    assert "Writing a file named b.md" not in prompts[0]
+    # The change applied at once, within the invocation; the unreadable file kept it.
+    assert "Writing a file named b.md" in prompts[1] and prompts[2] == prompts[1]
