@@ -232,3 +232,92 @@ def test_an_apps_sandbox_has_no_run_socket_and_a_plan_must_agree() -> None:
         validate(dataclasses.replace(plan, steps=(*plan.steps, socket)))
     with pytest.raises(PlanError, match="must mount it once"):
         validate(dataclasses.replace(plan, gateway_socket=True))
+
+
+# --- the app's models, as its caller grants them ----------------------------------------
+
+
+def caller_with(policy_yaml: str) -> Any:
+    from pathlib import Path
+
+    import trio
+
+    from gatewayd.policy import RunRules, TokenBucket
+    from gatewayd.policy.model import load_policy_text
+    from gatewayd.runs import Grant, Run, RunRequest, RunSpec
+
+    policy = load_policy_text(policy_yaml, "caller.yaml")
+    request = RunRequest(
+        workspacePath="/w",
+        policy="caller",
+        actorId="a",
+        tenantId="t",
+        grant=Grant(allowSandbox=True),
+    )
+    spec = RunSpec(
+        runId="r" * 32,
+        request=request,
+        workspace=Path("/w"),
+        policy=policy,
+        policy_source="caller.yaml",
+        grants=(),
+        rules=RunRules(tool_patterns=(), run_tool_ids=None, grants=()),
+    )
+    return Run(
+        spec=spec,
+        directory=Path("/r"),
+        socket_path=Path("/r/s"),
+        bucket=TokenBucket(rate=1.0, burst=1),
+        limiter=trio.CapacityLimiter(1),
+    )
+
+
+def manifest_with(front: str) -> Any:
+    from gatewayd.apps.manifest import parse_manifest
+
+    return parse_manifest(
+        f"---\nname: notes\ntitle: Notes\ndescription: Notes.\n{front}---\n\n"
+        "## System Prompt\n\nKeep notes.\n\n## Rules\n\n### Allow\n- Reading\n\n### Deny\n",
+        "APP.md",
+    )
+
+
+GRANTS_MODEL = "version: 1\nname: caller\nmodel_access: {models: [m]}\n"
+KNOWN = frozenset({"m", "r"})
+
+
+@pytest.mark.parametrize(
+    ("front", "policy", "known", "words"),
+    [
+        (
+            "",
+            "version: 1\nname: caller\n",
+            KNOWN,
+            "names no model, and this run's policy grants none",
+        ),
+        ("model: other\n", GRANTS_MODEL, KNOWN, "which this run's policy does not grant"),
+        ("", GRANTS_MODEL, KNOWN, "has no reviewer: every call of an app is reviewed"),
+        (
+            "review_model: m\n",
+            GRANTS_MODEL,
+            frozenset({"r"}),
+            "model alias 'm' of app 'notes' is not in",
+        ),
+    ],
+)
+def test_an_app_that_cannot_run_for_its_caller_says_why(
+    front: str, policy: str, known: frozenset[str], words: str
+) -> None:
+    from gatewayd.apps.child import AppUnavailable, app_models
+
+    with pytest.raises(AppUnavailable) as caught:
+        app_models(manifest_with(front), caller_with(policy), known)
+    assert words in str(caught.value)
+
+
+def test_the_callers_review_model_reviews_an_app_that_names_none() -> None:
+    from gatewayd.apps.child import app_models
+
+    policy = GRANTS_MODEL + 'review: {mode: "off", model: r}\n'
+    models = app_models(manifest_with(""), caller_with(policy), KNOWN)
+    assert (models.model, models.reviewer) == ("m", "r")
