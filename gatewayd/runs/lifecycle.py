@@ -303,7 +303,7 @@ class RunManager:
             raise SandboxUnavailable(f"run {run.run_id}: no OS sandbox on this host")
         busy = [*self._stuck_trees]
         busy += [
-            tree for other in self.registry.all() if other.sandbox for tree in other.sandbox.trees
+            tree for other in self.registry.all() if other.sandbox for tree in other.sandbox.held
         ]
         run.sandbox = await RunSandbox.open(
             run_id=run.run_id,

@@ -27,7 +27,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
 
@@ -198,8 +198,11 @@ class SandboxView:
     run's; an app's own sandbox reads its caller's workspace (``workspace_read_only``),
     sees its own folder although it lies in the covered apps folder (``exposed``: real
     host paths, bound as the app's policy paths say), and starts its commands in
-    ``cwd``."""
+    ``cwd``. A run whose policy grants the workspace itself (``root: .``) read-only gets
+    ``workspace_read_only`` too (:func:`sandbox_view`)."""
 
+    # True: /workspace is bound read-only and the workspace is not lent to the run's
+    # uid; its rw policy paths still are.
     workspace_read_only: bool = False
     # False: of the workspace, only the policy paths beneath /workspace are shown (an
     # app whose caller may read only parts of it); True: all of it.
@@ -239,6 +242,8 @@ class RunSandbox:
     # An app's own sandbox: the workspace read-only, its own folder (beneath the covered
     # apps folder) bound all the same, and its commands starting there.
     view: SandboxView = field(default_factory=SandboxView)
+    # Trees this run holds without lending them: a workspace its policy makes read-only.
+    unlent: tuple[Path, ...] = ()
     _running: set[trio.CancelScope] = field(default_factory=set)
     _idle: trio.Event = field(default_factory=trio.Event)
     _closed: bool = False
@@ -274,6 +279,9 @@ class RunSandbox:
         the workspace is then neither lent nor checked against ``busy_trees`` (the
         caller's run holds it; the app only reads it), and a writable tree in the app's
         own folder is not in use by the caller (whose lease never lends its apps folder).
+        A ``ro`` grant on the workspace itself makes it read-only as well
+        (:func:`sandbox_view`): bound so and not lent, but held all the same (gatewayd
+        makes and removes its apps folder for the run); its rw policy paths are lent.
 
         Error handling: :class:`SandboxUnavailable` naming the step and the cause
         (:class:`UnsafeMounts` for a workspace whose apps folder cannot be hidden);
@@ -281,6 +289,11 @@ class RunSandbox:
         be lent (nothing was lent).
         """
         view = view or SandboxView()
+        # An app's view: the caller's run holds the workspace. A run that only reads it
+        # by its policy holds it all the same: gatewayd makes and removes the apps
+        # folder in it for the run, which two runs would do to each other.
+        caller_holds = view.workspace_read_only
+        view = sandbox_view(grants, workspace, view)
         user = user or pool.acquire()
         netns: NetnsHandle | None = None
         lease: Lease | None = None
@@ -318,21 +331,22 @@ class RunSandbox:
                 )
             except PlanError as exc:
                 raise UnsafeMounts(f"run refused: {exc}") from exc
+            if view.workspace_read_only and not caller_holds:
+                _refuse_writable_workspace(grants, workspace)
             sources = [workspace, *(Path(m.host) for m in mounts)]
             pins, pinned = _pin_sources(run_dir, user, sources, grants)
             # What bwrap will bind, by identity: the lease lends exactly those directories
             # and keeps the read-only ones out of what it lends, whatever their paths
             # lead to by the time it walks.
             bound = {source: _identity(fd) for source, (fd, _) in zip(sources, pins, strict=True)}
-            writable = [workspace, *(Path(m.host) for m in mounts if m.mode is PathMode.RW)]
-            if view.workspace_read_only:
-                writable = writable[1:]
+            rw_paths = [Path(m.host) for m in mounts if m.mode is PathMode.RW]
+            held = rw_paths if caller_holds else [workspace, *rw_paths]
             _check_not_in_use(
-                [t for t in writable if not any(t.is_relative_to(e) for e in view.exposed)],
+                [t for t in held if not any(t.is_relative_to(e) for e in view.exposed)],
                 busy_trees,
             )
-            if not lend_workspace and not view.workspace_read_only:
-                writable = writable[1:]
+            lent_workspace = lend_workspace and not view.workspace_read_only
+            writable = [workspace, *rw_paths] if lent_workspace else rw_paths
             workspace_fd = pins[0][0]
             try:
                 apps = await trio.to_thread.run_sync(
@@ -405,6 +419,7 @@ class RunSandbox:
             pinned=pinned,
             apps_folder=apps,
             view=view,
+            unlent=(workspace,) if view.workspace_read_only and not caller_holds else (),
         )
 
     def plan(self, command: Sequence[str], env_values: Mapping[str, str]) -> SandboxPlan:
@@ -473,8 +488,14 @@ class RunSandbox:
 
     @property
     def trees(self) -> tuple[Path, ...]:
-        """The host trees this run holds (lent to its uid)."""
+        """The host trees lent to this run's uid."""
         return tuple(Path(tree.path) for tree in self.lease.trees)
+
+    @property
+    def held(self) -> tuple[Path, ...]:
+        """The host trees no other run may take while this one lives: those lent to it,
+        and a workspace it only reads."""
+        return (*self.trees, *self.unlent)
 
     def owns_peer(self, pid: int) -> bool:
         """Does process ``pid`` live in this run's network namespace (item 6)?"""
@@ -639,12 +660,45 @@ def _sandbox_owned(pool: UidPool) -> Callable[[int], bool]:
     return lambda uid: any(uid in uids for uids in ranges)
 
 
+def sandbox_view(grants: Sequence[PathGrant], workspace: Path, view: SandboxView) -> SandboxView:
+    """``view``, with the workspace read-only when a grant on the workspace itself (seen
+    at /workspace, ``root: .``) is ``ro``: a policy author who writes ``ro`` there means
+    that no command may change it, not only the fs tools. Without such a grant (only
+    grants beneath it, or none) the workspace stays as ``view`` says: it is the
+    commands' working directory, writable unless read-only is asked for."""
+    if any(_is_workspace_grant(g, workspace) and g.mode is PathMode.RO for g in grants):
+        return replace(view, workspace_read_only=True)
+    return view
+
+
+def _is_workspace_grant(grant: PathGrant, workspace: Path) -> bool:
+    """The grant is the workspace itself at /workspace (which the workspace bind shows)."""
+    return grant.host_root == workspace and str(grant.visible_root) == WORKSPACE
+
+
+def _refuse_writable_workspace(grants: Sequence[PathGrant], workspace: Path) -> None:
+    """A read-only workspace must not be writable under another name: a ``rw`` policy
+    path whose directory is the workspace itself or holds it (``out`` a symlink to
+    ``.``, planted by whoever owns the workspace) would bind it read-write, and lend
+    it. Raises :class:`UnsafeMounts` before anything is pinned or lent."""
+    for grant in grants:
+        if grant.mode is PathMode.RW and workspace.is_relative_to(grant.host_root):
+            raise UnsafeMounts(
+                f"run refused: policy path {grant.name!r} ({grant.visible_root}, rw) is "
+                f"{grant.host_root}, which is or holds the workspace {workspace} that the "
+                "run sees read-only; it would make the whole workspace writable. Point "
+                f"{grant.name!r} at a directory beneath the workspace (no symlink to it or "
+                "above), or grant it ro"
+            )
+
+
 def _policy_mounts(grants: Sequence[PathGrant], workspace: Path) -> tuple[PolicyMount, ...]:
-    """The policy paths bwrap mounts besides the workspace itself. A grant rooted inside
-    the workspace is mounted too: its mode (``ro``) must hold in the sandbox as well."""
+    """The policy paths bwrap mounts besides the workspace itself (whose bind follows the
+    grant on it: see :func:`sandbox_view`). A grant rooted inside the workspace is
+    mounted too: its mode (``ro``) must hold in the sandbox as well."""
     mounts = []
     for grant in grants:
-        if grant.host_root == workspace and str(grant.visible_root) == "/workspace":
+        if _is_workspace_grant(grant, workspace):
             continue
         mounts.append(
             PolicyMount(host=str(grant.host_root), visible=str(grant.visible_root), mode=grant.mode)
