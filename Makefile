@@ -19,16 +19,23 @@ LINT_STAMP := $(LINT_VENV)/.installed
 #   openssl         test certificates for the egress proxy's TLS origins
 #   libcap2-bin     capsh: gatewayd run as a non-root user with ambient capabilities
 #   systemd         systemd-analyze (unit checks) and systemd-sysusers (dry runs)
+#   nodejs          the official MCP TypeScript SDK's client in the tests (its engines:
+#                   node >=18; Debian 12 has 18.20). npm: see node-packages
 APT_PACKAGES := bubblewrap libcap-dev libseccomp-dev python3-venv python3-dev gcc git curl iproute2 busybox-static \
-  openssl libcap2-bin systemd
+  openssl libcap2-bin systemd nodejs
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # litellm must never fetch its price map at import.
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: setup system-packages venv demo test test-fast lint typecheck check bench clean
+# The npm packages the tests run (tests/mcp_node: the MCP TypeScript SDK's client), from
+# the committed package-lock.json, into tests/mcp_node/node_modules.
+NODE_DIR := tests/mcp_node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-setup: system-packages venv
+.PHONY: setup system-packages node-packages venv demo test test-fast lint typecheck check bench clean
+
+setup: system-packages venv node-packages
 
 system-packages:
 	@missing=""; for p in $(APT_PACKAGES); do \
@@ -39,6 +46,18 @@ system-packages:
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	else echo "==> Debian packages present"; fi
+
+# Debian's npm only when no npm is there: NodeSource's nodejs carries its own npm and
+# conflicts with Debian's.
+node-packages: system-packages $(NODE_STAMP)
+
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	@command -v npm >/dev/null || { echo "==> installing Debian package: npm"; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends npm; }
+	@echo "==> installing $(NODE_DIR)'s npm packages from its package-lock.json"
+	cd $(NODE_DIR) && npm ci --no-audit --no-fund --loglevel=error
+	@touch $(NODE_STAMP)
 
 venv: $(STAMP)
 
@@ -60,7 +79,7 @@ test: setup lint
 # The edit-test loop: the unit tests of the pure layers and of each module alone (no
 # sandbox, no daemon, no network namespace), under a minute.
 test-fast: setup
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -n auto tests/unit
 
 $(LINT_STAMP): pyproject.toml Makefile
 	@echo "==> creating virtualenv $(LINT_VENV) for the lint tools (pyproject.toml's lint extra)"
@@ -97,6 +116,7 @@ bench: setup
 	$(PY) bench/metrics_cost.py
 	$(PY) bench/workspace.py
 	$(PY) bench/app_overhead.py
+	$(PY) bench/mcp_overhead.py
 
 clean:
-	rm -rf $(VENV) $(LINT_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LINT_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache

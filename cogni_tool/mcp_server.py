@@ -8,6 +8,9 @@ gateway's refusal (``policy_denied``, ``unknown_tool``, ``invalid_args``,
 ``review_denied``, …) comes back as a tool result with ``isError: true`` and the
 gateway's message, never as a protocol error. The messages themselves are
 :mod:`cogni_tool.mcp_protocol`'s; this module moves lines and makes calls.
+:class:`McpSession` is the streamable HTTP transport's session too
+(:mod:`cogni_tool.mcp_http` hands it decoded messages through :meth:`McpSession.receive`),
+so both transports answer alike.
 
 Concurrency: the reader (the caller of :meth:`McpSession.receive_line`) never waits for
 the gateway, so ``ping`` and ``notifications/cancelled`` are handled while calls run.
@@ -133,16 +136,56 @@ class _Batch:
         self.answer(None)
 
     def _flush(self) -> None:
-        if self._answers:  # a batch of notifications only is answered with nothing
-            self._write(self._answers)
+        # A batch of notifications only is answered with nothing (None).
+        self._write(self._answers or None)
+
+
+class ClientPool:
+    """Gateway connections for one or more sessions: at most ``max_calls`` in use at once,
+    each reused once given back. ``connect`` makes a new one when none is idle.
+
+    The stdio server has one session and one pool; the HTTP transport
+    (:mod:`cogni_tool.mcp_http`) shares one pool between its sessions, so the number of
+    its sessions does not multiply the connections held at the gateway.
+    """
+
+    def __init__(
+        self, connect: Callable[[], GatewayClient], max_calls: int = MAX_CONCURRENT_CALLS
+    ) -> None:
+        self._connect = connect
+        self.slots = threading.BoundedSemaphore(max_calls)
+        self._lock = threading.Lock()
+        self._idle: list[GatewayClient] = []
+
+    def take(self) -> GatewayClient:
+        """An idle connection, or a new one (the caller holds one of :attr:`slots`)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        return self._connect()
+
+    def give_back(self, client: GatewayClient) -> None:
+        with self._lock:
+            self._idle.append(client)
+
+    def close(self) -> None:
+        """Close the idle connections (the calls should be done by now)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for client in idle:
+            client.close()
 
 
 class McpSession:
-    """One MCP session: lines in through :meth:`receive_line`, lines out through ``write``.
+    """One MCP session: lines in through :meth:`receive_line`, lines out through ``write``;
+    or, for a transport that frames messages itself, decoded messages in through
+    :meth:`receive` with a reply channel of their own.
 
     ``connect`` makes a gateway connection (called at most ``max_calls`` times; the
-    connections are reused). ``write`` takes one encoded line and must be safe to call
-    from several threads (the session serialises its own calls to it).
+    connections are reused), unless ``pool`` is given: then the session takes its
+    connections from that shared pool and leaves closing it to its owner. ``write`` takes
+    one encoded line and must be safe to call from several threads (the session
+    serialises its own calls to it).
 
     Error handling: nothing a client sends raises out of :meth:`receive_line`; every
     malformed or refused message is answered as JSON-RPC says. A ``write`` that fails
@@ -157,15 +200,15 @@ class McpSession:
         page_size: int = TOOLS_PAGE_SIZE,
         max_calls: int = MAX_CONCURRENT_CALLS,
         max_pending: int = MAX_PENDING_REQUESTS,
+        pool: ClientPool | None = None,
     ) -> None:
-        self._connect = connect
+        self._owns_pool = pool is None
+        self._pool = ClientPool(connect, max_calls) if pool is None else pool
         self._write_line = write
         self._page_size = page_size
         self._max_pending = max_pending
         self._write_lock = threading.Lock()
         self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(max_calls)
-        self._idle: list[GatewayClient] = []
         self._in_flight: dict[tuple[str, RequestId], _Call] = {}
         self._threads: list[threading.Thread] = []
         self.version: str | None = None
@@ -182,10 +225,28 @@ class McpSession:
         except mcp.RpcError as exc:
             self._send(exc.to_response())
             return
+        self.receive(obj, self._send_or_drop, self._send)
+
+    def receive(
+        self, obj: Any, reply: Callable[[Any], None], notify: Callable[[Json], None]
+    ) -> None:
+        """Handle one decoded message or batch without waiting for the gateway.
+
+        ``reply`` is called exactly once, maybe later from another thread, with the
+        answer: a response, the list of a batch's responses, or None when there is none
+        (notifications, responses, cancelled requests). ``notify`` takes the
+        notifications about its requests (progress), each before the answer.
+        """
         if isinstance(obj, list):
-            self._receive_batch(obj)
+            self._receive_batch(obj, reply, notify)
         else:
-            self._receive_one(obj, self._send_or_drop)
+            self._receive_one(obj, reply, notify)
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request of this session is still being answered."""
+        with self._lock:
+            return bool(self._in_flight)
 
     def oversized_line(self, size: int) -> None:
         """Answer a line that was over :data:`MAX_LINE_BYTES` and skipped unread."""
@@ -198,7 +259,9 @@ class McpSession:
             )
         )
 
-    def _receive_batch(self, items: list[Any]) -> None:
+    def _receive_batch(
+        self, items: list[Any], reply: Callable[[Any], None], notify: Callable[[Json], None]
+    ) -> None:
         version = self.version
         if version not in mcp.BATCH_VERSIONS:
             why = (
@@ -206,28 +269,30 @@ class McpSession:
                 if version is None
                 else f"protocol version {version} has no JSON-RPC batches"
             )
-            self._send(
+            reply(
                 mcp.error_response(
                     None,
                     mcp.INVALID_REQUEST,
                     f"invalid request: a batch (JSON array) is refused: {why}; send each "
-                    "message on its own line",
+                    "message on its own line (over HTTP: in a POST of its own)",
                 )
             )
             return
         if not items:
-            self._send(
-                mcp.error_response(None, mcp.INVALID_REQUEST, "invalid request: an empty batch")
-            )
+            reply(mcp.error_response(None, mcp.INVALID_REQUEST, "invalid request: an empty batch"))
             return
-        batch = _Batch(self._send)
+        batch = _Batch(reply)
         for item in items:
             batch.expect()
-            self._receive_one(item, batch.answer, in_batch=True)
+            self._receive_one(item, batch.answer, notify, in_batch=True)
         batch.settle()
 
     def _receive_one(
-        self, obj: Any, reply: Callable[[Json | None], None], in_batch: bool = False
+        self,
+        obj: Any,
+        reply: Callable[[Json | None], None],
+        notify: Callable[[Json], None],
+        in_batch: bool = False,
     ) -> None:
         """Handle one message; ``reply`` is called exactly once (None: no answer)."""
         try:
@@ -239,7 +304,7 @@ class McpSession:
                 reply(None)  # a response: this server sent no request it could answer
             else:
                 try:
-                    self._request(message, reply, in_batch)
+                    self._request(message, reply, notify, in_batch)
                 except mcp.RpcError as exc:
                     exc.request_id = message.id  # every refusal of a request answers it
                     raise
@@ -260,7 +325,11 @@ class McpSession:
         # without those capabilities: JSON-RPC notifications are never answered.
 
     def _request(
-        self, request: mcp.Request, reply: Callable[[Json | None], None], in_batch: bool
+        self,
+        request: mcp.Request,
+        reply: Callable[[Json | None], None],
+        notify: Callable[[Json], None],
+        in_batch: bool,
     ) -> None:
         method = request.method
         if method == "initialize":
@@ -274,7 +343,8 @@ class McpSession:
                 raise mcp.RpcError(
                     mcp.INVALID_REQUEST,
                     f"invalid request: the session is already initialized (protocol "
-                    f"version {self.version}); start a new cogni-tool mcp for another",
+                    f"version {self.version}); for another, start a new cogni-tool mcp (over "
+                    "HTTP: POST initialize without Mcp-Session-Id)",
                     request.id,
                 )
             version, result = mcp.initialize_result(request.params, __version__)
@@ -299,7 +369,9 @@ class McpSession:
             self._start(
                 request,
                 reply,
-                lambda client, call: self._call(client, call, request, name, arguments, token),
+                lambda client, call: self._call(
+                    client, call, request, name, arguments, token, notify
+                ),
             )
 
     # -- calls in worker threads --
@@ -345,13 +417,13 @@ class McpSession:
     ) -> None:
         response: Json | None = None
         try:
-            with self._slots:
+            with self._pool.slots:
                 if not call.cancelled:  # cancelled while waiting: never sent at all
-                    client = self._take_client()
+                    client = self._pool.take()
                     try:
                         result = work(client, call)
                     finally:
-                        self._give_back(client)
+                        self._pool.give_back(client)
                     if result is not None and not call.cancelled:
                         response = mcp.result_response(request.id, result)
         except mcp.RpcError as exc:
@@ -401,10 +473,11 @@ class McpSession:
         name: str,
         arguments: Json,
         token: RequestId | None,
+        notify: Callable[[Json], None],
     ) -> Json | None:
         version = self.version or mcp.LATEST_VERSION
         if token is not None:
-            self._send(mcp.progress(token, 0, 1, f"{name}: sent to the gateway", version))
+            notify(mcp.progress(token, 0, 1, f"{name}: sent to the gateway", version))
         try:
             result = mcp.call_result(client.call(name, arguments), version)
         except ToolError as exc:
@@ -416,18 +489,8 @@ class McpSession:
         if call.cancelled:
             return None
         if token is not None:
-            self._send(mcp.progress(token, 1, 1, f"{name}: answered", version))
+            notify(mcp.progress(token, 1, 1, f"{name}: answered", version))
         return result
-
-    def _take_client(self) -> GatewayClient:
-        with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return self._connect()
-
-    def _give_back(self, client: GatewayClient) -> None:
-        with self._lock:
-            self._idle.append(client)
 
     # -- output and the end --
 
@@ -451,11 +514,10 @@ class McpSession:
             return not self._in_flight
 
     def close(self) -> None:
-        """Close the pooled gateway connections (the calls should be done by now)."""
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for client in idle:
-            client.close()
+        """Close the pooled gateway connections (the calls should be done by now), unless
+        the pool is shared: its owner closes it."""
+        if self._owns_pool:
+            self._pool.close()
 
 
 def _key(request_id: RequestId) -> tuple[str, RequestId]:

@@ -16,6 +16,10 @@ run can reach them, and they reach nothing but the run's gateway sockets):
   unchanged, to gatewayd's per-run egress proxy socket (``--egress-socket``), which does
   the HTTP proxying, the allowlist and the audit. ``HTTP_PROXY``/``HTTPS_PROXY`` point here.
 
+The OpenAI listener also serves MCP's streamable HTTP transport at ``/mcp``
+(:mod:`cogni_tool.mcp_http`): the run's tools for an MCP client, as ``cogni-tool mcp``
+offers them over stdio.
+
 Prints ``ready`` on stdout once both listen; gatewayd waits for that line before the
 run's first command. Standard library only, Python 3.8+ (any sandbox root runs it).
 
@@ -35,10 +39,14 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from cogni_tool.client import CallTimedOut, Client, CogniToolError, ToolError
+from cogni_tool.mcp_http import MCP_PATH, McpHttpEndpoint
+from cogni_tool.mcp_server import DEFAULT_CALL_TIMEOUT_S
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
+
+    from cogni_tool.mcp_http import HttpAnswer
 
 USAGE = """\
 usage: cogni-tool serve [--openai-port PORT --models A,B] [--proxy-port PORT --egress-socket PATH]
@@ -242,6 +250,8 @@ class _ChatServer(ThreadingHTTPServer):
 
     models: tuple[str, ...] = ()
     slots = threading.BoundedSemaphore(MAX_CHAT_REQUESTS)
+    # MCP's streamable HTTP transport at /mcp (cogni_tool.mcp_http), set by main().
+    mcp: McpHttpEndpoint | None = None
 
 
 class _ChatHandler(BaseHTTPRequestHandler):
@@ -260,6 +270,9 @@ class _ChatHandler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
+        if path == MCP_PATH:
+            self._mcp()
+            return
         models = self.server.models
         if path == "/v1/models" or path.startswith("/v1/models/"):
             models = (*models, *_apps())
@@ -277,6 +290,9 @@ class _ChatHandler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
+        if path == MCP_PATH:
+            self._mcp()
+            return
         if path != "/v1/chat/completions":
             self._drain_body()
             self._not_found()
@@ -313,6 +329,49 @@ class _ChatHandler(BaseHTTPRequestHandler):
             self._stream(completion_chunks(result, stream_id, created, include_usage))
         else:
             self._json(200, completion(result, stream_id, created))
+
+    def do_DELETE(self) -> None:
+        if self.path.split("?", 1)[0].rstrip("/") == MCP_PATH:
+            self._mcp()
+        else:
+            self._drain_body()
+            self._not_found()
+
+    # -- MCP --
+
+    def _mcp(self) -> None:
+        endpoint = self.server.mcp
+        if endpoint is None:
+            self._drain_body()
+            self._not_found()
+            return
+        self._write_mcp(endpoint.handle(self.command, self.headers, self.rfile.read))
+
+    def _write_mcp(self, answer: HttpAnswer) -> None:
+        self.send_response(answer.status)
+        for name, value in answer.headers.items():
+            self.send_header(name, value)
+        if answer.content_type is not None:
+            self.send_header("Content-Type", answer.content_type)
+        if answer.events is not None:
+            # Closed however the writing ends (a client gone too): its slot comes back.
+            with contextlib.closing(answer.events):
+                # The end of the stream is the end of the body: no length to say first.
+                self.send_header("Cache-Control", "no-cache")
+                self.send_header("Connection", "close")
+                self.end_headers()
+                self.close_connection = True
+                for event in answer.events:
+                    self.wfile.write(event)
+                    self.wfile.flush()
+            return
+        if answer.close:
+            self.close_connection = True
+            self.send_header("Connection", "close")
+        if answer.status != 204:
+            self.send_header("Content-Length", str(len(answer.body)))
+        self.end_headers()
+        self.wfile.write(answer.body)
 
     # -- helpers --
 
@@ -355,7 +414,7 @@ class _ChatHandler(BaseHTTPRequestHandler):
         self._error(
             404,
             f"no route {self.command} {self.path}; this endpoint serves POST "
-            "/v1/chat/completions and GET /v1/models",
+            f"/v1/chat/completions, GET /v1/models and MCP at {MCP_PATH}",
             "invalid_request_error",
             "not_found",
         )
@@ -560,6 +619,9 @@ def main(words: list[str]) -> int:
         if options.openai_port is not None:
             server = _ChatServer((LISTEN_HOST, options.openai_port), _ChatHandler)
             server.models = options.models
+            server.mcp = McpHttpEndpoint(
+                lambda: Client(timeout=DEFAULT_CALL_TIMEOUT_S), port=options.openai_port
+            )
             workers.append(threading.Thread(target=server.serve_forever, daemon=True))
         if options.proxy_port is not None:
             assert options.egress_socket is not None

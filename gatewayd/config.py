@@ -45,6 +45,7 @@ from pydantic import (
 )
 
 from gatewayd.frame_limits import DEFAULT_MAX_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
+from gatewayd.mcp.declaration import McpServerDeclaration, ServerName, declared_secret_names
 from gatewayd.policy.section import MODEL_ALIAS_RE
 from gatewayd.sandbox.daemons import DaemonShare, derived_netns_prefix, derived_uid_range
 from gatewayd.sandbox.lendable import (
@@ -173,6 +174,8 @@ AbsolutePath = Annotated[Path, AfterValidator(_check_absolute)]
 NetnsPrefix = Annotated[str, Field(strict=True), AfterValidator(_check_netns_prefix)]
 # A few tokens, not a vault: a longer list is a mistake (or a pasted file).
 MAX_SECRET_NAMES: Final = 64
+# Declared MCP servers: each is a sandbox and a process; more is a pasted catalogue.
+MAX_MCP_SERVERS: Final = 64
 
 
 def _check_list(value: Any) -> Any:
@@ -247,6 +250,10 @@ class GatewaydConfig(_Strict):
         Field(max_length=MAX_SECRET_NAMES),
         AfterValidator(_check_unique),
     ] = ()
+    # -- MCP servers behind the chokepoint (gatewayd/mcp/declaration.py, docs/mcp.md)
+    mcp_servers: Annotated[
+        dict[ServerName, McpServerDeclaration], Field(max_length=MAX_MCP_SERVERS)
+    ] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _agent_dir_outside_state_dir(self) -> GatewaydConfig:
@@ -282,6 +289,28 @@ class GatewaydConfig(_Strict):
                 raise ValueError(f"lendable_roots: {problem}; {_LENDABLE_ROOTS_HINT}")
         return self
 
+    @model_validator(mode="after")
+    def _mcp_paths_outside_gatewayds_dirs(self) -> GatewaydConfig:
+        # A server's read_only_paths are bound into its sandbox: none may show gatewayd's
+        # own files (the audit log, other runs' sockets, the control socket), nor hold them.
+        own = self.own_directories(control_socket=self.control_socket)
+        for name, server in self.mcp_servers.items():
+            for path in server.read_only_paths:
+                for directory in own:
+                    for candidate in (path, _real(path)):
+                        if (
+                            candidate == directory.path
+                            or candidate.is_relative_to(directory.path)
+                            or directory.path.is_relative_to(candidate)
+                        ):
+                            raise ValueError(
+                                f"mcp_servers.{name}.read_only_paths: {path} is or holds or "
+                                f"lies in gatewayd's {directory.setting} ({directory.path}), "
+                                "which no sandbox may see; name the directories the server's "
+                                "program needs (its virtualenv, its data) instead"
+                            )
+        return self
+
     @field_validator("bwrap")
     @classmethod
     def _bwrap_absolute(cls, value: str) -> str:
@@ -289,6 +318,12 @@ class GatewaydConfig(_Strict):
         if not value.startswith("/"):
             raise ValueError(f"bwrap {value!r} must be an absolute path")
         return value
+
+    @property
+    def scrubbed_secret_env(self) -> tuple[str, ...]:
+        """Every secret gatewayd holds besides the models' keys: ``secret_env`` and
+        those it hands to MCP servers (each server's ``secret_env``); all are scrubbed."""
+        return tuple(dict.fromkeys((*self.secret_env, *declared_secret_names(self.mcp_servers))))
 
     @property
     def resolved_audit_path(self) -> Path:

@@ -126,6 +126,9 @@ ENV_SYNTAX: Final[Mapping[str, EnvSyntax]] = {
         _env_mapping, "{reviewer: {provider: openai, model: gpt-4o-mini, api_key_env: OPENAI_KEY}}"
     ),
     "secret_env": EnvSyntax(_env_name_list, "FORGE_TOKEN,PYPI_TOKEN"),
+    "mcp_servers": EnvSyntax(
+        _env_mapping, "{time: {command: [/opt/mcp/bin/mcp-server-time], share: shared}}"
+    ),
 }
 
 
@@ -330,6 +333,14 @@ def shown_values(config: GatewaydConfig) -> dict[str, Any]:
                     "api_base": redact_url(entry.api_base) if entry.api_base else None,
                 }
                 for alias, entry in config.models.items()
+            }
+        elif name == "mcp_servers":
+            value = {
+                server: {
+                    **entry.model_dump(mode="json"),
+                    "url": redact_url(entry.url) if entry.url else None,
+                }
+                for server, entry in config.mcp_servers.items()
             }
         elif isinstance(value, BaseModel):
             value = value.model_dump()

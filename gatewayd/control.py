@@ -7,7 +7,9 @@ Routes: ``GET /v1/health``, ``GET /v1/runs``, ``POST /v1/runs`` (a RunRequest),
 command in the run's sandbox and wait for its result), ``GET /v1/metrics`` (Prometheus
 text format, docs/metrics.md), the review rules (``/v1/rules``...) and the apps' rules
 (``POST /v1/apps/rules``, ``GET /v1/apps/rules/pending``,
-``POST /v1/apps/rules/pending/{id}/confirm``, ``DELETE /v1/apps/rules/pending/{id}``).
+``POST /v1/apps/rules/pending/{id}/confirm``, ``DELETE /v1/apps/rules/pending/{id}``),
+and the MCP servers' pins (``GET /v1/mcp/servers``, ``GET|POST
+/v1/mcp/servers/{server}/pins``, ``GET /v1/mcp/servers/{server}/diff``).
 HTTP parsing is h11's (sans-IO); this module only routes. No run socket can reach it:
 it lives in the state directory, which no sandbox sees, and it refuses peers other than
 root or the daemon's own user. A query parameter a route does not take, or one given twice, is
@@ -41,6 +43,7 @@ from gatewayd import strictjson
 from gatewayd.apps.ruledesk import AppliedAppRule, AppRuleDesk
 from gatewayd.audit import AuditWriteError
 from gatewayd.errors import GatewayError
+from gatewayd.mcp.approval import Approval, ApprovalError
 from gatewayd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.metrics import GatewayMetrics
 from gatewayd.policy import PolicyError
@@ -89,6 +92,10 @@ CONTROL_PROBE_TIMEOUT_S: Final = 2.0
 
 _PENDING_PATH: Final = re.compile(r"/v1/rules/pending/([0-9a-f]{32})(/confirm)?")
 _APP_PENDING_PATH: Final = re.compile(r"/v1/apps/rules/pending/([0-9a-f]{32})(/confirm)?")
+# A declared MCP server's pins and their diff (the name's shape: gatewayd.mcp.pinset).
+_MCP_PATH: Final = re.compile(r"/v1/mcp/servers/([a-z][a-z0-9_]{0,31})/(pins|diff)")
+# The MCP tools one pin request may name: a server's pinned tools are capped lower.
+MAX_PIN_TOOLS: Final = 1024
 # Who an operator says they are: the review desk's addedBy bound.
 MAX_OPERATOR_NAME_CHARS: Final = 200
 
@@ -125,6 +132,16 @@ class AppRuleRequest(pydantic.BaseModel):
         if not value.startswith("/") or "\0" in value:
             raise ValueError("the workspace is an absolute host path")
         return value
+
+
+class PinRequest(pydantic.BaseModel):
+    """``POST /v1/mcp/servers/{server}/pins``: pin the server's live tools (``tools``:
+    these MCP names alone; null: every one), as ``pinnedBy``."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    tools: tuple[str, ...] | None = pydantic.Field(default=None, max_length=MAX_PIN_TOOLS)
+    pinnedBy: str = pydantic.Field(min_length=1, max_length=MAX_OPERATOR_NAME_CHARS)
 
 
 class ConfirmRequest(pydantic.BaseModel):
@@ -297,8 +314,11 @@ class ControlServer:
         registry: RunRegistry,
         metrics: GatewayMetrics,
         app_rules: AppRuleDesk | None = None,
+        mcp: Approval | None = None,
     ) -> None:
         self.runs = runs
+        # None: this server pins no MCP server's tools (its routes answer 404).
+        self.mcp = mcp
         self.rules = rules
         self.registry = registry
         self.metrics = metrics
@@ -427,6 +447,8 @@ class ControlServer:
                 return await self._rules(method, target, params, body)
             if target.startswith("/v1/apps/rules") and self.app_rules is not None:
                 return await self._app_rules(self.app_rules, method, target, body)
+            if target.startswith("/v1/mcp/") and self.mcp is not None:
+                return await self._mcp(self.mcp, method, target, body)
             exec_match = _EXEC_PATH.fullmatch(target)
             if exec_match and method == "POST":
                 return await self._exec(exec_match.group(1), body)
@@ -450,7 +472,8 @@ class ControlServer:
                 "GET /v1/rules/pending, POST /v1/rules/pending/{id}/confirm, "
                 "DELETE /v1/rules/pending/{id}, POST /v1/apps/rules, "
                 "GET /v1/apps/rules/pending, POST /v1/apps/rules/pending/{id}/confirm, "
-                "DELETE /v1/apps/rules/pending/{id}",
+                "DELETE /v1/apps/rules/pending/{id}, GET /v1/mcp/servers, "
+                "GET|POST /v1/mcp/servers/{server}/pins, GET /v1/mcp/servers/{server}/diff",
             )
         except HttpError as exc:
             return exc.status, _error_body(exc.code, exc.message)
@@ -578,6 +601,32 @@ class ControlServer:
             f"no route {method} {target}; apps' rules: POST /v1/apps/rules, GET "
             "/v1/apps/rules/pending, POST /v1/apps/rules/pending/{id}/confirm, DELETE "
             "/v1/apps/rules/pending/{id}",
+        )
+
+    async def _mcp(
+        self, approval: Approval, method: str, target: str, body: bytes
+    ) -> tuple[int, Any]:
+        """MCP servers' pins: list the servers, show, diff and pin one (the operator's
+        approval: only here, never from a run's socket)."""
+        try:
+            if target == "/v1/mcp/servers" and method == "GET":
+                return 200, await approval.servers()
+            match = _MCP_PATH.fullmatch(target)
+            if match and match.group(2) == "pins" and method == "GET":
+                return 200, await approval.show(match.group(1))
+            if match and match.group(2) == "diff" and method == "GET":
+                return 200, await approval.diff(match.group(1))
+            if match and match.group(2) == "pins" and method == "POST":
+                asked = _parse(PinRequest, body, "pin request")
+                server = match.group(1)
+                return 200, await approval.pin(server, tools=asked.tools, by=asked.pinnedBy)
+        except ApprovalError as exc:
+            raise HttpError(_STATUS[exc.code.fault], exc.code, exc.message) from None
+        raise HttpError(
+            404,
+            ErrorCode.BAD_REQUEST,
+            f"no route {method} {target}; MCP servers: GET /v1/mcp/servers, "
+            "GET|POST /v1/mcp/servers/{server}/pins, GET /v1/mcp/servers/{server}/diff",
         )
 
     async def _exec(self, run_id: str, body: bytes) -> tuple[int, Any]:

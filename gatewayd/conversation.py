@@ -58,6 +58,23 @@ MAX_TURN_COMPLETION_TOKENS: Final = 8192
 StopCode = Literal["timeout", "internal", "task_failed", "rate_limited"]
 # The fs tools whose ``path`` argument is rebased when the conversation has a base.
 _PATH_TOOLS: Final = frozenset({"read", "write", "edit", "list"})
+# What model providers take as a function's name (OpenAI's and Anthropic's rule:
+# [a-zA-Z0-9_-], at most 64). Gateway names have dots (mcp.time.get_current_time):
+# each becomes a hyphen, which no gateway name holds, so two tools never share a name.
+MAX_FUNCTION_NAME_CHARS: Final = 64
+# A longer name keeps its start and ends in a digest of the whole, this long.
+_NAME_DIGEST_CHARS: Final = 8
+
+
+def function_name(tool: str) -> str:
+    """The name the model calls the gateway tool ``tool`` by: ``app_x`` stays as it is,
+    ``mcp.time.now`` is ``mcp-time-now``; one over MAX_FUNCTION_NAME_CHARS is cut and
+    ends in a digest of the whole name."""
+    name = tool.replace(".", "-")
+    if len(name) <= MAX_FUNCTION_NAME_CHARS:
+        return name
+    digest = hashlib.sha256(tool.encode()).hexdigest()[:_NAME_DIGEST_CHARS]
+    return f"{name[: MAX_FUNCTION_NAME_CHARS - _NAME_DIGEST_CHARS - 1]}-{digest}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,11 +118,11 @@ class ConversationStop(Exception):
 def tool_definitions(
     tools: ToolRegistry, extra: Sequence[ToolManifest] = ()
 ) -> list[dict[str, Any]]:
-    """The five tools, then each of ``extra`` (a run's apps) by its own name, as OpenAI
-    function definitions, their parameters the gateway tools' own argument schemas (one
-    source of truth for what a call may carry)."""
+    """The five tools, then each of ``extra`` (a run's apps and MCP tools) by its
+    :func:`function_name`, as OpenAI function definitions, their parameters the gateway
+    tools' own argument schemas (one source of truth for what a call may carry)."""
     named = [(name, tools[tool].manifest) for name, tool in TOOL_MAP.items()]
-    named += [(manifest.name, manifest) for manifest in extra]
+    named += [(function_name(manifest.name), manifest) for manifest in extra]
     return [_function(name, manifest) for name, manifest in named]
 
 
@@ -134,8 +151,8 @@ class Conversation:
 
     ``alias``/``alias_name``: the model; ``system``/``prompt``: the first two messages;
     ``audit`` records each turn and each call refused before it became a request;
-    ``extra``: tools offered besides the five, by their own names (the apps a run may
-    call);
+    ``extra``: tools offered besides the five (the apps and MCP tools a run may call),
+    each by its :func:`function_name`;
     ``path_base``: where a relative ``path`` of the fs tools starts (None: the workspace,
     dispatch's own default); ``budget``: a model budget charged with every turn besides
     the limits (an app's caller's); ``call_prefix``: the tool call ids' prefix.
@@ -180,7 +197,8 @@ class Conversation:
         self.last_text = ""
         self.peer = Peer(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
         self.tools = tool_definitions(dispatcher.tools, extra)
-        self.extra = frozenset(manifest.name for manifest in extra)
+        # The model's name of each extra tool, and the gateway tool it is.
+        self.extra = {function_name(manifest.name): manifest.name for manifest in extra}
         self.messages: list[dict[str, Any]] = [
             {"role": "system", "content": system},
             {"role": "user", "content": prompt},
@@ -288,7 +306,7 @@ class Conversation:
 
     async def _call(self, call: model_client.ToolCall, n: int) -> str:
         """One tool call, through the dispatcher; returns what the model is told."""
-        tool = TOOL_MAP.get(call.name) or (call.name if call.name in self.extra else None)
+        tool = TOOL_MAP.get(call.name) or self.extra.get(call.name)
         where = f"turn {self.turns}: {call.name[:32]}"
         if tool is None:
             names = ", ".join((*TOOL_MAP, *sorted(self.extra)))

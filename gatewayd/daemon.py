@@ -30,12 +30,16 @@ from gatewayd.config import GatewaydConfig
 from gatewayd.control import ControlServer
 from gatewayd.dialer import Resolver
 from gatewayd.dispatch import Dispatcher
+from gatewayd.mcp.approval import Approval
+from gatewayd.mcp.pins import PinStore
+from gatewayd.mcp.servers import McpServers
+from gatewayd.mcp.tools import McpTools
 from gatewayd.metrics import METRICS, GatewayMetrics
 from gatewayd.policyfile import PolicyLoader
 from gatewayd.review.reviewer import Reviewer
 from gatewayd.review.rulebook import RuleBook
 from gatewayd.review.ruledesk import RuleDesk
-from gatewayd.runs import RunRegistry
+from gatewayd.runs import Run, RunRegistry
 from gatewayd.runs.lifecycle import RunManager
 from gatewayd.runs.startup import prepare_host, raise_open_file_limit
 from gatewayd.sandbox.daemons import DaemonShare, Registration, register_daemon
@@ -65,6 +69,9 @@ class Daemon:
     app_rule_desk: AppRuleDesk
     # The control socket this daemon serves (None: none).
     control_socket: Path | None
+    # The declared MCP servers' instances, and their pinned tools as the runs' tools.
+    mcp_servers: McpServers
+    mcp_tools: McpTools
 
     @property
     def config(self) -> GatewaydConfig:
@@ -99,7 +106,8 @@ async def open_daemon(
     """
     raise_open_file_limit()
     config = config.with_real_dirs()
-    scrubber = Scrubber.for_config(config.models, config.secret_env)
+    # The MCP servers' secrets too: handed to their servers, never to be seen in a result.
+    scrubber = Scrubber.for_config(config.models, config.scrubbed_secret_env)
     async with (
         _registered(config.host_share(control_socket=control_socket)),
         open_audit_log(
@@ -156,7 +164,29 @@ async def open_daemon(
         # The app runner kind: each run's workspace's apps become tools of that run.
         app_rule_desk = AppRuleDesk(audit=audit)
         apps = Apps(runs=runs, dispatcher=dispatcher, rule_desk=app_rule_desk)
-        runs.run_tools = apps.tools_for_run
+        # The MCP runner kind: each declared server in a sandbox of its own, its pinned
+        # tools the tools of every run that starts after they were pinned.
+        mcp_servers = McpServers(
+            config.mcp_servers,
+            runs=runs,
+            nursery=nursery,
+            scrubber=scrubber,
+            shared_dir=config.state_dir / "mcp" / "shared",
+        )
+        mcp_tools = McpTools(
+            mcp_servers,
+            PinStore(config.state_dir),
+            dispatcher=dispatcher,
+            lookup_run=registry.get,
+            audit=audit,
+        )
+
+        async def run_tools(run: Run) -> None:
+            await apps.tools_for_run(run)
+            await mcp_tools.tools_for_run(run)
+
+        runs.run_tools = run_tools
+        runs.run_ending = mcp_servers.end_run
         rule_desk = RuleDesk(rules, policies=policies, audit=audit)
         # The control server stops before the runs end: no request starts a run then.
         control = trio.CancelScope()
@@ -169,6 +199,7 @@ async def open_daemon(
                     registry=registry,
                     metrics=metrics,
                     app_rules=app_rule_desk,
+                    mcp=Approval(mcp_tools),
                 )
                 await nursery.start(
                     _serve_control, server, control_socket, control, control_stopped
@@ -186,11 +217,15 @@ async def open_daemon(
                 rule_desk=rule_desk,
                 app_rule_desk=app_rule_desk,
                 control_socket=control_socket,
+                mcp_servers=mcp_servers,
+                mcp_tools=mcp_tools,
             )
         finally:
             with trio.CancelScope(shield=True):
                 control.cancel()
                 await control_stopped.wait()
+                # No server instance starts once the runs are ending; then the runs end.
+                await mcp_servers.aclose()
                 await runs.end_all()
             nursery.cancel_scope.cancel()
 

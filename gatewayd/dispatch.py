@@ -133,6 +133,12 @@ class Dispatcher:
         # by run id: set when the run starts, dropped when it ends. A run's own tool
         # never shadows one of the daemon's (:meth:`set_run_tools` refuses the name).
         self._run_tools: dict[str, ToolRegistry] = {}
+        # The same tools by where they come from ("apps", "mcp"): each source replaces
+        # only its own set, and _run_tools is their union.
+        self._run_sources: dict[str, dict[str, ToolRegistry]] = {}
+        # Runner kinds' hints for a name no tool has (an MCP tool not pinned yet): the
+        # first that says something is added to the unknown_tool message.
+        self.unknown_tool_hints: list[Callable[[str], str | None]] = []
         # Runs whose calls are reviewed under rules of their own, not their policy's (an
         # app's child run: the app's rules, always, whatever the policy says).
         self._run_reviews: dict[str, RunReview] = {}
@@ -140,21 +146,40 @@ class Dispatcher:
 
     # -- the tools of one run --------------------------------------------------
 
-    def set_run_tools(self, run_id: str, tools: ToolRegistry) -> None:
-        """Make ``tools`` callable by the run ``run_id`` alone (replacing what it had: a
-        rediscovery after an install). Error handling: DuplicateToolError for a tool of
-        the daemon's name, which a run's own tool may never shadow."""
+    def set_run_tools(self, run_id: str, tools: ToolRegistry, *, source: str = "apps") -> None:
+        """Make ``tools`` callable by the run ``run_id`` alone, as the tools of
+        ``source`` (replacing what that source gave it before: a rediscovery after an
+        install; the other sources' tools stay).
+
+        Error handling: DuplicateToolError for a tool of the daemon's name, which a
+        run's own tool may never shadow, or of a name another source gave the run
+        (neither may shadow the other); the run's tools are then unchanged.
+        """
         for name in tools:
             if name in self.tools:
                 raise DuplicateToolError(
                     f"a run's own tool cannot take the name {name!r}: the daemon's tool "
                     "of that name is registered"
                 )
-        self._run_tools[run_id] = tools
+        sources = {**self._run_sources.get(run_id, {}), source: tools}
+        merged = ToolRegistry()
+        origin: dict[str, str] = {}
+        for name_of_source, registry in sources.items():
+            for tool in registry.values():
+                if tool.name in origin:
+                    raise DuplicateToolError(
+                        f"the run's tool {tool.name!r} comes from both {origin[tool.name]} "
+                        f"and {name_of_source}; neither may shadow the other"
+                    )
+                origin[tool.name] = name_of_source
+                merged.register(tool)
+        self._run_sources[run_id] = sources
+        self._run_tools[run_id] = merged
 
     def drop_run_tools(self, run_id: str) -> None:
         """Forget the run's own tools and review rules (it ended)."""
         self._run_tools.pop(run_id, None)
+        self._run_sources.pop(run_id, None)
         self._run_reviews.pop(run_id, None)
 
     def set_run_review(self, run_id: str, review: RunReview) -> None:
@@ -162,8 +187,10 @@ class Dispatcher:
         call), never its policy's: an app's child run. Set before the run serves."""
         self._run_reviews[run_id] = review
 
-    def run_tools(self, run_id: str) -> ToolRegistry | None:
-        """The run's own tools, if it has any."""
+    def run_tools(self, run_id: str, source: str | None = None) -> ToolRegistry | None:
+        """The run's own tools (``source``: those it gave the run), if it has any."""
+        if source is not None:
+            return self._run_sources.get(run_id, {}).get(source)
         return self._run_tools.get(run_id)
 
     def tool_for(self, run: Run, name: str) -> Tool[Any] | None:
@@ -323,6 +350,7 @@ class Dispatcher:
             peer=peer,
             review=review,
             degraded=run.degraded,
+            detail=None if spec is None else spec.audit_detail,
         )
         # Write-ahead: a call that can change or reveal anything outside gatewayd runs
         # only once its entry is durable. A side-effect-free one (tools.list, reads of
@@ -332,7 +360,7 @@ class Dispatcher:
         try:
             if (spec is not None and spec.manifest.side_effects) or not self.reply_after_result:
                 await self.audit.durable(call_seq)
-            value = await self._run(run, spec, args)
+            value = await self._run(run, spec, args, req.toolCallId)
             try:
                 payload = self._scrub_output(encode_json(value), req.tool)
             except _Refusal:
@@ -472,7 +500,8 @@ class Dispatcher:
         if spec is None:
             raise _Refusal(
                 ErrorCode.UNKNOWN_TOOL,
-                f"there is no tool named {req.tool!r}. {self._allowed_sentence(run)}",
+                f"there is no tool named {req.tool!r}.{self._unknown_hint(req.tool)} "
+                f"{self._allowed_sentence(run)}",
             )
         if not tool_allowed(req.tool, run.spec.rules):
             raise _Refusal(
@@ -493,6 +522,14 @@ class Dispatcher:
         if not isinstance(decision, Allow):
             raise _Refusal(decision.code, decision.message)
         return spec, (args, decision.resolved)
+
+    def _unknown_hint(self, name: str) -> str:
+        """A runner kind's hint for a name no tool has (" " and a sentence), or ""."""
+        for hint in self.unknown_tool_hints:
+            said = hint(name)
+            if said:
+                return " " + said
+        return ""
 
     def _rate_message(self, run: Run) -> str:
         limits = run.spec.policy.limits
@@ -518,7 +555,9 @@ class Dispatcher:
                 out.append(tool.manifest)
         return out
 
-    async def _run(self, run: Run, spec: Tool[Any] | None, admitted: Any) -> Any:
+    async def _run(
+        self, run: Run, spec: Tool[Any] | None, admitted: Any, tool_call_id: str | None = None
+    ) -> Any:
         """Step 9: the runner, inside the run's concurrency bound and the call's time
         limit (the run's, or the tool's own when its manifest sets a shorter one)."""
         if spec is None:
@@ -527,6 +566,7 @@ class Dispatcher:
         limits = run.spec.policy.limits
         ctx = ToolContext(
             run_id=run.run_id,
+            tool_call_id=tool_call_id,
             grants=run.spec.grants,
             max_output_bytes=limits.max_output_bytes,
             resolved=resolved,

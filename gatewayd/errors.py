@@ -46,6 +46,13 @@ class ToolFailed(GatewayError):
     code = ErrorCode.TOOL_FAILED
 
 
+class ToolTimedOut(GatewayError):
+    """The tool's runner gave up waiting for it (a hung MCP server); what was running was
+    stopped."""
+
+    code = ErrorCode.TIMEOUT
+
+
 class AuthzDenied(GatewayError):
     """The run lacks the system grant needed for this."""
 

@@ -66,7 +66,8 @@ def agent_conversation(
     apps: Sequence[ToolManifest] = (),
 ) -> Conversation:
     """The conversation of the agent run ``run`` doing ``task``; ``apps``: the apps of
-    its workspace it may call, offered to the model by their tool names."""
+    its workspace and the MCP tools it may call, offered to the model by their tool
+    names (dots made hyphens: :func:`gatewayd.conversation.function_name`)."""
     limits = task.limits
     return Conversation(
         dispatcher=dispatcher,

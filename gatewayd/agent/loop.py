@@ -53,6 +53,7 @@ from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.query import read_log
 from gatewayd.dispatch import Dispatcher
 from gatewayd.errors import GatewayError
+from gatewayd.mcp.tools import McpTools
 from gatewayd.policy import tool_allowed
 from gatewayd.policy.appsfolder import is_apps_name
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
@@ -73,6 +74,8 @@ async def run_agent(
     dispatcher: Dispatcher,
     task: AgentTask,
     progress: Callable[[str], None] | None = None,
+    *,
+    mcp: McpTools | None = None,
 ) -> AgentResult:
     """One agent run, start to end; never raises for the task's own failures (the result
     says what happened), and always removes its workspace.
@@ -81,6 +84,9 @@ async def run_agent(
     anything is fetched (audited as ``agent_run_refused``); a commit the mirror does not
     hold fails the checkout. Either way: ``ok`` false, ``errorCode`` ``internal``, the
     reason in ``message``. gatewayd's own failures end the run the same way.
+
+    ``mcp``: the daemon's MCP tools; their pinned tools are offered to the model beside
+    the five and the apps (None: none), and the run's policy still decides each call.
     """
     result = AgentResult(ok=False)
 
@@ -117,7 +123,15 @@ async def run_agent(
         return result
     try:
         await _run_in(
-            _Job(runs=runs, dispatcher=dispatcher, task=task, result=result, say=say, work=work)
+            _Job(
+                runs=runs,
+                dispatcher=dispatcher,
+                task=task,
+                result=result,
+                say=say,
+                work=work,
+                mcp=() if mcp is None else await trio.to_thread.run_sync(mcp.tool_names),
+            )
         )
     except Exception as exc:  # gatewayd's own failure: the result says so, the log has it
         log.exception("agent_run_failed", run_id=result.run_id)
@@ -146,6 +160,8 @@ class _Job:
     # The tools of the checkout's apps (found once it is checked out), which the run may
     # call besides the five when its policy allows them.
     apps: tuple[str, ...] = ()
+    # The pinned MCP tools (mcp.<server>.<tool>) when the run starts, offered like apps.
+    mcp: tuple[str, ...] = ()
 
     @property
     def mirror(self) -> Path:
@@ -225,8 +241,9 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
         actorId=task.actor,
         tenantId=task.tenant,
         grant=Grant(allowSandbox=True),  # the operator starting the agent is the grant
-        # The five, and the apps of the checkout (the policy still decides each).
-        toolIds=(*RUN_TOOL_IDS, *job.apps),
+        # The five, the apps of the checkout and the pinned MCP tools (the policy still
+        # decides each).
+        toolIds=(*RUN_TOOL_IDS, *job.apps, *job.mcp),
         limits=RunLimits(
             maxRuntimeSec=int(task.limits.max_wall_s) + 60, maxMemoryMb=task.max_memory_mb
         ),
@@ -317,14 +334,19 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
 async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) -> None:
     runs, task, result, say = job.runs, job.task, job.result, job.say
     work, mirror = job.work, job.mirror
-    offered = [
-        tool.manifest
-        for name in job.apps
-        if tool_allowed(name, run.spec.rules)
-        and (tool := job.dispatcher.tool_for(run, name)) is not None
-    ]
-    if offered:
-        say("apps offered: " + ", ".join(manifest.name for manifest in offered))
+    apps, mcp = (
+        [
+            tool.manifest
+            for name in names
+            if tool_allowed(name, run.spec.rules)
+            and (tool := job.dispatcher.tool_for(run, name)) is not None
+        ]
+        for names in (job.apps, job.mcp)
+    )
+    for what, manifests in (("apps", apps), ("MCP tools", mcp)):
+        if manifests:
+            say(f"{what} offered: " + ", ".join(manifest.name for manifest in manifests))
+    offered = [*apps, *mcp]
     conversation = agent_conversation(
         apps=offered,
         dispatcher=job.dispatcher,

@@ -41,7 +41,7 @@ from gatewayd.policy import Policy
 from gatewayd.policy.model import EnvSection, ModelAccessSection, NetworkSection, ToolsSection
 from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode
 from gatewayd.policy.review_section import ReviewSection
-from gatewayd.runs import ChildSpec, Grant, Run, RunLimits, RunRequest
+from gatewayd.runs import ChildKind, ChildSpec, Grant, MadeFor, Run, RunLimits, RunRequest
 from gatewayd.sandbox.session import SandboxView
 
 # Where the app sees its own folder, and its data folder in it.
@@ -228,15 +228,18 @@ def _grant(name: str, host: Path, visible: PurePosixPath, mode: PathMode) -> Pat
     )
 
 
-def child_policy(caller: Run, app: DiscoveredApp, section: ReviewSection) -> Policy:
-    """The child run's policy: the five tools, no network, no environment, the
-    caller's limits, the app's rules as its review."""
+def child_policy(
+    caller: Run, app: DiscoveredApp, section: ReviewSection, extra_tools: tuple[str, ...] = ()
+) -> Policy:
+    """The child run's policy: the five tools and ``extra_tools`` (tools its caller may
+    call: its MCP tools), no network, no environment, the caller's limits, the app's
+    rules as its review."""
     policy = caller.spec.policy
     return Policy(
         version=1,
         name=app.id,  # an app id is a policy name (and the audit says it is an app's)
         description=f"the app {app.id}, invoked by run {caller.run_id}",
-        tools=ToolsSection(allow=RUN_TOOL_IDS),
+        tools=ToolsSection(allow=(*RUN_TOOL_IDS, *extra_tools)),
         limits=policy.limits,
         require_os_sandbox=policy.require_os_sandbox,
         env=EnvSection(),
@@ -254,7 +257,7 @@ def child_spec(
     request = caller.spec.request
     return ChildSpec(
         parent_run_id=caller.run_id,
-        app=app.id,
+        made_for=MadeFor(kind=ChildKind.APP, name=app.id),
         request=RunRequest(
             workspacePath=str(caller.spec.workspace),
             policy=policy.name,

@@ -15,7 +15,8 @@ policy allows or not like any tool (``app_*`` patterns). A call:
    time (its data folder is lent to one run at a time);
 3. records ``app_invoked`` (durable), then runs the app's conversation on the host
    (:class:`~gatewayd.conversation.Conversation`: the app's system prompt, the five
-   tools, each call through the dispatcher with the app's rules as its review, always;
+   tools and the caller's allowed MCP tools, each call through the dispatcher with the
+   app's rules as its review, always;
    the limits of its manifest; the caller's model budget charged);
 4. ends the child run, lists what changed in ``data/``, records ``app_result``
    (durable), and answers: the app's final answer, or, when a limit stopped it, what it
@@ -64,6 +65,8 @@ from gatewayd.audit import AuditEvent
 from gatewayd.conversation import Conversation, ConversationLimits, ConversationStop, LimitHints
 from gatewayd.dispatch import Dispatcher, RunReview
 from gatewayd.errors import ArgumentsRejected, PolicyViolation, ToolFailed
+from gatewayd.mcp.tools import SOURCE as MCP
+from gatewayd.policy import tool_allowed
 from gatewayd.policy.capabilities import Capabilities, CapabilityRequest, FileCapability
 from gatewayd.policy.decide import malformed_path, normalize_path
 from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathAccess, PathMode, shown
@@ -314,7 +317,14 @@ class Apps:
                 subject=subject,
                 settings=caller.spec.policy.review,
             )
-            policy = child_policy(caller, app, live()[0])
+            # The caller's MCP tools its policy allows: the app may call them too
+            # (never more than its caller), each reviewed under the app's rules.
+            mcp = ToolRegistry(
+                tool
+                for name, tool in (self.dispatcher.run_tools(caller.run_id, MCP) or {}).items()
+                if tool_allowed(name, caller.spec.rules)
+            )
+            policy = child_policy(caller, app, live()[0], extra_tools=tuple(mcp))
             before = await trio.to_thread.run_sync(_snapshot, data)
             held = _data_bytes(before)
             if held > MAX_DATA_BYTES or len(before) >= MAX_DATA_ENTRIES:
@@ -342,7 +352,10 @@ class Apps:
                 ) from None
             outcome: dict[str, Any] | None = None
             try:
-                outcome = await self._converse(app, args, ctx, caller, child, models.model, wall_s)
+                self.dispatcher.set_run_tools(child.run_id, mcp, source=MCP)
+                outcome = await self._converse(
+                    app, args, ctx, caller, child, models.model, wall_s, mcp.manifests()
+                )
                 return outcome
             finally:
                 # Whatever ended it (an answer, a limit, the caller's run ending): the
@@ -365,6 +378,7 @@ class Apps:
         child: Run,
         model: str,
         wall_s: float,
+        extra: tuple[ToolManifest, ...] = (),
     ) -> Any:
         limits = app.manifest.limits
         attachments = [str(resolved.visible) for resolved in ctx.resolved]
@@ -409,6 +423,7 @@ class Apps:
             path_base=str(APP_VISIBLE_ROOT),
             budget=ctx.model_budget,
             call_prefix=f"app.{app.id}",
+            extra=extra,
         )
         outcome: dict[str, Any] = {"app": app.id, "childRunId": child.run_id}
         try:

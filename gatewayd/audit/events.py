@@ -123,6 +123,17 @@ class AuditEvent(enum.StrEnum):
     # turns, toolCalls, tokens, answerDigest, changed: the data/ files it changed).
     APP_RESULT = "app_result"
 
+    # -- MCP servers' tools (gatewayd/mcp/tools.py, gatewayd/cli/mcp.py)
+    # The operator approved a server's tools (detail: server, pinnedBy, tools: each
+    # tool's MCP name, gateway name and digest, and which were added, changed, removed).
+    MCP_TOOLS_PINNED = "mcp_tools_pinned"
+    # A call of a pinned tool refused because the server's live tool is not the one
+    # pinned (detail: server, tool, gatewayName, changes: kind and what differs).
+    MCP_TOOL_CHANGED = "mcp_tool_changed"
+    # A server's pin file failed its checks at a run's start: none of its tools is
+    # offered to that run (detail: server, reason).
+    MCP_PINS_REFUSED = "mcp_pins_refused"
+
 
 # The names the writer accepts. A str subclass hashes as its value, so a member and
 # the plain string of a registered name are both found here; nothing else is.

@@ -1,5 +1,5 @@
 """`gatewayd` command line: serve, run, exec, rules, image, config, policy, audit,
-install-systemd, agent, review, apps.
+install-systemd, agent, review, apps, mcp.
 
 Each command group is a module of this package (:class:`~gatewayd.cli.command.CommandModule`):
 it adds its parsers and runs its commands; :data:`COMMANDS` says which module runs
@@ -23,6 +23,7 @@ from gatewayd.cli import (
     config,
     image,
     install,
+    mcp,
     policy,
     review,
     rules,
@@ -45,6 +46,7 @@ COMMANDS: Final[Mapping[str, CommandModule]] = {
     "agent": agent,
     "review": review,
     "apps": apps,
+    "mcp": mcp,
 }
 
 

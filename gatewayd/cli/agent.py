@@ -174,7 +174,9 @@ def _agent_run(args: argparse.Namespace) -> int:
 
     async def go() -> None:
         async with open_daemon(config) as daemon:
-            result = await run_agent(daemon.runs, daemon.dispatcher, task, progress)
+            result = await run_agent(
+                daemon.runs, daemon.dispatcher, task, progress, mcp=daemon.mcp_tools
+            )
             out.update(result.to_json())
 
     trio.run(go)

@@ -186,7 +186,7 @@ def log_scrubber(config: GatewaydConfig) -> Scrubber:
     """The log's own scrubber of the daemon's secrets (the daemon's warns for both)."""
     from gatewayd.secrets import Scrubber
 
-    return Scrubber.for_config(config.models, config.secret_env, warn=False)
+    return Scrubber.for_config(config.models, config.scrubbed_secret_env, warn=False)
 
 
 def load_settings(path: Path | None) -> GatewaydConfig:

@@ -17,9 +17,11 @@ every reader of the run model import the dispatcher: an import cycle).
 from gatewayd.runs.model import (
     MAX_PATH_CHARS,
     TRANSITIONS,
+    ChildKind,
     ChildSpec,
     Grant,
     IllegalTransition,
+    MadeFor,
     ModelBudget,
     Run,
     RunLimits,
@@ -34,9 +36,11 @@ from gatewayd.runs.registry import RunRegistry
 __all__ = [
     "MAX_PATH_CHARS",
     "TRANSITIONS",
+    "ChildKind",
     "ChildSpec",
     "Grant",
     "IllegalTransition",
+    "MadeFor",
     "ModelBudget",
     "Run",
     "RunLimits",

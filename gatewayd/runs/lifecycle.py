@@ -24,7 +24,7 @@ from gatewayd.metrics import GatewayMetrics
 from gatewayd.policy import PolicyError, SandboxSection
 from gatewayd.policy.paths import PathMode
 from gatewayd.protocol import ErrorCode
-from gatewayd.runs.model import ChildSpec, Run, RunRequest, RunState
+from gatewayd.runs.model import ChildKind, ChildSpec, Run, RunRequest, RunState
 from gatewayd.runs.registry import RunRegistry
 from gatewayd.runs.services import services_for, start_services
 from gatewayd.runs.startup import HostSandbox
@@ -41,6 +41,10 @@ log = structlog.get_logger("gatewayd.runs")
 # Called once a run is created (audited) and before its socket serves: gives the run
 # its own tools (Dispatcher.set_run_tools). Error handling: an exception refuses the run.
 RunToolsHook = Callable[[Run], Awaitable[None]]
+# Called, shielded, when a run starts to end, before its sandbox is closed: stops what
+# was started on its behalf outside it (its MCP servers' instances). Error handling: an
+# exception is logged; the run ends all the same.
+RunEndingHook = Callable[[str], Awaitable[None]]
 
 # An exec's command as its exec_started entry records it: the program and its first
 # arguments (a command line is a few words; more is a payload, not what ran).
@@ -87,6 +91,9 @@ class RunManager:
         # What gives a run its own tools (its workspace's apps) once it is created, set
         # by the composition root; None: no run has tools of its own.
         self.run_tools: RunToolsHook | None = None
+        # What stops the processes started for a run outside its sandbox (its per-run
+        # MCP servers), set by the composition root; None: nothing to stop.
+        self.run_ending: RunEndingHook | None = None
         # Trees of runs whose give-back failed: still (partly) a sandbox uid's, so no
         # other run may take them until the next start returns them.
         self._stuck_trees: list[Path] = []
@@ -156,7 +163,9 @@ class RunManager:
         await self._start_serving(run)
         return run
 
-    async def start_child(self, spec: ChildSpec, *, view: SandboxView, review: RunReview) -> Run:
+    async def start_child(
+        self, spec: ChildSpec, *, view: SandboxView, review: RunReview | None = None
+    ) -> Run:
         """Start a child run (an app's invocation) from ``spec``, which its parent's tool
         made no more than the parent's: its own uid and network namespace, its sandbox
         seeing the workspace as ``view`` says, every call reviewed under ``review``.
@@ -185,12 +194,13 @@ class RunManager:
                 exc,
                 {
                     "parentRunId": spec.parent_run_id,
-                    "app": spec.app,
+                    **spec.made_for.label(),
                     "workspacePath": str(spec.workspace),
                 },
             )
             raise
-        self._dispatcher.set_run_review(run.run_id, review)
+        if review is not None:  # None: a run with no socket makes no call to review
+            self._dispatcher.set_run_review(run.run_id, review)
         try:
             with trio.CancelScope(shield=True):
                 await self._audit_created(run)
@@ -225,9 +235,9 @@ class RunManager:
             "toolIds": list(request.toolIds) if request.toolIds is not None else None,
             "sandbox": _sandbox_detail(run),
         }
-        if run.spec.parent_run_id is not None:
+        if run.spec.made_for is not None:
             detail["parentRunId"] = run.spec.parent_run_id
-            detail["app"] = run.spec.app
+            detail.update(run.spec.made_for.label())
         await self.audit.append(
             "event", event=AuditEvent.RUN_CREATED, runId=run.run_id, detail=detail
         )
@@ -260,6 +270,12 @@ class RunManager:
         """
         policy = run.spec.policy
         held = sorted(set(policy.env.allow) & self._secret_env_names())
+        made_for = run.spec.made_for
+        if made_for is not None and made_for.kind is ChildKind.MCP_SERVER:
+            # An MCP server's own sandbox runs only the operator's declared program, to
+            # which the declaration hands those secrets (secret_env): no agent's code runs
+            # there, and what it answers is scrubbed of them.
+            held = []
         if held:
             raise PolicyViolation(
                 f"policy {policy.name!r} passes {held[0]} into the sandbox (env.allow), and "
@@ -483,6 +499,11 @@ class RunManager:
     async def _finish(self, run: Run) -> None:
         if run.state in (RunState.CREATED, RunState.SERVING):
             run.move_to(RunState.ENDING)
+        if self.run_ending is not None:
+            try:
+                await self.run_ending(run.run_id)
+            except Exception:
+                log.exception("run_ending_hook_failed", run_id=run.run_id)
         cleanup: dict[str, Any] = {}
         if run.sandbox is not None:
             try:

@@ -122,20 +122,49 @@ class RunSpec:
     policy_source: str
     grants: tuple[PathGrant, ...]
     rules: RunRules
-    # A child run (an app's invocation): the run whose call made it, and the app's id.
-    # A child gets no more than its parent (gatewayd/apps/child.py makes its spec).
+    # A child run (an app's invocation, an MCP server's instance): the run whose call
+    # made it (None: gatewayd's own, a shared MCP server), and what it was made for. A
+    # child gets no more than its parent (gatewayd/apps/child.py, gatewayd/mcp/child.py).
     parent_run_id: str | None = None
-    app: str | None = None
+    made_for: MadeFor | None = None
+
+    @property
+    def app(self) -> str | None:
+        """The app this run is an invocation of, if it is one."""
+        made_for = self.made_for
+        return made_for.name if made_for and made_for.kind is ChildKind.APP else None
+
+
+class ChildKind(enum.StrEnum):
+    """What gatewayd makes a run for, besides a caller asking for one; the key under
+    which ``run_created``, ``run_refused`` and the run's summary name it."""
+
+    APP = "app"  # an app's invocation
+    MCP_SERVER = "mcpServer"  # an instance of a declared MCP server
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MadeFor:
+    """What a built run is: an app's invocation, an MCP server's instance, and whose."""
+
+    kind: ChildKind
+    name: str
+
+    def label(self) -> dict[str, str]:
+        """How the audit and the summary name it: ``{"app": "notes"}``."""
+        return {str(self.kind): self.name}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ChildSpec:
-    """What a child run is made of, decided by the tool of its parent that makes it (an
-    app's invocation): its policy and grants are built, never loaded, and hold no more
-    than the parent's. ``source`` labels the policy in the audit (no file behind it)."""
+    """What a child run is made of, decided by whoever makes it (an app's invocation,
+    an MCP server's instance): its policy and grants are built, never loaded, and hold
+    no more than the parent's (``parent_run_id`` None: a run gatewayd makes for itself,
+    a shared MCP server, with a workspace of its own). ``source`` labels the policy in
+    the audit (no file behind it)."""
 
-    parent_run_id: str
-    app: str
+    parent_run_id: str | None
+    made_for: MadeFor
     request: RunRequest
     workspace: Path
     policy: Policy
@@ -227,8 +256,8 @@ class Run:
             "denied": self.denied,
             "deniedByCode": dict(self.denied_by_code),
             **(
-                {"parentRunId": self.spec.parent_run_id, "app": self.spec.app}
-                if self.spec.parent_run_id is not None
+                {"parentRunId": self.spec.parent_run_id, **self.spec.made_for.label()}
+                if self.spec.made_for is not None
                 else {}
             ),
         }

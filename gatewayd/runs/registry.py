@@ -135,7 +135,7 @@ class RunRegistry:
             grants=spec.grants,
             rules=rules,
             parent_run_id=spec.parent_run_id,
-            app=spec.app,
+            made_for=spec.made_for,
         )
         return self._add(run_spec, directory, socket_path)
 

@@ -36,9 +36,9 @@ async def reload_policies(registry: RunRegistry, audit: AuditLog) -> dict[str, s
     """
     outcomes: dict[str, str] = {}
     for run in registry.all():
-        if run.spec.parent_run_id is not None:
+        if run.spec.made_for is not None:
             # A child run's policy was made for it, from no file: nothing to re-read
-            # (its review rules, the app's, are read again at each call anyway).
+            # (an app's review rules are read again at each call anyway).
             outcomes[run.run_id] = "unchanged"
             continue
         source = run.spec.policy_source

@@ -349,11 +349,18 @@ async def _start_and_supervise(
         except OSError as exc:
             raise LaunchError(f"cannot open the run's network namespace {netns}: {exc}") from exc
         fds.callback(os.close, netns_fd)
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        piped = stdin is not None or passthrough is not None
-        in_r, in_w = os.pipe2(os.O_CLOEXEC) if piped else (subprocess.DEVNULL, -1)
-        child_ends = [fd for fd in (out_w, err_w, in_r) if fd >= 0]
+        if passthrough is not None and not passthrough.relay:
+            # The caller's own pipes become the command's streams: nothing to copy, and
+            # the caller keeps (and closes) every end.
+            out_r = err_r = in_w = -1
+            in_r, out_w, err_w = passthrough.stdin, passthrough.stdout, passthrough.stderr
+            child_ends = []
+        else:
+            out_r, out_w = os.pipe2(os.O_CLOEXEC)
+            err_r, err_w = os.pipe2(os.O_CLOEXEC)
+            piped = stdin is not None or passthrough is not None
+            in_r, in_w = os.pipe2(os.O_CLOEXEC) if piped else (subprocess.DEVNULL, -1)
+            child_ends = [fd for fd in (out_w, err_w, in_r) if fd >= 0]
         started = time.monotonic()
         try:
             process = subprocess.Popen(
@@ -525,10 +532,13 @@ async def _supervise(
     pidfd = os.pidfd_open(process.pid)
     try:
         async with trio.open_nursery() as nursery:
+            outputs: tuple[trio.Event, ...]
             if passthrough is None:
                 nursery.start_soon(stdout.drain, trio.lowlevel.FdStream(out_r))
                 nursery.start_soon(stderr.drain, trio.lowlevel.FdStream(err_r))
                 outputs = (stdout.done, stderr.done)
+            elif not passthrough.relay:
+                outputs = ()  # the caller reads the command's output itself
             else:
                 feed, out, err = relays
                 nursery.start_soon(feed.feed, passthrough.stdin, trio.lowlevel.FdStream(in_w))
@@ -575,7 +585,7 @@ async def _supervise(
         memoryLimit=_memory_mechanism(cgroup),
         processLimit=_pids_mechanism(cgroup),
         streamed=None
-        if passthrough is None
+        if passthrough is None or not passthrough.relay
         else StreamedBytes(stdin=relays[0].count, stdout=relays[1].count, stderr=relays[2].count),
     )
 

@@ -39,11 +39,21 @@ RELAY_CHUNK: Final = 64 * 1024
 class Passthrough:
     """Host descriptors a command's standard streams are relayed from and to (usually
     gatewayd's own 0, 1 and 2). gatewayd never closes them nor changes their flags; one
-    left non-blocking by whoever started gatewayd is waited on, not taken for its end."""
+    left non-blocking by whoever started gatewayd is waited on, not taken for its end.
+
+    ``relay=False``: the descriptors are pipe ends gatewayd made for this command alone
+    (an MCP server's stdio); the command gets them as its standard streams, with no copy
+    between. None of the reasons to relay holds for such a pipe (it is no terminal, no
+    file, no socket), and a copy through worker threads would cost every message two
+    thread hops. No bytes are counted then (the result's ``streamed`` is None): the
+    caller reads and writes every byte itself. The caller keeps its own ends and closes
+    them; run_in_sandbox never closes any of these descriptors.
+    """
 
     stdin: int
     stdout: int
     stderr: int
+    relay: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -44,6 +44,8 @@ class ToolContext:
     run_id: str
     grants: tuple[PathGrant, ...]
     max_output_bytes: int
+    # The call's id, as its audit entries carry it (None: a call made by gatewayd itself).
+    tool_call_id: str | None = None
     # The call's requested paths as the policy step resolved them onto the run's
     # grants, in the order the tool requested them.
     resolved: tuple[ResolvedPath, ...] = ()
@@ -86,6 +88,10 @@ class Tool(Generic[A]):
     decode: Callable[[Mapping[str, Any]], A]
     requests: Callable[[A], CapabilityRequest]
     runner: ToolRunner[A]
+    # What the ``call`` entry of an allowed call records beside the tool's name, as its
+    # ``detail`` (an MCP tool: its server, its name there, the pin's digest); None:
+    # nothing (the built-in tools).
+    audit_detail: Mapping[str, Any] | None = None
 
     @property
     def name(self) -> str:

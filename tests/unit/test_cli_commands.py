@@ -31,6 +31,7 @@ MINIMAL_ARGV: Final[dict[str, list[str]]] = {
     "agent": ["agent", "run", "--repo", "r", "--sha", "a" * 40, "--task", "t", "--model", "m"],
     "review": ["review", "replay", "calls.jsonl", "--policy", "p"],
     "apps": ["apps", "check", "apps/examples/note-taker"],
+    "mcp": ["mcp", "list"],
 }
 
 

@@ -55,7 +55,14 @@ def test_every_setting_is_documented_with_its_variable() -> None:
 @pytest.mark.parametrize("setting", list(GatewaydConfig.model_fields))
 def test_the_check_fails_when_a_settings_row_is_removed(setting: str) -> None:
     lines = DOC.read_text().splitlines()
-    kept = [line for line in lines if not line.startswith(f"| `{setting}` | ")]
+    # Not the rows of a nested setting's own section: one may have a field of the same
+    # name (mcp_servers.<name>.secret_env), which stays documented there.
+    kept, heading = [], ""
+    for line in lines:
+        heading = line if line.startswith("#") else heading
+        if line.startswith(f"| `{setting}` | ") and ".<name>" not in heading:
+            continue
+        kept.append(line)
     assert undocumented("\n".join(kept)) == [setting]
 
 

@@ -21,6 +21,7 @@ from gatewayd.config import ConfigError, GatewaydConfig, ModelAlias, SandboxUids
 from gatewayd.configsources import DERIVED_SOURCE, ENV_SYNTAX, env_name, resolve_settings
 from gatewayd.daemon import open_daemon
 from gatewayd.frame_limits import MAX_FRAME_BYTES, MIN_FRAME_BYTES
+from gatewayd.mcp.declaration import McpServerDeclaration, Share
 from gatewayd.runs.lifecycle import RunManager
 from gatewayd.sandbox.daemons import derived_uid_range
 from gatewayd.sandbox.uids import UidRange
@@ -46,6 +47,10 @@ ENV_CASES: dict[str, tuple[str, Any]] = {
         {"r": ModelAlias(provider="openai", model="m", api_key_env="K")},
     ),
     "secret_env": ("FORGE_TOKEN, PYPI_TOKEN", ("FORGE_TOKEN", "PYPI_TOKEN")),
+    "mcp_servers": (
+        "{t: {command: [/usr/bin/true], share: shared}}",
+        {"t": McpServerDeclaration(command=("/usr/bin/true",), share=Share.SHARED)},
+    ),
 }
 
 
@@ -360,6 +365,7 @@ RELOAD_CASES: list[tuple[str, Any, bool]] = [
     ("lendable_roots", (Path("/srv/ws"),), False),
     ("models", {"r": ModelAlias(provider="openai", model="m")}, True),
     ("secret_env", ("TOKEN",), False),
+    ("mcp_servers", {"t": McpServerDeclaration(url="https://mcp.example.org/mcp")}, False),
 ]
 
 

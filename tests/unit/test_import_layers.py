@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Packages whose modules sit in different layers, so each of their children is listed.
-SPLIT_PACKAGES = ("gatewayd.runs", "gatewayd.apps")
+SPLIT_PACKAGES = ("gatewayd.runs", "gatewayd.apps", "gatewayd.mcp")
 
 
 def _layers() -> set[str]:
