@@ -74,6 +74,9 @@ TIME_SERVER: Final = "mcp-server-time"
 # Where the sandbox sees the servers' virtualenv: not under /tmp, which is its own tmpfs.
 VENV_VISIBLE: Final = "/opt/mcp-venv"
 SITE_PACKAGES: Final = sysconfig.get_path("purelib")
+# Where the sandbox sees the dev virtualenv's packages: a checkout may lie under /tmp,
+# which the sandbox keeps for its own tmpfs, so they are mounted elsewhere.
+SITE_VISIBLE: Final = "/opt/mcp-site"
 # The same zone for every time server, so each does the same work.
 TIME_ARGS: Final = ("--local-timezone", "UTC")
 TIME_CALL: Final = ("get_current_time", {"timezone": "UTC"})
@@ -92,7 +95,7 @@ filesystem:
   paths:
     workspace: {root: ., mode: rw}
     server_venv: {root: VENV, mount: VENV_VISIBLE, mode: ro}
-    server_packages: {root: SITE_PACKAGES, mode: ro}
+    server_packages: {root: SITE_PACKAGES, mount: SITE_VISIBLE, mode: ro}
 limits:
   call_timeout_s: 10
   calls_per_second: 1000000
@@ -135,6 +138,7 @@ class Bench:
         for name, value in (
             ("VENV_VISIBLE", VENV_VISIBLE),
             ("VENV", str(self.venv)),
+            ("SITE_VISIBLE", SITE_VISIBLE),
             ("SITE_PACKAGES", SITE_PACKAGES),
         ):
             text = text.replace(name, value)
@@ -145,7 +149,7 @@ class Bench:
         subprocess.run([SYSTEM_PYTHON, "-m", "venv", "--without-pip", str(self.venv)], check=True)
         version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
         pth = self.venv / "lib" / version / "site-packages" / "dev-packages.pth"
-        pth.write_text(SITE_PACKAGES + "\n")
+        pth.write_text(SITE_VISIBLE + "\n")
         scripts = importlib.metadata.entry_points(group="console_scripts")
         (entry,) = [e for e in scripts if e.name == TIME_SERVER]
         script = self.venv / "bin" / TIME_SERVER
@@ -221,7 +225,7 @@ def measure_inside(bench: Bench, args: argparse.Namespace) -> dict[str, list[flo
         "/workspace/mcp_driver.py",
         "inside",
         *(str(n) for n in counts),
-        SITE_PACKAGES,
+        SITE_VISIBLE,
         BEHIND_TOOL,
     ]
     done = subprocess.run(

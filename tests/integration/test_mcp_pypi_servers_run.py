@@ -95,8 +95,10 @@ GATEWAYD = str(Path(sys.executable).parent / "gatewayd")
 # Where the sandbox sees the servers' virtualenv (the host's /tmp, where tests make it, is
 # the sandbox's own tmpfs: a policy path may not be seen there).
 VENV_VISIBLE = "/opt/mcp-venv"
-# The dev virtualenv's packages, seen by the sandbox at the same path (the .pth names it).
+# The dev virtualenv's packages, and where the sandbox sees them (the .pth names that): a
+# checkout may lie under /tmp, which the sandbox keeps for its own tmpfs.
 SITE_PACKAGES = sysconfig.get_path("purelib")
+SITE_VISIBLE = "/opt/mcp-site"
 
 POLICY = """
 version: 1
@@ -107,7 +109,7 @@ filesystem:
   paths:
     workspace: {root: ., mode: rw}
     server_venv: {root: $venv, mount: $venv_visible, mode: ro}
-    server_packages: {root: $site_packages, mode: ro}
+    server_packages: {root: $site_packages, mount: $site_visible, mode: ro}
 $extra_paths
 env: {allow: [$env_allow]}
 sandbox: {timeout_s: 120, cpu_s: 60}
@@ -133,7 +135,7 @@ def server_venv() -> Iterator[Path]:
     try:
         subprocess.run([PY, "-m", "venv", "--without-pip", str(venv)], check=True)
         site = venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
-        (site / "site-packages" / "dev-packages.pth").write_text(SITE_PACKAGES + "\n")
+        (site / "site-packages" / "dev-packages.pth").write_text(SITE_VISIBLE + "\n")
         scripts = importlib.metadata.entry_points(group="console_scripts")
         for server in SERVERS:
             (entry,) = [e for e in scripts if e.name == server]
@@ -177,6 +179,7 @@ def run_argv(
         venv=venv,
         venv_visible=VENV_VISIBLE,
         site_packages=SITE_PACKAGES,
+        site_visible=SITE_VISIBLE,
         extra_paths="\n".join(f"    {rule}" for rule in extra_paths.splitlines()),
         env_allow=env_allow,
     )
