@@ -39,7 +39,7 @@ from gatewayd.apps.manifest import AppManifest
 from gatewayd.conversation import RUN_TOOL_IDS
 from gatewayd.policy import Policy
 from gatewayd.policy.model import EnvSection, ModelAccessSection, NetworkSection, ToolsSection
-from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode
+from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode, holds_nested
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.runs import ChildKind, ChildSpec, Grant, MadeFor, Run, RunLimits, RunRequest
 from gatewayd.sandbox.session import SandboxView
@@ -190,9 +190,7 @@ def child_grants(caller: Run, app: DiscoveredApp, data: Path) -> tuple[PathGrant
             name=grant.name,
             host_root=grant.host_root,
             root_id=grant.root_id,
-            holds_nested=any(
-                r != grant.host_root and r.is_relative_to(grant.host_root) for r in roots
-            ),
+            holds_nested=holds_nested(grant.host_root, roots),
             visible_root=grant.visible_root,
             mode=PathMode.RO,
             suffixes=grant.suffixes,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from gatewayd.policy.appsfolder import APPS_DIR_NAME, apps_parts_beneath, lies_in_apps_folder
 from gatewayd.policy.model import PathRule, Policy, PolicyError
-from gatewayd.policy.paths import PathGrant, PathMode
+from gatewayd.policy.paths import PathGrant, PathMode, holds_nested
 
 
 def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
@@ -83,9 +83,7 @@ def bind_paths(policy: Policy, workspace: Path) -> tuple[PathGrant, ...]:
             name=name,
             host_root=host_root,
             root_id=root_id,
-            holds_nested=any(
-                other != host_root and other.is_relative_to(host_root) for other in roots
-            ),
+            holds_nested=holds_nested(host_root, roots),
             visible_root=rule.visible_root,
             mode=PathMode(rule.mode),
             suffixes=rule.suffixes,

@@ -36,7 +36,7 @@ from gatewayd.policy.model import (
     ProxySection,
     ToolsSection,
 )
-from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode
+from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT, PathGrant, PathMode, holds_nested
 from gatewayd.runs import ChildKind, ChildSpec, Grant, MadeFor, Run, RunLimits, RunRequest
 from gatewayd.sandbox.session import SandboxView
 
@@ -304,9 +304,7 @@ def _mark_nested(grants: list[PathGrant]) -> tuple[PathGrant, ...]:
             name=grant.name,
             host_root=grant.host_root,
             root_id=grant.root_id,
-            holds_nested=any(
-                r != grant.host_root and r.is_relative_to(grant.host_root) for r in roots
-            ),
+            holds_nested=holds_nested(grant.host_root, roots),
             visible_root=grant.visible_root,
             mode=grant.mode,
         )

@@ -14,18 +14,16 @@ This module does no I/O: it is imported by the configuration.
 from __future__ import annotations
 
 import enum
-import re
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Final
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, model_validator
 
+from gatewayd.mcp.pinset import SERVER_NAME_RE
 from gatewayd.policy.model import DEFAULT_PORTS, EnvName, Port, PrivateEntry
 from gatewayd.policy.review_section import Domain
 from gatewayd.secrets import NAME_RE as SECRET_NAME_RE
 
-# A server's name is one segment of its tools' gateway names (mcp.<server>.<tool>).
-SERVER_NAME_RE: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")
 # An argv is a program and its options, not a script: past this it is a mistake.
 MAX_COMMAND_ARGS: Final = 256
 MAX_ARG_CHARS: Final = 4096

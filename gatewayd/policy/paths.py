@@ -10,6 +10,7 @@ those components beneath ``host_root`` without following any symlink out of it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Final, Literal
@@ -70,6 +71,12 @@ class PathGrant:
     suffixes: tuple[str, ...] = ()  # empty: any suffix
     max_file_bytes: int | None = None  # None: no policy limit (tool limits still apply)
     apps_parts: tuple[str, ...] | None = None  # the apps folder beneath host_root, if there
+
+
+def holds_nested(root: Path, roots: Iterable[Path]) -> bool:
+    """Whether another of ``roots`` lies strictly beneath ``root``: what a grant's
+    ``holds_nested`` says."""
+    return any(other != root and other.is_relative_to(root) for other in roots)
 
 
 Access = Literal["read", "write"]
