@@ -33,7 +33,7 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 NODE_DIR := tests/mcp_node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup system-packages node-packages venv demo test test-fast lint typecheck check bench clean
+.PHONY: setup system-packages node-packages venv tools demo test test-fast lint typecheck check bench clean
 
 setup: system-packages venv node-packages
 
@@ -68,12 +68,36 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	@touch $(STAMP)
 
-demo: setup
+# The example tools (examples/tools/<name>/, docs/tool-runners.md): each C source
+# compiled to a wasm32-wasi module beside its manifest by zig's clang, from the ziglang
+# wheel of the dev extra (no toolchain installed by hand). A module is rebuilt only when
+# its source or the shared header changes; it is written under a temporary name and
+# renamed, so an interrupted build never leaves a truncated module that looks current.
+# The first build ever also builds zig's WASI libc into its cache (~/.cache/zig): ~30 s.
+# The shared header (examples/include/cogni_tool.h: the protocol) lies outside the tool
+# directory, which holds tool folders only (`gatewayd tools check` reports anything else).
+TOOLS_DIR := examples/tools
+TOOL_INCLUDE := examples/include
+TOOL_MODULES := $(patsubst %.c,%.wasm,$(wildcard $(TOOLS_DIR)/*/*.c))
+TOOL_HEADERS := $(wildcard $(TOOL_INCLUDE)/*.h)
+TOOL_CFLAGS := -O2 -s -std=gnu11 -Wall -Wextra -Werror -I$(TOOL_INCLUDE)
+
+# What a build needs first: the dev virtualenv (ziglang). The test suite's fixture
+# builds with TOOL_NEEDS= and its own interpreter (PY=...), so a pytest run never
+# re-makes the virtualenv it runs from.
+TOOL_NEEDS ?= $(STAMP)
+
+tools: $(TOOL_MODULES)
+
+$(TOOLS_DIR)/%.wasm: $(TOOLS_DIR)/%.c $(TOOL_HEADERS) | $(TOOL_NEEDS)
+	$(PY) -m ziglang cc --target=wasm32-wasi $(TOOL_CFLAGS) -o $@.$$$$.tmp $< && mv $@.$$$$.tmp $@
+
+demo: setup tools
 	$(VENV)/bin/python demo/run_demo.py
 
 # pytest exits 5 when it collected no test: that fails here like any other failure.
 # The whole suite runs the lint first: a broken layer fails CI like a failing test.
-test: setup lint
+test: setup lint tools
 	$(PY) -m pytest -q
 
 # The edit-test loop: the unit tests of the pure layers and of each module alone (no
@@ -93,8 +117,8 @@ $(LINT_STAMP): pyproject.toml Makefile
 # pyproject.toml; lint/import_contracts.py adds the module-level cycle check, tested
 # first). It reads the source found on PYTHONPATH; gatewayd is not installed there.
 lint: setup $(LINT_STAMP)
-	$(VENV)/bin/ruff check gatewayd cogni_tool tests bench demo lint
-	$(VENV)/bin/ruff format --check gatewayd cogni_tool tests bench demo lint
+	$(VENV)/bin/ruff check gatewayd cogni_tool tests bench demo lint examples
+	$(VENV)/bin/ruff format --check gatewayd cogni_tool tests bench demo lint examples
 	PYTHONPATH=$(CURDIR) $(LINT_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 	  -W ignore::pytest.PytestConfigWarning lint  # pyproject's pytest options are the suite's
 	PYTHONPATH=$(CURDIR) $(LINT_VENV)/bin/lint-imports --no-logo --no-cache
@@ -117,6 +141,7 @@ bench: setup
 	$(PY) bench/workspace.py
 	$(PY) bench/app_overhead.py
 	$(PY) bench/mcp_overhead.py
+	$(PY) bench/tool_runners.py
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache

@@ -23,6 +23,13 @@ offers them over stdio.
 Prints ``ready`` on stdout once both listen; gatewayd waits for that line before the
 run's first command. Standard library only, Python 3.8+ (any sandbox root runs it).
 
+With a command after ``--`` (the egress bridge only: a process tool's call granted
+network, in a network namespace of its own), it listens, leaves the bridge to a child
+process (stdio on /dev/null, so the tool's stdout and stderr stay the tool's alone), and
+execs the command in its own place: the tool keeps this process's id, stdin, stdout and
+exit status, and the bridge already listens when it starts. Nothing is printed. The
+bridge goes with the tool's sandbox (its pid namespace ends with the tool).
+
 Trust: this process runs as the run's uid, so the run's own commands can kill it or
 race it for the port; neither gives them anything: every decision is gatewayd's.
 """
@@ -31,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
 import sys
 import threading
@@ -50,6 +59,7 @@ if TYPE_CHECKING:
 
 USAGE = """\
 usage: cogni-tool serve [--openai-port PORT --models A,B] [--proxy-port PORT --egress-socket PATH]
+       cogni-tool serve --proxy-port PORT --egress-socket PATH -- COMMAND [ARG...]
 
 Started by gatewayd inside a run's sandbox at run start; not for interactive use.
 """
@@ -72,6 +82,8 @@ RELAY_CHUNK = 64 * 1024
 # Threads only relay bytes or wait on a socket: a small stack keeps many of them cheap
 # where memory is limited per address space (RLIMIT_AS) rather than by cgroup.
 THREAD_STACK_BYTES = 512 * 1024
+# prctl(2): have a signal sent when the parent ends (the egress bridge beside a command).
+PR_SET_PDEATHSIG = 1
 
 # The gateway's error code -> the HTTP status and OpenAI error type the SDK expects.
 _STATUS = {
@@ -86,6 +98,7 @@ _STATUS = {
     "timeout": (504, "timeout"),
     "tool_failed": (502, "upstream_error"),
     "confirmation_required": (403, "permission_denied"),
+    "limit_exceeded": (429, "rate_limit_exceeded"),
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Parameters model.chat does not take; accepted and ignored, so an SDK's defaults pass.
@@ -562,18 +575,25 @@ def _refuse(conn: socket.socket, status: bytes, body: bytes) -> None:
 
 
 class ServeOptions:
-    __slots__ = ("egress_socket", "models", "openai_port", "proxy_port")
+    __slots__ = ("command", "egress_socket", "models", "openai_port", "proxy_port")
 
     def __init__(self) -> None:
         self.openai_port: int | None = None
         self.models: tuple[str, ...] = ()
         self.proxy_port: int | None = None
         self.egress_socket: str | None = None
+        # After "--": the command run with the bridge beside it (egress bridge only).
+        self.command: tuple[str, ...] = ()
 
 
 def parse_serve_args(words: list[str]) -> ServeOptions:
     """Parse ``serve``'s options (ValueError with the reason)."""
     options = ServeOptions()
+    if "--" in words:
+        cut = words.index("--")
+        words, options.command = words[:cut], tuple(words[cut + 1 :])
+        if not options.command:
+            raise ValueError("-- needs a command after it")
     values: dict[str, str] = {}
     i = 0
     while i < len(words):
@@ -594,6 +614,11 @@ def parse_serve_args(words: list[str]) -> ServeOptions:
         options.egress_socket = values["--egress-socket"]
     if options.openai_port is None and options.proxy_port is None:
         raise ValueError("nothing to serve: give --openai-port and/or --proxy-port")
+    if options.command and (options.openai_port is not None or options.proxy_port is None):
+        raise ValueError(
+            "a command after -- runs beside the egress bridge alone: give "
+            "--proxy-port and --egress-socket, and no --openai-port"
+        )
     return options
 
 
@@ -613,6 +638,8 @@ def main(words: list[str]) -> int:
     except ValueError as exc:
         sys.stderr.write(f"cogni-tool: usage: {exc}\n")
         return 2
+    if options.command:
+        return bridge_then_exec(options)
     threading.stack_size(THREAD_STACK_BYTES)
     workers: list[threading.Thread] = []
     try:
@@ -641,3 +668,56 @@ def main(words: list[str]) -> int:
     for worker in workers:
         worker.join()
     return 0
+
+
+def bridge_then_exec(options: ServeOptions) -> int:
+    """Listen on the bridge's port, leave the bridge to a child, exec the command.
+
+    The listener is made before the fork, so a connection the command makes at once
+    waits in its backlog rather than being refused. Returns only when the command cannot
+    be run (127, as a shell says; the bridge child is then stopped)."""
+    assert options.proxy_port is not None
+    assert options.egress_socket is not None
+    try:
+        listener = socket.create_server((LISTEN_HOST, options.proxy_port), backlog=128)
+    except OSError as exc:
+        sys.stderr.write(f"cogni-tool: serve: cannot listen on {LISTEN_HOST}: {exc}\n")
+        return 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:  # the bridge: never returns into the command's code
+        try:
+            _die_with_parent(parent)
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            threading.stack_size(THREAD_STACK_BYTES)
+            serve_bridge(listener, options.egress_socket)
+        finally:
+            os._exit(0)
+    listener.close()
+    try:
+        # The tool's own argv, from its manifest, as the sandbox runs any command.
+        os.execvp(options.command[0], list(options.command))  # noqa: S606
+    except OSError as exc:
+        sys.stderr.write(f"cogni-tool: serve: cannot run {options.command[0]!r}: {exc}\n")
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        return 127
+
+
+def _die_with_parent(parent: int) -> None:
+    """Be killed when the command (the parent, after its exec) ends: in the sandbox its
+    pid namespace ends with it anyway; this holds wherever it runs. Linux only; where
+    prctl is missing, the namespace alone ends the bridge."""
+    try:
+        import ctypes  # here: only the bridge child needs it
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent ended before the call took effect
+        os._exit(0)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     AfterValidator,
@@ -176,6 +176,14 @@ NetnsPrefix = Annotated[str, Field(strict=True), AfterValidator(_check_netns_pre
 MAX_SECRET_NAMES: Final = 64
 # Declared MCP servers: each is a sandbox and a process; more is a pasted catalogue.
 MAX_MCP_SERVERS: Final = 64
+# Tool directories: a few places where operators keep tool folders.
+MAX_TOOL_DIRS: Final = 32
+DEFAULT_TOOL_TIMEOUT_S: Final = 30.0
+DEFAULT_TOOL_MEMORY_MB: Final = 256
+# The bounds a tool's manifest may set (gatewayd.runners.manifest, which this module,
+# below it, cannot import; a test holds them equal): an hour per call, 16 GiB.
+MAX_TOOL_TIMEOUT_S: Final = 3600
+MAX_TOOL_MEMORY_MIB: Final = 16 * 1024
 
 
 def _check_list(value: Any) -> Any:
@@ -254,6 +262,23 @@ class GatewaydConfig(_Strict):
     mcp_servers: Annotated[
         dict[ServerName, McpServerDeclaration], Field(max_length=MAX_MCP_SERVERS)
     ] = Field(default_factory=dict)
+    # -- tool folders: operators' own tools (gatewayd/runners/, docs/tool-runners.md)
+    tool_dirs: Annotated[tuple[AbsolutePath, ...], Field(max_length=MAX_TOOL_DIRS)] = ()
+    # What a tool whose manifest sets no limit gets (the run's call_timeout_s still bounds
+    # each call).
+    tool_timeout_s: Annotated[
+        float, Field(strict=True, gt=0, le=MAX_TOOL_TIMEOUT_S, allow_inf_nan=False)
+    ] = DEFAULT_TOOL_TIMEOUT_S
+    tool_memory_mb: Annotated[int, Field(strict=True, ge=1, le=MAX_TOOL_MEMORY_MIB)] = (
+        DEFAULT_TOOL_MEMORY_MB
+    )
+    # The runner of a manifest that names no runtime.
+    tool_default_runner: Literal["wasm", "process"] = "wasm"
+    # None: <state_dir>/wasm-cache (compiled wasm modules, by digest).
+    tool_cache_dir: AbsolutePath | None = None
+    # `gatewayd tools run`: a tool works on an overlay of the workspace (its changes
+    # shown, kept only on --commit), or on the workspace itself.
+    workspace_mode: Literal["host", "overlay"] = "overlay"
 
     @model_validator(mode="after")
     def _agent_dir_outside_state_dir(self) -> GatewaydConfig:
@@ -336,6 +361,10 @@ class GatewaydConfig(_Strict):
     @property
     def resolved_agent_dir(self) -> Path:
         return self.agent_dir or agent_dir_for(self.state_dir)
+
+    @property
+    def resolved_tool_cache_dir(self) -> Path:
+        return self.tool_cache_dir or self.state_dir / "wasm-cache"
 
     @property
     def resolved_netns_prefix(self) -> str:

@@ -71,6 +71,13 @@ def _env_int(text: str) -> Any:
         raise ValueError(f"{text!r} is not a whole number") from None
 
 
+def _env_number(text: str) -> Any:
+    try:
+        return float(text.strip().replace("_", ""))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+
+
 def _env_path_list(text: str) -> Any:
     return [part for part in text.split(os.pathsep) if part]
 
@@ -129,6 +136,12 @@ ENV_SYNTAX: Final[Mapping[str, EnvSyntax]] = {
     "mcp_servers": EnvSyntax(
         _env_mapping, "{time: {command: [/opt/mcp/bin/mcp-server-time], share: shared}}"
     ),
+    "tool_dirs": EnvSyntax(_env_path_list, "/etc/gatewayd/tools:/srv/tools"),
+    "tool_timeout_s": EnvSyntax(_env_number, "10"),
+    "tool_memory_mb": EnvSyntax(_env_int, "128"),
+    "tool_default_runner": EnvSyntax(_env_text, "process"),
+    "tool_cache_dir": EnvSyntax(_env_text, "/var/cache/gatewayd/wasm"),
+    "workspace_mode": EnvSyntax(_env_text, "host"),
 }
 
 
@@ -323,6 +336,8 @@ def shown_values(config: GatewaydConfig) -> dict[str, Any]:
             value = config.resolved_agent_dir
         elif name == "netns_prefix":
             value = config.resolved_netns_prefix
+        elif name == "tool_cache_dir":
+            value = config.resolved_tool_cache_dir
         elif name == "sandbox_uids":
             uids = config.resolved_sandbox_uids
             value = {"base": uids.base, "count": uids.count}

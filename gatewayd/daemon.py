@@ -28,7 +28,7 @@ from gatewayd.apps.ruledesk import AppRuleDesk
 from gatewayd.audit import AuditLog, open_audit_log
 from gatewayd.config import GatewaydConfig
 from gatewayd.control import ControlServer
-from gatewayd.dialer import Resolver
+from gatewayd.dialer import Resolver, resolve_host
 from gatewayd.dispatch import Dispatcher
 from gatewayd.mcp.approval import Approval
 from gatewayd.mcp.pins import PinStore
@@ -39,14 +39,27 @@ from gatewayd.policyfile import PolicyLoader
 from gatewayd.review.reviewer import Reviewer
 from gatewayd.review.rulebook import RuleBook
 from gatewayd.review.ruledesk import RuleDesk
+from gatewayd.runners.folders import (
+    NO_TOOL_FOLDERS,
+    ToolFolders,
+    load_tool_dirs,
+    manifest_defaults,
+)
+from gatewayd.runners.manifest import MIB, Problem
+from gatewayd.runners.process import CallEgress
+from gatewayd.runners.spec import FolderTool
+from gatewayd.runners.tools import ToolUnavailable, folder_tool
+from gatewayd.runners.wasm import WasmEngine
 from gatewayd.runs import Run, RunRegistry
 from gatewayd.runs.lifecycle import RunManager
+from gatewayd.runs.services import CallEgressProxies
 from gatewayd.runs.startup import prepare_host, raise_open_file_limit
 from gatewayd.sandbox.daemons import DaemonShare, Registration, register_daemon
 from gatewayd.sandbox.uids import UidPool
 from gatewayd.secrets import Scrubber
 from gatewayd.tools import builtin_tools
-from gatewayd.tools.registry import ToolRegistry
+from gatewayd.tools.manifest import RunnerKind
+from gatewayd.tools.registry import DuplicateToolError, ToolRegistry
 
 log = structlog.get_logger("gatewayd.daemon")
 
@@ -72,6 +85,10 @@ class Daemon:
     # The declared MCP servers' instances, and their pinned tools as the runs' tools.
     mcp_servers: McpServers
     mcp_tools: McpTools
+    # The tool folders' tools registered at start (in the dispatcher's registry), the
+    # folders skipped and why, and the wasm engine of their wasm tools (None: none).
+    tool_folders: ToolFolders = NO_TOOL_FOLDERS
+    wasm: WasmEngine | None = None
 
     @property
     def config(self) -> GatewaydConfig:
@@ -108,6 +125,8 @@ async def open_daemon(
     config = config.with_real_dirs()
     # The MCP servers' secrets too: handed to their servers, never to be seen in a result.
     scrubber = Scrubber.for_config(config.models, config.scrubbed_secret_env)
+    # The tool folders' tools join the built-in ones (or those a test gives).
+    registry_of_tools = builtin_tools() if tools is None else tools
     async with (
         _registered(config.host_share(control_socket=control_socket)),
         open_audit_log(
@@ -117,6 +136,17 @@ async def open_daemon(
             max_bytes=config.audit_max_bytes,
         ) as audit,
         trio.open_nursery() as nursery,
+        _folder_tools(
+            config,
+            registry_of_tools,
+            # A process tool call granted network domains gets an egress proxy of its
+            # own, narrowed to them, audited like the run's.
+            CallEgressProxies(
+                audit=audit,
+                resolve=resolver or resolve_host,
+                reply_after_result=config.audit_reply_after_result,
+            ),
+        ) as (folders, wasm),
     ):
         policies = PolicyLoader(config.policy_dirs)
         registry = RunRegistry(config.state_dir, policy_loader=policies)
@@ -128,7 +158,7 @@ async def open_daemon(
         rules = RuleBook()
         dispatcher = Dispatcher(
             audit,
-            builtin_tools() if tools is None else tools,
+            registry_of_tools,
             reviewer=reviewer,
             rules=rules,
             metrics=metrics,
@@ -219,6 +249,8 @@ async def open_daemon(
                 control_socket=control_socket,
                 mcp_servers=mcp_servers,
                 mcp_tools=mcp_tools,
+                tool_folders=folders,
+                wasm=wasm,
             )
         finally:
             with trio.CancelScope(shield=True):
@@ -228,6 +260,72 @@ async def open_daemon(
                 await mcp_servers.aclose()
                 await runs.end_all()
             nursery.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def _folder_tools(
+    config: GatewaydConfig, registry: ToolRegistry, call_egress: CallEgress
+) -> AsyncIterator[tuple[ToolFolders, WasmEngine | None]]:
+    """Read the configured tool directories and register each valid tool in
+    ``registry``; a folder that is invalid, whose name is taken, or that this gatewayd
+    cannot run is logged and skipped (the daemon starts without it). Yields the tools
+    registered with the problems, and the wasm engine (made when a wasm tool is
+    there), which is closed on exit: after the runs have ended, so no call runs."""
+    if not config.tool_dirs:
+        yield NO_TOOL_FOLDERS, None
+        return
+    folders = await trio.to_thread.run_sync(
+        functools.partial(
+            load_tool_dirs,
+            config.tool_dirs,
+            defaults=manifest_defaults(config),
+            taken=frozenset(registry),
+        )
+    )
+    wasm = None
+    if any(tool.runner is RunnerKind.WASM for tool in folders.tools):
+        wasm = WasmEngine(
+            config.resolved_tool_cache_dir, default_memory_bytes=config.tool_memory_mb * MIB
+        )
+    try:
+        yield (
+            _register(
+                folders, registry, wasm, process_ok=config.os_sandbox, call_egress=call_egress
+            ),
+            wasm,
+        )
+    finally:
+        if wasm is not None:
+            wasm.close()
+
+
+def _register(
+    folders: ToolFolders,
+    registry: ToolRegistry,
+    wasm: WasmEngine | None,
+    *,
+    process_ok: bool,
+    call_egress: CallEgress,
+) -> ToolFolders:
+    """Each of ``folders``' tools in ``registry``; what could not be, logged with the
+    folders' own problems."""
+    registered: list[FolderTool] = []
+    problems = list(folders.problems)
+    for tool in folders.tools:
+        try:
+            registry.register(
+                folder_tool(tool, wasm=wasm, process_ok=process_ok, call_egress=call_egress)
+            )
+        except (ToolUnavailable, DuplicateToolError) as exc:
+            problems.append(Problem(tool.manifest_path, "", str(exc)))
+            continue
+        registered.append(tool)
+    for problem in problems:
+        log.warning(
+            "tool_folder_skipped", file=problem.file, field=problem.field, reason=problem.reason
+        )
+    log.info("tool_folders_loaded", tools=[tool.name for tool in registered])
+    return ToolFolders(tuple(registered), tuple(problems))
 
 
 async def _serve_control(

@@ -23,8 +23,10 @@ a provider or tool echoes it; the audit log scrubs each entry again on its own.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -43,6 +45,8 @@ from gatewayd.policy import Allow, allowed_tools, tool_allowed
 from gatewayd.policy.capabilities import RunRights, check_call
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.protocol import (
+    MAX_ID_CHARS,
+    PROTOCOL_VERSION,
     ErrorCode,
     FrameError,
     Request,
@@ -61,12 +65,19 @@ from gatewayd.tools.manifest import ToolManifest
 from gatewayd.tools.registry import (
     TOOLS_LIST,
     DuplicateToolError,
+    NestedCall,
     Tool,
     ToolContext,
     ToolRegistry,
 )
 
 log = structlog.get_logger("gatewayd.dispatch")
+
+# The run whose call slot the current task's call holds: a call a runner makes for
+# that call (a wasm tool's model request, :meth:`Dispatcher._nested_for`) runs in the
+# slot of the call it serves. Taking a second one could wait forever in a run of one
+# slot (limits.max_concurrent_calls: 1), and trio's limiter refuses a borrower twice.
+_SLOT_HELD: ContextVar[str | None] = ContextVar("gatewayd_slot_held", default=None)
 
 CANCELLED_MESSAGE: Final = "stopped before it finished: the run or gatewayd is shutting down"
 
@@ -143,6 +154,8 @@ class Dispatcher:
         # app's child run: the app's rules, always, whatever the policy says).
         self._run_reviews: dict[str, RunReview] = {}
         self._denials = {code: metrics.denials.cell((str(code),)) for code in ErrorCode}
+        # The peer of the calls runners make for a call (:meth:`_nested_for`): gatewayd.
+        self._own_peer = Peer(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
 
     # -- the tools of one run --------------------------------------------------
 
@@ -564,6 +577,8 @@ class Dispatcher:
             return self.list_tools(run)
         args, resolved = admitted
         limits = run.spec.policy.limits
+        own_s = spec.manifest.limits.timeout_s
+        timeout_s = limits.call_timeout_s if own_s is None else min(own_s, limits.call_timeout_s)
         ctx = ToolContext(
             run_id=run.run_id,
             tool_call_id=tool_call_id,
@@ -576,18 +591,22 @@ class Dispatcher:
             resolve=self.resolve,
             sandbox=run.sandbox,
             degraded=run.degraded,
+            timeout_s=timeout_s,
+            nested=None if tool_call_id is None else self._nested_for(run, tool_call_id),
+            env=run.spec.policy.env.allow,
+            model_access=run.spec.policy.model_access.models,
         )
-        own_s = spec.manifest.limits.timeout_s
-        timeout_s = limits.call_timeout_s if own_s is None else min(own_s, limits.call_timeout_s)
         # The time limit covers waiting for a slot too: a saturated run fails fast.
-        limiter = run.limiter
+        limiter = None if _SLOT_HELD.get() == run.run_id else run.limiter
         with trio.move_on_after(timeout_s):
             # A free slot is taken without a schedule point (the call has just waited
             # for its audit entry); only a full run waits, in line, under the timeout.
-            try:
-                limiter.acquire_nowait()
-            except trio.WouldBlock:
-                await limiter.acquire()
+            if limiter is not None:
+                try:
+                    limiter.acquire_nowait()
+                except trio.WouldBlock:
+                    await limiter.acquire()
+            held = _SLOT_HELD.set(run.run_id)
             try:
                 return await spec.runner.run(args, ctx)
             except GatewayError as exc:
@@ -601,13 +620,32 @@ class Dispatcher:
                     f"{spec.name} failed inside gatewayd; the operator's log has details",
                 ) from None
             finally:
-                limiter.release()
+                _SLOT_HELD.reset(held)
+                if limiter is not None:
+                    limiter.release()
         # Only a timeout leaves the block without returning or raising.
         if timeout_s < limits.call_timeout_s:
             limit = f"its own limit of {timeout_s:g} s per call (timeoutSeconds in its manifest)"
         else:
             limit = f"this run's limit of {timeout_s:g} s per call (limits.call_timeout_s)"
         raise _Refusal(ErrorCode.TIMEOUT, f"{spec.name} ran past {limit} and was stopped")
+
+    def _nested_for(self, run: Run, parent_id: str) -> NestedCall:
+        """The nested calls of call ``parent_id``: each a request of the same run, by
+        gatewayd's own process, through every step of :meth:`handle`."""
+        peer = self._own_peer
+
+        async def nested(tool: str, args: Mapping[str, Any], suffix: str) -> Response:
+            call_id = f"{parent_id}.{suffix}"
+            if len(call_id) > MAX_ID_CHARS:
+                # Still unique per call: the parent's id is cut, the suffix kept.
+                call_id = f"{parent_id[: MAX_ID_CHARS - len(suffix) - 2]}~.{suffix}"
+            request = Request(
+                v=PROTOCOL_VERSION, runId=run.run_id, toolCallId=call_id, tool=tool, args=dict(args)
+            )
+            return await self.handle(run, request, peer)
+
+        return nested
 
     async def _review(
         self, run: Run, req: Request, args: Any
@@ -665,6 +703,9 @@ class Dispatcher:
         # the run's concurrent calls like the call itself.
         # A free slot is taken without a schedule point or a deadline (the common case,
         # and what a cache hit pays); waiting for one is bounded like the call itself.
+        if _SLOT_HELD.get() == run.run_id:
+            # A nested call's review runs in the slot of the call it serves.
+            return await self.reviewer.review(req.tool, msgspec.to_builtins(args), section, rules)
         try:
             run.limiter.acquire_nowait()
         except trio.WouldBlock:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -105,6 +105,9 @@ class EgressProxy:
     marks every audit entry of a run without the OS sandbox; ``head_timeout_s`` bounds
     the wait for a request head (tests shorten it); ``reply_after_result`` False is the
     operator's opt-out: error answers leave without waiting for their entry.
+    ``tags`` go into every audit entry's detail: a process tool call's own proxy names
+    the tool and the call (``tool``, ``toolCallId``), so a reviewer tells its connections
+    from the run's.
     """
 
     def __init__(
@@ -117,8 +120,10 @@ class EgressProxy:
         degraded: str | None = None,
         head_timeout_s: float = HEAD_TIMEOUT_S,
         reply_after_result: bool = True,
+        tags: Mapping[str, str] | None = None,
     ) -> None:
         self.run_id = run_id
+        self._tags = dict(tags or {})
         self.network = network
         self._audit = audit
         self._resolve = resolve
@@ -204,7 +209,7 @@ class EgressProxy:
                 runId=self.run_id,
                 errorCode=code,
                 safeMessage=f"{count} more refused proxy connections, not audited one by one",
-                detail={"verdict": "denied", "suppressedSinceLast": count},
+                detail={**self._tags, "verdict": "denied", "suppressedSinceLast": count},
                 degraded=self._degraded,
             )
         except ValueError as exc:
@@ -462,6 +467,7 @@ class EgressProxy:
                     runId=self.run_id,
                     peer=peer,
                     detail={
+                        **self._tags,
                         "domain": outcome.domain,
                         "port": outcome.port,
                         "method": outcome.method,
@@ -480,6 +486,7 @@ class EgressProxy:
         it is queued); False, logged, when the log cannot take it or not in time (the
         entry stays queued then)."""
         detail: dict[str, object] = {
+            **self._tags,
             "domain": outcome.domain,
             "port": outcome.port,
             "method": outcome.method,

@@ -53,6 +53,13 @@ class ToolTimedOut(GatewayError):
     code = ErrorCode.TIMEOUT
 
 
+class LimitExceeded(GatewayError):
+    """The tool ran past one of its own limits (memory, a wasm tool's fuel) and was
+    stopped; the message names which limit."""
+
+    code = ErrorCode.LIMIT_EXCEEDED
+
+
 class AuthzDenied(GatewayError):
     """The run lacks the system grant needed for this."""
 

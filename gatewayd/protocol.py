@@ -63,6 +63,8 @@ class ErrorCode(enum.StrEnum):
     # A loosening rule change asked from inside a run: it waits for the operator's
     # confirmation (the message holds its id and the command that confirms it).
     CONFIRMATION_REQUIRED = "confirmation_required"
+    # A tool's own budget ran out: a wasm tool's fuel or memory (the message says which).
+    LIMIT_EXCEEDED = "limit_exceeded"
 
     @property
     def fault(self) -> Fault:
@@ -95,6 +97,7 @@ FAULT_OF: Final[Mapping[ErrorCode, Fault]] = MappingProxyType(
         # Invariant LOOSENING_NEEDS_CONFIRMATION: no request from inside a run loosens
         # rules; asking again changes nothing, only the operator's confirmation does.
         ErrorCode.CONFIRMATION_REQUIRED: Fault.POLICY,
+        ErrorCode.LIMIT_EXCEEDED: Fault.POLICY,
     }
 )
 

@@ -1,5 +1,5 @@
 """`gatewayd` command line: serve, run, exec, rules, image, config, policy, audit,
-install-systemd, agent, review, apps, mcp.
+install-systemd, agent, review, apps, mcp, tools.
 
 Each command group is a module of this package (:class:`~gatewayd.cli.command.CommandModule`):
 it adds its parsers and runs its commands; :data:`COMMANDS` says which module runs
@@ -29,6 +29,7 @@ from gatewayd.cli import (
     rules,
     run,
     serve,
+    tools,
 )
 from gatewayd.cli.command import CommandModule
 
@@ -47,6 +48,7 @@ COMMANDS: Final[Mapping[str, CommandModule]] = {
     "review": review,
     "apps": apps,
     "mcp": mcp,
+    "tools": tools,
 }
 
 

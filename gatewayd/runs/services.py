@@ -4,12 +4,19 @@ socket it forwards to.
 
 Both live in the nursery that serves the run's socket: when the run ends they stop, and a
 service that dies on its own is audited (``services_exited``), once.
+
+Also a process tool call's own egress proxy (:class:`CallEgressProxies`), which lives
+as long as the call.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Container, Mapping
+import os
+from collections.abc import AsyncIterator, Container, Mapping
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from pathlib import Path
 
 import structlog
 import trio
@@ -19,6 +26,7 @@ from gatewayd.audit import AuditEvent, AuditLog
 from gatewayd.dialer import Resolver
 from gatewayd.egress import EgressProxy, serve_egress
 from gatewayd.policy import RunRules, tool_allowed
+from gatewayd.policy.model import NetworkSection
 from gatewayd.runs.model import Run
 from gatewayd.sandbox.launch import ExecResult, ResultForm, exec_result_json
 from gatewayd.sandbox.plan import (
@@ -29,7 +37,8 @@ from gatewayd.sandbox.plan import (
     SANDBOX_EGRESS_SOCKET,
     Services,
 )
-from gatewayd.sandbox.session import SandboxUnavailable
+from gatewayd.sandbox.session import RunSandbox, SandboxUnavailable
+from gatewayd.tools.registry import ToolContext
 
 log = structlog.get_logger("gatewayd.runs.services")
 
@@ -209,3 +218,82 @@ def _describe_services(services: Services) -> str:
         if on
     ]
     return " and ".join(names)
+
+
+class CallEgressProxies:
+    """Process tool calls' own egress proxies (a
+    :class:`~gatewayd.runners.process.CallEgress`, given to the process runner by the
+    daemon's wiring).
+
+    One call's proxy is the run's proxy code (:class:`~gatewayd.egress.EgressProxy`,
+    same checks, limits and audit entries, in the same audit log) with the section the
+    runner narrowed: the run's, its domains those the tool declares and the run allows.
+    Its entries name the tool and the call (``tool``, ``toolCallId`` in their detail).
+    It serves its socket to the run sandbox's processes outside the run's own network
+    namespace (the call's sandbox has one of its own), mode 0660 to the run's group as
+    the run's proxy socket is; it stops, its open connections closed and audited, and
+    its socket file is removed when the call ends.
+    """
+
+    def __init__(self, *, audit: AuditLog, resolve: Resolver, reply_after_result: bool) -> None:
+        self._audit = audit
+        self._resolve = resolve
+        self._reply_after_result = reply_after_result
+
+    def __call__(
+        self, *, ctx: ToolContext, tool: str, network: NetworkSection, socket: Path
+    ) -> AbstractAsyncContextManager[None]:
+        return self._serve(ctx, tool, network, socket)
+
+    @asynccontextmanager
+    async def _serve(
+        self, ctx: ToolContext, tool: str, network: NetworkSection, socket: Path
+    ) -> AsyncIterator[None]:
+        sandbox = ctx.sandbox
+        if sandbox is None:  # the runner refuses such a call before; never served
+            raise SandboxUnavailable(f"run {ctx.run_id} has no OS sandbox")
+        proxy = EgressProxy(
+            run_id=ctx.run_id,
+            network=network,
+            audit=self._audit,
+            resolve=self._resolve,
+            degraded=ctx.degraded,
+            reply_after_result=self._reply_after_result,
+            tags={"tool": tool, "toolCallId": ctx.tool_call_id or ""},
+        )
+        failed: Exception | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(
+                    functools.partial(
+                        serve_egress,
+                        socket,
+                        proxy,
+                        group=sandbox.user.gid,
+                        owns_peer=functools.partial(_in_call_sandbox, sandbox),
+                    )
+                )
+                try:
+                    yield
+                except Exception as exc:
+                    # The call's own error, raised as it is below rather than in the
+                    # nursery's exception group: the runner's errors map to their codes.
+                    failed = exc
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                socket.unlink()
+        if failed is not None:
+            raise failed
+
+
+def _in_call_sandbox(sandbox: RunSandbox, pid: int) -> bool:
+    """Is ``pid`` one of the run sandbox's processes (its uid) outside the run's own
+    network namespace (a call's sandbox, with a namespace of its own)? The socket is
+    seen by nothing else of the run: only that call's sandbox has it bound."""
+    try:
+        owner = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return False  # gone already, or not visible: not ours to serve
+    return owner == sandbox.user.uid and not sandbox.owns_peer(pid)

@@ -40,6 +40,11 @@ SOCKET_NAME: Final = "gateway.sock"
 # The run's egress proxy socket (only when the policy turns the proxy on), beside it.
 SANDBOX_EGRESS_SOCKET: Final = "/run/cogni/egress.sock"
 EGRESS_SOCKET_NAME: Final = "egress.sock"
+# A call's own egress proxy socket (a process tool's call granted domains), in the run's
+# directory too: ``egress-<n>.sock``, bound at SANDBOX_EGRESS_SOCKET in that call's
+# sandbox alone, which has a network namespace of its own (``run_network=False``).
+CALL_EGRESS_SOCKET_PREFIX: Final = "egress-"
+CALL_EGRESS_SOCKET_SUFFIX: Final = ".sock"
 # The run's in-sandbox services (``cogni-tool serve``), on the run's own loopback: fixed
 # ports, since every run has a network namespace of its own.
 MODEL_ENDPOINT_PORT: Final = 11411
@@ -98,6 +103,11 @@ ISOLATION_OPTIONS: Final[tuple[str, ...]] = (
 )
 # No --unshare-net here on purpose: gatewayd makes the run's netns (loopback only) and the
 # launcher joins it before exec'ing bwrap, so the gateway can check peers against it.
+# A plan without the run's network (``run_network=False``: a process tool's call) adds it:
+# bwrap then gives the command a namespace of its own, inside the run's, with nothing but
+# its own loopback, so nothing listening on the run's loopback (the run's own services:
+# the egress proxy, the model endpoint) is reachable from it.
+UNSHARE_NET: Final = "--unshare-net"
 
 # Host top-level directories that hold the system. On Debian 12 (merged /usr) all but /usr
 # are symlinks into /usr; elsewhere they are real directories. Mounted read-only.
@@ -319,6 +329,13 @@ class SandboxPlan:
     # Whether the run's socket is in the sandbox (an app's sandbox has none: the app's
     # calls are its conversation's, made by gatewayd, counted and limited there).
     gateway_socket: bool = True
+    # Whether the command shares the run's network namespace (False: one of its own with
+    # loopback only, :data:`UNSHARE_NET`; no service of the run can then be reached).
+    run_network: bool = True
+    # The host socket bound at SANDBOX_EGRESS_SOCKET when ``services.egress_proxy``: None,
+    # the run's own (beside its socket); else a call's own proxy socket, only in a plan
+    # with a network namespace of its own (the command starts its own bridge there).
+    egress_socket: str | None = None
 
     @property
     def data_steps(self) -> tuple[RoBindData, ...]:
@@ -367,6 +384,8 @@ def build_plan(
     whole_workspace: bool = True,
     gateway_socket: bool = True,
     cwd: str = WORKSPACE,
+    run_network: bool = True,
+    egress_socket: str | None = None,
 ) -> SandboxPlan:
     """The plan for ``command`` in run ``run_id``; call :func:`validate` on it before use.
 
@@ -387,7 +406,12 @@ def build_plan(
     ``whole_workspace`` False: only the policy paths beneath /workspace are shown there,
     on an empty read-only tmpfs (an app whose caller may read only parts of its
     workspace). ``gateway_socket`` False: the run's socket is not in the sandbox.
-    ``cwd``: where the command starts (default: the workspace).
+    ``cwd``: where the command starts (default: the workspace). ``run_network`` False:
+    a network namespace of the command's own (loopback only) instead of the run's; the
+    run's services are then out of reach, so ``services`` must name none, except the
+    egress proxy with ``egress_socket``: a call's own proxy socket (host path) bound at
+    :data:`SANDBOX_EGRESS_SOCKET`, whose bridge the command itself starts in its own
+    namespace (the proxy variables then point at it).
 
     Error handling: raises :class:`PlanError` for an unusable run id, environment name or
     value, a reserved extra name, a tmpfs size under one page, or a system symlink
@@ -444,7 +468,9 @@ def build_plan(
         steps.append(RoBind(src=gateway_socket_host, dest=SANDBOX_SOCKET))
     services = services or Services()
     if services.egress_proxy:
-        egress = posixpath.join(posixpath.dirname(gateway_socket_host), EGRESS_SOCKET_NAME)
+        egress = egress_socket or posixpath.join(
+            posixpath.dirname(gateway_socket_host), EGRESS_SOCKET_NAME
+        )
         steps.append(RoBind(src=egress, dest=SANDBOX_EGRESS_SOCKET))
     # Last: the root tmpfs bwrap builds (and the directories it made for mount points) is
     # writable otherwise, and so is the tmpfs --dev makes; the mounts below them keep
@@ -467,6 +493,8 @@ def build_plan(
         covered_trees=tuple(covered_trees),
         exposed_trees=tuple(exposed_trees),
         gateway_socket=gateway_socket,
+        run_network=run_network,
+        egress_socket=egress_socket,
     )
 
 
@@ -624,6 +652,18 @@ def validate(plan: SandboxPlan) -> None:
             f"{'once' if plan.services.egress_proxy else 'never'} "
             f"(the run {'has' if plan.services.egress_proxy else 'has no'} egress proxy)"
         )
+    own_egress = plan.services == Services(egress_proxy=True) and plan.egress_socket is not None
+    if not plan.run_network and plan.services != Services() and not own_egress:
+        raise PlanError(
+            "the plan gives the command a network namespace of its own but names the run's "
+            "services, which listen on the run's loopback and cannot be reached from it"
+        )
+    if plan.egress_socket is not None and plan.run_network:
+        raise PlanError(
+            "the plan binds a call's own egress socket into the run's network namespace, "
+            "where the run's bridge serves the run's proxy; a call's own proxy is only for "
+            "a command with a network namespace of its own"
+        )
     _check_env(plan)
 
 
@@ -646,7 +686,24 @@ def _check_socket(plan: SandboxPlan, name: str, step: Step) -> None:
     if not isinstance(step, RoBind | Bind):
         raise PlanError(f"{name} puts something other than a bind of the run's socket there")
     socket_name = SOCKET_NAME if step.dest == SANDBOX_SOCKET else EGRESS_SOCKET_NAME
-    expected = posixpath.join(plan.state_dir, "runs", plan.run_id, socket_name)
+    run_dir = posixpath.join(plan.state_dir, "runs", plan.run_id)
+    expected = posixpath.join(run_dir, socket_name)
+    if step.dest == SANDBOX_EGRESS_SOCKET and plan.egress_socket is not None:
+        # A call's own proxy socket: exactly the one the plan names, in this run's directory.
+        number = posixpath.basename(step.src)[len(CALL_EGRESS_SOCKET_PREFIX) :]
+        number = number.removesuffix(CALL_EGRESS_SOCKET_SUFFIX)
+        if (
+            step.src == plan.egress_socket
+            and posixpath.dirname(step.src) == run_dir
+            and posixpath.basename(step.src)
+            == f"{CALL_EGRESS_SOCKET_PREFIX}{number}{CALL_EGRESS_SOCKET_SUFFIX}"
+            and number.isdigit()
+            and number.isascii()
+        ):
+            return
+        expected = posixpath.join(
+            run_dir, f"{CALL_EGRESS_SOCKET_PREFIX}<n>{CALL_EGRESS_SOCKET_SUFFIX}"
+        )
     if step.src != expected:
         raise PlanError(
             f"{name} binds {step.src} as the run's socket; only this run's socket "
@@ -814,6 +871,8 @@ def render_argv(
     validate(plan)
     fds = dict(data_fds or {})
     argv = [bwrap, *ISOLATION_OPTIONS]
+    if not plan.run_network:
+        argv.append(UNSHARE_NET)
     argv += ["--uid", str(plan.uid), "--gid", str(plan.gid), "--hostname", plan.hostname]
     # --clearenv acts when parsed, so it comes before every --setenv.
     argv.append("--clearenv")

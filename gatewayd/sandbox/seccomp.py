@@ -96,8 +96,20 @@ SUID_MODE_ARGS: Final[tuple[tuple[str, int], ...]] = (
     ("openat", 3),
     ("mkdir", 1),
     ("mkdirat", 2),
-    ("mknod", 1),
-    ("mknodat", 2),
+)
+# The calls that make special files: refused for setuid and setgid like the rest, and
+# for FIFOs. A FIFO left in a host directory blocks whoever opens it there, on the host,
+# until a writer comes: wasmtime opens a wasm tool's files with a blocking open(2) that
+# no deadline reaches, and backup or indexing tools block the same way. Sockets and
+# devices need no row: opening a socket file fails at once (ENXIO), and making a device
+# needs CAP_MKNOD, which the sandbox lacks.
+MKNOD_MODE_ARGS: Final[tuple[tuple[str, int], ...]] = (("mknod", 1), ("mknodat", 2))
+# <linux/stat.h>: the file-type bits of a mode, and the type of a FIFO.
+S_IFMT: Final = 0o170000
+S_IFIFO: Final = 0o010000
+MKNOD_REASON: Final = (
+    f"{SUID_REASON}; or would leave a FIFO in a host directory, where an open on the host "
+    "(a wasm tool's, a backup's) blocks until a writer comes"
 )
 
 
@@ -295,6 +307,16 @@ DENIED_SYSCALLS: Final[tuple[DeniedSyscall, ...]] = (
             arg_index=index,
         )
         for name, index in SUID_MODE_ARGS
+    ),
+    *(
+        DeniedSyscall(
+            name=name,
+            reason=MKNOD_REASON,
+            when=f"mode (argument {index}) holds S_ISUID or S_ISGID, or its type is S_IFIFO",
+            arg_tests=(*_any_bit_of(SUID_SGID_BITS), (S_IFMT, S_IFIFO)),
+            arg_index=index,
+        )
+        for name, index in MKNOD_MODE_ARGS
     ),
     DeniedSyscall(
         name="openat2",

@@ -25,6 +25,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -65,6 +66,8 @@ from gatewayd.sandbox.netns import (
 )
 from gatewayd.sandbox.passthrough import Passthrough
 from gatewayd.sandbox.plan import (
+    CALL_EGRESS_SOCKET_PREFIX,
+    CALL_EGRESS_SOCKET_SUFFIX,
     CLIENT_COPY_DIR,
     COGNI_TOOL_VISIBLE_DIR,
     PIN_DIR,
@@ -216,6 +219,40 @@ class SandboxView:
     cwd: str = WORKSPACE
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallBind:
+    """A directory or file one command sees (:class:`CallView`): ``fd`` is an ``O_PATH``
+    descriptor the caller opened without following any symlink and keeps open for the
+    command; bwrap binds exactly it (attached at a run-private mount point, as the run's
+    pinned trees are), whatever its path has become meanwhile."""
+
+    fd: int
+    host: str  # its real host path when opened: for the plan's checks and messages
+    visible: str
+    writable: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CallView:
+    """One command's narrowed view of its run's sandbox (a process tool's call).
+
+    Of the host it sees the system, as every command does, and ``binds``, nothing else:
+    not the workspace (an empty read-only /workspace holds the binds beneath it), none
+    of the run's policy paths, no run socket, none of the run's services; a network
+    namespace of its own with loopback only; the environment ``env_names`` (from the
+    values passed), and it starts in ``cwd``. Same uid, limits and launcher as the
+    run's other commands.
+
+    ``egress_socket``: the host socket of this command's own egress proxy
+    (:meth:`RunSandbox.call_egress_socket`), bound where the run's would be, with the
+    proxy variables set; the command starts the bridge to it in its own namespace."""
+
+    binds: tuple[CallBind, ...]
+    env_names: tuple[str, ...] = ()
+    cwd: str = WORKSPACE
+    egress_socket: Path | None = None
+
+
 @dataclass(eq=False, kw_only=True)
 class RunSandbox:
     """The OS sandbox of one live run."""
@@ -247,6 +284,12 @@ class RunSandbox:
     _running: set[trio.CancelScope] = field(default_factory=set)
     _idle: trio.Event = field(default_factory=trio.Event)
     _closed: bool = False
+    # The next free number for a call's own mount points (beside the run's pins, which
+    # take 0..len(pins)-1): each narrowed command attaches its binds at fresh ones.
+    _next_point: int = -1
+    # The next number of a call's own egress proxy socket (never reused while the run
+    # lives, as mount points are not).
+    _next_egress: int = 0
 
     @classmethod
     async def open(
@@ -465,19 +508,129 @@ class RunSandbox:
             raise SandboxUnavailable(f"run {self.run_id} is ending; no new command may start")
         values = dict(os.environ) if env_values is None else dict(env_values)
         plan = self.plan(command, values)
+        return await self._launch(
+            plan,
+            limits=limits or self.limits.for_command(timeout_s),
+            stdin=stdin,
+            echo=echo,
+            pins=self.pins,
+            passthrough=passthrough,
+        )
+
+    async def exec_in_view(
+        self,
+        command: Sequence[str],
+        view: CallView,
+        *,
+        limits: SandboxLimits,
+        env_values: Mapping[str, str],
+        stdin: bytes | None = None,
+        echo: Echo | None = None,
+    ) -> ExecResult:
+        """Run ``command`` in a fresh sandbox of this run that sees only ``view``
+        (:class:`CallView`), within ``limits`` (the caller derives them from the run's).
+
+        Each bind is attached, by its descriptor, at a mount point of its own in the
+        run's directory, made for this command and removed after it, so concurrent
+        commands never share one. Must be called from the trio thread.
+
+        Error handling: ``PlanError`` for a view the plan's checks refuse (a bind of a
+        denied or covered host tree, two binds at one place), ``LaunchError`` when the
+        sandbox cannot start; :class:`SandboxUnavailable` once the run is ending.
+        """
+        if self._closed:
+            raise SandboxUnavailable(f"run {self.run_id} is ending; no new command may start")
+        points = self.socket_path.parent / PIN_DIR
+        made: list[Path] = []
+        try:
+            pins: list[tuple[int, str]] = []
+            pinned: dict[str, str] = {}
+            for bind in view.binds:
+                point = points / str(self._take_point())
+                if stat.S_ISDIR(os.fstat(bind.fd).st_mode):
+                    point.mkdir(mode=0o700)
+                else:  # a file is mounted on a file
+                    os.close(os.open(point, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+                made.append(point)
+                pins.append((bind.fd, str(point)))
+                pinned[bind.host] = str(point)
+            plan = _plan(
+                run_id=self.run_id,
+                settings=self.settings,
+                workspace=self.workspace,
+                mounts=tuple(
+                    PolicyMount(
+                        host=bind.host,
+                        visible=bind.visible,
+                        mode=PathMode.RW if bind.writable else PathMode.RO,
+                    )
+                    for bind in view.binds
+                ),
+                socket_path=self.socket_path,
+                netns_path=self.netns.path,
+                env_names=view.env_names,
+                image_dir=self.image_dir,
+                limits=self.limits,
+                command=command,
+                env_values=env_values,
+                pinned=pinned,
+                services=Services(egress_proxy=view.egress_socket is not None),
+                view=SandboxView(
+                    workspace_read_only=True,
+                    whole_workspace=False,
+                    gateway_socket=False,
+                    cwd=view.cwd,
+                ),
+                run_network=False,
+                egress_socket=None if view.egress_socket is None else str(view.egress_socket),
+            )
+            return await self._launch(plan, limits=limits, stdin=stdin, echo=echo, pins=pins)
+        finally:
+            for point in made:
+                with contextlib.suppress(OSError):
+                    if point.is_dir():
+                        point.rmdir()
+                    else:
+                        point.unlink()
+
+    def call_egress_socket(self) -> Path:
+        """A fresh host path, in the run's directory, for one command's own egress proxy
+        socket (:class:`CallView`); nothing is made there. The caller serves it, and
+        removes it after the command."""
+        number = self._next_egress
+        self._next_egress += 1
+        name = f"{CALL_EGRESS_SOCKET_PREFIX}{number}{CALL_EGRESS_SOCKET_SUFFIX}"
+        return self.socket_path.parent / name
+
+    def _take_point(self) -> int:
+        # Numbers are never reused while the run lives: a point is removed after its
+        # command, but a number handed out twice could meet a concurrent command's.
+        self._next_point = max(self._next_point, len(self.pins)) + 1
+        return self._next_point - 1
+
+    async def _launch(
+        self,
+        plan: SandboxPlan,
+        *,
+        limits: SandboxLimits,
+        stdin: bytes | None,
+        echo: Echo | None,
+        pins: Sequence[tuple[int, str]],
+        passthrough: Passthrough | None = None,
+    ) -> ExecResult:
         with trio.CancelScope() as scope:
             self._running.add(scope)
             try:
                 return await run_in_sandbox(
                     plan,
                     netns=self.netns.path,
-                    limits=limits or self.limits.for_command(timeout_s),
+                    limits=limits,
                     host_user=self.user,
                     stdin=stdin,
                     bwrap=self.settings.bwrap,
                     cgroups=self.settings.cgroups,
                     echo=echo,
-                    pins=self.pins,
+                    pins=pins,
                     passthrough=passthrough,
                 )
             finally:
@@ -562,6 +715,8 @@ def _plan(
     pinned: Mapping[str, str] | None = None,
     services: Services | None = None,
     view: SandboxView | None = None,
+    run_network: bool = True,
+    egress_socket: str | None = None,
 ) -> SandboxPlan:
     view = view or SandboxView()
     plan = build_plan(
@@ -587,6 +742,8 @@ def _plan(
         whole_workspace=view.whole_workspace,
         gateway_socket=view.gateway_socket,
         cwd=view.cwd,
+        run_network=run_network,
+        egress_socket=egress_socket,
     )
     validate(plan)
     return plan

@@ -25,6 +25,7 @@ from gatewayd.tools.manifest import ToolManifest
 
 if TYPE_CHECKING:
     from gatewayd.policy.model import NetworkSection
+    from gatewayd.protocol import Response
     from gatewayd.runs import ModelBudget
     from gatewayd.sandbox.session import RunSandbox
 
@@ -60,6 +61,26 @@ class ToolContext:
     # sandbox.exec: the run's OS sandbox (None: a degraded run, where nothing may run).
     sandbox: RunSandbox | None = None
     degraded: str | None = None
+    # The call's time limit in seconds, as dispatch enforces it (the run's, or the
+    # tool's own when shorter): a runner that cannot be cancelled mid-call (a wasm
+    # module in a thread) stops itself by then.
+    timeout_s: float | None = None
+    # A call the runner makes for this one, through the whole chokepoint (policy,
+    # review, audit, budget) as the same run: ``nested(tool, args, suffix)``, whose
+    # toolCallId is this call's with ``.suffix`` added. None: the runner may make none.
+    nested: NestedCall | None = None
+    # The run's policy ``env.allow`` and ``model_access.models``: a folder tool's optional
+    # environment names and model aliases are granted only where these hold them
+    # (gatewayd.runners.rights).
+    env: tuple[str, ...] = ()
+    model_access: tuple[str, ...] = ()
+
+
+class NestedCall(Protocol):
+    """A call a runner makes on behalf of the call it serves (a wasm tool's model
+    request), answered as any call is: a value or an error code and message."""
+
+    async def __call__(self, tool: str, args: Mapping[str, Any], suffix: str) -> Response: ...
 
 
 class ToolRunner(Protocol[A_contra]):

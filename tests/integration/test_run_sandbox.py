@@ -1316,6 +1316,36 @@ async def test_the_sandbox_cannot_make_a_setuid_or_setgid_file_by_any_call(
     await sb.daemon.runs.end(run.run_id)
 
 
+FIFO_PROBE = """
+import errno, os
+out = []
+for path in ("/workspace/pipe", "/tmp/pipe"):
+    try:
+        os.mkfifo(path, 0o600)
+        out.append("made")
+    except OSError as e:
+        out.append(errno.errorcode[e.errno])
+try:
+    os.mknod("/workspace/plain", 0o600)
+    out.append("plain")
+except OSError as e:
+    out.append(errno.errorcode[e.errno])
+print(" ".join(out))
+"""
+
+
+async def test_the_sandbox_cannot_make_a_fifo_anywhere(sb: Sandboxed) -> None:
+    # A FIFO in the workspace would block whoever opens it on the host (a wasm tool's
+    # blocking open); one in /tmp is refused alike, since seccomp sees no path.
+    ws = sb.workspace()
+    run = await sb.run(workspace=ws)
+    result = await sb.py(run, FIFO_PROBE)
+    assert result.stdout.decode().split() == ["EPERM", "EPERM", "plain"], result.stderr
+    assert not (ws / "pipe").exists()
+    assert (ws / "plain").is_file()
+    await sb.daemon.runs.end(run.run_id)
+
+
 async def test_a_process_holding_the_runs_uid_only_as_effective_uid_is_killed_at_run_end(
     sb: Sandboxed,
 ) -> None:

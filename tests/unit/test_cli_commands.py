@@ -32,6 +32,7 @@ MINIMAL_ARGV: Final[dict[str, list[str]]] = {
     "review": ["review", "replay", "calls.jsonl", "--policy", "p"],
     "apps": ["apps", "check", "apps/examples/note-taker"],
     "mcp": ["mcp", "list"],
+    "tools": ["tools", "list"],
 }
 
 

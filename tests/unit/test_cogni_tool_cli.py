@@ -40,6 +40,7 @@ EXPECTED_EXIT_CODES = {
     "tool_failed": 20,
     "internal": 21,
     "confirmation_required": 23,
+    "limit_exceeded": 24,
 }
 
 

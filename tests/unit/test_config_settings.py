@@ -51,6 +51,12 @@ ENV_CASES: dict[str, tuple[str, Any]] = {
         "{t: {command: [/usr/bin/true], share: shared}}",
         {"t": McpServerDeclaration(command=("/usr/bin/true",), share=Share.SHARED)},
     ),
+    "tool_dirs": ("/etc/gw/tools:/srv/tools", (Path("/etc/gw/tools"), Path("/srv/tools"))),
+    "tool_timeout_s": ("2.5", 2.5),
+    "tool_memory_mb": ("1_024", 1024),
+    "tool_default_runner": ("process", "process"),
+    "tool_cache_dir": ("/var/cache/gw", Path("/var/cache/gw")),
+    "workspace_mode": ("host", "host"),
 }
 
 
@@ -366,6 +372,12 @@ RELOAD_CASES: list[tuple[str, Any, bool]] = [
     ("models", {"r": ModelAlias(provider="openai", model="m")}, True),
     ("secret_env", ("TOKEN",), False),
     ("mcp_servers", {"t": McpServerDeclaration(url="https://mcp.example.org/mcp")}, False),
+    ("tool_dirs", (Path("/srv/tools"),), False),
+    ("tool_timeout_s", 5.0, False),
+    ("tool_memory_mb", 64, False),
+    ("tool_default_runner", "process", False),
+    ("tool_cache_dir", Path("/srv/cache"), False),
+    ("workspace_mode", "host", False),
 ]
 
 

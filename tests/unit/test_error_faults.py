@@ -29,6 +29,7 @@ CODES = [
     (ErrorCode.TOOL_FAILED, "tool_failed", Fault.UPSTREAM),
     (ErrorCode.INTERNAL, "internal", Fault.GATEWAYD),
     (ErrorCode.CONFIRMATION_REQUIRED, "confirmation_required", Fault.POLICY),
+    (ErrorCode.LIMIT_EXCEEDED, "limit_exceeded", Fault.POLICY),
 ]
 
 

@@ -51,6 +51,7 @@ def test_error_codes_are_exactly_the_closed_set() -> None:
         "tool_failed",
         "internal",
         "confirmation_required",
+        "limit_exceeded",
     }
 
 

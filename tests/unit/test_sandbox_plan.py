@@ -579,3 +579,83 @@ def test_validate_refuses_service_variables_changed_or_without_the_service() -> 
     merged = dict(bare.env) | {"HTTPS_PROXY": "http://127.0.0.1:3128"}
     with pytest.raises(PlanError, match=r"HTTPS_PROXY is not on the allowlist"):
         validate(dataclasses.replace(bare, env=tuple(merged.items())))
+
+
+# --- a command with a network namespace of its own (a process tool's call) -------------
+
+
+def test_a_plan_without_the_runs_network_unshares_it_and_the_default_shares_it() -> None:
+    shared = make_plan()
+    argv = render_argv(shared, bwrap="/usr/bin/bwrap", data_fds=fds_for(shared))
+    assert "--unshare-net" not in argv
+    own = make_plan(run_network=False, gateway_socket=False)
+    argv = render_argv(own, bwrap="/usr/bin/bwrap", data_fds=fds_for(own))
+    # Among bwrap's options, before the first mount: the command's own namespace.
+    assert argv.index("--unshare-net") < argv.index("--clearenv")
+
+
+def test_a_plan_without_the_runs_network_may_not_name_the_runs_services() -> None:
+    with pytest.raises(PlanError, match="cannot be reached"):
+        validate(make_plan(run_network=False, services=Services(egress_proxy=True)))
+
+
+# --- a call's own egress proxy (a process tool's call granted network domains) -----------
+
+CALL_EGRESS = f"{STATE}/runs/{RUN_ID}/egress-7.sock"
+
+
+def call_plan(**overrides: Any) -> SandboxPlan:
+    settings: dict[str, Any] = {
+        "run_network": False,
+        "gateway_socket": False,
+        "services": Services(egress_proxy=True),
+        "egress_socket": CALL_EGRESS,
+    }
+    return make_plan(**(settings | overrides))
+
+
+def test_a_call_plan_binds_its_own_egress_socket_and_sets_the_proxy_variables() -> None:
+    plan = call_plan()
+    validate(plan)
+    argv = render_argv(plan, bwrap="/usr/bin/bwrap", data_fds=fds_for(plan))
+    assert (CALL_EGRESS, SANDBOX_EGRESS_SOCKET) in sources(argv)
+    assert f"{STATE}/runs/{RUN_ID}/egress.sock" not in argv  # not the run's
+    assert "--unshare-net" in argv
+    env = dict(plan.env)
+    assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://127.0.0.1:3128"
+    assert "OPENAI_BASE_URL" not in env
+
+
+@pytest.mark.parametrize(
+    "socket",
+    [
+        f"{STATE}/runs/run-other/egress-7.sock",  # another run's call
+        f"{STATE}/runs/{RUN_ID}/egress.sock",  # the run's own, in the call's namespace
+        f"{STATE}/runs/{RUN_ID}/gateway.sock",
+        f"{STATE}/runs/{RUN_ID}/egress-.sock",
+        f"{STATE}/runs/{RUN_ID}/egress-7x.sock",
+        f"{STATE}/runs/{RUN_ID}/egress-\u0667.sock",  # a digit, but not an ASCII one
+        f"{STATE}/runs/{RUN_ID}/mnt/egress-7.sock",
+        "/tmp/egress-7.sock",
+    ],
+)
+def test_a_call_plan_binds_no_other_socket_as_its_egress(socket: str) -> None:
+    with pytest.raises(PlanError, match=r"as the run's socket; only this run's socket"):
+        validate(call_plan(egress_socket=socket))
+
+
+def test_a_call_plan_binds_exactly_the_socket_it_names() -> None:
+    plan = call_plan()
+    other = f"{STATE}/runs/{RUN_ID}/egress-8.sock"  # the run's, but another call's
+    steps = tuple(
+        RoBind(src=other, dest=s.dest) if s.dest == SANDBOX_EGRESS_SOCKET else s for s in plan.steps
+    )
+    with pytest.raises(PlanError, match=r"binds .*egress-8.sock as the run's socket"):
+        validate(dataclasses.replace(plan, steps=steps))
+
+
+def test_a_calls_own_egress_is_only_for_a_namespace_of_its_own_and_never_the_model() -> None:
+    with pytest.raises(PlanError, match="only for a command with a network namespace of its own"):
+        validate(call_plan(run_network=True, gateway_socket=True))
+    with pytest.raises(PlanError, match="cannot be reached"):
+        validate(call_plan(services=Services(egress_proxy=True, model_endpoint=True)))
