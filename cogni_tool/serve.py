@@ -98,7 +98,8 @@ _STATUS = {
     "timeout": (504, "timeout"),
     "tool_failed": (502, "upstream_error"),
     "confirmation_required": (403, "permission_denied"),
-    "limit_exceeded": (429, "rate_limit_exceeded"),
+    # Not 429: SDKs retry a 429, and a spent fuel or memory budget stays spent.
+    "limit_exceeded": (403, "permission_denied"),
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Parameters model.chat does not take; accepted and ignored, so an SDK's defaults pass.
@@ -676,8 +677,10 @@ def bridge_then_exec(options: ServeOptions) -> int:
     The listener is made before the fork, so a connection the command makes at once
     waits in its backlog rather than being refused. Returns only when the command cannot
     be run (127, as a shell says; the bridge child is then stopped)."""
-    assert options.proxy_port is not None
-    assert options.egress_socket is not None
+    if options.proxy_port is None or options.egress_socket is None:
+        # The command line allows no command without both (parse_serve_args).
+        sys.stderr.write("cogni-tool: serve: a command needs --proxy-port and --egress-socket\n")
+        return 2
     try:
         listener = socket.create_server((LISTEN_HOST, options.proxy_port), backlog=128)
     except OSError as exc:

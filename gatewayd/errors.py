@@ -54,8 +54,8 @@ class ToolTimedOut(GatewayError):
 
 
 class LimitExceeded(GatewayError):
-    """The tool ran past one of its own limits (memory, a wasm tool's fuel) and was
-    stopped; the message names which limit."""
+    """The tool ran past one of its own limits (memory; a wasm tool's fuel; a process
+    tool's CPU time or file size) and was stopped; the message names which limit."""
 
     code = ErrorCode.LIMIT_EXCEEDED
 

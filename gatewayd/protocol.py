@@ -63,7 +63,8 @@ class ErrorCode(enum.StrEnum):
     # A loosening rule change asked from inside a run: it waits for the operator's
     # confirmation (the message holds its id and the command that confirms it).
     CONFIRMATION_REQUIRED = "confirmation_required"
-    # A tool's own budget ran out: a wasm tool's fuel or memory (the message says which).
+    # A tool's own budget ran out: a wasm tool's fuel or memory, a process tool's memory,
+    # CPU time or file size (the message says which).
     LIMIT_EXCEEDED = "limit_exceeded"
 
     @property

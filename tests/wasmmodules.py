@@ -111,6 +111,38 @@ def flood(fd: int = 1) -> str:
     )
 
 
+def sockets() -> str:
+    """Tries to accept a connection on every descriptor 0-63 and to send on every one
+    from 3 (stdio's writes are the protocol's); writes how many of those succeeded (a
+    digit, 9 for more): 0 for a module that has no socket."""
+    imports = f"""
+  (import "{_WASI}" "sock_accept" (func $sock_accept (param i32 i32 i32) (result i32)))
+  (import "{_WASI}" "sock_send" (func $sock_send (param i32 i32 i32 i32 i32) (result i32)))"""
+    return _module(
+        """(func (export "_start")
+          (local $fd i32) (local $ok i32)
+          (i32.store (i32.const 32) (i32.const 1024))
+          (i32.store (i32.const 36) (i32.const 1))
+          (block $done
+            (loop $next
+              (br_if $done (i32.ge_u (local.get $fd) (i32.const 64)))
+              (if (i32.eqz (call $sock_accept (local.get $fd) (i32.const 0) (i32.const 40)))
+                (then (local.set $ok (i32.add (local.get $ok) (i32.const 1)))))
+              (if (i32.ge_u (local.get $fd) (i32.const 3))
+                (then
+                  (if (i32.eqz (call $sock_send (local.get $fd) (i32.const 32) (i32.const 1)
+                                 (i32.const 0) (i32.const 44)))
+                    (then (local.set $ok (i32.add (local.get $ok) (i32.const 1)))))))
+              (local.set $fd (i32.add (local.get $fd) (i32.const 1)))
+              (br $next)))
+          (i32.store8 (i32.const 48)
+            (i32.add (i32.const 48)
+              (select (local.get $ok) (i32.const 9) (i32.lt_u (local.get $ok) (i32.const 10)))))
+          (call $write (i32.const 1) (i32.const 48) (i32.const 1)))""",
+        extra=imports,
+    )
+
+
 # path_open flags (WASI preview 1)
 SYMLINK_FOLLOW = 1
 O_CREAT_TRUNC = 1 | 8

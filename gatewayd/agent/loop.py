@@ -76,6 +76,7 @@ async def run_agent(
     progress: Callable[[str], None] | None = None,
     *,
     mcp: McpTools | None = None,
+    folder_tools: tuple[str, ...] = (),
 ) -> AgentResult:
     """One agent run, start to end; never raises for the task's own failures (the result
     says what happened), and always removes its workspace.
@@ -87,6 +88,7 @@ async def run_agent(
 
     ``mcp``: the daemon's MCP tools; their pinned tools are offered to the model beside
     the five and the apps (None: none), and the run's policy still decides each call.
+    ``folder_tools``: the names of the daemon's tool folders' tools, offered the same way.
     """
     result = AgentResult(ok=False)
 
@@ -131,6 +133,7 @@ async def run_agent(
                 say=say,
                 work=work,
                 mcp=() if mcp is None else await trio.to_thread.run_sync(mcp.tool_names),
+                folder=folder_tools,
             )
         )
     except Exception as exc:  # gatewayd's own failure: the result says so, the log has it
@@ -162,6 +165,8 @@ class _Job:
     apps: tuple[str, ...] = ()
     # The pinned MCP tools (mcp.<server>.<tool>) when the run starts, offered like apps.
     mcp: tuple[str, ...] = ()
+    # The tool folders' tools (wasm and process tools), offered like apps.
+    folder: tuple[str, ...] = ()
 
     @property
     def mirror(self) -> Path:
@@ -243,7 +248,7 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
         grant=Grant(allowSandbox=True),  # the operator starting the agent is the grant
         # The five, the apps of the checkout and the pinned MCP tools (the policy still
         # decides each).
-        toolIds=(*RUN_TOOL_IDS, *job.apps, *job.mcp),
+        toolIds=(*RUN_TOOL_IDS, *job.apps, *job.mcp, *job.folder),
         limits=RunLimits(
             maxRuntimeSec=int(task.limits.max_wall_s) + 60, maxMemoryMb=task.max_memory_mb
         ),
@@ -334,19 +339,19 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
 async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) -> None:
     runs, task, result, say = job.runs, job.task, job.result, job.say
     work, mirror = job.work, job.mirror
-    apps, mcp = (
+    apps, mcp, folder = (
         [
             tool.manifest
             for name in names
             if tool_allowed(name, run.spec.rules)
             and (tool := job.dispatcher.tool_for(run, name)) is not None
         ]
-        for names in (job.apps, job.mcp)
+        for names in (job.apps, job.mcp, job.folder)
     )
-    for what, manifests in (("apps", apps), ("MCP tools", mcp)):
+    for what, manifests in (("apps", apps), ("MCP tools", mcp), ("folder tools", folder)):
         if manifests:
             say(f"{what} offered: " + ", ".join(manifest.name for manifest in manifests))
-    offered = [*apps, *mcp]
+    offered = [*apps, *mcp, *folder]
     conversation = agent_conversation(
         apps=offered,
         dispatcher=job.dispatcher,

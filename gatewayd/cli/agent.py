@@ -175,7 +175,12 @@ def _agent_run(args: argparse.Namespace) -> int:
     async def go() -> None:
         async with open_daemon(config) as daemon:
             result = await run_agent(
-                daemon.runs, daemon.dispatcher, task, progress, mcp=daemon.mcp_tools
+                daemon.runs,
+                daemon.dispatcher,
+                task,
+                progress,
+                mcp=daemon.mcp_tools,
+                folder_tools=tuple(tool.name for tool in daemon.tool_folders.tools),
             )
             out.update(result.to_json())
 

@@ -110,9 +110,9 @@ def one_shot_policy(manifest: ToolManifest, config: GatewaydConfig) -> dict[str,
     """The policy of a one-shot call of ``manifest``'s tool: that tool allowed, the
     workspace read-write, and what the manifest declares besides (its model aliases that
     gatewayd configures, with ``model.chat``, which its model requests are; its domains;
-    its environment names); the tool's own time limit
-    is the run's per-call limit, so the manifest's governs. A process tool needs the OS
-    sandbox; a wasm tool runs in gatewayd and does not."""
+    its environment names); the tool's own time limit is the run's per-call limit, so
+    the manifest's governs. A process tool needs the OS sandbox; a wasm tool runs in
+    gatewayd and does not."""
     from gatewayd.tools.manifest import RunnerKind
 
     caps = manifest.capabilities
@@ -132,7 +132,9 @@ def one_shot_policy(manifest: ToolManifest, config: GatewaydConfig) -> dict[str,
         # The tool's model requests are model.chat calls of the run (policy, audit, budget).
         policy["tools"]["allow"].append("model.chat")
     if caps.network:
-        policy["network"] = {"allow_domains": list(caps.network)}
+        # Only a process tool declares domains; its call reaches them through a proxy of
+        # its own, which a run gives only where its policy turns the run's proxy on.
+        policy["network"] = {"allow_domains": list(caps.network), "proxy": {"enabled": True}}
     if caps.env:
         policy["env"] = {"allow": list(caps.env)}
     return policy

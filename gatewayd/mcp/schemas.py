@@ -27,16 +27,19 @@ import functools
 import re
 import re._parser as _re_parser  # type: ignore[import-not-found]  # see pattern_weight
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
+import jsonschema.exceptions
 import jsonschema.protocols
 import jsonschema.validators
 import regex
 from jsonschema.exceptions import SchemaError, ValidationError
 from referencing import Registry
+
+from gatewayd.errors import ArgumentsRejected
 
 # The time every regular-expression match of one check may take together: real
 # patterns (a slug, a date, an identifier) match a call's arguments in microseconds; this
@@ -52,6 +55,9 @@ MAX_PATTERN_WEIGHT: Final = 1000
 MAX_QUOTED_PATTERN_CHARS: Final = 80
 # The validator for a schema that names no $schema: the draft MCP specifies.
 DEFAULT_VALIDATOR: Final = jsonschema.Draft202012Validator
+# How much of one complaint about a call's arguments the caller reads: jsonschema quotes
+# the offending value, which may be a whole argument.
+MAX_COMPLAINT_CHARS: Final = 300
 
 
 class SchemaRefused(ValueError):
@@ -302,3 +308,35 @@ def _keyword_values(node: Any) -> Iterator[tuple[str, Any]]:
                 stack.append(value)
         elif isinstance(current, list):
             stack.extend(current)
+
+
+def arguments_decoder(
+    validator: jsonschema.protocols.Validator, unusable: Callable[[Exception], Exception]
+) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """A tool's ``decode`` (an MCP server's pinned tool, a tool folder's tool): its
+    arguments, checked against ``validator`` within one :func:`regex_budget`.
+
+    Error handling: ArgumentsRejected with the path and the reason of the complaint
+    jsonschema judges most relevant (and how many there were), or saying the budget ran
+    out; a schema that cannot be applied to them (a ``$ref`` outside it) raises what
+    ``unusable`` makes of jsonschema's exception: the caller says whose fault it is."""
+
+    def decode(args: Mapping[str, Any]) -> dict[str, Any]:
+        value = dict(args)
+        try:
+            with regex_budget():
+                errors = list(validator.iter_errors(value))
+        except RegexTooSlow as exc:
+            raise ArgumentsRejected(str(exc)) from None
+        except Exception as exc:  # jsonschema's referencing errors, a bad pattern
+            raise unusable(exc) from None
+        best = jsonschema.exceptions.best_match(errors)
+        if best is not None:
+            more = f" ({len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+            message = best.message
+            if len(message) > MAX_COMPLAINT_CHARS:
+                message = message[:MAX_COMPLAINT_CHARS] + "…"
+            raise ArgumentsRejected(f"at {best.json_path}: {message}{more}")
+        return value
+
+    return decode

@@ -35,14 +35,13 @@ from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import jsonschema
-import jsonschema.exceptions
 import jsonschema.protocols
 import structlog
 import trio
 
 from gatewayd.audit import AuditEvent, AuditLog
 from gatewayd.dispatch import Dispatcher
-from gatewayd.errors import ArgumentsRejected, GatewayError, PolicyViolation, ToolFailed
+from gatewayd.errors import GatewayError, PolicyViolation, ToolFailed
 from gatewayd.mcp.pins import PinStore
 from gatewayd.mcp.pinset import (
     GATEWAY_PREFIX,
@@ -53,7 +52,7 @@ from gatewayd.mcp.pinset import (
     changes_of,
 )
 from gatewayd.mcp.remote import RemoteResult, RemoteTool
-from gatewayd.mcp.schemas import RegexTooSlow, SchemaRefused, bounded_validator, regex_budget
+from gatewayd.mcp.schemas import SchemaRefused, arguments_decoder, bounded_validator
 from gatewayd.policy.capabilities import CapabilityRequest
 from gatewayd.runs import Run
 from gatewayd.tools.manifest import MAX_SUMMARY_CHARS, RunnerKind, ToolLimits, ToolManifest
@@ -74,9 +73,6 @@ MIN_CALL_TIMEOUT_S: Final = 0.1
 # How much of an error answer's text the caller reads (an error is a sentence or two;
 # more is output, and output goes in a normal answer).
 MAX_ERROR_TEXT_CHARS: Final = 2000
-# How much of one schema complaint the caller reads: jsonschema quotes the offending
-# value, which may be a whole argument.
-MAX_COMPLAINT_CHARS: Final = 300
 # The validator for a schema that names no $schema: the draft MCP specifies.
 _DEFAULT_VALIDATOR: Final = jsonschema.Draft202012Validator
 
@@ -117,27 +113,14 @@ def decoder(
     relevant complaint (and how many there were); a schema that cannot be applied to
     them (a ``$ref`` outside it) is gatewayd's problem, ``internal``."""
 
-    def decode(args: Mapping[str, Any]) -> dict[str, Any]:
-        value = dict(args)
-        try:
-            with regex_budget():
-                errors = list(validator.iter_errors(value))
-        except RegexTooSlow as exc:
-            raise ArgumentsRejected(str(exc)) from None
-        except Exception as exc:  # jsonschema's referencing errors, a bad pattern
-            log.warning("mcp_schema_unusable", tool=name, error=repr(exc)[:200])
-            raise GatewayError(
-                f"the pinned input schema of {name} cannot be applied ({type(exc).__name__}); "
-                "tell the operator"
-            ) from None
-        # The complaint jsonschema judges most relevant (None: there is none).
-        best = jsonschema.exceptions.best_match(errors)
-        if best is not None:
-            more = f" ({len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-            raise ArgumentsRejected(f"at {best.json_path}: {_bounded(best.message)}{more}")
-        return value
+    def unusable(exc: Exception) -> GatewayError:
+        log.warning("mcp_schema_unusable", tool=name, error=repr(exc)[:200])
+        return GatewayError(
+            f"the pinned input schema of {name} cannot be applied ({type(exc).__name__}); "
+            "tell the operator"
+        )
 
-    return decode
+    return arguments_decoder(validator, unusable)
 
 
 def _no_capabilities(_args: dict[str, Any]) -> CapabilityRequest:
@@ -377,9 +360,3 @@ def error_text(result: RemoteResult) -> str:
     if len(text) > MAX_ERROR_TEXT_CHARS:
         text = text[:MAX_ERROR_TEXT_CHARS] + f"…[{len(text)} chars]"
     return text
-
-
-def _bounded(text: str) -> str:
-    if len(text) <= MAX_COMPLAINT_CHARS:
-        return text
-    return text[:MAX_COMPLAINT_CHARS] + "…"

@@ -62,6 +62,7 @@ import msgspec
 import structlog
 import trio
 
+from gatewayd.config import DEFAULT_TOOL_MEMORY_MB
 from gatewayd.errors import LimitExceeded, PolicyViolation, ToolFailed, ToolTimedOut
 from gatewayd.hostpaths.beneath import (
     NEW_DIR_MODE,
@@ -74,6 +75,7 @@ from gatewayd.policy.capabilities import no_sandbox_refusal
 from gatewayd.policy.model import NetworkSection
 from gatewayd.policy.network import domain_matches
 from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT
+from gatewayd.runners.manifest import MIB
 from gatewayd.runners.rights import (
     GrantedFile,
     granted_domains,
@@ -96,10 +98,9 @@ from gatewayd.tools.registry import ToolContext
 
 log = structlog.get_logger("gatewayd.runners.process")
 
-MIB: Final = 1024 * 1024
 # A tool's memory when neither its manifest nor the daemon's configuration says
 # (GatewaydConfig.tool_memory_mb's default): room for a Python interpreter and its work.
-DEFAULT_TOOL_MEMORY_BYTES: Final = 256 * MIB
+DEFAULT_TOOL_MEMORY_BYTES: Final = DEFAULT_TOOL_MEMORY_MB * MIB
 # The end of a failed tool's stderr is what says why it failed; this much is kept of it
 # as it streams (the launcher keeps the start), and at most STDERR_MESSAGE_CHARS of it,
 # escaped, goes into the error message an agent reads.
@@ -146,7 +147,7 @@ class ProcessToolRunner:
     """Runs a process tool's calls (one runner per tool; calls may run concurrently).
 
     ``default_memory_bytes``: the memory limit of a tool whose manifest names none (the
-    daemon's ``tool_memory``). The limit a call gets is the tool's, never more than the
+    daemon's ``tool_memory_mb``). The limit a call gets is the tool's, never more than the
     run's own per-command memory limit, and never under what bwrap needs to start
     (:data:`~gatewayd.sandbox.limits.MIN_MEMORY_BYTES`).
     """
@@ -329,7 +330,7 @@ class ProcessToolRunner:
             raise LimitExceeded(
                 f"{name} ran out of memory: it was killed at its memory limit of "
                 f"{limits.memory_bytes // MIB} MiB (its manifest's limits.memory, or "
-                "gatewayd's tool_memory, within the run's own memory limit)"
+                "gatewayd's tool_memory_mb, within the run's own memory limit)"
             )
         if result.errorCode is ErrorKind.LIMIT_EXCEEDED:
             which = (

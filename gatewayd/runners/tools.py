@@ -5,32 +5,26 @@ runner.
 
 The arguments are validated with ``jsonschema`` with its regular expressions bounded in
 time (:mod:`gatewayd.mcp.schemas`: the schema is the operator's, the arguments the
-agent's, and one catastrophic pattern must not stall gatewayd's event loop); the MCP
-tools decode the same way (:func:`gatewayd.mcp.tools.decoder`, which sits above
-dispatch, so this layer has its own).
+agent's, and one catastrophic pattern must not stall gatewayd's event loop), by the
+decoder the MCP tools use too (:func:`gatewayd.mcp.schemas.arguments_decoder`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any
 
-import jsonschema.exceptions
 import jsonschema.protocols
 from referencing import Registry
 
-from gatewayd.errors import ArgumentsRejected, GatewayError
-from gatewayd.mcp.schemas import RegexTooSlow, bounded_validator, regex_budget
+from gatewayd.errors import GatewayError
+from gatewayd.mcp.schemas import arguments_decoder, bounded_validator
 from gatewayd.runners.process import CallEgress, ProcessToolRunner
 from gatewayd.runners.rights import required_request
 from gatewayd.runners.spec import FolderTool
 from gatewayd.runners.wasm import WasmEngine, WasmToolRunner
 from gatewayd.tools.manifest import RunnerKind
 from gatewayd.tools.registry import Tool, ToolRunner
-
-# How much of one schema complaint the caller reads: jsonschema quotes the offending
-# value, which may be a whole argument.
-MAX_COMPLAINT_CHARS: Final = 300
 
 
 class ToolUnavailable(ValueError):
@@ -99,25 +93,10 @@ def decoder(
     jsonschema judges most relevant (and how many there were); a schema that cannot
     be applied to them (a ``$ref`` outside it) is the tool's fault, ``internal``."""
 
-    def decode(args: Mapping[str, Any]) -> dict[str, Any]:
-        value = dict(args)
-        try:
-            with regex_budget():
-                errors = list(validator.iter_errors(value))
-        except RegexTooSlow as exc:
-            raise ArgumentsRejected(str(exc)) from None
-        except Exception as exc:  # jsonschema's referencing errors
-            raise GatewayError(
-                f"the input schema of {name} cannot be applied ({type(exc).__name__}); "
-                "its manifest is at fault: tell the operator"
-            ) from None
-        best = jsonschema.exceptions.best_match(errors)
-        if best is not None:
-            more = f" ({len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-            message = best.message
-            if len(message) > MAX_COMPLAINT_CHARS:
-                message = message[: MAX_COMPLAINT_CHARS - 1] + "…"
-            raise ArgumentsRejected(f"at {best.json_path}: {message}{more}")
-        return value
+    def unusable(exc: Exception) -> GatewayError:
+        return GatewayError(
+            f"the input schema of {name} cannot be applied ({type(exc).__name__}); "
+            "its manifest is at fault: tell the operator"
+        )
 
-    return decode
+    return arguments_decoder(validator, unusable)

@@ -79,6 +79,15 @@ raised in one in a process-wide slot that any thread's next trap may pick up, so
 calls in several threads each host function catches everything and answers -1 or an
 error answer instead.
 
+Components: an entry whose header is a component's (not a core module's) is a WASI 0.2
+command component, run through its ``wasi:cli/run`` export with wasmtime's own WASI 0.2
+(``add_wasip2``), which the same per-call ``WasiConfig`` feeds (stdin, stdout, stderr,
+env, preopens), under the same store limits, fuel and deadline callback. It may import
+only :data:`COMPONENT_IMPORTS`: not ``wasi:io/poll`` (a wait in the host, beyond the
+deadline's reach: gatewayd's own ``poll_oneoff`` cannot stand in for it), not sockets.
+It gets no ``cogni`` model import, and its memory cannot be looked at (see
+:meth:`WasmCall._failure`).
+
 Resource handling: one :class:`WasmEngine` per daemon; :meth:`WasmEngine.close` stops
 its ticker. Error handling: every failure is a :mod:`gatewayd.errors` exception with a
 message that names the tool and what to do.
@@ -109,8 +118,10 @@ import structlog
 import trio
 import wasmtime
 from wasmtime import _bindings as wasmtime_c  # the epoch-deadline callback: see above
+from wasmtime import component as wasmtime_component
 
 from gatewayd import strictjson
+from gatewayd.config import DEFAULT_TOOL_MEMORY_MB, DEFAULT_TOOL_TIMEOUT_S
 from gatewayd.errors import (
     GatewayError,
     LimitExceeded,
@@ -121,6 +132,8 @@ from gatewayd.errors import (
 from gatewayd.hostpaths.beneath import BeneathRoot
 from gatewayd.policy.paths import shown
 from gatewayd.protocol import ErrorCode
+from gatewayd.runners.folders import MAX_ENTRY_BYTES
+from gatewayd.runners.manifest import MIB
 from gatewayd.runners.rights import (
     GrantedFile,
     granted_env,
@@ -138,20 +151,23 @@ log = structlog.get_logger("gatewayd.runners.wasm")
 EPOCH_TICK_S: Final = 0.01
 # A call's wall time when dispatch gives none (a call gatewayd makes itself, a test):
 # the daemon's default tool timeout.
-DEFAULT_TIMEOUT_S: Final = 30.0
+DEFAULT_TIMEOUT_S: Final = DEFAULT_TOOL_TIMEOUT_S
 # The instruction budget when neither the manifest nor the configuration names one.
 # wasmtime charges about one unit per instruction, and compiled code runs around 10^9
 # instructions a second, so this is minutes of work: the wall-time limit ends a long
 # call first; fuel is the budget an author sets for a tool whose cost they know.
 DEFAULT_FUEL: Final = 1_000_000_000_000
 # Linear memory of one call when neither the manifest nor the configuration names one.
-DEFAULT_MEMORY_BYTES: Final = 256 * 1024 * 1024
+DEFAULT_MEMORY_BYTES: Final = DEFAULT_TOOL_MEMORY_MB * MIB
 # Modules running at once (each in its own worker thread, each up to its memory limit):
 # bounded so that a burst of calls cannot take every core and gigabytes of memory.
 MAX_CONCURRENT_CALLS: Final = 4
-# A module file larger than this is refused before it is read (the biggest real tools,
-# a whole interpreter compiled to wasm, are tens of MiB).
-MAX_MODULE_BYTES: Final = 128 * 1024 * 1024
+# A module file larger than this is refused before it is read: the bound the tool
+# folder's loader holds it to (a module that grew past it since is not the one loaded).
+MAX_MODULE_BYTES: Final = MAX_ENTRY_BYTES
+# A cache file larger than this is refused unread: compiled native code is a few times
+# the size of its wasm module.
+MAX_CACHE_FILE_BYTES: Final = 8 * MAX_MODULE_BYTES
 # stderr kept for the error message (its tail is shown); more stops the module.
 MAX_STDERR_BYTES: Final = 64 * 1024
 # The tail of stderr an error message quotes, and the longest trap message quoted.
@@ -190,6 +206,10 @@ CACHE_DIR_MODE: Final = 0o700
 CACHE_FILE_MODE: Final = 0o600
 
 WASM_MAGIC: Final = b"\0asm"
+# After the magic, a core module has version 1 (bytes 01 00 00 00) and a component its
+# own version and layer 1 (0d 00 01 00; wasmtime refuses other component versions).
+CORE_MODULE_HEADER: Final = WASM_MAGIC + b"\x01\x00\x00\x00"
+COMPONENT_LAYER: Final = b"\x01\x00"
 START_EXPORT: Final = "_start"
 IMPORT_MODULE: Final = "cogni"
 WASI_MODULE: Final = "wasi_snapshot_preview1"
@@ -213,6 +233,64 @@ _WASI_CLOCK_MONOTONIC: Final = 1
 _WASI_SUBSCRIPTION_CLOCK_ABSTIME: Final = 1
 _WASI_EINTR: Final = 27
 _WASI_EINVAL: Final = 28
+
+# WASI preview 2 components (a ``wasi:cli/run`` command: see WasmEngine._check_component).
+# The command's export, any 0.2.x (wasmtime's WASI links every 0.2 minor version), and
+# its one function, ``run: func() -> result``.
+COMPONENT_RUN_EXPORT: Final = "wasi:cli/run@0.2."
+COMPONENT_RUN_FUNC: Final = "run"
+# The interfaces a component may import, each wasmtime's own WASI 0.2 host code fed by
+# the call's WasiConfig (the same stdin, stdout, stderr, env and preopens as a module).
+COMPONENT_IMPORTS: Final = frozenset(
+    {
+        *(
+            f"wasi:cli/{name}"
+            for name in (
+                "environment",
+                "exit",
+                "stdin",
+                "stdout",
+                "stderr",
+                "terminal-input",
+                "terminal-output",
+                "terminal-stdin",
+                "terminal-stdout",
+                "terminal-stderr",
+            )
+        ),
+        "wasi:io/error",
+        "wasi:io/streams",
+        "wasi:clocks/wall-clock",
+        "wasi:clocks/monotonic-clock",
+        "wasi:filesystem/types",
+        "wasi:filesystem/preopens",
+        "wasi:random/random",
+        "wasi:random/insecure",
+        "wasi:random/insecure-seed",
+    }
+)
+# Why the others are refused, by package or interface. wasi:io/poll is how a component
+# waits (a sleep, a clock): wasmtime waits in the host, where no epoch tick reaches it,
+# so a wait past the call's deadline would hold a worker thread for as long as it asks
+# (measured: a 100 s sleep held its thread 100 s past a 0.3 s deadline).
+COMPONENT_REFUSALS: Final = {
+    "wasi:io/poll": "waiting (a sleep or a clock) happens in gatewayd's host code, beyond "
+    "the reach of the call's time limit",
+    "wasi:sockets": "a wasm tool has no network",
+    "wasi:http": "a wasm tool has no network",
+}
+# A component is several core instances (the p1 adapter's command has four: the program,
+# the adapter, two shims), each a few KiB of gatewayd's memory; its tables are the
+# program's and the shims' (8 bytes an element, outside the memory limit, as for a
+# module). Its linear memory is one, as a module's, so the memory limit stays the call's
+# whole memory (toolchains give a component one memory: the program's, shared by the
+# adapter).
+MAX_COMPONENT_INSTANCES: Final = 16
+MAX_COMPONENT_TABLES: Final = 4
+# wasmtime's message for a component out of fuel: a component call answers an error,
+# not a Trap with its code, so its last line (wasmtime's own, after the backtrace whose
+# function names the module chooses) is compared whole.
+_OUT_OF_FUEL_ERROR: Final = "wasm trap: all fuel consumed by WebAssembly"
 
 
 class StopReason(enum.Enum):
@@ -383,7 +461,9 @@ def _in_bounds(memory: wasmtime.Memory, caller: wasmtime.Caller, ptr: int, lengt
 @dataclass(frozen=True, slots=True)
 class _Loaded:
     digest: str  # sha256 hex of the module's bytes
-    pre: wasmtime.InstancePre
+    pre: wasmtime.InstancePre | None  # a core module, linked; None for a component
+    component: wasmtime_component.Component | None = None
+    run_export: str = ""  # a component's wasi:cli/run@0.2.x export
 
 
 @dataclass(slots=True)
@@ -445,6 +525,9 @@ class WasmEngine:
             _poll_oneoff,
             access_caller=True,
         )
+        # Components get wasmtime's WASI 0.2, fed by the same per-call WasiConfig.
+        self._component_linker = wasmtime_component.Linker(self._engine)
+        self._component_linker.add_wasip2()
         self.default_memory_bytes = default_memory_bytes
         self.default_fuel = default_fuel
         self.limiter = trio.CapacityLimiter(max_concurrent)
@@ -475,7 +558,8 @@ class WasmEngine:
     def load(self, tool: FolderTool) -> None:
         """Compile (or load from the cache) ``tool``'s module and link it: what
         ``gatewayd tools check`` runs. Error handling: ToolFailed saying what is wrong
-        (not wasm, truncated, an import gatewayd does not provide, no ``_start``)."""
+        (not wasm, truncated, an import gatewayd does not provide, no ``_start``, or
+        for a component no ``wasi:cli/run``)."""
         self._module_for(tool)
 
     def _module_for(self, tool: FolderTool) -> _Loaded:
@@ -514,8 +598,8 @@ class WasmEngine:
             # The audit records the digest read when the folder was loaded: running
             # another build under it would make the record lie.
             raise ToolFailed(
-                f"{shown_path} changed since gatewayd loaded the tool folder; reload "
-                "gatewayd (or `gatewayd tools check`) to use the new build"
+                f"{shown_path} changed since gatewayd loaded the tool folder; the operator "
+                "restarts gatewayd to use the new build (a reload does not re-read tool folders)"
             )
         return loaded
 
@@ -532,6 +616,12 @@ class WasmEngine:
             with self._lock:
                 loaded = self._modules.get(digest)
             if loaded is not None:
+                return loaded
+            if _is_component(data):
+                loaded = self._component(data, digest, shown_path)
+                with self._lock:
+                    self._modules[digest] = loaded
+                    self._compiling.pop(digest, None)
                 return loaded
             module = self._from_disk(digest)
             if module is None:
@@ -556,6 +646,47 @@ class WasmEngine:
                 self._compiling.pop(digest, None)
             return loaded
 
+    def _component(self, data: bytes, digest: str, shown_path: str) -> _Loaded:
+        component = self._component_from_disk(digest)
+        if component is None:
+            try:
+                component = wasmtime_component.Component(self._engine, data)
+            except wasmtime.WasmtimeError as exc:
+                raise ToolFailed(
+                    f"{shown_path} is not a valid WebAssembly component (truncated or "
+                    f"corrupt?): {_first_reason(exc)}"
+                ) from None
+            self.compiled += 1
+            self._to_disk(digest, component)
+        run_export = self._check_component(component, shown_path)
+        return _Loaded(digest=digest, pre=None, component=component, run_export=run_export)
+
+    def _check_component(self, component: wasmtime_component.Component, shown_path: str) -> str:
+        """The component's ``wasi:cli/run@0.2.x`` export, after checking it imports only
+        :data:`COMPONENT_IMPORTS` (checked from its type: nothing of it runs here).
+        Error handling: ToolFailed naming the export or import and why."""
+        kind = component.type
+        exports = kind.exports(self._engine)
+        runs = [name for name in exports if name.startswith(COMPONENT_RUN_EXPORT)]
+        if not runs:
+            raise ToolFailed(
+                f"{shown_path} is a component without a {COMPONENT_RUN_EXPORT}x export: build "
+                "it as a WASI command (a preview 1 command made a component with wasm-tools' "
+                "`component new --adapt` and the command adapter, or a wasm32-wasip2 program)"
+            )
+        for name in kind.imports(self._engine):
+            interface, _, version = name.partition("@")
+            if interface in COMPONENT_IMPORTS and version.startswith("0.2."):
+                continue
+            package = interface.partition("/")[0]
+            reason = COMPONENT_REFUSALS.get(interface) or COMPONENT_REFUSALS.get(package)
+            raise ToolFailed(
+                f"{shown_path} imports {shown(name)!r}, which gatewayd does not give a "
+                f"component{f': {reason}' if reason else ''}; a component may import WASI "
+                "0.2's cli, io/streams, clocks, filesystem and random interfaces"
+            )
+        return runs[0]
+
     def _compile(self, data: bytes, shown_path: str) -> wasmtime.Module:
         if not data.startswith(WASM_MAGIC):
             # Checked here: wasmtime would otherwise read a text file as WAT source.
@@ -577,6 +708,33 @@ class WasmEngine:
         return None if self.cache_dir is None else self.cache_dir / f"{digest}{CACHE_SUFFIX}"
 
     def _from_disk(self, digest: str) -> wasmtime.Module | None:
+        payload = self._cached(digest)
+        if payload is None:
+            return None
+        try:
+            module = wasmtime.Module.deserialize(self._engine, payload)
+        except wasmtime.WasmtimeError as exc:
+            # Another wasmtime version or configuration wrote it: compile anew.
+            log.info("wasm_cache_file_stale", digest=digest, reason=_first_reason(exc))
+            return None
+        self.cache_hits += 1
+        return module
+
+    def _component_from_disk(self, digest: str) -> wasmtime_component.Component | None:
+        payload = self._cached(digest)
+        if payload is None:
+            return None
+        try:
+            component = wasmtime_component.Component.deserialize(self._engine, payload)
+        except wasmtime.WasmtimeError as exc:
+            log.info("wasm_cache_file_stale", digest=digest, reason=_first_reason(exc))
+            return None
+        self.cache_hits += 1
+        return component
+
+    def _cached(self, digest: str) -> bytes | None:
+        """A cache file's payload (a serialized module or component), once its owner,
+        mode and embedded digest are checked; None: compile anew."""
         path = self._cache_path(digest)
         if path is None:
             return None
@@ -589,8 +747,8 @@ class WasmEngine:
             if (
                 not stat.S_ISREG(st.st_mode)
                 or st.st_uid != os.geteuid()
-                or st.st_mode & 0o077
-                or st.st_size > MAX_MODULE_BYTES * 8
+                or stat.S_IMODE(st.st_mode) & ~CACHE_FILE_MODE  # no bit beyond 0600
+                or st.st_size > MAX_CACHE_FILE_BYTES
             ):
                 log.warning("wasm_cache_file_refused", path=str(path), reason="owner or mode")
                 return None
@@ -604,16 +762,9 @@ class WasmEngine:
         ):
             log.warning("wasm_cache_file_refused", path=str(path), reason="corrupt")
             return None
-        try:
-            module = wasmtime.Module.deserialize(self._engine, payload)
-        except wasmtime.WasmtimeError as exc:
-            # Another wasmtime version or configuration wrote it: compile anew.
-            log.info("wasm_cache_file_stale", path=str(path), reason=_first_reason(exc))
-            return None
-        self.cache_hits += 1
-        return module
+        return payload
 
-    def _to_disk(self, digest: str, module: wasmtime.Module) -> None:
+    def _to_disk(self, digest: str, module: wasmtime.Module | wasmtime_component.Component) -> None:
         path = self._cache_path(digest)
         if path is None:
             return
@@ -646,7 +797,7 @@ class WasmEngine:
             _LIVE_CALLS[key] = call
             _current.call = call
             try:
-                return call.execute(self._engine, loaded, key)
+                return call.execute(self._engine, loaded, key, self._component_linker)
             finally:
                 _current.call = None
                 del _LIVE_CALLS[key]
@@ -666,6 +817,16 @@ def _prepare_cache_dir(cache_dir: Path) -> Path | None:
         log.warning("wasm_cache_dir_unusable", path=str(cache_dir), error=str(exc))
         return None
     return cache_dir
+
+
+def _is_component(data: bytes) -> bool:
+    """A component's header: the wasm magic, then a version other than a core module's
+    and the component layer (wasmtime checks the version itself)."""
+    return (
+        data.startswith(WASM_MAGIC)
+        and not data.startswith(CORE_MODULE_HEADER)
+        and data[6:8] == COMPONENT_LAYER
+    )
 
 
 def _read_all(fd: int, size: int) -> bytes:
@@ -855,9 +1016,17 @@ class WasmCall:
 
     # -- running --------------------------------------------------------------------
 
-    def execute(self, engine: wasmtime.Engine, loaded: _Loaded, key: int) -> Any:
+    def execute(
+        self,
+        engine: wasmtime.Engine,
+        loaded: _Loaded,
+        key: int,
+        component_linker: wasmtime_component.Linker | None = None,
+    ) -> Any:
         store = wasmtime.Store(engine)
         try:
+            if loaded.component is not None and component_linker is not None:
+                return self._execute_component(store, loaded, component_linker, key)
             return self._execute_in(store, loaded, key)
         finally:
             # Freed now, not when the garbage collector gets to it: a failed call's
@@ -880,6 +1049,7 @@ class WasmCall:
         store.set_wasi(wasi)
         self.deadline = time.monotonic() + self.timeout_s
         instance: wasmtime.Instance | None = None
+        assert loaded.pre is not None  # a core module (execute sends components elsewhere)
         try:
             instance = loaded.pre.instantiate(store)
             start = instance.exports(store)[START_EXPORT]
@@ -893,6 +1063,57 @@ class WasmCall:
             raise self._failure(store, instance, exc) from None
         if self.stop is not None:  # a flood the module survived (it returned at once)
             raise self._stopped(self.stop)
+        return self._result()
+
+    def _execute_component(
+        self,
+        store: wasmtime.Store,
+        loaded: _Loaded,
+        linker: wasmtime_component.Linker,
+        key: int,
+    ) -> Any:
+        """A component's call: as a module's (:meth:`_execute_in`), with the WASI 0.2 of
+        ``linker`` fed by the same WasiConfig, and ``wasi:cli/run``'s ``run`` for
+        ``_start``. The model import is a core module's: a component has none."""
+        assert loaded.component is not None
+        store.set_limits(
+            memory_size=self.memory_bytes,
+            memories=MAX_MEMORIES,
+            instances=MAX_COMPONENT_INSTANCES,
+            tables=MAX_COMPONENT_TABLES,
+            table_elements=MAX_TABLE_ELEMENTS,
+        )
+        store.set_fuel(self.fuel)
+        _watch_store(store, key)
+        wasi = self._wasi_config()
+        self.wasi_started_ns = time.monotonic_ns()
+        store.set_wasi(wasi)
+        self.deadline = time.monotonic() + self.timeout_s
+        running = False
+        try:
+            instance = linker.instantiate(store, loaded.component)
+            running = True
+            run = instance.get_export_index(store, loaded.run_export)
+            index = run and instance.get_export_index(store, COMPONENT_RUN_FUNC, run)
+            func = index and instance.get_func(store, index)
+            if not func or func.type(store).params:
+                raise ToolFailed(
+                    f"{self.name}'s {loaded.run_export} has no {COMPONENT_RUN_FUNC}: func() -> "
+                    "result; build it as a WASI command"
+                )
+            outcome = func(store)
+        except wasmtime.ExitTrap as exit_trap:
+            if exit_trap.code != 0:
+                raise self._failure(store, None, exit_trap, running=running) from None
+            outcome = None
+        except wasmtime.WasmtimeError as exc:
+            raise self._failure(store, None, exc, running=running) from None
+        if self.stop is not None:
+            raise self._stopped(self.stop)
+        if isinstance(outcome, wasmtime_component.Variant) and outcome.tag == "err":
+            # WASI 0.2 has no exit code: a command ends with run's result, err for a
+            # failure (the p1 adapter turns every non-zero exit into exit(err): code 1).
+            raise ToolFailed(f"{self.name} ended with an error{self._stderr_tail()}")
         return self._result()
 
     def _wasi_config(self) -> wasmtime.WasiConfig:
@@ -979,22 +1200,29 @@ class WasmCall:
         store: wasmtime.Store,
         instance: wasmtime.Instance | None,
         exc: wasmtime.Trap | wasmtime.WasmtimeError,
+        *,
+        running: bool = False,
     ) -> GatewayError:
+        """``running``: a component whose code ran (a component has no instance to
+        look at; instance None with running False is one that did not start)."""
         if self.stop is not None:
             return self._stopped(self.stop)
-        limit_mib = f"{self.memory_bytes / (1024 * 1024):g} MiB"
-        if instance is None and _MEMORY_LIMIT_ERROR in str(exc):
+        limit_mib = f"{self.memory_bytes / MIB:g} MiB"
+        starting = instance is None and not running
+        if starting and _MEMORY_LIMIT_ERROR in str(exc):
             return LimitExceeded(
                 f"{self.name} needs more memory than its limit of {limit_mib} to start (memory); "
                 "raise limits.memory in its manifest"
             )
-        if instance is None and any(error in str(exc) for error in _STRUCTURE_LIMIT_ERRORS):
+        if starting and any(error in str(exc) for error in _STRUCTURE_LIMIT_ERRORS):
             return LimitExceeded(
                 f"{self.name} cannot start: {_first_reason(exc)}; a wasm tool gets "
                 f"{MAX_MEMORIES} linear memory and at most {MAX_TABLES} tables of "
-                f"{MAX_TABLE_ELEMENTS} elements (gatewayd's limits, not the manifest's)"
+                f"{MAX_TABLE_ELEMENTS} elements (a component: {MAX_COMPONENT_TABLES} tables, "
+                f"{MAX_COMPONENT_INSTANCES} core instances; gatewayd's limits, not the manifest's)"
             )
-        if isinstance(exc, wasmtime.Trap) and exc.trap_code is wasmtime.TrapCode.OUT_OF_FUEL:
+        fuel = isinstance(exc, wasmtime.Trap) and exc.trap_code is wasmtime.TrapCode.OUT_OF_FUEL
+        if fuel or _last_line(exc) == _OUT_OF_FUEL_ERROR:
             return LimitExceeded(
                 f"{self.name} used up its fuel, {self.fuel} instructions (fuel); raise "
                 "limits.fuel in its manifest or make the work smaller"
@@ -1008,6 +1236,13 @@ class WasmCall:
             )
         if isinstance(exc, wasmtime.ExitTrap):
             return ToolFailed(f"{self.name} exited with code {exc.code}{self._stderr_tail()}")
+        if running:
+            # A component's memory cannot be looked at from outside (no core export):
+            # the limit is named, for a failure that was its allocator's refused growth.
+            return ToolFailed(
+                f"{self.name} trapped: {_first_reason(exc)}{self._stderr_tail()} (its memory "
+                f"limit is {limit_mib}: if it ran out of memory, raise limits.memory)"
+            )
         return ToolFailed(f"{self.name} trapped: {_first_reason(exc)}{self._stderr_tail()}")
 
     def _near_memory_limit(self, store: wasmtime.Store, instance: wasmtime.Instance) -> bool:
@@ -1015,6 +1250,12 @@ class WasmCall:
         if not isinstance(memory, wasmtime.Memory):
             return False
         return memory.data_len(store) + MEMORY_NEAR_LIMIT_BYTES > self.memory_bytes
+
+
+def _last_line(exc: BaseException) -> str:
+    """The last line of a wasmtime error: its root cause, which follows the backtrace."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else ""
 
 
 def _one_line(text: str) -> str:

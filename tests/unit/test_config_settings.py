@@ -211,6 +211,13 @@ def test_an_empty_variable_counts_as_unset(tmp_path: Path) -> None:
         ("GATEWAYD_MODELS", "[1]", "must be a YAML or JSON mapping"),
         ("GATEWAYD_MODELS", "{r: {provider: openai}}", "r.model: Field required"),
         ("GATEWAYD_MODELS", "{r: {provider: openai, modle: m}}", "did you mean 'model'?"),
+        ("GATEWAYD_TOOL_DIRS", "/ok:rel", "1: 'rel' must be an absolute path"),
+        ("GATEWAYD_TOOL_TIMEOUT_S", "5s", "'5s' is not a number"),
+        ("GATEWAYD_TOOL_TIMEOUT_S", "nan", "should be a finite number"),
+        ("GATEWAYD_TOOL_TIMEOUT_S", "0", "should be greater than 0"),
+        ("GATEWAYD_TOOL_MEMORY_MB", "1.5", "'1.5' is not a whole number"),
+        ("GATEWAYD_TOOL_DEFAULT_RUNNER", "docker", "should be 'wasm' or 'process'"),
+        ("GATEWAYD_WORKSPACE_MODE", "copy", "should be 'host' or 'overlay'"),
     ],
 )
 def test_a_bad_variable_is_refused_naming_the_variable(variable: str, text: str, says: str) -> None:
@@ -546,6 +553,7 @@ def test_config_show_gives_every_value_and_its_source(
     assert settings["netns_prefix"] == {"value": "env-", "source": "env GATEWAYD_NETNS_PREFIX"}
     assert settings["max_frame_bytes"] == {"value": 8192, "source": "option --max-frame-bytes"}
     assert settings["audit_path"] == {"value": "/srv/gw/audit/audit.jsonl", "source": "default"}
+    assert settings["tool_cache_dir"] == {"value": "/srv/gw/wasm-cache", "source": "default"}
     derived = derived_uid_range(Path("/srv/gw"))
     assert settings["sandbox_uids"] == {
         "value": {"base": derived.base, "count": 1024},

@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from gatewayd.config import MAX_TOOL_MEMORY_MIB, MAX_TOOL_TIMEOUT_S
+from gatewayd.config import (
+    DEFAULT_TOOL_MEMORY_MB,
+    DEFAULT_TOOL_TIMEOUT_S,
+    MAX_TOOL_MEMORY_MIB,
+    MAX_TOOL_TIMEOUT_S,
+    GatewaydConfig,
+)
 from gatewayd.policy.capabilities import FileCapability
 from gatewayd.policy.paths import MAX_PATH_BYTES, PathMode
 from gatewayd.runners import manifest as manifest_module
@@ -479,10 +485,15 @@ def test_field_paths_read_as_the_manifest_is_written() -> None:
     assert field_path(("entry", 0)) == "entry[0]"
 
 
-def test_the_configuration_bounds_are_the_manifests() -> None:
+def test_the_configuration_bounds_and_defaults_are_the_manifests() -> None:
     # gatewayd.config sits below the manifest's module and keeps copies of its bounds.
     assert MAX_TOOL_TIMEOUT_S == manifest_module.MAX_TIMEOUT_S
     assert MAX_TOOL_MEMORY_MIB == manifest_module.MAX_MEMORY_MIB
+    # and of its defaults, which a manifest parsed without the configuration gets
+    config = GatewaydConfig()
+    assert ManifestDefaults().runner == config.tool_default_runner
+    assert ManifestDefaults().timeout_s == config.tool_timeout_s == DEFAULT_TOOL_TIMEOUT_S
+    assert ManifestDefaults().memory_mb == config.tool_memory_mb == DEFAULT_TOOL_MEMORY_MB
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from gatewayd.errors import ArgumentsRejected, GatewayError
+from gatewayd.mcp.schemas import MAX_COMPLAINT_CHARS
 from gatewayd.runners.manifest import parse_manifest
 from gatewayd.runners.process import ProcessToolRunner
 from gatewayd.runners.rights import required_request
@@ -82,6 +83,15 @@ def test_arguments_that_do_not_fit_the_schema_are_rejected_naming_the_field(
         made.decode(args)
     assert str(caught.value).startswith(f"at {where}: ")
     assert reason in str(caught.value)
+
+
+def test_a_complaint_quoting_a_long_argument_is_cut_and_counts_the_others() -> None:
+    made = folder_tool(tool(), wasm=None, process_ok=True, runner=StandIn())
+    with pytest.raises(ArgumentsRejected) as caught:
+        made.decode({"text": "x" * 10_000, "mode": "pages"})
+    message = str(caught.value)
+    assert message.startswith("at $.") and message.endswith("… (1 more problem(s))")
+    assert len(message) < MAX_COMPLAINT_CHARS + 50  # not the 10,000 characters
 
 
 def test_a_catastrophic_pattern_is_cut_off_not_run_for_hours() -> None:

@@ -59,5 +59,6 @@ def test_what_the_manifest_declares_is_granted_and_nothing_gatewayd_cannot_give(
     assert loaded.model_access.models == ("default",)  # "missing" is no configured alias
     assert loaded.tools.allow == ("text.example", "model.chat")  # its model requests
     assert loaded.network.allow_domains == ("api.example.com",)
+    assert loaded.network.proxy.enabled  # the call's own proxy needs the run's turned on
     assert loaded.env.allow == ("LANG",)
     assert loaded.require_os_sandbox is True  # a process tool runs in the OS sandbox

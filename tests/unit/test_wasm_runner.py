@@ -297,6 +297,7 @@ async def test_a_module_changed_since_its_folder_was_loaded_is_refused(
     stale = FolderTool(**{**_fields(tool), "entry_digest": "sha256:" + "0" * 64})
     exc = await failure(engine, stale)
     assert isinstance(exc, ToolFailed) and "changed since gatewayd loaded" in str(exc)
+    assert "restarts gatewayd" in str(exc)  # what applies a new build: not a reload
 
 
 def _fields(tool: FolderTool) -> dict[str, Any]:
@@ -331,6 +332,17 @@ async def test_a_granted_directory_is_readable_at_its_visible_path(
 ) -> None:
     tool, ctx = probe(tmp_path, layout[0], "inside.json", mode=PathMode.RO)
     assert await call(engine, tool, ctx) == {"content": "inside"}
+
+
+async def test_a_module_has_no_socket_to_accept_on_or_send_through(
+    engine: WasmEngine, tmp_path: Path, layout: tuple[Path, Path]
+) -> None:
+    # WASI preview 1 has no call that opens a socket; its socket calls work only on one
+    # handed over, and the runner hands over stdio and the granted directories alone.
+    need = FileNeed(path="/workspace/src", mode=PathMode.RW)
+    tool = folder_tool(tmp_path / "net", wm.wasm(wm.sockets()), files=(need,))
+    ctx = context(grants=(grant(layout[0]),), files=(need,))
+    assert await call(engine, tool, ctx) == 0
 
 
 @pytest.mark.parametrize(
