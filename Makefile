@@ -97,8 +97,11 @@ demo: setup tools
 
 # pytest exits 5 when it collected no test: that fails here like any other failure.
 # The whole suite runs the lint first: a broken layer fails CI like a failing test.
+# Two workers (pytest-xdist): most tests wait (sandboxes start, daemons flush the audit
+# log, subprocesses run), so two halve the suite's time on two cores; every test makes
+# its own state directory, network namespaces and uid range, so they run side by side.
 test: setup lint tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 # The edit-test loop: the unit tests of the pure layers and of each module alone (no
 # sandbox, no daemon, no network namespace), under a minute.
