@@ -392,8 +392,11 @@ def replay_args(base: Path, *extra: str, calls: str = "calls.jsonl") -> list[str
 
 
 def test_cli_exits_0_and_prints_the_table_and_summary_when_every_verdict_matches(
-    files: Path, capsys: pytest.CaptureFixture[str]
+    files: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The table fits the terminal's width: a wide one, whatever runs the tests (an
+    # xdist worker may inherit a narrow terminal).
+    monkeypatch.setenv("COLUMNS", "200")
     status = main(replay_args(files))
 
     out = capsys.readouterr().out
