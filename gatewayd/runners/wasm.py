@@ -1034,12 +1034,13 @@ class WasmCall:
             # descriptors (the preopened directories, stdin) and its linear memory.
             store.close()
 
-    def _execute_in(self, store: wasmtime.Store, loaded: _Loaded, key: int) -> Any:
+    def _prepare(self, store: wasmtime.Store, key: int, *, instances: int, tables: int) -> None:
+        """The call's limits, its deadline's watch and its WASI context, on ``store``."""
         store.set_limits(
             memory_size=self.memory_bytes,
             memories=MAX_MEMORIES,
-            instances=MAX_INSTANCES,
-            tables=MAX_TABLES,
+            instances=instances,
+            tables=tables,
             table_elements=MAX_TABLE_ELEMENTS,
         )
         store.set_fuel(self.fuel)
@@ -1048,6 +1049,9 @@ class WasmCall:
         self.wasi_started_ns = time.monotonic_ns()
         store.set_wasi(wasi)
         self.deadline = time.monotonic() + self.timeout_s
+
+    def _execute_in(self, store: wasmtime.Store, loaded: _Loaded, key: int) -> Any:
+        self._prepare(store, key, instances=MAX_INSTANCES, tables=MAX_TABLES)
         instance: wasmtime.Instance | None = None
         assert loaded.pre is not None  # a core module (execute sends components elsewhere)
         try:
@@ -1076,19 +1080,7 @@ class WasmCall:
         ``linker`` fed by the same WasiConfig, and ``wasi:cli/run``'s ``run`` for
         ``_start``. The model import is a core module's: a component has none."""
         assert loaded.component is not None
-        store.set_limits(
-            memory_size=self.memory_bytes,
-            memories=MAX_MEMORIES,
-            instances=MAX_COMPONENT_INSTANCES,
-            tables=MAX_COMPONENT_TABLES,
-            table_elements=MAX_TABLE_ELEMENTS,
-        )
-        store.set_fuel(self.fuel)
-        _watch_store(store, key)
-        wasi = self._wasi_config()
-        self.wasi_started_ns = time.monotonic_ns()
-        store.set_wasi(wasi)
-        self.deadline = time.monotonic() + self.timeout_s
+        self._prepare(store, key, instances=MAX_COMPONENT_INSTANCES, tables=MAX_COMPONENT_TABLES)
         running = False
         try:
             instance = linker.instantiate(store, loaded.component)
