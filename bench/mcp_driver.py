@@ -5,11 +5,12 @@ same file runs on the host and inside a run's sandbox, where bench/mcp_overhead.
 it into the workspace and starts it with the system python3:
 
     python3 -I /workspace/mcp_driver.py inside ROUNDS CALLS EXEC_CALLS WARMUP [SDK_PATH
-                                          [BEHIND_TOOL]]
+                                          [BEHIND_TOOL [ROWS]]]
 
 prints one JSON line: per variant (``exec``, ``mcp_raw``, ``mcp_sdk``, and with
 BEHIND_TOOL, a declared MCP server's gateway tool: ``behind_raw``, ``behind_sdk``),
-every call's seconds.
+every call's seconds. ROWS ``c`` times the BEHIND_TOOL variants alone (``all``, the
+default: every one).
 
 Two MCP clients:
 
@@ -199,19 +200,27 @@ def exec_call() -> Call:
 
 
 async def inside(
-    rounds: int, calls: int, exec_calls: int, warmup: int, sdk_path: str, behind: str
+    rounds: int,
+    calls: int,
+    exec_calls: int,
+    warmup: int,
+    sdk_path: str,
+    behind: str,
+    behind_only: bool = False,
 ) -> None:
     """The in-sandbox measurement: the same gateway call through cogni-tool exec and
     through cogni-tool mcp (our client, and the SDK's when ``sdk_path`` names it); and,
     when ``behind`` names a gateway tool of a declared MCP server, that tool through
-    cogni-tool mcp with both clients (``behind_raw``, ``behind_sdk``)."""
-    variants: dict[str, Call] = {"exec": exec_call()}
+    cogni-tool mcp with both clients (``behind_raw``, ``behind_sdk``). ``behind_only``:
+    those two alone."""
+    variants: dict[str, Call] = {} if behind_only else {"exec": exec_call()}
     counts = {"exec": exec_calls, "mcp_raw": calls, "mcp_sdk": calls}
     counts |= {"behind_raw": calls, "behind_sdk": calls}
     raw = LineClient(["cogni-tool", "mcp"])
     try:
         raw.initialize()
-        variants["mcp_raw"] = line_call(raw, GATEWAY_TOOL, {})
+        if not behind_only:
+            variants["mcp_raw"] = line_call(raw, GATEWAY_TOOL, {})
         if behind:
             variants["behind_raw"] = line_call(raw, behind, BEHIND_ARGUMENTS)
         if not sdk_path:
@@ -223,7 +232,8 @@ async def inside(
         # The SDK passes only a few variables to its server by default; cogni-tool needs
         # the run's (its socket and run id).
         async with sdk_session("cogni-tool", ["mcp"], env=dict(os.environ)) as session:
-            variants["mcp_sdk"] = sdk_call(session, GATEWAY_TOOL, {})
+            if not behind_only:
+                variants["mcp_sdk"] = sdk_call(session, GATEWAY_TOOL, {})
             if behind:
                 variants["behind_sdk"] = sdk_call(session, behind, BEHIND_ARGUMENTS)
             times = await run_rounds(variants, rounds=rounds, calls=counts, warmup=warmup)
@@ -233,13 +243,14 @@ async def inside(
 
 
 def main(argv: Sequence[str]) -> int:
-    if len(argv) not in (5, 6, 7) or argv[0] != "inside":
+    if len(argv) not in (5, 6, 7, 8) or argv[0] != "inside" or argv[7:] not in ([], ["all"], ["c"]):
         print(__doc__, file=sys.stderr)
         return 2
     rounds, calls, exec_calls, warmup = (int(value) for value in argv[1:5])
     sdk_path = argv[5] if len(argv) > 5 else ""
     behind = argv[6] if len(argv) > 6 else ""
-    asyncio.run(inside(rounds, calls, exec_calls, warmup, sdk_path, behind))
+    behind_only = argv[7:] == ["c"]
+    asyncio.run(inside(rounds, calls, exec_calls, warmup, sdk_path, behind, behind_only))
     return 0
 
 

@@ -2,7 +2,7 @@
 the same run.
 
     .venv/bin/python bench/mcp_overhead.py [--rounds 5] [--calls 200] [--exec-calls 20]
-                                           [--warmup 20] [--quick]
+                                           [--warmup 20] [--quick] [--rows all|c]
 
 Needs root, /usr/bin/bwrap, a system python3 of the dev virtualenv's minor version (the
 SDK's and the servers' compiled packages load in the sandbox) and ``mcp-server-time``
@@ -39,7 +39,9 @@ read-only at /opt/mcp-venv, as tests/integration/test_mcp_pypi_servers_run.py do
 Each variant makes ``--calls`` sequential calls per round (``--exec-calls`` for
 cogni-tool exec, a process each) after ``--warmup``, in ``--rounds`` rounds whose order
 rotates. Printed: p50 and p90 of each and what it adds at p50 over its group's baseline.
-Figures only: nothing is asserted about time.
+``--rows c`` measures (c) alone (its baselines, the direct calls, included): fewer
+processes, and a shorter run, for work on the gateway's own share of the call. Figures
+only: nothing is asserted about time.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ from typing import Final, TextIO
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import BIN, env_info, percentile
-from mcp_driver import LineClient, line_call, run_rounds, sdk_call, sdk_session
+from mcp_driver import Call, LineClient, line_call, run_rounds, sdk_call, sdk_session
 
 DRIVER: Final = Path(__file__).resolve().parent / "mcp_driver.py"
 SYSTEM_PYTHON: Final = "/usr/bin/python3"
@@ -227,6 +229,7 @@ def measure_inside(bench: Bench, args: argparse.Namespace) -> dict[str, list[flo
         *(str(n) for n in counts),
         SITE_VISIBLE,
         BEHIND_TOOL,
+        args.rows,
     ]
     done = subprocess.run(
         argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False
@@ -255,23 +258,26 @@ async def measure_host(bench: Bench, args: argparse.Namespace) -> dict[str, list
             context = sdk_session(argv[0], argv[1:], errlog=bench.log(name))
             return await stack.enter_async_context(context)
 
-        cogni_raw = line_client("a-raw", bench.run_argv("a-raw", "cogni-tool", "mcp"))
-        cogni_sdk = await sdk("a-sdk", bench.run_argv("a-sdk", "cogni-tool", "mcp"))
+        variants: dict[str, Call] = {}
+        if args.rows == "all":
+            cogni_raw = line_client("a-raw", bench.run_argv("a-raw", "cogni-tool", "mcp"))
+            cogni_sdk = await sdk("a-sdk", bench.run_argv("a-sdk", "cogni-tool", "mcp"))
+            variants["host_run_cogni_raw"] = line_call(cogni_raw, "time.now", {})
+            variants["host_run_cogni_sdk"] = sdk_call(cogni_sdk, "time.now", {})
         time_sdk = await sdk("b-direct-sdk", direct)
         time_raw = line_client("b-direct-raw", direct)
-        relayed_sdk = await sdk("b-run-sdk", bench.run_argv("b-run-sdk", *sandboxed))
-        relayed_raw = line_client("b-run-raw", bench.run_argv("b-run-raw", *sandboxed))
+        variants["time_direct_sdk"] = sdk_call(time_sdk, tool, arguments)
+        variants["time_direct_raw"] = line_call(time_raw, tool, arguments)
+        if args.rows == "all":
+            relayed_sdk = await sdk("b-run-sdk", bench.run_argv("b-run-sdk", *sandboxed))
+            relayed_raw = line_client("b-run-raw", bench.run_argv("b-run-raw", *sandboxed))
+            variants["time_run_sdk"] = sdk_call(relayed_sdk, tool, arguments)
+            variants["time_run_raw"] = line_call(relayed_raw, tool, arguments)
         behind_sdk = await sdk("c-sdk", behind_argv(bench, "c-sdk", fsync=True))
         behind_raw = line_client("c-raw", behind_argv(bench, "c-raw", fsync=True))
         nosync_sdk = await sdk("c-sdk-nosync", behind_argv(bench, "c-sdk-nosync", fsync=False))
         nosync_raw = line_client("c-raw-nosync", behind_argv(bench, "c-raw-nosync", fsync=False))
-        variants = {
-            "host_run_cogni_raw": line_call(cogni_raw, "time.now", {}),
-            "host_run_cogni_sdk": sdk_call(cogni_sdk, "time.now", {}),
-            "time_direct_sdk": sdk_call(time_sdk, tool, arguments),
-            "time_direct_raw": line_call(time_raw, tool, arguments),
-            "time_run_sdk": sdk_call(relayed_sdk, tool, arguments),
-            "time_run_raw": line_call(relayed_raw, tool, arguments),
+        variants |= {
             "behind_sdk": sdk_call(behind_sdk, BEHIND_TOOL, arguments),
             "behind_raw": line_call(behind_raw, BEHIND_TOOL, arguments),
             "behind_sdk_nosync": sdk_call(nosync_sdk, BEHIND_TOOL, arguments),
@@ -381,7 +387,41 @@ def table(title: str, rows: Sequence[tuple[str, list[float]]], baseline: list[fl
     return lines
 
 
-def report(inside: dict[str, list[float]], host: dict[str, list[float]]) -> None:
+def report(inside: dict[str, list[float]], host: dict[str, list[float]], rows: str) -> None:
+    lines: list[str] = []
+    if rows == "all":
+        lines += report_a_b(inside, host)
+    lines += table(
+        "(c) mcp-server-time behind gatewayd: mcp.time.get_current_time through the chokepoint",
+        [
+            (
+                "official SDK client -> mcp-server-time on the host (direct)",
+                host["time_direct_sdk"],
+            ),
+            ("std-lib client -> mcp-server-time on the host (direct)", host["time_direct_raw"]),
+            (
+                "in the sandbox: std-lib client -> cogni-tool mcp -> gatewayd -> server",
+                inside["behind_raw"],
+            ),
+            (
+                "in the sandbox: SDK client -> cogni-tool mcp -> gatewayd -> server",
+                inside["behind_sdk"],
+            ),
+            (
+                "SDK client -> gatewayd run -> cogni-tool mcp -> gatewayd -> server",
+                host["behind_sdk"],
+            ),
+            ("std-lib client -> the same", host["behind_raw"]),
+            ("SDK client -> the same, audit_fsync: false", host["behind_sdk_nosync"]),
+            ("std-lib client -> the same, audit_fsync: false", host["behind_raw_nosync"]),
+        ],
+        host["time_direct_sdk"],
+    )
+    print("\n".join(lines))
+
+
+def report_a_b(inside: dict[str, list[float]], host: dict[str, list[float]]) -> list[str]:
+    """The tables of (a) and (b)."""
     lines = table(
         "(a) time.now, one gateway call, from inside a run's sandbox",
         [
@@ -418,33 +458,7 @@ def report(inside: dict[str, list[float]], host: dict[str, list[float]]) -> None
         ],
         host["time_direct_sdk"],
     )
-    lines += table(
-        "(c) mcp-server-time behind gatewayd: mcp.time.get_current_time through the chokepoint",
-        [
-            (
-                "official SDK client -> mcp-server-time on the host (direct)",
-                host["time_direct_sdk"],
-            ),
-            ("std-lib client -> mcp-server-time on the host (direct)", host["time_direct_raw"]),
-            (
-                "in the sandbox: std-lib client -> cogni-tool mcp -> gatewayd -> server",
-                inside["behind_raw"],
-            ),
-            (
-                "in the sandbox: SDK client -> cogni-tool mcp -> gatewayd -> server",
-                inside["behind_sdk"],
-            ),
-            (
-                "SDK client -> gatewayd run -> cogni-tool mcp -> gatewayd -> server",
-                host["behind_sdk"],
-            ),
-            ("std-lib client -> the same", host["behind_raw"]),
-            ("SDK client -> the same, audit_fsync: false", host["behind_sdk_nosync"]),
-            ("std-lib client -> the same, audit_fsync: false", host["behind_raw_nosync"]),
-        ],
-        host["time_direct_sdk"],
-    )
-    print("\n".join(lines))
+    return lines
 
 
 def main() -> int:
@@ -456,6 +470,12 @@ def main() -> int:
     ap.add_argument("--exec-calls", type=int, default=20, help="cogni-tool exec per round")
     ap.add_argument("--warmup", type=int, default=20, help="calls per variant before timing")
     ap.add_argument("--quick", action="store_true", help="2 rounds of 5 calls (smoke test)")
+    ap.add_argument(
+        "--rows",
+        choices=("all", "c"),
+        default="all",
+        help="every variant, or (c) alone with its direct baselines",
+    )
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.calls, args.exec_calls, args.warmup = 2, 5, 2, 2
@@ -468,6 +488,7 @@ def main() -> int:
         f"{TIME_SERVER} {importlib.metadata.version(TIME_SERVER)}; gatewayd run (OS sandbox "
         f"on, durable audit on); {args.rounds} rounds of {args.calls} calls per variant "
         f"({args.exec_calls} for cogni-tool exec) after {args.warmup}, interleaved; "
+        f"rows {args.rows}; "
         f"{load_average()}"
     )
     bench = Bench()
@@ -479,7 +500,7 @@ def main() -> int:
         raise
     finally:
         bench.close()
-    report(inside, host)
+    report(inside, host, args.rows)
     # Other work on the host moves every figure (a busy 2-core machine doubles them): the
     # load at both ends says whether this run was quiet.
     print(f"at the end: {load_average()}")

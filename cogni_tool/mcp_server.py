@@ -14,8 +14,9 @@ so both transports answer alike.
 
 Concurrency: the reader (the caller of :meth:`McpSession.receive_line`) never waits for
 the gateway, so ``ping`` and ``notifications/cancelled`` are handled while calls run.
-Each ``tools/list`` and ``tools/call`` runs in a thread of its own, at most
-:data:`MAX_CONCURRENT_CALLS` at the gateway at once, each on a pooled connection (a
+Each ``tools/list`` and ``tools/call`` runs in a worker thread (:class:`Workers`: reused,
+so a call costs a hand-over, not a thread's start), at most :data:`MAX_CONCURRENT_CALLS`
+at the gateway at once, each on a pooled connection (a
 :class:`cogni_tool.client.Client` serves one thread at a time).
 
 Cancellation: a cancelled request's answer is dropped, as MCP asks. A call still waiting
@@ -30,6 +31,7 @@ request still gets them), then closes its connections. Standard library only.
 from __future__ import annotations
 
 import contextlib
+import queue
 import sys
 import threading
 
@@ -90,6 +92,11 @@ _SKIP_CHUNK: Final = 64 * 1024
 # Threads only wait on a socket: a small stack keeps many of them cheap.
 THREAD_STACK_BYTES: Final = 512 * 1024
 
+# A worker thread with no request for this long ends: a session that calls in bursts
+# keeps its threads between them (starting one costs more than the rest of the hand-over
+# of a call to the gateway), an idle one holds none.
+WORKER_IDLE_S: Final = 30.0
+
 # Exit statuses, as the rest of cogni-tool's (cogni_tool.client.EXIT_CODES).
 EXIT_OK: Final = 0
 EXIT_USAGE: Final = 2
@@ -138,6 +145,57 @@ class _Batch:
     def _flush(self) -> None:
         # A batch of notifications only is answered with nothing (None).
         self._write(self._answers or None)
+
+
+class Workers:
+    """Threads that run jobs, reused: a job goes to an idle worker, or to a new thread
+    when none is idle. A worker idle for ``idle_s`` ends.
+
+    Bookkeeping: ``_idle`` is the number of workers waiting for a job less the jobs
+    queued for them, so :meth:`submit` starts a thread exactly when no waiting worker is
+    left free for its job, and a worker whose wait timed out ends only when another
+    waiting worker is free for every queued job. The number of threads is bounded by
+    the jobs submitted at once (the session bounds those: :data:`MAX_PENDING_REQUESTS`).
+    """
+
+    def __init__(self, idle_s: float = WORKER_IDLE_S) -> None:
+        self._idle_s = idle_s
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+
+    @property
+    def idle(self) -> int:
+        """Workers waiting for a job with none queued for them."""
+        with self._lock:
+            return self._idle
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job`` in a worker thread (``job`` must not raise: a worker that fails
+        is gone, and its place is taken by a new thread at the next submit)."""
+        with self._lock:
+            spare = self._idle > 0
+            if spare:
+                self._idle -= 1
+        if spare:
+            self._jobs.put(job)
+        else:
+            threading.Thread(target=self._run, args=(job,), daemon=True).start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        while True:
+            job()
+            with self._lock:
+                self._idle += 1
+            while True:
+                try:
+                    job = self._jobs.get(timeout=self._idle_s)
+                    break
+                except queue.Empty:
+                    with self._lock:
+                        if self._idle > 0:  # no queued job counts on this worker
+                            self._idle -= 1
+                            return
 
 
 class ClientPool:
@@ -210,7 +268,11 @@ class McpSession:
         self._write_lock = threading.Lock()
         self._lock = threading.Lock()
         self._in_flight: dict[tuple[str, RequestId], _Call] = {}
-        self._threads: list[threading.Thread] = []
+        self._workers = Workers()
+        # Requests handed to a worker and not yet answered (their answer written):
+        # :meth:`wait` waits for none to be left. Under ``_lock``.
+        self._unanswered = 0
+        self._all_answered = threading.Condition(self._lock)
         self.version: str | None = None
         self.initialized = False
 
@@ -400,12 +462,8 @@ class McpSession:
                     request.id,
                 )
             self._in_flight[key] = call
-            self._threads = [t for t in self._threads if t.is_alive()]
-            thread = threading.Thread(
-                target=self._work, args=(request, key, call, reply, work), daemon=True
-            )
-            self._threads.append(thread)
-        thread.start()
+            self._unanswered += 1
+        self._workers.submit(lambda: self._work(request, key, call, reply, work))
 
     def _work(
         self,
@@ -443,7 +501,13 @@ class McpSession:
         finally:
             with self._lock:
                 self._in_flight.pop(key, None)
-            reply(response)
+            try:
+                reply(response)
+            finally:
+                with self._lock:
+                    self._unanswered -= 1
+                    if not self._unanswered:
+                        self._all_answered.notify_all()
 
     def _list(self, client: GatewayClient, cursor: Any, request: mcp.Request) -> Json:
         try:
@@ -505,13 +569,11 @@ class McpSession:
             self._write_line(data)
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for every request being answered; True when none is left."""
+        """Wait for every request being answered (its answer written); True when none is
+        left."""
         with self._lock:
-            threads = list(self._threads)
-        for thread in threads:
-            thread.join(timeout)
-        with self._lock:
-            return not self._in_flight
+            self._all_answered.wait_for(lambda: not self._unanswered, timeout)
+            return not self._unanswered and not self._in_flight
 
     def close(self) -> None:
         """Close the pooled gateway connections (the calls should be done by now), unless

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from collections.abc import AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, Final, TypeVar
@@ -228,6 +229,8 @@ class _StdioSession(McpSession):
     def __init__(self, to_server: trio.abc.SendStream, name: str) -> None:
         super().__init__(name)
         self._to_server = to_server
+        # A pipe's stream is written to at once when nobody else is sending (_send).
+        self._pipe = to_server if isinstance(to_server, trio.lowlevel.FdStream) else None
         # A stream takes one writer at a time; a message is one whole line.
         self._send_lock = trio.Lock()
         self._next_id = 1
@@ -389,20 +392,60 @@ class _StdioSession(McpSession):
         Error handling: SessionFailed when the server stopped reading it, or when a
         cancellation cut a message off (the stream's framing is lost)."""
         data = _encode(message) + b"\n"
+        if self._pipe is not None and not self._send_lock.locked():
+            # The usual case: nobody else is sending and the line fits in the pipe. It is
+            # written at once, without the lock's and send_all's two schedule points (a
+            # request's wait for its answer is one anyway). Cancelled here, nothing was
+            # written.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            sent = self._write_nowait(self._pipe, data)
+            if sent == len(data):
+                return
+            # The rest under the lock, taken before any await (so it is still free): no
+            # other line can land in the middle of this one.
+            self._send_lock.acquire_nowait()
+            try:
+                await self._send_all(data[sent:])
+            finally:
+                self._send_lock.release()
+            return
         async with self._send_lock:
             # Cancelled here, nothing was written; cancelled inside send_all, part may be.
             await trio.lowlevel.checkpoint_if_cancelled()
-            try:
-                await self._to_server.send_all(data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                self.fail(f"MCP server {self._name!r} stopped reading its stdin (it exited)")
-                raise SessionFailed(self.failure) from None
-            except trio.Cancelled:
-                self.fail(
-                    f"MCP server {self._name!r} did not read its stdin; a message to it was "
-                    "cut off by a cancellation"
-                )
-                raise
+            await self._send_all(data)
+
+    def _write_nowait(self, pipe: trio.lowlevel.FdStream, data: bytes) -> int:
+        """Write what the pipe takes now, without waiting; the bytes written.
+
+        Error handling: SessionFailed when the server stopped reading (or the pipe is
+        closed)."""
+        fd = pipe.fileno()
+        try:
+            if fd < 0:  # closed: never write to a number that may be reused
+                raise BrokenPipeError("the pipe to the server is closed")
+            return os.write(fd, data)
+        except BlockingIOError:
+            return 0
+        except OSError:  # EPIPE, EBADF: the server exited, or its pipe was closed
+            self.fail(f"MCP server {self._name!r} stopped reading its stdin (it exited)")
+            raise SessionFailed(self.failure) from None
+
+    async def _send_all(self, data: bytes) -> None:
+        """``data`` to the server's stdin, waiting for room (the caller holds the lock).
+
+        Error handling: SessionFailed when the server stopped reading; a cancellation
+        here may cut the line off, so it fails the session (the framing is lost)."""
+        try:
+            await self._to_server.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.fail(f"MCP server {self._name!r} stopped reading its stdin (it exited)")
+            raise SessionFailed(self.failure) from None
+        except trio.Cancelled:
+            self.fail(
+                f"MCP server {self._name!r} did not read its stdin; a message to it was "
+                "cut off by a cancellation"
+            )
+            raise
 
     async def _read(self, source: trio.abc.ReceiveStream) -> None:
         """The server's stdout, one bounded line at a time, each handled before the next

@@ -262,7 +262,8 @@ class McpServers:
             instance = _Instance(server=server, caller=key[1])
             self._instances[key] = instance
             self._nursery.start_soon(self._serve, instance, declaration, caller if key[1] else None)
-        await instance.ready.wait()
+        if not instance.ready.is_set():  # started: no schedule point (a call makes its own)
+            await instance.ready.wait()
         if instance.session is None:
             raise ToolFailed(instance.start_error or f"MCP server {server!r} did not start")
         return instance

@@ -66,3 +66,26 @@ def test_mcp_overhead_bench_prints_every_variant() -> None:
         row = rf"{re.escape(label)}\s+{calls}\s+{MS}\s+{MS}\s+{VERSUS}"
         assert re.search(row, c_section), (label, c_section)
     assert re.search(r"on the host \(direct\)\s+10\s+.*\(baseline\)", c_section), c_section
+
+
+def test_rows_c_measures_the_declared_server_rows_alone() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "mcp_overhead.py"), "--quick", "--rows", "c"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
+    out = done.stdout
+    assert "rows c;" in out
+    assert not re.search(r"^\((a|b)\)", out, flags=re.MULTILINE), out
+    assert "(a process per call)" not in out and "(relayed)" not in out, out
+    (c_section,) = re.findall(r"^\(c\).*(?:\n  .*)*", out, flags=re.MULTILINE)
+    for label in (
+        "official SDK client -> mcp-server-time on the host (direct)",
+        "in the sandbox: SDK client -> cogni-tool mcp -> gatewayd -> server",
+        "std-lib client -> the same, audit_fsync: false",
+    ):
+        row = rf"{re.escape(label)}\s+10\s+{MS}\s+{MS}\s+{VERSUS}"
+        assert re.search(row, c_section), (label, c_section)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from cogni_tool import __version__
 from cogni_tool import mcp_protocol as mcp
 from cogni_tool.client import ConnectionFailed, ToolError
-from cogni_tool.mcp_server import MAX_LINE_BYTES, McpSession
+from cogni_tool.mcp_server import MAX_LINE_BYTES, McpSession, Workers
 from gatewayd import protocol
 from gatewayd.tools import builtin_tools
 from tests.unit.test_cogni_tool_client import RUN_ID, FakeGateway, fake_gateway
@@ -877,3 +877,76 @@ def test_cogni_tool_help_lists_the_mcp_command() -> None:
 
     assert "cogni-tool mcp [--timeout SECONDS]" in USAGE
     assert "mcp                 serve the run's tools to an MCP client over stdio" in USAGE
+
+
+# -- the worker threads --
+
+
+def _run_and_wait(workers: Workers, job_count: int, together: bool = False) -> set[int]:
+    """Submit ``job_count`` jobs and wait for them all; the idents of the threads that
+    ran them. ``together``: each job waits until all of them run at once."""
+    seen: set[int] = set()
+    done = threading.Semaphore(0)
+    lock = threading.Lock()
+    barrier = threading.Barrier(job_count)
+
+    def job() -> None:
+        if together:
+            barrier.wait(10)
+        with lock:
+            seen.add(threading.get_ident())
+        done.release()
+
+    for _ in range(job_count):
+        workers.submit(job)
+    for _ in range(job_count):
+        assert done.acquire(timeout=10)
+    return seen
+
+
+def _until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.001)
+
+
+def test_calls_one_after_another_reuse_one_worker_thread() -> None:
+    workers = Workers()
+    first = _run_and_wait(workers, 1)
+    for _ in range(20):
+        _until(lambda: workers.idle == 1)  # the worker is back waiting
+        assert _run_and_wait(workers, 1) == first
+
+
+def test_concurrent_calls_each_get_a_worker_and_none_waits_for_another() -> None:
+    workers = Workers()
+    # Every job waits until all of them run: only a thread each lets them.
+    assert len(_run_and_wait(workers, 8, together=True)) == 8
+    # All eight wait for work now: eight more run on them, no new thread.
+    _until(lambda: workers.idle == 8)
+    before = threading.active_count()
+    assert len(_run_and_wait(workers, 8, together=True)) == 8
+    assert threading.active_count() == before
+
+
+def test_an_idle_worker_ends_and_a_later_call_gets_a_new_one() -> None:
+    workers = Workers(idle_s=0.05)
+    before = threading.active_count()
+    assert len(_run_and_wait(workers, 3, together=True)) == 3
+    _until(lambda: threading.active_count() == before)
+    assert workers.idle == 0
+    assert len(_run_and_wait(workers, 1)) == 1
+
+
+def test_wait_returns_once_every_answer_is_written_by_the_reused_workers(peer: Peer) -> None:
+    peer.initialize()
+    for round_number in range(3):
+        ids = [f"r{round_number}-{n}" for n in range(5)]
+        for request_id in ids:
+            body = {"name": "time.now", "arguments": {}}
+            peer.send({"jsonrpc": "2.0", "id": request_id, "method": "tools/call", "params": body})
+        # No sleep, no take: wait alone must see every answer written.
+        assert peer.session.wait(5)
+        answered = {message["id"] for message in peer.messages()}
+        assert set(ids) <= answered

@@ -4,6 +4,7 @@ or broken server could, and the test reads what the client wrote back."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -401,3 +402,89 @@ async def test_a_message_longer_than_the_bound_fails_the_session(
         await server.answer(request, {"content": [{"type": "text", "text": "x" * 2000}]})
         error = await settled(outcome)
         assert isinstance(error, SessionFailed) and "MAX_MESSAGE_BYTES" in str(error)
+
+
+# -- requests written straight to a pipe (the server's stdin as gatewayd holds it) --
+
+
+@asynccontextmanager
+async def pipe_session() -> AsyncIterator[tuple[McpSession, int, trio.MemorySendChannel[bytes]]]:
+    """A session whose requests go to a real pipe (its read end returned, for the test
+    to read or close) and whose answers come from a memory stream."""
+    import os
+
+    read_end, write_end = os.pipe()
+    to_server = trio.lowlevel.FdStream(write_end)
+    answers_send, answers_recv = trio.testing.memory_stream_one_way_pair()
+    lines_send, lines_recv = trio.open_memory_channel[bytes](16)
+
+    async def pump() -> None:
+        async for line in lines_recv:
+            await answers_send.send_all(line)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump)
+            async with open_session(to_server, answers_recv, name="piped") as session:
+                yield session, read_end, lines_send
+            nursery.cancel_scope.cancel()
+    finally:
+        await to_server.aclose()
+        with contextlib.suppress(OSError):  # a test may have closed it already
+            os.close(read_end)
+
+
+def _read_line(fd: int) -> dict[str, Any]:
+    import os
+
+    data = b""
+    while not data.endswith(b"\n"):
+        data += os.read(fd, 65536)
+    message: dict[str, Any] = json.loads(data)
+    return message
+
+
+async def test_a_request_to_a_pipe_is_one_whole_line_and_its_answer_comes_back() -> None:
+    async with pipe_session() as (session, read_end, answers):
+        async with trio.open_nursery() as nursery:
+            got: list[Any] = []
+
+            async def call() -> None:
+                got.append(await session.call("echo", {"text": "hi"}, timeout_s=10))
+
+            nursery.start_soon(call)
+            await trio.sleep(0.05)
+            request = await trio.to_thread.run_sync(_read_line, read_end)
+            assert request["method"] == "tools/call"
+            assert request["params"] == {"name": "echo", "arguments": {"text": "hi"}}
+            answer = {"content": [{"type": "text", "text": "hi"}], "isError": False}
+            reply = {"jsonrpc": "2.0", "id": request["id"], "result": answer}
+            await answers.send(json.dumps(reply).encode() + b"\n")
+            # A tool never listed: its output schema is learnt first, on the same pipe.
+            listing = await trio.to_thread.run_sync(_read_line, read_end)
+            assert listing["method"] == "tools/list"
+            tools = {"jsonrpc": "2.0", "id": listing["id"], "result": {"tools": TOOLS}}
+            await answers.send(json.dumps(tools).encode() + b"\n")
+        assert got[0].content == [{"type": "text", "text": "hi"}]
+
+
+async def test_a_server_that_closed_its_stdin_fails_the_session_saying_so() -> None:
+    import os
+
+    async with pipe_session() as (session, read_end, _answers):
+        os.close(read_end)  # the server is gone: nobody reads its stdin
+        with pytest.raises(SessionFailed, match="stopped reading its stdin"):
+            await session.call("echo", {}, timeout_s=10)
+        assert session.failure is not None
+
+
+async def test_a_line_the_pipe_takes_in_part_is_finished_under_the_lock_or_fails_the_session() -> (
+    None
+):
+    # A request bigger than the pipe's buffer: part goes at once, the rest waits for the
+    # server to read. Given up on (the timeout), the line is cut off: the session fails.
+    async with pipe_session() as (session, _read_end, _answers):
+        big = {"text": "x" * (1 << 20)}
+        with pytest.raises((CallTimedOut, SessionFailed)):
+            await session.call("echo", big, timeout_s=0.2)
+        assert session.failure is not None and "cut off" in session.failure
