@@ -108,10 +108,10 @@ import struct
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 import structlog
@@ -143,6 +143,9 @@ from gatewayd.runners.rights import (
 )
 from gatewayd.runners.spec import FolderTool
 from gatewayd.tools.registry import ToolContext
+
+# What the disk cache holds: a compiled core module or a compiled component.
+_Compiled = TypeVar("_Compiled", wasmtime.Module, wasmtime_component.Component)
 
 log = structlog.get_logger("gatewayd.runners.wasm")
 
@@ -623,7 +626,7 @@ class WasmEngine:
                     self._modules[digest] = loaded
                     self._compiling.pop(digest, None)
                 return loaded
-            module = self._from_disk(digest)
+            module = self._from_disk(digest, wasmtime.Module.deserialize)
             if module is None:
                 module = self._compile(data, shown_path)
                 self._to_disk(digest, module)
@@ -647,7 +650,7 @@ class WasmEngine:
             return loaded
 
     def _component(self, data: bytes, digest: str, shown_path: str) -> _Loaded:
-        component = self._component_from_disk(digest)
+        component = self._from_disk(digest, wasmtime_component.Component.deserialize)
         if component is None:
             try:
                 component = wasmtime_component.Component(self._engine, data)
@@ -707,30 +710,22 @@ class WasmEngine:
     def _cache_path(self, digest: str) -> Path | None:
         return None if self.cache_dir is None else self.cache_dir / f"{digest}{CACHE_SUFFIX}"
 
-    def _from_disk(self, digest: str) -> wasmtime.Module | None:
+    def _from_disk(
+        self, digest: str, deserialize: Callable[[wasmtime.Engine, bytes], _Compiled]
+    ) -> _Compiled | None:
+        """The module or component cached for ``digest`` (``deserialize``:
+        ``Module.deserialize`` or ``Component.deserialize``); None: compile anew."""
         payload = self._cached(digest)
         if payload is None:
             return None
         try:
-            module = wasmtime.Module.deserialize(self._engine, payload)
+            compiled = deserialize(self._engine, payload)
         except wasmtime.WasmtimeError as exc:
             # Another wasmtime version or configuration wrote it: compile anew.
             log.info("wasm_cache_file_stale", digest=digest, reason=_first_reason(exc))
             return None
         self.cache_hits += 1
-        return module
-
-    def _component_from_disk(self, digest: str) -> wasmtime_component.Component | None:
-        payload = self._cached(digest)
-        if payload is None:
-            return None
-        try:
-            component = wasmtime_component.Component.deserialize(self._engine, payload)
-        except wasmtime.WasmtimeError as exc:
-            log.info("wasm_cache_file_stale", digest=digest, reason=_first_reason(exc))
-            return None
-        self.cache_hits += 1
-        return component
+        return compiled
 
     def _cached(self, digest: str) -> bytes | None:
         """A cache file's payload (a serialized module or component), once its owner,

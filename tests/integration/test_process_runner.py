@@ -10,7 +10,6 @@ shown by the probe failing, never by reading our own configuration back.
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -21,7 +20,6 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 import trio
 
@@ -41,6 +39,7 @@ from gatewayd.sandbox.session import CallBind, CallView
 from gatewayd.tools import builtin_tools
 from gatewayd.tools.manifest import RunnerKind, ToolLimits, ToolManifest
 from gatewayd.tools.registry import Tool, ToolContext
+from tests.responses import failure, value
 
 PY = "/usr/bin/python3"
 PEER = Peer(pid=4242, uid=1000, gid=1000)
@@ -269,19 +268,6 @@ class Harness:
         self._ids += 1
         request = Request(v=1, runId=run.run_id, toolCallId=f"c{self._ids}", tool=tool, args=args)
         return await self.daemon.dispatcher.handle(run, request, PEER)
-
-
-def value(response: Response) -> Any:
-    assert response.ok, (response.errorCode, response.safeMessage)
-    raw = response.value
-    return json.loads(bytes(raw)) if isinstance(raw, msgspec.Raw) else raw
-
-
-def failure(response: Response, code: ErrorCode) -> str:
-    assert not response.ok, response.value
-    assert response.errorCode is code, (response.errorCode, response.safeMessage)
-    assert response.safeMessage
-    return response.safeMessage
 
 
 @pytest.fixture

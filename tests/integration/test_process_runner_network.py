@@ -26,7 +26,6 @@ from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, ClassVar
 
-import msgspec
 import pytest
 import trio
 from structlog.testing import capture_logs
@@ -45,6 +44,7 @@ from gatewayd.runs.services import CallEgressProxies
 from gatewayd.sandbox.plan import EGRESS_PROXY_PORT, MODEL_ENDPOINT_PORT
 from gatewayd.tools.registry import ToolContext
 from tests.integration.test_process_runner import folder_tool
+from tests.responses import value
 
 PY = "/usr/bin/python3"
 PEER = Peer(pid=4242, uid=1000, gid=1000)
@@ -285,12 +285,6 @@ async def harness(base: Path, origin: int) -> AsyncIterator[Harness]:
             yield Harness(daemon, run, origin)
     finally:
         os.environ.pop(KEY_ENV, None)
-
-
-def value(response: Response) -> Any:
-    assert response.ok, (response.errorCode, response.safeMessage)
-    raw = response.value
-    return json.loads(bytes(raw)) if isinstance(raw, msgspec.Raw) else raw
 
 
 def host_address() -> str:

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
 
 from gatewayd.audit import Peer
@@ -29,6 +28,7 @@ from gatewayd.protocol import ErrorCode, Request, Response
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from tests.exampletools import TOOL_NAMES, copy_examples
 from tests.fakeprovider import FakeProvider, Text, provider_with_key
+from tests.responses import failure, value
 
 KEY_ENV = "COGNI_TEST_EXAMPLES_KEY"
 KEY = "sk-examples-host-only-0123456789"
@@ -100,19 +100,6 @@ class Examples:
         await audit.durable(audit.last_seq)
         text = self.daemon.config.resolved_audit_path.read_text()
         return [json.loads(line) for line in text.splitlines() if line]
-
-
-def value(response: Response) -> Any:
-    assert response.ok, (response.errorCode, response.safeMessage)
-    raw = response.value
-    return json.loads(bytes(raw)) if isinstance(raw, msgspec.Raw) else raw
-
-
-def failure(response: Response, code: ErrorCode) -> str:
-    assert not response.ok, response.value
-    assert response.errorCode is code, (response.errorCode, response.safeMessage)
-    assert response.safeMessage
-    return response.safeMessage
 
 
 @pytest.fixture

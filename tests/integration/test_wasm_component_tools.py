@@ -24,10 +24,9 @@ from tests.integration.test_tool_examples import (
     POLICY,
     Examples,
     _unavailable,
-    failure,
     make_workspace,
-    value,
 )
+from tests.responses import failure, value
 
 pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
 
