@@ -8,13 +8,21 @@ deterministically (seed 7), under a private temporary directory on the same file
 as the system's temporary directory: ``--files`` files nested about 20 entries per
 directory, text files of 200 B-8 KiB and one binary in 200 (a few KiB with NUL bytes),
 plus a few symlinks. Per round, for each backend (``host``; ``overlay``; ``overlay`` with
-``max_delta_bytes`` set, its delta on a tmpfs) over a fresh copy of the tree:
+``max_delta_bytes`` set, its delta on a tmpfs; ``agentfs``, its delta in an AgentFS
+database) over a fresh copy of the tree:
 
 - **create**: ``create(base, state_dir)``;
-- **diff**: ``diff()`` after ``--changes`` changes (70% modified, 15% added, 10%
-  removed, 5% renamed, made through ``root`` and not timed);
-- **commit**: ``commit()`` of those changes;
-- **discard**: ``discard()`` of the same mix of changes in a second, fresh session.
+- **write**: one ``write()`` of a new 4 KiB file (what an fs tool's write costs);
+- **sync**: ``sync()`` after ``--changes`` changes (70% modified, 15% added, 10%
+  removed, 5% renamed, made through ``root`` and not timed): what the run pays after a
+  command that changed them. Only agentfs has work here (its view into its database);
+- **idle sync**: ``sync()`` again, nothing changed: what every other command pays;
+- **diff**: ``diff()`` of those changes;
+- **seal**: ``seal()``, what a run's end costs (overlay unmounts; agentfs syncs a last
+  time, makes its database durable and deletes the view; host has nothing to do);
+- **commit**: ``commit()`` of those changes, sealed (``gatewayd workspace commit``);
+- **discard**: ``discard()`` of the same mix of changes in a second, fresh session,
+  synced and sealed first (untimed), as a run's end leaves it.
 
 The baseline is ``/usr/bin/cp -a`` of the whole tree to a new directory, once per round,
 set up like a backend (a fresh copy of the tree, then the timed copy of that copy) and
@@ -49,6 +57,7 @@ from types import FrameType
 from typing import Final, TypeVar
 
 from gatewayd.workspace import HostWorkspace, OverlayWorkspace, WorkspaceSession
+from gatewayd.workspace.agentfs import AgentFSWorkspace
 
 T = TypeVar("T")
 
@@ -58,8 +67,10 @@ SEED: Final = 7
 ENTRIES_PER_DIR: Final = 20
 # The limited overlay's delta tmpfs: far above what --changes writes, so it only costs.
 BENCH_DELTA_LIMIT: Final = 256 << 20
-STEPS: Final = ("create", "diff", "commit", "discard")
-BACKENDS: Final = ("host", "overlay", "overlay, tmpfs delta")
+STEPS: Final = ("create", "write", "sync", "idle sync", "diff", "seal", "commit", "discard")
+BACKENDS: Final = ("host", "overlay", "overlay, tmpfs delta", "agentfs")
+WRITE_BYTES: Final = 4096
+COLUMN: Final = 16
 BASELINE: Final = "cp -a (baseline)"
 
 WORDS: Final = [
@@ -168,6 +179,8 @@ def make_changes(root: Path, mix: ChangeMix, rng: random.Random) -> None:
 def open_session(backend: str, base: Path, state: Path) -> WorkspaceSession:
     if backend == "host":
         return HostWorkspace.create(base, state)
+    if backend == "agentfs":
+        return AgentFSWorkspace.create(base, state)
     limit = BENCH_DELTA_LIMIT if backend == "overlay, tmpfs delta" else None
     return OverlayWorkspace.create(base, state, max_delta_bytes=limit)
 
@@ -251,8 +264,13 @@ def run_backend(
                 lambda: open_session(backend, base, work / "state-commit")
             )
             ws = opened
+            data = text_blob(rng, WRITE_BYTES)
+            _, times["write"] = timed(lambda: opened.write("bench-write.py", data))
             make_changes(opened.root, mix, rng)
+            _, times["sync"] = timed(opened.sync)
+            _, times["idle sync"] = timed(opened.sync)
             _, times["diff"] = timed(opened.diff)
+            _, times["seal"] = timed(opened.seal)
             _, times["commit"] = timed(opened.commit)
         finally:
             if ws is not None:
@@ -261,6 +279,8 @@ def run_backend(
         try:
             ws = open_session(backend, base, work / "state-discard")
             make_changes(ws.root, mix, rng)
+            ws.sync()
+            ws.seal()
             _, times["discard"] = timed(ws.discard)
         finally:
             if ws is not None:
@@ -276,13 +296,13 @@ def report(samples: Samples, args: argparse.Namespace, header: str) -> None:
     base = statistics.median(samples.baseline)
     print(header)
     print(f"{args.rounds} rounds; medians in ms, and the ratio to the median cp -a")
-    print(f"{'':24}" + "".join(f"{step:>20}" for step in STEPS))
+    print(f"{'':24}" + "".join(f"{step:>{COLUMN}}" for step in STEPS))
     print(f"{BASELINE:24}{base * 1e3:>12.1f}  1.00x")
     for backend in BACKENDS:
         cells = []
         for step in STEPS:
             median = statistics.median(samples.steps[(backend, step)])
-            cells.append(f"{median * 1e3:>12.1f} {median / base:>6.2f}x")
+            cells.append(f"{median * 1e3:>{COLUMN - 7}.1f} {median / base:>5.2f}x")
         print(f"{backend:24}" + "".join(cells))
 
 

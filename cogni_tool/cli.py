@@ -54,12 +54,11 @@ environment (set by gatewayd for the run):
   COGNI_GATEWAY_SOCK  path of the gateway socket
   COGNI_RUN_ID        id of this run
 
-exit status: 0 ok, 2 usage, 3 no gateway, 4 protocol error, 10-21, 23 and 24 the
+exit status: 0 ok, 2 usage, 3 no gateway, 4 protocol error, 10-21 and 23-25 the
 gateway's error code (bad_request, too_large, run_mismatch, authz_denied, unknown_tool,
 policy_denied, invalid_args, review_denied, rate_limited, timeout, tool_failed, internal;
-23 confirmation_required, 24 limit_exceeded), 22 an error code this cogni-tool does not
-know. Errors are
-printed as "cogni-tool: <code>: <message>".
+23 confirmation_required, 24 limit_exceeded, 25 approval_denied), 22 an error code
+this cogni-tool does not know. Errors are printed as "cogni-tool: <code>: <message>".
 
 example:
   cogni-tool exec fs.read '{"path": "notes.txt"}'

@@ -113,6 +113,7 @@ WIRE_EXIT_CODES: Final = {
     # Added after unknown_error_code (22): a number, once given, never changes.
     "confirmation_required": 23,
     "limit_exceeded": 24,
+    "approval_denied": 25,
 }
 
 # Every ``code`` a CogniToolError can carry, and the CLI's exit status for it. Other

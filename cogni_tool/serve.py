@@ -100,6 +100,8 @@ _STATUS = {
     "confirmation_required": (403, "permission_denied"),
     # Not 429: SDKs retry a 429, and a spent fuel or memory budget stays spent.
     "limit_exceeded": (403, "permission_denied"),
+    # Not retried by an SDK: only the operator's answer changes it.
+    "approval_denied": (403, "permission_denied"),
 }
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Parameters model.chat does not take; accepted and ignored, so an SDK's defaults pass.

@@ -1,7 +1,9 @@
 """`make demo`: a sandboxed agent script calling cogni-tool through `gatewayd run`,
 with allowed and denied calls, one of them prompting an app (the note taker, installed
 into the workspace first) whose own calls are reviewed against its rules, then the audit
-trail and its verification.
+trail and its verification. The run works on an overlay of the workspace (the default
+mode): its changes are shown (`gatewayd workspace diff`), then committed to the workspace
+(`gatewayd workspace commit`).
 
 The agent runs inside the run's OS sandbox (bubblewrap, a loopback-only network
 namespace, its own uid, seccomp), with the system python3, from a copy in its workspace.
@@ -10,6 +12,7 @@ namespace, its own uid, seccomp), with the system python3, from a copy in its wo
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,6 +26,8 @@ sys.path.insert(0, str(ROOT / "demo"))
 import scripted_model  # noqa: E402  (beside this script, not a package)
 
 MODEL_KEY_ENV = "COGNI_DEMO_MODEL_KEY"
+# How `gatewayd run` names its run on stderr when it starts.
+RUN_STARTED = re.compile(r"run ([0-9a-f]{32}) started")
 
 
 def step(title: str) -> None:
@@ -90,9 +95,17 @@ def main() -> int:
     for t in tools:  # the run spec narrows the policy: fs.stat is allowed by it, not by the run
         cmd += ["--tool", t]
     cmd += ["--", "python3", "agent.py"]
-    rc = subprocess.run(cmd, check=False).returncode
+    # gatewayd's own lines are shown as they come; the run id is read from them.
+    run = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    run_id = None
+    assert run.stderr is not None
+    for line in run.stderr:
+        sys.stderr.write(line)
+        found = RUN_STARTED.search(line)
+        run_id = run_id or (found.group(1) if found else None)
+    rc = run.wait()
     server.shutdown()
-    if rc != 0:
+    if rc != 0 or run_id is None:
         print(f"demo: the agent run failed with exit {rc}", file=sys.stderr)
         return 1
 
@@ -104,6 +117,11 @@ def main() -> int:
     subprocess.run([gatewayd, "audit", "show", "--denied", str(audit)], check=True)
     step("hash chain (gatewayd audit verify)")
     verify = subprocess.run([gatewayd, "audit", "verify", str(audit)], check=False)
+    store = ["--state-dir", str(state), "--config", str(config)]
+    step("the run's changes, kept apart from the workspace (gatewayd workspace diff)")
+    subprocess.run([gatewayd, "workspace", "diff", *store, run_id], check=True)
+    step("applied to the workspace (gatewayd workspace commit)")
+    subprocess.run([gatewayd, "workspace", "commit", *store, run_id], check=True)
     step("what the agent wrote, on the host")
     print((workspace / "out" / "summary.md").read_text())
     step("what the app kept in its data folder, on the host (no run can read it)")

@@ -276,9 +276,10 @@ class GatewaydConfig(_Strict):
     tool_default_runner: Literal["wasm", "process"] = "wasm"
     # None: <state_dir>/wasm-cache (compiled wasm modules, by digest).
     tool_cache_dir: AbsolutePath | None = None
+    # The workspace mode of a run whose request and policy name none (docs/workspaces.md);
     # `gatewayd tools run`: a tool works on an overlay of the workspace (its changes
     # shown, kept only on --commit), or on the workspace itself.
-    workspace_mode: Literal["host", "overlay"] = "overlay"
+    workspace_mode: Literal["host", "overlay", "agentfs"] = "overlay"
 
     @model_validator(mode="after")
     def _agent_dir_outside_state_dir(self) -> GatewaydConfig:

@@ -8,8 +8,11 @@ command in the run's sandbox and wait for its result), ``GET /v1/metrics`` (Prom
 text format, docs/metrics.md), the review rules (``/v1/rules``...) and the apps' rules
 (``POST /v1/apps/rules``, ``GET /v1/apps/rules/pending``,
 ``POST /v1/apps/rules/pending/{id}/confirm``, ``DELETE /v1/apps/rules/pending/{id}``),
-and the MCP servers' pins (``GET /v1/mcp/servers``, ``GET|POST
-/v1/mcp/servers/{server}/pins``, ``GET /v1/mcp/servers/{server}/diff``).
+the MCP servers' pins (``GET /v1/mcp/servers``, ``GET|POST
+/v1/mcp/servers/{server}/pins``, ``GET /v1/mcp/servers/{server}/diff``), and the calls
+waiting for approval (``GET /v1/approvals``, ``POST /v1/approvals/{id}/approve|deny``),
+and the runs' workspace sessions (``GET /v1/workspaces``, ``GET /v1/workspaces/{runId}``,
+``GET /v1/workspaces/{runId}/diff``, ``POST /v1/workspaces/{runId}/commit|discard``).
 HTTP parsing is h11's (sans-IO); this module only routes. No run socket can reach it:
 it lives in the state directory, which no sandbox sees, and it refuses peers other than
 root or the daemon's own user. A query parameter a route does not take, or one given twice, is
@@ -24,6 +27,7 @@ path only while it is still the socket this server bound.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
@@ -31,7 +35,7 @@ import socket
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar
 from urllib.parse import parse_qsl
 
 import h11
@@ -40,13 +44,23 @@ import structlog
 import trio
 
 from gatewayd import strictjson
+from gatewayd.approvals import (
+    MAX_DECISION_REASON_CHARS,
+    ApprovalNotPending,
+    Approvals,
+    Operator,
+    check_operator_text,
+)
 from gatewayd.apps.ruledesk import AppliedAppRule, AppRuleDesk
-from gatewayd.audit import AuditWriteError
-from gatewayd.errors import GatewayError
+from gatewayd.audit import AuditWriteError, Peer
+from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
 from gatewayd.mcp.approval import Approval, ApprovalError
 from gatewayd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from gatewayd.metrics import GatewayMetrics
 from gatewayd.policy import PolicyError
+from gatewayd.policy.network import MAX_COMMAND_DOMAINS
+from gatewayd.policy.package_managers import package_manager_names
+from gatewayd.policy.paths import MAX_PATH_BYTES
 from gatewayd.policy.rule_action import RuleAction
 from gatewayd.protocol import ErrorCode, Fault
 from gatewayd.review.rulebook import Applied, Pending, RuleChangeError
@@ -56,6 +70,14 @@ from gatewayd.runs.lifecycle import RunManager
 from gatewayd.sandbox.launch import ResultForm, exec_result_json
 from gatewayd.sandbox.session import SandboxUnavailable
 from gatewayd.server import open_unix_listener, peer_credentials
+from gatewayd.tools.exec import MAX_ENV_VALUE_CHARS, MAX_ENV_VARS, ExecOptions
+from gatewayd.workspace.store import (
+    WorkspaceBusy,
+    WorkspaceConflict,
+    WorkspaceNotFound,
+    WorkspaceStore,
+    diff_json,
+)
 
 log = structlog.get_logger("gatewayd.control")
 
@@ -92,8 +114,21 @@ CONTROL_PROBE_TIMEOUT_S: Final = 2.0
 
 _PENDING_PATH: Final = re.compile(r"/v1/rules/pending/([0-9a-f]{32})(/confirm)?")
 _APP_PENDING_PATH: Final = re.compile(r"/v1/apps/rules/pending/([0-9a-f]{32})(/confirm)?")
+# A call waiting for approval, and the operator's answer to it.
+_APPROVAL_PATH: Final = re.compile(r"/v1/approvals/([0-9a-f]{32})/(approve|deny)")
+# A run's workspace session, its diff, its commit and discard.
+_WORKSPACE_PATH: Final = re.compile(r"/v1/workspaces/([0-9a-f]{32})(?:/(diff|commit|discard))?")
+_WORKSPACE_ROUTES: Final = frozenset(
+    {("GET", None), ("GET", "diff"), ("POST", "commit"), ("POST", "discard")}
+)
 # A declared MCP server's pins and their diff (the name's shape: gatewayd.mcp.pinset).
 _MCP_PATH: Final = re.compile(r"/v1/mcp/servers/([a-z][a-z0-9_]{0,31})/(pins|diff)")
+# An exec request's option strings, bounded before they are audited: a host name is at
+# most 253 characters (the DNS's limit); a package manager set's name and a variable's
+# name are short words (the sets' own names, the policy's env.allow names).
+MAX_EXEC_DOMAIN_CHARS: Final = 253
+MAX_EXEC_MANAGER_NAME_CHARS: Final = 32
+MAX_EXEC_ENV_NAME_CHARS: Final = 256
 # The MCP tools one pin request may name: a server's pinned tools are capped lower.
 MAX_PIN_TOOLS: Final = 1024
 # Who an operator says they are: the review desk's addedBy bound.
@@ -152,6 +187,30 @@ class ConfirmRequest(pydantic.BaseModel):
     by: str | None = pydantic.Field(default=None, max_length=MAX_OPERATOR_NAME_CHARS)
 
 
+class WorkspaceAction(pydantic.BaseModel):
+    """``POST /v1/workspaces/{runId}/commit|discard``: who asks (recorded in the audit
+    entry beside the peer's uid)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    by: str | None = pydantic.Field(default=None, min_length=1, max_length=MAX_OPERATOR_NAME_CHARS)
+
+
+class ApprovalAnswer(pydantic.BaseModel):
+    """``POST /v1/approvals/{id}/approve|deny``: who answers (a name, recorded beside the
+    peer's uid) and why (a denial's reason is relayed to the agent)."""
+
+    model_config = pydantic.ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    by: str | None = pydantic.Field(default=None, max_length=MAX_OPERATOR_NAME_CHARS)
+    reason: str | None = pydantic.Field(default=None, max_length=MAX_DECISION_REASON_CHARS)
+
+    @pydantic.field_validator("by", "reason")
+    @classmethod
+    def _one_line(cls, value: str | None, info: pydantic.ValidationInfo) -> str | None:
+        return check_operator_text(value, info.field_name or "it", MAX_DECISION_REASON_CHARS)
+
+
 def _parse(model: type[_M], body: bytes, what: str = "request") -> _M:
     """A request body as ``model``: one JSON discipline (gatewayd/strictjson.py: no key
     twice, bounded depth, no NaN), then strict types (``"yes"`` is not ``true``)."""
@@ -183,6 +242,34 @@ class ExecRequest(pydantic.BaseModel):
     command: tuple[str, ...] = pydantic.Field(min_length=1, max_length=MAX_EXEC_ARGS)
     stdin: str | None = None
     timeoutSec: float | None = pydantic.Field(default=None, gt=0, allow_inf_nan=False)
+    # sandbox.exec's options (gatewayd/tools/exec.py checks them the same way for both).
+    # Bounded here as the tool's arguments are: they are audited before they are checked.
+    cwd: str | None = pydantic.Field(default=None, max_length=MAX_PATH_BYTES)
+    env: (
+        dict[
+            Annotated[str, pydantic.Field(max_length=MAX_EXEC_ENV_NAME_CHARS)],
+            Annotated[str, pydantic.Field(max_length=MAX_ENV_VALUE_CHARS)],
+        ]
+        | None
+    ) = pydantic.Field(default=None, max_length=MAX_ENV_VARS)
+    allowedDomains: (
+        tuple[Annotated[str, pydantic.Field(max_length=MAX_EXEC_DOMAIN_CHARS)], ...] | None
+    ) = pydantic.Field(default=None, max_length=MAX_COMMAND_DOMAINS)
+    packageManagers: (
+        tuple[Annotated[str, pydantic.Field(max_length=MAX_EXEC_MANAGER_NAME_CHARS)], ...] | None
+    ) = pydantic.Field(default=None, max_length=len(package_manager_names()))
+
+    def options(self) -> ExecOptions | None:
+        """The request's options; None when it gives none (the command runs as ever)."""
+        given = (self.cwd, self.env, self.allowedDomains, self.packageManagers)
+        if all(value is None for value in given):
+            return None
+        return ExecOptions(
+            cwd=self.cwd,
+            env=self.env or {},
+            allowed_domains=self.allowedDomains,
+            package_managers=self.packageManagers,
+        )
 
     @pydantic.field_validator("command")
     @classmethod
@@ -315,8 +402,14 @@ class ControlServer:
         metrics: GatewayMetrics,
         app_rules: AppRuleDesk | None = None,
         mcp: Approval | None = None,
+        approvals: Approvals | None = None,
+        workspaces: WorkspaceStore | None = None,
     ) -> None:
         self.runs = runs
+        # None: this server answers no workspace route (its routes answer 404).
+        self.workspaces = workspaces
+        # None: this server answers no approvals (its routes answer 404).
+        self.approvals = approvals
         # None: this server pins no MCP server's tools (its routes answer 404).
         self.mcp = mcp
         self.rules = rules
@@ -379,7 +472,7 @@ class ControlServer:
                     return
                 # A line logged for this request carries no run id of an earlier one.
                 structlog.contextvars.clear_contextvars()
-                status, payload = await self._route(request, body)
+                status, payload = await self._route(request, body, peer)
                 await self._send(stream, conn, status, payload)
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                     return
@@ -429,7 +522,9 @@ class ControlServer:
             elif isinstance(event, h11.ConnectionClosed):
                 return None, b""
 
-    async def _route(self, request: h11.Request, body: bytes) -> tuple[int, Any]:
+    async def _route(
+        self, request: h11.Request, body: bytes, peer: Peer | None = None
+    ) -> tuple[int, Any]:
         method = request.method.decode()
         path, _, query = request.target.decode().partition("?")
         target = path.rstrip("/")
@@ -449,6 +544,10 @@ class ControlServer:
                 return await self._app_rules(self.app_rules, method, target, body)
             if target.startswith("/v1/mcp/") and self.mcp is not None:
                 return await self._mcp(self.mcp, method, target, body)
+            if target.startswith("/v1/workspaces") and self.workspaces is not None:
+                return await self._workspaces(self.workspaces, method, target, body, peer)
+            if target.startswith("/v1/approvals") and self.approvals is not None:
+                return await self._approvals(self.approvals, method, target, body, peer)
             exec_match = _EXEC_PATH.fullmatch(target)
             if exec_match and method == "POST":
                 return await self._exec(exec_match.group(1), body)
@@ -473,7 +572,10 @@ class ControlServer:
                 "DELETE /v1/rules/pending/{id}, POST /v1/apps/rules, "
                 "GET /v1/apps/rules/pending, POST /v1/apps/rules/pending/{id}/confirm, "
                 "DELETE /v1/apps/rules/pending/{id}, GET /v1/mcp/servers, "
-                "GET|POST /v1/mcp/servers/{server}/pins, GET /v1/mcp/servers/{server}/diff",
+                "GET|POST /v1/mcp/servers/{server}/pins, GET /v1/mcp/servers/{server}/diff, "
+                "GET /v1/approvals, POST /v1/approvals/{id}/approve|deny, "
+                "GET /v1/workspaces, GET /v1/workspaces/{runId}, "
+                "GET /v1/workspaces/{runId}/diff, POST /v1/workspaces/{runId}/commit|discard",
             )
         except HttpError as exc:
             return exc.status, _error_body(exc.code, exc.message)
@@ -629,15 +731,105 @@ class ControlServer:
             "GET|POST /v1/mcp/servers/{server}/pins, GET /v1/mcp/servers/{server}/diff",
         )
 
+    async def _workspaces(
+        self, store: WorkspaceStore, method: str, target: str, body: bytes, peer: Peer | None
+    ) -> tuple[int, Any]:
+        """The runs' workspace sessions: list them (kept ones past their time expire
+        first), show one, its diff, commit or discard it. The store's lock makes this
+        safe beside a `gatewayd workspace` command working on the same state directory."""
+        if target == "/v1/workspaces" and method == "GET":
+            await trio.to_thread.run_sync(store.expire)
+            sessions = await trio.to_thread.run_sync(store.list)
+            return 200, {"ok": True, "workspaces": [info.to_json() for info in sessions]}
+        match = _WORKSPACE_PATH.fullmatch(target)
+        action = match.group(2) if match else None
+        if match is None or (method, action) not in _WORKSPACE_ROUTES:
+            raise HttpError(
+                404,
+                ErrorCode.BAD_REQUEST,
+                f"no route {method} {target}; workspaces: GET /v1/workspaces, "
+                "GET /v1/workspaces/{runId}, GET /v1/workspaces/{runId}/diff, "
+                "POST /v1/workspaces/{runId}/commit, POST /v1/workspaces/{runId}/discard",
+            )
+        run_id = match.group(1)
+        try:
+            if action is None:
+                info = await trio.to_thread.run_sync(store.info, run_id)
+                return 200, {"ok": True, "workspace": info.to_json()}
+            if action == "diff":
+                # The mode says how to read it: in mode host the git metadata is in the base.
+                mode = (await trio.to_thread.run_sync(store.info, run_id)).mode
+                diff = await trio.to_thread.run_sync(store.diff, run_id)
+                return 200, {"ok": True, "runId": run_id, "mode": mode, "diff": diff_json(diff)}
+            asked = _parse(WorkspaceAction, body or b"{}", f"{action} request")
+            who = peer or Peer(pid=0, uid=os.geteuid(), gid=os.getegid())
+            by = f"{asked.by or 'control socket'} (uid {who.uid})"
+            if action == "commit":
+                diff = await trio.to_thread.run_sync(functools.partial(store.commit, run_id, by=by))
+                return 200, {"ok": True, "runId": run_id, "committed": diff_json(diff)}
+            await trio.to_thread.run_sync(functools.partial(store.discard, run_id, by=by))
+            return 200, {"ok": True, "runId": run_id, "discarded": True}
+        except WorkspaceNotFound as exc:
+            raise HttpError(404, exc.code, str(exc)) from None
+        except (WorkspaceBusy, WorkspaceConflict) as exc:
+            raise HttpError(409, exc.code, str(exc)) from None
+        except GatewayError as exc:
+            raise HttpError(_STATUS[exc.code.fault], exc.code, str(exc)) from None
+
+    async def _approvals(
+        self, approvals: Approvals, method: str, target: str, body: bytes, peer: Peer | None
+    ) -> tuple[int, Any]:
+        """Calls waiting for approval: list them, approve or deny one (only here: no run
+        socket reaches an answer). The answer records the peer's uid and pid."""
+        if target == "/v1/approvals" and method == "GET":
+            return 200, {"ok": True, "approvals": approvals.pending()}
+        match = _APPROVAL_PATH.fullmatch(target)
+        if match and method == "POST":
+            answer = _parse(ApprovalAnswer, body or b"{}", "approval answer")
+            who = peer or Peer(pid=0, uid=os.geteuid(), gid=os.getegid())
+            try:
+                decided = await approvals.decide(
+                    match.group(1),
+                    approve=match.group(2) == "approve",
+                    by=Operator(uid=who.uid, pid=who.pid, name=answer.by),
+                    reason=answer.reason,
+                )
+            except ApprovalNotPending as exc:
+                status = 409 if exc.already else 404
+                raise HttpError(status, ErrorCode.BAD_REQUEST, exc.message) from None
+            except AuditWriteError:
+                raise HttpError(
+                    500,
+                    ErrorCode.INTERNAL,
+                    "the audit log cannot be written, so the answer is not on the record "
+                    "and the call does not run; fix the audit log and restart gatewayd",
+                ) from None
+            return 200, {"ok": True, "decided": decided}
+        raise HttpError(
+            404,
+            ErrorCode.BAD_REQUEST,
+            f"no route {method} {target}; approvals: GET /v1/approvals, POST "
+            "/v1/approvals/{id}/approve, POST /v1/approvals/{id}/deny (id: 32 hex digits)",
+        )
+
     async def _exec(self, run_id: str, body: bytes) -> tuple[int, Any]:
         request = _parse(ExecRequest, body, "exec request")
         stdin = None if request.stdin is None else request.stdin.encode()
         try:
-            result = await self.runs.exec(
-                run_id, list(request.command), stdin=stdin, timeout_s=request.timeoutSec
+            result, hint = await self.runs.exec_explained(
+                run_id,
+                list(request.command),
+                stdin=stdin,
+                timeout_s=request.timeoutSec,
+                options=request.options(),
             )
         except LookupError:
             raise HttpError(404, ErrorCode.BAD_REQUEST, f"no such run {run_id}") from None
+        except (PolicyViolation, InvalidArguments, ToolFailed) as exc:
+            # The options were refused (audited); nothing ran. A cwd that is missing or
+            # not a directory (tool_failed) is the request's mistake here, not upstream's.
+            status = 400 if isinstance(exc, ToolFailed) else _STATUS[exc.code.fault]
+            raise HttpError(status, exc.code, exc.safe_message) from None
         except SandboxUnavailable as exc:
             raise HttpError(409, exc.code, str(exc)) from None
         except AuditWriteError as exc:
@@ -656,7 +848,7 @@ class ControlServer:
             raise HttpError(
                 500, ErrorCode.INTERNAL, f"the sandbox could not start: {exc}"
             ) from None
-        return 200, {"ok": True, "result": exec_result_json(result, ResultForm.CONTROL)}
+        return 200, {"ok": True, "result": exec_result_json(result, ResultForm.CONTROL, hint=hint)}
 
     async def _send(
         self, stream: trio.SocketStream, conn: h11.Connection, status: int, payload: Any

@@ -23,6 +23,7 @@ import trio
 
 from gatewayd import model_client
 from gatewayd.agent.workdir import sweep_leftovers
+from gatewayd.approvals import Approvals
 from gatewayd.apps.invoke import Apps
 from gatewayd.apps.ruledesk import AppRuleDesk
 from gatewayd.audit import AuditLog, open_audit_log
@@ -46,7 +47,6 @@ from gatewayd.runners.folders import (
     manifest_defaults,
 )
 from gatewayd.runners.manifest import MIB, Problem
-from gatewayd.runners.process import CallEgress
 from gatewayd.runners.spec import FolderTool
 from gatewayd.runners.tools import ToolUnavailable, folder_tool
 from gatewayd.runners.wasm import WasmEngine
@@ -59,7 +59,8 @@ from gatewayd.sandbox.uids import UidPool
 from gatewayd.secrets import Scrubber
 from gatewayd.tools import builtin_tools
 from gatewayd.tools.manifest import RunnerKind
-from gatewayd.tools.registry import DuplicateToolError, ToolRegistry
+from gatewayd.tools.registry import CallEgress, DuplicateToolError, ToolRegistry
+from gatewayd.workspace.store import EXPIRY_INTERVAL_S, WorkspaceStore, audit_recorder
 
 log = structlog.get_logger("gatewayd.daemon")
 
@@ -88,6 +89,10 @@ class Daemon:
     # The tool folders' tools registered at start (in the dispatcher's registry), the
     # folders skipped and why, and the wasm engine of their wasm tools (None: none).
     tool_folders: ToolFolders = NO_TOOL_FOLDERS
+    # Every run's workspace session, kept after the run until committed or discarded.
+    workspaces: WorkspaceStore
+    # Calls waiting for the operator's approval (answered on the control socket).
+    approvals: Approvals | None = None
     wasm: WasmEngine | None = None
 
     @property
@@ -139,9 +144,10 @@ async def open_daemon(
         _folder_tools(
             config,
             registry_of_tools,
-            # A process tool call granted network domains gets an egress proxy of its
-            # own, narrowed to them, audited like the run's.
-            CallEgressProxies(
+            # A process tool call granted network domains (and a sandbox.exec narrowed
+            # to some) gets an egress proxy of its own, narrowed to them, audited like
+            # the run's.
+            call_egress := CallEgressProxies(
                 audit=audit,
                 resolve=resolver or resolve_host,
                 reply_after_result=config.audit_reply_after_result,
@@ -156,6 +162,10 @@ async def open_daemon(
         metrics.audit_entries.function = lambda: audit.last_seq - first_seq
         reviewer = Reviewer(config.models, metrics=metrics)
         rules = RuleBook()
+        # Only a daemon with a control socket has someone to ask; calls a dead daemon
+        # left waiting are denied before any run starts.
+        approvals = Approvals(audit, config.state_dir, answerable=control_socket is not None)
+        await approvals.recover()
         dispatcher = Dispatcher(
             audit,
             registry_of_tools,
@@ -166,6 +176,8 @@ async def open_daemon(
             scrubber=scrubber,
             resolve=resolver,
             reply_after_result=config.audit_reply_after_result,
+            call_egress=call_egress,
+            approvals=approvals,
         )
         uid_pool = UidPool(config.resolved_sandbox_uids)
         if config.models:
@@ -179,6 +191,14 @@ async def open_daemon(
             audit=audit,
             sweeps={"agentDirs": functools.partial(sweep_leftovers, config.resolved_agent_dir)},
         )
+        # Sessions a crash left are finished or kept before any run starts; kept ones
+        # past their time are discarded every minute.
+        # In agent_dir, not the state directory: a run's sandbox binds its session's
+        # view, and no bind source may lie in the state directory (sandbox/plan.py).
+        workspaces = WorkspaceStore(config.resolved_agent_dir, record=audit_recorder(audit))
+        for line in await trio.to_thread.run_sync(workspaces.recover):
+            log.warning("workspace_recovered", what=line)
+        nursery.start_soon(_expire_workspaces, workspaces)
         runs = RunManager(
             config,
             audit=audit,
@@ -190,6 +210,7 @@ async def open_daemon(
             metrics=metrics,
             resolver=resolver,
             control_socket=control_socket,
+            workspaces=workspaces,
         )
         # The app runner kind: each run's workspace's apps become tools of that run.
         app_rule_desk = AppRuleDesk(audit=audit)
@@ -230,6 +251,8 @@ async def open_daemon(
                     metrics=metrics,
                     app_rules=app_rule_desk,
                     mcp=Approval(mcp_tools),
+                    approvals=approvals,
+                    workspaces=workspaces,
                 )
                 await nursery.start(
                     _serve_control, server, control_socket, control, control_stopped
@@ -251,6 +274,8 @@ async def open_daemon(
                 mcp_tools=mcp_tools,
                 tool_folders=folders,
                 wasm=wasm,
+                approvals=approvals,
+                workspaces=workspaces,
             )
         finally:
             with trio.CancelScope(shield=True):
@@ -343,6 +368,22 @@ async def _serve_control(
             await server.serve(path, task_status=task_status)
     finally:
         stopped.set()
+
+
+async def _expire_workspaces(workspaces: WorkspaceStore) -> None:
+    """Discard kept workspace sessions past their keep time, every minute, for as long
+    as the daemon runs (each one audited as ``workspace_expired``)."""
+    while True:
+        await trio.sleep(EXPIRY_INTERVAL_S)
+        try:
+            expired = await trio.to_thread.run_sync(workspaces.expire)
+        except Exception:
+            # The audit log failing, most likely: tried again next round, never the
+            # daemon's end (the store skips and logs a session it cannot discard).
+            log.exception("workspace_expiry_failed")
+            continue
+        for run_id in expired:
+            log.info("workspace_expired", run_id=run_id)
 
 
 async def _preload_models() -> None:

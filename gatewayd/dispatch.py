@@ -1,8 +1,9 @@
 """Steps 3-12 of a tool call, in one place (DESIGN.md, "Data flow of one tool call").
 
-identify -> authorize -> rate -> validate -> policy -> audit (write-ahead, durable)
--> run (with the call's time limit) -> scrub secrets -> cap output -> audit result
-(durable) -> respond.
+identify -> authorize -> rate -> validate -> policy -> review -> approval (a call the
+policy marks waits for the operator: gatewayd/approvals.py) -> audit (write-ahead,
+durable) -> run (with the call's time limit) -> scrub secrets -> cap output -> audit
+result (durable) -> respond.
 
 Tools come from a :class:`~gatewayd.tools.registry.ToolRegistry` whatever runs them:
 each step reads the tool's manifest, decoder, capability request and runner, never its
@@ -34,6 +35,7 @@ import msgspec
 import structlog
 import trio
 
+from gatewayd.approvals import ApprovalRefused, Approvals
 from gatewayd.argsummary import args_digest, sha256_digest, summarize
 
 # Who is on the other end of a connection (SO_PEERCRED at accept), as the audit records it.
@@ -42,6 +44,7 @@ from gatewayd.config import ModelAlias
 from gatewayd.errors import ArgumentsRejected, GatewayError
 from gatewayd.metrics import METRICS, UNKNOWN_TOOL, GatewayMetrics, ToolMeter
 from gatewayd.policy import Allow, allowed_tools, tool_allowed
+from gatewayd.policy.approvals_section import required_approval
 from gatewayd.policy.capabilities import RunRights, check_call
 from gatewayd.policy.review_section import ReviewSection
 from gatewayd.protocol import (
@@ -64,6 +67,7 @@ from gatewayd.tools.builtin import TOOLS_LIST_MANIFEST
 from gatewayd.tools.manifest import ToolManifest
 from gatewayd.tools.registry import (
     TOOLS_LIST,
+    CallEgress,
     DuplicateToolError,
     NestedCall,
     Tool,
@@ -80,6 +84,9 @@ log = structlog.get_logger("gatewayd.dispatch")
 _SLOT_HELD: ContextVar[str | None] = ContextVar("gatewayd_slot_held", default=None)
 
 CANCELLED_MESSAGE: Final = "stopped before it finished: the run or gatewayd is shutting down"
+WITHDRAWN_MESSAGE: Final = (
+    "withdrawn while it waited for approval: the run or gatewayd is shutting down; it never ran"
+)
 
 
 class _Refusal(Exception):
@@ -121,8 +128,15 @@ class Dispatcher:
         resolve: Callable[[str, int], Awaitable[tuple[Any, ...]]] | None = None,
         metrics: GatewayMetrics = METRICS,
         reply_after_result: bool = True,
+        approvals: Approvals | None = None,
+        call_egress: CallEgress | None = None,
     ) -> None:
         self.audit = audit
+        # Calls the run's policy marks for a person's approval wait here (None: this
+        # dispatcher asks nobody, and such a call is denied: see _approval).
+        self.approvals = approvals
+        # How a sandbox.exec narrowed to some domains gets its own egress proxy.
+        self.call_egress = call_egress
         # True: every answer waits until its result entry is durable. False (the
         # operator's audit_reply_after_result: false): answers leave at once and the
         # result entries ride the audit log's next flush, so a crash can lose the
@@ -294,15 +308,25 @@ class Dispatcher:
 
     # -- requests --------------------------------------------------------------
 
-    async def handle(self, run: Run, req: Request, peer: Peer) -> Response:
+    async def handle(
+        self,
+        run: Run,
+        req: Request,
+        peer: Peer,
+        *,
+        caller_gone: Callable[[], bool] | None = None,
+    ) -> Response:
         """Take one request through every step and return its response.
+
+        ``caller_gone``: whether the caller has gone away (its connection closed), asked
+        while a call waits for approval, so a call nobody waits for is withdrawn.
 
         Fails closed: when the audit log cannot be written, no call runs and every
         answer is ``internal`` until the operator fixes the log; a call whose result
         entry cannot be made durable is answered ``internal`` too, never with its value.
         """
         try:
-            return await self._handle(run, req, peer)
+            return await self._handle(run, req, peer, caller_gone)
         except AuditWriteError:
             return self._audit_down(run, req.toolCallId, req.tool)
 
@@ -313,7 +337,9 @@ class Dispatcher:
         message = "the audit log cannot be written, so no call can run; tell the operator"
         return error_response(tool_call_id, ErrorCode.INTERNAL, message)
 
-    async def _handle(self, run: Run, req: Request, peer: Peer) -> Response:
+    async def _handle(
+        self, run: Run, req: Request, peer: Peer, caller_gone: Callable[[], bool] | None
+    ) -> Response:
         started = self.clock()
         try:
             spec, args = self._admit(run, req)
@@ -352,6 +378,26 @@ class Dispatcher:
                     denied = _Refusal(ErrorCode.REVIEW_DENIED, _review_message(outcome))
                     return await self._deny(run, req, peer, denied, started, review=review)
 
+        detail = None if spec is None else spec.audit_detail
+        if spec is not None:
+            # After the policy and the review allowed it, before its call entry: a call
+            # the policy marks waits here for the operator (it holds no call slot, and its
+            # time limit starts when it runs), then is checked against its rights again.
+            try:
+                approved = await self._approval(run, req, peer, spec, args, caller_gone)
+            except _Refusal as refusal:
+                return await self._deny(run, req, peer, refusal, started, review=review)
+            except BaseException as exc:
+                if not is_cancellation(exc):
+                    raise
+                # Withdrawn (audited by the approvals); the call's pair of entries still.
+                stopped = _Refusal(ErrorCode.APPROVAL_DENIED, WITHDRAWN_MESSAGE)
+                self._record_denial(run, req, peer, stopped, started, review=review)
+                self._tally(run, req.tool, stopped.code, None)
+                raise
+            if approved is not None:
+                approval_id, args = approved
+                detail = {**(detail or {}), "approvalId": approval_id}
         call_seq = self.audit.record(
             "call",
             runId=run.run_id,
@@ -363,7 +409,7 @@ class Dispatcher:
             peer=peer,
             review=review,
             degraded=run.degraded,
-            detail=None if spec is None else spec.audit_detail,
+            detail=detail,
         )
         # Write-ahead: a call that can change or reveal anything outside gatewayd runs
         # only once its entry is durable. A side-effect-free one (tools.list, reads of
@@ -536,6 +582,57 @@ class Dispatcher:
             raise _Refusal(decision.code, decision.message)
         return spec, (args, decision.resolved)
 
+    async def _approval(
+        self,
+        run: Run,
+        req: Request,
+        peer: Peer,
+        spec: Tool[Any],
+        admitted: Any,
+        caller_gone: Callable[[], bool] | None,
+    ) -> tuple[str, Any] | None:
+        """The approval step: None when the run's policy does not mark this call; else
+        the approval's id and the call's admitted arguments, checked again against the
+        run's rights as they are after the wait (approval never widens: a policy reloaded
+        meanwhile, or a budget spent, applies). Raises _Refusal."""
+        args, _ = admitted
+        section = run.spec.policy.approvals
+        if not section.required:
+            return None  # the common case: nothing to match
+        plain = msgspec.to_builtins(args)
+        required = required_approval(section, req.tool, plain if isinstance(plain, dict) else {})
+        if required is None:
+            return None
+        approvals = self.approvals
+        if approvals is None:
+            # A marked call and nobody to ask (a dispatcher built without approvals): no.
+            raise _Refusal(
+                ErrorCode.APPROVAL_DENIED,
+                f"this call of {req.tool} needs the operator's approval (approvals.required "
+                f"entry {required.index} of this run's policy), and this gatewayd has no one "
+                "to ask; it is denied",
+            )
+        try:
+            approval_id = await approvals.ask(
+                run, req, peer, required, plain, caller_gone=caller_gone
+            )
+        except ApprovalRefused as exc:
+            raise _Refusal(exc.code, exc.message) from None
+        if not tool_allowed(req.tool, run.spec.rules):
+            raise _Refusal(
+                ErrorCode.POLICY_DENIED,
+                f"tool {req.tool!r} was approved, and this run's policy no longer allows it "
+                f"(it changed while the call waited). {self._allowed_sentence(run)}",
+            )
+        try:
+            request = spec.requests(args)
+        except GatewayError as exc:
+            raise _Refusal(exc.code, exc.safe_message) from None
+        decision = check_call(req.tool, spec.manifest.capabilities, request, _rights(run))
+        if not isinstance(decision, Allow):
+            raise _Refusal(decision.code, decision.message)
+        return approval_id, (args, decision.resolved)
+
     def _unknown_hint(self, name: str) -> str:
         """A runner kind's hint for a name no tool has (" " and a sentence), or ""."""
         for hint in self.unknown_tool_hints:
@@ -595,6 +692,9 @@ class Dispatcher:
             nested=None if tool_call_id is None else self._nested_for(run, tool_call_id),
             env=run.spec.policy.env.allow,
             model_access=run.spec.policy.model_access.models,
+            run=run,
+            allowed_tools=lambda: allowed_tools(self.known_tools(run), run.spec.rules),
+            call_egress=self.call_egress,
         )
         # The time limit covers waiting for a slot too: a saturated run fails fast.
         limiter = None if _SLOT_HELD.get() == run.run_id else run.limiter

@@ -66,6 +66,9 @@ class ErrorCode(enum.StrEnum):
     # A tool's own budget ran out: a wasm tool's fuel or memory, a process tool's memory,
     # CPU time or file size (the message says which).
     LIMIT_EXCEEDED = "limit_exceeded"
+    # A call the policy marks for a person's approval was not approved: the operator
+    # denied it, nobody answered in time, or nobody could be asked (the message says which).
+    APPROVAL_DENIED = "approval_denied"
 
     @property
     def fault(self) -> Fault:
@@ -99,6 +102,9 @@ FAULT_OF: Final[Mapping[ErrorCode, Fault]] = MappingProxyType(
         # rules; asking again changes nothing, only the operator's confirmation does.
         ErrorCode.CONFIRMATION_REQUIRED: Fault.POLICY,
         ErrorCode.LIMIT_EXCEEDED: Fault.POLICY,
+        # The policy asks for a person's approval, and it was not given: asking again
+        # the same way changes nothing by itself, only the operator's answer does.
+        ErrorCode.APPROVAL_DENIED: Fault.POLICY,
     }
 )
 

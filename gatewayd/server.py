@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import select
 import socket
 import struct
 from pathlib import Path
@@ -310,7 +311,9 @@ class Connection:
 
     async def _call(self, event: RequestReceived) -> None:
         try:
-            response = await self.dispatcher.handle(self.run, event.request, self.peer)
+            response = await self.dispatcher.handle(
+                self.run, event.request, self.peer, caller_gone=self._client_gone
+            )
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._send(response)
         finally:
@@ -319,6 +322,18 @@ class Connection:
             if self._slot_freed is not None:
                 self._slot_freed.set()
                 self._slot_freed = None
+
+    def _client_gone(self) -> bool:
+        """Has the client closed its end of the connection (or has it been closed here)?
+        Asked while a call waits for approval. A client's half-close (shutdown of its
+        writing side) is not leaving: it may still read the answer; a full close is, and
+        the kernel reports it as POLLHUP on a unix stream socket."""
+        fd = self.stream.socket.fileno()
+        if fd == -1:
+            return True
+        poller = select.poll()
+        poller.register(fd, 0)  # POLLHUP, POLLERR and POLLNVAL are always reported
+        return bool(poller.poll(0))
 
     async def _send(self, response: Response) -> None:
         """Send one framed response; drop the client if it does not read for SEND_TIMEOUT_S.

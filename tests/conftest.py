@@ -122,6 +122,9 @@ def make_gateway(base: Path, tools: ToolRegistry | None = None, **settings: Any)
     async def cm() -> AsyncIterator[Gateway]:
         policies = base / "policies"
         policies.mkdir(exist_ok=True)
+        # These runs write the workspace itself (what the gateway-core tests check on
+        # the host): mode host, unless a test names another.
+        settings.setdefault("workspace_mode", "host")
         config = GatewaydConfig(
             state_dir=base / "state", policy_dirs=(policies,), os_sandbox=False, **settings
         )

@@ -276,12 +276,20 @@ async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
             )
             os.chown(session.root, user.uid, user.gid)
             request = request.model_copy(update={"workspacePath": str(session.root)})
+            # The session is the agent's own (its clone's overlay or snapshot).
             run = await runs.start(
-                request, sandbox_user=user, lend_workspace=False, policy_paths=True, own_root=work
+                request,
+                sandbox_user=user,
+                lend_workspace=False,
+                policy_paths=True,
+                own_root=work,
+                workspace_session=False,
             )
         else:
             session = await trio.to_thread.run_sync(lambda: HostWorkspace.create(base, state))
-            run = await runs.start(request, policy_paths=True, own_root=work)
+            run = await runs.start(
+                request, policy_paths=True, own_root=work, workspace_session=False
+            )
     except (GatewayError, ValueError, OSError) as exc:
         if user is not None:
             runs.uid_pool.release(user)
@@ -412,6 +420,7 @@ async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) 
                 message=message,
                 scratch=work / "patch",
                 max_bytes=task.max_patch_bytes,
+                exclude=run.spec.policy.patches.exclude,
             )
         )
     except RepoError as exc:

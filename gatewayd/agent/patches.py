@@ -12,10 +12,11 @@ All functions block; callers run them in a worker thread (``trio.to_thread``).
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final, Literal
@@ -34,6 +35,7 @@ from gatewayd.agent.repo import (
     scrub,
 )
 from gatewayd.files import write_all
+from gatewayd.policy.patches_section import DEFAULT_PATCH_EXCLUDE
 from gatewayd.workspace.session import WorkspaceDiff, open_dirs
 from gatewayd.workspace.treediff import open_parent
 
@@ -54,6 +56,13 @@ MAX_SKIPPED_LISTED: Final = 100
 # commit message they would let the message carry a diff of its own through `git am`.
 _MAIL_BREAK_RE: Final = re.compile(r"^(?:diff -|Index: |---|From |From:|Subject:|Date:)")
 DEFAULT_AUTHOR: Final = ("cogni agent", "agent@cogni.invalid")
+# Why a path the repository's ignore rules (at the base commit, or as the run changed
+# them) exclude is left out; the same words for both, as git would say them.
+IGNORED_REASON: Final = "ignored by .gitignore"
+# Each path git checks is given as ``:(top)<path>``: the name after the magic is taken
+# as it is, so a file named ``:!x`` or ``:(glob)*`` is a name, never pathspec magic
+# (and check-ignore refuses the ``literal`` magic that would say so otherwise).
+_TOP: Final = b":(top)"
 # The only branches an agent run pushes: its own namespace on the forge, never main.
 BRANCH_PREFIX: Final = "cogni/"
 _BRANCH_RE: Final = re.compile(re.escape(BRANCH_PREFIX) + r"[A-Za-z0-9._-]+")
@@ -172,6 +181,64 @@ def _remove_entry(root: Path, rel: str) -> None:
         os.close(fd)
 
 
+def excluded_by(rel: str, patterns: Iterable[str]) -> str | None:
+    """The first of ``patterns`` (the policy's ``patches.exclude``) that matches a
+    component of ``rel``, or None; a shell glob of one name, case-sensitive."""
+    parts = rel.split("/")
+    for pattern in patterns:
+        if any(fnmatch.fnmatchcase(part, pattern) for part in parts):
+            return pattern
+    return None
+
+
+def _beyond_symlink(root: Path, rel: str, seen: dict[str, bool]) -> bool:
+    """Whether a parent of ``rel`` in the host-private clone ``root`` is a symlink (git
+    refuses to look beyond one; the entry cannot be written there either)."""
+    parts = rel.split("/")[:-1]
+    for depth in range(1, len(parts) + 1):
+        prefix = "/".join(parts[:depth])
+        if prefix not in seen:
+            try:
+                seen[prefix] = stat.S_ISLNK(os.lstat(root / prefix).st_mode)
+            except OSError:
+                seen[prefix] = False
+        if seen[prefix]:
+            return True
+    return False
+
+
+def _ignored(scratch: Path, paths: Sequence[str], timeout_s: float) -> set[str]:
+    """Which of ``paths`` the ignore rules of the clone ``scratch`` exclude: its
+    ``.gitignore`` files as they are in it now (no ``info/exclude``: clones are made
+    without a template; no user or system excludes: ``run_git``'s configuration),
+    evaluated by git itself. Tracked paths are never reported (check-ignore reads the
+    clone's own index), so a tracked file is always kept."""
+    if not paths:
+        return set()
+    seen: dict[str, bool] = {}
+    asked = [rel for rel in paths if not _beyond_symlink(scratch, rel, seen)]
+    if not asked:
+        return set()
+    out = run_git(
+        ["-C", str(scratch), "check-ignore", "-z", "--stdin"],
+        what="checking the repository's ignore rules",
+        timeout_s=timeout_s,
+        stdin=b"".join(_TOP + os.fsencode(rel) + b"\0" for rel in asked),
+        ok_codes=(0, 1),  # 1: none of them is ignored
+    ).stdout
+    return {
+        os.fsdecode(item.removeprefix(_TOP)) for item in out.split(b"\0") if item.startswith(_TOP)
+    }
+
+
+def _tracked(scratch: Path, timeout_s: float) -> set[str]:
+    """The paths the clone ``scratch`` tracks (its index, at the base commit)."""
+    out = run_git(
+        ["-C", str(scratch), "ls-files", "-z"], what="listing tracked files", timeout_s=timeout_s
+    ).stdout
+    return {os.fsdecode(item) for item in out.split(b"\0") if item}
+
+
 def _identity_env(author: tuple[str, str]) -> dict[str, str]:
     name, email = author
     if not name or not email or any(has_control(x) or "<" in x or ">" in x for x in author):
@@ -198,6 +265,7 @@ def patch_from_tree(
     scratch: Path,
     timeout_s: float = LOCAL_TIMEOUT_S,
     max_bytes: int = MAX_PATCH_INPUT_BYTES,
+    exclude: Sequence[str] = DEFAULT_PATCH_EXCLUDE,
 ) -> PatchResult:
     """One commit's ``format-patch`` with the changed entries of the sandbox's ``tree``.
 
@@ -206,10 +274,18 @@ def patch_from_tree(
     bit, symlinks as links, deletions as deletions - without following a symlink on
     either side. Paths with a ``.git`` component are refused and listed in ``skipped``,
     as are entries that vanished, could not be read without following a link, or that
-    ``.gitignore`` excludes. Directory entries (``dir/``) are implied by their files;
+    the ignore rules exclude. Directory entries (``dir/``) are implied by their files;
     an empty directory cannot be committed. The written entries total ``max_bytes`` at
     most: the sandbox chooses how much it writes, and the patch is held in memory and
     in the run's result; an entry past the budget is skipped, and says so.
+
+    What the patch leaves out, unless the repository tracks the file (a tracked file is
+    always kept): what the repository's ``.gitignore`` files *at the base commit*
+    exclude, asked of git in the clone before anything of the sandbox's is copied in (a
+    ``.gitignore`` the sandbox rewrote cannot let a file in), then what matches
+    ``exclude`` (the policy's ``patches.exclude``: caches and tool output). The
+    ``.gitignore`` files the run changed then apply too, as in any commit: they can
+    only leave out more.
     """
     if not message.strip():
         raise RepoError("the commit message is empty: describe the change")
@@ -222,6 +298,18 @@ def patch_from_tree(
     skipped: list[str] = []
     removals = [*changes.removed, *(old for old, _ in changes.renamed)]
     writes = [*changes.added, *changes.modified, *(new for _, new in changes.renamed)]
+    # Decided before any entry is copied: the clone holds the base commit's rules only.
+    candidates = [r for r in set(writes) if _refusal(r) is None and not r.endswith("/")]
+    tracked = _tracked(scratch, timeout_s)
+    left_out = dict.fromkeys(_ignored(scratch, candidates, timeout_s), IGNORED_REASON)
+    # Caches: their reason is told once the run's own .gitignore changes are in.
+    caches = {
+        rel: pattern
+        for rel in candidates
+        if rel not in tracked
+        and rel not in left_out
+        and (pattern := excluded_by(rel, exclude)) is not None
+    }
     removed_dirs: list[str] = []
     budget, entries = max_bytes, 0
     # Removals first: a file replaced by a directory of the same name needs the room.
@@ -246,6 +334,11 @@ def patch_from_tree(
             continue
         if rel.endswith("/"):
             continue
+        if rel in left_out:
+            skipped.append(f"{rel}: {left_out[rel]}")
+            continue
+        if rel in caches:
+            continue  # listed below
         try:
             entry = _read_entry(tree, rel)
         except FileNotFoundError:
@@ -284,6 +377,15 @@ def patch_from_tree(
             if isinstance(data, int):
                 os.close(data)
 
+    # The run's own .gitignore changes are in the clone now: a cache they ignore says so.
+    ignored_now = _ignored(scratch, sorted(caches), timeout_s)
+    for rel in sorted(caches):
+        why = (
+            IGNORED_REASON
+            if rel in ignored_now
+            else f"a cache or tool output ('{caches[rel]}' in the policy's patches.exclude)"
+        )
+        skipped.append(f"{rel}: {why}")
     repo = ["-C", str(scratch)]
     run_git([*repo, "add", "--all", "--", "."], what="staging the changes", timeout_s=timeout_s)
     ignored = run_git(

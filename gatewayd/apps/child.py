@@ -245,6 +245,8 @@ def child_policy(
         review=section,
         model_access=ModelAccessSection(),
         network=NetworkSection(),
+        # The caller's approvals hold for what its app does on its behalf.
+        approvals=policy.approvals,
     )
 
 

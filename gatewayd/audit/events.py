@@ -45,6 +45,18 @@ class AuditEvent(enum.StrEnum):
     RUN_REFUSED = "run_refused"
     # A run ended (why, its call tally).
     RUN_ENDED = "run_ended"
+    # A run's workspace session was opened, before its sandbox started (mode, base, root).
+    WORKSPACE_OPENED = "workspace_opened"
+    # That session was sealed at the run's end and its on_end applied (what, the counts).
+    WORKSPACE_ENDED = "workspace_ended"
+    # A kept session was committed / discarded by the operator (`gatewayd workspace`, the
+    # control socket), durable before the base is written (run id, the diff's counts).
+    WORKSPACE_COMMITTED = "workspace_committed"
+    WORKSPACE_DISCARDED = "workspace_discarded"
+    # A kept session past its keep time was discarded by the daemon (run id).
+    WORKSPACE_EXPIRED = "workspace_expired"
+    # At daemon start, what recovery did to a session a crash left (run id, what).
+    WORKSPACE_RECOVERED = "workspace_recovered"
     # A peer was refused on a run's socket (at most one a second per code per run).
     CONNECTION_REFUSED = "connection_refused"
     # A command started in a run (gatewayd run, gatewayd exec, the control route).
@@ -133,6 +145,14 @@ class AuditEvent(enum.StrEnum):
     # A server's pin file failed its checks at a run's start: none of its tools is
     # offered to that run (detail: server, reason).
     MCP_PINS_REFUSED = "mcp_pins_refused"
+
+    # -- approvals (gatewayd/approvals.py; runId, toolCallId, tool; detail.approvalId)
+    # A call the policy marks (approvals.required) waits for the operator: durable before
+    # anyone is asked (argsDigest, argsSummary, peer; detail: rule, timeoutS, expiresAt).
+    APPROVAL_PENDING = "approval_pending"
+    # Its end: detail.verdict approved, denied (by the operator, the timeout, or a restart)
+    # or withdrawn (the caller left, the run ended); decidedBy, reason, waitedMs.
+    APPROVAL_DECIDED = "approval_decided"
 
 
 # The names the writer accepts. A str subclass hashes as its value, so a member and

@@ -1,5 +1,5 @@
 """`gatewayd` command line: serve, run, exec, rules, image, config, policy, audit,
-install-systemd, agent, review, apps, mcp, tools.
+install-systemd, agent, review, apps, mcp, tools, approvals, workspace.
 
 Each command group is a module of this package (:class:`~gatewayd.cli.command.CommandModule`):
 it adds its parsers and runs its commands; :data:`COMMANDS` says which module runs
@@ -18,6 +18,7 @@ from typing import Final
 
 from gatewayd.cli import (
     agent,
+    approvals,
     apps,
     audit,
     config,
@@ -30,6 +31,7 @@ from gatewayd.cli import (
     run,
     serve,
     tools,
+    workspace,
 )
 from gatewayd.cli.command import CommandModule
 
@@ -49,6 +51,8 @@ COMMANDS: Final[Mapping[str, CommandModule]] = {
     "apps": apps,
     "mcp": mcp,
     "tools": tools,
+    "approvals": approvals,
+    "workspace": workspace,
 }
 
 

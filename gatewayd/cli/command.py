@@ -39,11 +39,12 @@ def refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namesp
     holds what this one would use, the host's registry of daemons cannot be used, the
     audit log cannot be continued, or the control socket's path is taken) is its message
     and EXIT_FAILED, not a traceback."""
+    from gatewayd.approvals import ApprovalStoreError
     from gatewayd.audit import AuditOpenError
     from gatewayd.control import ControlSocketInUse
     from gatewayd.sandbox.daemons import DaemonRegistryError
 
-    refusals = (DaemonRegistryError, AuditOpenError, ControlSocketInUse)
+    refusals = (DaemonRegistryError, AuditOpenError, ControlSocketInUse, ApprovalStoreError)
     try:
         return command(args)
     except refusals as exc:

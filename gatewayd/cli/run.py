@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +40,12 @@ EXIT_MAX_RUNTIME: Final = 124
 # A run spec is a few hundred bytes, like the control socket's run request (whose body
 # cap this is): anything bigger is not a spec.
 MAX_SPEC_BYTES: Final = 1 << 20
+# The choices of --workspace-mode and --on-end (gatewayd/policy/workspace_section.py;
+# spelt here so the parser does not import the policy models).
+WORKSPACE_MODES: Final = ("overlay", "agentfs", "host")
+ON_END_CHOICES: Final = ("keep", "commit", "discard")
+# Daemon options a later `gatewayd workspace ...` needs to find the same sessions.
+_STORE_OPTIONS: Final = (("config", "--config"), ("state_dir", "--state-dir"))
 
 
 def add_parsers(sub: Subparsers) -> None:
@@ -80,6 +87,24 @@ def add_parsers(sub: Subparsers) -> None:
         default=None,
         help="a JSON RunRequest file instead of --policy/--workspace (grant included)",
     )
+    run.add_argument(
+        "--workspace-mode",
+        choices=WORKSPACE_MODES,
+        default=None,
+        help="how the run sees its workspace: overlay (its changes kept apart until "
+        "`gatewayd workspace commit`), agentfs (likewise, in an AgentFS database), host "
+        "(it writes the directory itself); default: the policy's workspace.mode, else the "
+        "configuration's workspace_mode (overlay); the policy's workspace.request_modes "
+        "must list it",
+    )
+    run.add_argument(
+        "--on-end",
+        choices=ON_END_CHOICES,
+        default=None,
+        help="what becomes of the run's workspace session when it ends: keep it for "
+        "`gatewayd workspace diff|commit|discard RUN` (the policy's default), commit it "
+        "into the directory, or discard it",
+    )
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
     execute = sub.add_parser(
@@ -102,6 +127,36 @@ def add_parsers(sub: Subparsers) -> None:
     execute.add_argument(
         "-i", "--stdin", action="store_true", help="pass this command's standard input"
     )
+    execute.add_argument(
+        "--cwd", default=None, help="start in this directory: /workspace or beneath it"
+    )
+    execute.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a variable for the command (NAME from the policy's env.allow); repeatable",
+    )
+    execute.add_argument(
+        "--allow-domain",
+        action="append",
+        default=None,
+        metavar="DOMAIN",
+        help="narrow the command's network to this domain (one the run may reach); repeatable",
+    )
+    execute.add_argument(
+        "--package-manager",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="narrow the command's network to this registry's domains (one the policy's "
+        "network.package_managers lists: pypi, npm, crates, go, rubygems, maven); repeatable",
+    )
+    execute.add_argument(
+        "--no-network",
+        action="store_true",
+        help="give the command no network at all (not even the run's egress proxy)",
+    )
     execute.add_argument("run_id", metavar="RUN", help="the run id (32 hex digits)")
     execute.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
 
@@ -113,6 +168,23 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _run_request(args: argparse.Namespace) -> RunRequest:
+    """The request from --spec or the flags, with --workspace-mode and --on-end laid
+    over its ``workspace`` (they win over the spec's)."""
+    from gatewayd.runs.model import WorkspaceRequest
+
+    request = _base_request(args)
+    asked = {
+        key: value
+        for key, value in (("mode", args.workspace_mode), ("onEnd", args.on_end))
+        if value is not None
+    }
+    if not asked:
+        return request
+    workspace = (request.workspace or WorkspaceRequest()).model_copy(update=asked)
+    return request.model_copy(update={"workspace": workspace})
+
+
+def _base_request(args: argparse.Namespace) -> RunRequest:
     import pydantic
 
     from gatewayd.runs import Grant, RunLimits, RunRequest, format_validation_error
@@ -195,13 +267,16 @@ def _run(args: argparse.Namespace) -> int:
             except (PolicyError, ValueError) as exc:
                 print(f"gatewayd: run refused: {exc}", file=sys.stderr)
                 return
+            mode = run.workspace.mode if run.workspace is not None else None
             print(
-                f"gatewayd: run {run.run_id} started (policy {run.spec.policy.name})",
+                f"gatewayd: run {run.run_id} started (policy {run.spec.policy.name}"
+                + (f", workspace mode {mode}" if mode else "")
+                + ")",
                 file=sys.stderr,
             )
             max_runtime = run.spec.request.limits.maxRuntimeSec
             if run.sandbox is not None:
-                status = await _run_in_sandbox(daemon, run, cmd, max_runtime)
+                status = await _run_in_sandbox(daemon, run, cmd, max_runtime, args)
                 return
             print(
                 f"gatewayd: WARNING: run {run.run_id} has NO OS sandbox ({run.degraded}); "
@@ -256,13 +331,15 @@ def _run(args: argparse.Namespace) -> int:
             except AuditWriteError as exc:
                 print(_exec_end_not_audited(exc.detail), file=sys.stderr)
                 status = EXIT_FAILED
-            await _end_one_shot(daemon, run, f"exit {rc}")
+            await _end_one_shot(daemon, run, f"exit {rc}", args)
 
     trio.run(one_shot)
     return status
 
 
-async def _end_one_shot(daemon: Daemon, run: Run, outcome: str) -> None:
+async def _end_one_shot(
+    daemon: Daemon, run: Run, outcome: str, args: argparse.Namespace | None = None
+) -> None:
     # The run may already have ended (maxRuntimeSec); its counters stay on it.
     await daemon.runs.end(run.run_id, reason="command_exited")
     by_code = ", ".join(f"{k}: {v}" for k, v in sorted(run.denied_by_code.items()))
@@ -271,10 +348,43 @@ async def _end_one_shot(daemon: Daemon, run: Run, outcome: str) -> None:
         f"{run.allowed} allowed, {run.denied} denied" + (f" ({by_code})" if by_code else ""),
         file=sys.stderr,
     )
+    for line in workspace_fate_lines(run, args):
+        print(f"gatewayd: {line}", file=sys.stderr)
     print(f"gatewayd: audit log {daemon.config.resolved_audit_path}", file=sys.stderr)
 
 
-async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime: int) -> int:
+def workspace_fate_lines(run: Run, args: argparse.Namespace | None) -> list[str]:
+    """What became of the run's workspace session, and, when it is kept, the commands
+    that show, commit or discard it (with ``args``' options that find the same store)."""
+    handle = run.workspace
+    if handle is None:
+        return []
+    counts = handle.info.counts
+    changes = ", ".join(
+        f"{counts.get(what, 0)} {what}" for what in ("added", "modified", "removed", "renamed")
+    )
+    fate = run.workspace_fate or "unknown (see the audit log's workspace_ended)"
+    lines = [f"workspace ({handle.mode}) of {handle.base}: {fate}; {changes}"]
+    if fate.startswith("kept"):
+        options = "".join(
+            f" {flag} {shlex.quote(str(getattr(args, name)))}"
+            for name, flag in _STORE_OPTIONS
+            if args is not None and getattr(args, name, None) is not None
+        )
+        lines += [
+            f"  gatewayd workspace {verb}{options} {run.run_id}"
+            for verb in ("diff", "commit", "discard")
+        ]
+    return lines
+
+
+async def _run_in_sandbox(
+    daemon: Daemon,
+    run: Run,
+    cmd: list[str],
+    max_runtime: int,
+    args: argparse.Namespace | None = None,
+) -> int:
     """The one-shot run's command, in the run's sandbox; returns gatewayd's exit status."""
     from gatewayd.audit import AuditWriteError
     from gatewayd.errors import GatewayError
@@ -299,15 +409,15 @@ async def _run_in_sandbox(daemon: Daemon, run: Run, cmd: list[str], max_runtime:
             )
     except AuditWriteError as exc:
         print(_exec_end_not_audited(exc.detail), file=sys.stderr)
-        await _end_one_shot(daemon, run, "its end not audited")
+        await _end_one_shot(daemon, run, "its end not audited", args)
         return EXIT_FAILED
     except GatewayError as exc:
         print(f"gatewayd: the sandbox could not start: {exc}", file=sys.stderr)
-        await _end_one_shot(daemon, run, "not started")
+        await _end_one_shot(daemon, run, "not started", args)
         return EXIT_FAILED
     status = _exec_status(result.exitCode, result.signal, _str_or_none(result.errorCode))
     outcome = _describe_exec(result.exitCode, result.signal, _str_or_none(result.errorCode))
-    await _end_one_shot(daemon, run, outcome)
+    await _end_one_shot(daemon, run, outcome, args)
     return status
 
 
@@ -394,6 +504,11 @@ def _exec(args: argparse.Namespace) -> int:
         body["timeoutSec"] = args.timeout
     if args.stdin:
         body["stdin"] = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    try:
+        body.update(_exec_options(args))
+    except ValueError as exc:
+        print(f"gatewayd exec: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     control = control_socket_of(args)
     try:
         status, payload = control_request(control, "POST", f"/v1/runs/{args.run_id}/exec", body)
@@ -422,4 +537,31 @@ def _exec(args: argparse.Namespace) -> int:
             + _describe_exec(result["exitCode"], result["signal"], result["errorCode"]),
             file=sys.stderr,
         )
+    if result.get("hint"):
+        print(f"gatewayd exec: hint: {result['hint']}", file=sys.stderr)
     return _exec_status(result["exitCode"], result["signal"], result["errorCode"])
+
+
+def _exec_options(args: argparse.Namespace) -> dict[str, object]:
+    """The exec request's options from ``gatewayd exec``'s flags (ValueError: a flag
+    that cannot be one; gatewayd checks the rest, as it checks sandbox.exec's)."""
+    options: dict[str, object] = {}
+    if args.cwd is not None:
+        options["cwd"] = args.cwd
+    env: dict[str, str] = {}
+    for item in args.env:
+        name, equals, value = item.partition("=")
+        if not equals or not name:
+            raise ValueError(f"--env {item!r}: give NAME=VALUE")
+        if name in env:
+            raise ValueError(f"--env names {name} twice")
+        env[name] = value
+    if env:
+        options["env"] = env
+    if args.no_network and (args.allow_domain or args.package_manager):
+        raise ValueError("--no-network gives no network: drop --allow-domain/--package-manager")
+    if args.no_network or args.allow_domain is not None:
+        options["allowedDomains"] = list(args.allow_domain or [])
+    if args.package_manager is not None:
+        options["packageManagers"] = list(args.package_manager)
+    return options

@@ -264,10 +264,15 @@ async def _call_once(
             if session is not None:
                 # W is the operator's: not lent to a sandbox uid (see the module doc).
                 run = await daemon.runs.start(
-                    request, policy_paths=True, lend_workspace=False, own_root=private
+                    request,
+                    policy_paths=True,
+                    lend_workspace=False,
+                    own_root=private,
+                    workspace_session=False,
                 )
             else:
-                run = await daemon.runs.start(request, policy_paths=True)
+                # The mode is this command's own (--workspace-mode), not a session's.
+                run = await daemon.runs.start(request, policy_paths=True, workspace_session=False)
         except GatewayError as exc:
             _say(f"{exc.code}: the run could not start: {exc}")
             return EXIT_FAILED
@@ -342,11 +347,23 @@ async def _finish_overlay(
         await trio.to_thread.run_sync(session.discard)
         _say(f"changes discarded; {workspace} is as it was (--commit applies them)")
         return status
+    from gatewayd.workspace.commit_rules import HeldBack, held_back
+
+    # As every commit of a run's session: git metadata is never written into the
+    # workspace (gatewayd/workspace/commit_rules.py); links leading out are named.
+    ops = getattr(session, "delta_operations", None)
+    held = (
+        await trio.to_thread.run_sync(held_back, workspace, ops()) if callable(ops) else HeldBack()
+    )
     try:
-        await trio.to_thread.run_sync(session.commit)
+        await trio.to_thread.run_sync(lambda: session.commit(leave_out=held.ops))
     except (WorkspaceError, OSError) as exc:
         _say(f"the changes could not be applied to {workspace}: {exc}")
         return EXIT_FAILED
+    for path, reason in sorted(held.paths.items()):
+        _say(f"left out of the commit: {path}: {reason}")
+    for path, target in diff.links_out:
+        _say(f"a link leading out of the workspace was committed: {path} -> {target}")
     _say(f"changes committed to {workspace}")
     return status
 

@@ -31,6 +31,9 @@ from pydantic import (
 from pydantic_core import ErrorDetails
 
 from gatewayd import strictyaml
+from gatewayd.policy.approvals_section import ApprovalsSection
+from gatewayd.policy.package_managers import package_manager_domains, unknown_package_manager
+from gatewayd.policy.patches_section import PatchesSection
 from gatewayd.policy.paths import WORKSPACE_VISIBLE_ROOT
 from gatewayd.policy.review_section import Domain, ReviewSection
 from gatewayd.policy.section import (
@@ -42,6 +45,7 @@ from gatewayd.policy.section import (
     ToolPattern,
     model_at,
 )
+from gatewayd.policy.workspace_section import WorkspaceSection
 
 POLICY_VERSION: Final = 1
 
@@ -367,6 +371,16 @@ def _check_private_entry(value: str) -> str:
 
 
 PrivateEntry = Annotated[StrictStr, AfterValidator(_check_private_entry)]
+
+
+def _check_package_manager(value: str) -> str:
+    refusal = unknown_package_manager(value)
+    if refusal is not None:
+        raise ValueError(refusal)
+    return value
+
+
+PackageManagerName = Annotated[StrictStr, AfterValidator(_check_package_manager)]
 Port = Annotated[int, Field(strict=True, ge=1, le=65535)]
 
 # The standard web ports: what package indexes and APIs listen on. Anything else (a
@@ -420,7 +434,8 @@ class NetworkSection(Section):
     """What the run's ``http.fetch`` and egress proxy may reach. Empty ``allow_domains``:
     nothing (NETWORK_DEFAULT_DENY). ``ports``: the destination ports allowed (a URL without
     one means 80 or 443). ``allow_private`` names hosts or networks that may resolve to
-    private, loopback or link-local addresses (the SSRF guard refuses them otherwise)."""
+    private, loopback or link-local addresses (the SSRF guard refuses them otherwise).
+    ``package_managers`` names registry sets whose domains are reachable too."""
 
     allow_domains: tuple[Domain, ...] = ()
     schemes: tuple[Literal["http", "https"], ...] = ("https",)
@@ -440,11 +455,21 @@ class NetworkSection(Section):
     allow_private: tuple[PrivateEntry, ...] = ()
     ports: tuple[Port, ...] = DEFAULT_PORTS
     proxy: ProxySection = Field(default_factory=ProxySection)
+    # Named sets of registry domains (gatewayd.policy.package_managers): their domains
+    # join allow_domains (reachable_domains), and an exec may narrow to them by name.
+    package_managers: tuple[PackageManagerName, ...] = ()
+
+    @property
+    def reachable_domains(self) -> tuple[str, ...]:
+        """``allow_domains`` and the domains of ``package_managers``, each once: every
+        host http.fetch and the egress proxy may reach."""
+        extra = package_manager_domains(self.package_managers)
+        return (*self.allow_domains, *(d for d in extra if d not in self.allow_domains))
 
     @property
     def proxy_enabled(self) -> bool:
         """Does the run's sandbox get the egress proxy? Only when it could reach a host."""
-        return self.proxy.enabled and bool(self.allow_domains)
+        return self.proxy.enabled and bool(self.reachable_domains)
 
 
 class Policy(Section):
@@ -464,6 +489,12 @@ class Policy(Section):
     review: ReviewSection = Field(default_factory=ReviewSection)
     model_access: ModelAccessSection = Field(default_factory=ModelAccessSection)
     network: NetworkSection = Field(default_factory=NetworkSection)
+    # Calls that wait for the operator's approval (gatewayd/policy/approvals_section.py).
+    approvals: ApprovalsSection = Field(default_factory=ApprovalsSection)
+    # The run's virtual workspace: its mode and what becomes of it at the run's end.
+    workspace: WorkspaceSection = Field(default_factory=WorkspaceSection)
+    # What an agent run's patch leaves out besides the repository's .gitignore.
+    patches: PatchesSection = Field(default_factory=PatchesSection)
 
     @field_validator("version")
     @classmethod

@@ -17,13 +17,19 @@ or the address's network.
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Final, Protocol
+
+from pydantic import TypeAdapter, ValidationError
 
 from gatewayd.errors import InvalidArguments, PolicyViolation
 from gatewayd.policy.model import NetworkSection
+from gatewayd.policy.package_managers import package_manager_domains, unknown_package_manager
+from gatewayd.policy.review_section import Domain
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+# A refused domain is quoted in a message; the caller wrote it, so it is cut.
+MAX_SHOWN_DOMAIN_CHARS: Final = 100
 
 # Cloud instance metadata (AWS/GCP/Azure IPv4, AWS IPv6): a host name in allow_private
 # does not unlock these; only a network entry that contains them does.
@@ -73,8 +79,9 @@ def domain_matches(domain: str, host: str) -> bool:
 
 
 def check_any_host_allowed(net: NetworkSection) -> None:
-    """Refuse (PolicyViolation) at once when ``network.allow_domains`` is empty."""
-    if not net.allow_domains:
+    """Refuse (PolicyViolation) at once when ``network.allow_domains`` is empty (and no
+    ``network.package_managers`` adds a domain)."""
+    if not net.reachable_domains:
         raise PolicyViolation(
             "this run may reach no host: the policy's network.allow_domains is empty"
         )
@@ -103,12 +110,17 @@ def url_host(url: DestinationUrl) -> str:
 
 
 def check_host(host: str, net: NetworkSection) -> None:
-    """Refuse (PolicyViolation) a host ``network.allow_domains`` does not match."""
-    if not any(domain_matches(domain, host) for domain in net.allow_domains):
-        allowed = ", ".join(net.allow_domains) or "none (network.allow_domains is empty)"
+    """Refuse (PolicyViolation) a host ``network.allow_domains`` (with the domains of
+    ``network.package_managers``) does not match."""
+    reachable = net.reachable_domains
+    if not any(domain_matches(domain, host) for domain in reachable):
+        allowed = ", ".join(reachable) or "none (network.allow_domains is empty)"
+        managers = (
+            f", package managers: {', '.join(net.package_managers)}" if net.package_managers else ""
+        )
         raise PolicyViolation(
             f"host {host!r} is not allowed; allowed domains: {allowed} "
-            "(network.allow_domains; '*.x' means subdomains of x)"
+            f"(network.allow_domains{managers}; '*.x' means subdomains of x)"
         )
 
 
@@ -178,3 +190,77 @@ def guard_addresses(host: str, addresses: tuple[IpAddress, ...], net: NetworkSec
                 "only when the policy's network.allow_private names the host or its network "
                 "(metadata addresses: only by network)"
             )
+
+
+# --- one command's network, narrower than its run's ------------------------------------
+
+# A command names a few hosts; more is a list to copy the policy's from, not a narrowing.
+MAX_COMMAND_DOMAINS: Final = 64
+_DOMAIN: Final = TypeAdapter(Domain)
+
+
+def narrowed_network(
+    net: NetworkSection,
+    *,
+    domains: Sequence[str] | None,
+    managers: Sequence[str] | None,
+) -> NetworkSection | None:
+    """The network section of one command that asks for ``domains`` and the package
+    manager sets ``managers`` (an exec's ``allowedDomains`` and ``packageManagers``):
+    the run's, its allowlist replaced by what the command asked for. None when it asks
+    for neither (the command keeps the run's network). An empty result (``[]`` asked)
+    is a command with no way out at all.
+
+    A command may only narrow: each domain must be one the run reaches (a host any
+    entry matches, or a wildcard an entry lists or lies beneath), each set one the
+    policy lists (``network.package_managers``), and a command that asks for any host
+    needs the run's proxy on (``network.proxy.enabled``), since it would connect as any
+    program of the run does.
+
+    Error handling: InvalidArguments for a malformed domain, an unknown set or too many
+    domains; PolicyViolation naming the first thing that would widen the run's network.
+    """
+    if domains is None and managers is None:
+        return None
+    domains = tuple(domains or ())
+    managers = tuple(managers or ())
+    if len(domains) > MAX_COMMAND_DOMAINS:
+        raise InvalidArguments(
+            f"allowedDomains names {len(domains)} domains; at most {MAX_COMMAND_DOMAINS}"
+        )
+    reachable = net.reachable_domains
+    allowed = ", ".join(reachable) or "none (network.allow_domains is empty)"
+    for domain in domains:
+        try:
+            _DOMAIN.validate_python(domain)
+        except ValidationError:
+            raise InvalidArguments(
+                f"allowedDomains: {domain[:MAX_SHOWN_DOMAIN_CHARS]!r} is not a domain; give "
+                "a lowercase host name ('example.org') or a subdomain wildcard "
+                "('*.example.org')"
+            ) from None
+        if not any(domain == entry or domain_matches(entry, domain) for entry in reachable):
+            raise PolicyViolation(
+                f"allowedDomains: {domain!r} is not among the domains this run may reach, "
+                f"and a command may only narrow them; it may reach: {allowed} "
+                "(network.allow_domains, network.package_managers)"
+            )
+    for name in managers:
+        unknown = unknown_package_manager(name)
+        if unknown is not None:
+            raise InvalidArguments(f"packageManagers: {unknown}")
+        if name not in net.package_managers:
+            granted = ", ".join(net.package_managers) or "none"
+            raise PolicyViolation(
+                f"packageManagers: {name!r} is not allowed for this run, and a command may "
+                f"only narrow its network; allowed: {granted} (network.package_managers)"
+            )
+    wanted = (*domains, *package_manager_domains(managers))
+    wanted = tuple(dict.fromkeys(wanted))
+    if wanted and not net.proxy.enabled:
+        raise PolicyViolation(
+            "this run's policy lets no program in its sandbox connect out "
+            "(network.proxy.enabled is false), so no command may ask for a domain; "
+            "http.fetch reaches the run's allowed domains"
+        )
+    return net.model_copy(update={"allow_domains": wanted, "package_managers": ()})

@@ -54,9 +54,7 @@ import signal
 import stat
 import unicodedata
 from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
-from pathlib import Path
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 import msgspec
 import structlog
@@ -94,7 +92,7 @@ from gatewayd.sandbox.plan import (
 )
 from gatewayd.sandbox.session import CallBind, CallView, RunSandbox
 from gatewayd.strictjson import JsonInputError, loads
-from gatewayd.tools.registry import ToolContext
+from gatewayd.tools.registry import CallEgress, ToolContext
 
 log = structlog.get_logger("gatewayd.runners.process")
 
@@ -126,21 +124,6 @@ _BRIDGE: Final = (
     SANDBOX_EGRESS_SOCKET,
     "--",
 )
-
-
-class CallEgress(Protocol):
-    """Serves one call's own egress proxy (the daemon's wiring gives one; this layer
-    cannot make it, the proxy sits above dispatch). While the context is open, a proxy
-    enforcing ``network`` (the run's section, its domains narrowed to the call's)
-    listens on the host socket ``socket`` for the processes of ``ctx``'s run sandbox
-    only, auditing every connection as the run's proxy does, its entries naming
-    ``tool`` and the call; on exit it stops and the socket file is removed.
-
-    Error handling: ``OSError`` when the socket cannot be made."""
-
-    def __call__(
-        self, *, ctx: ToolContext, tool: str, network: NetworkSection, socket: Path
-    ) -> AbstractAsyncContextManager[None]: ...
 
 
 class ProcessToolRunner:
@@ -224,7 +207,7 @@ class ProcessToolRunner:
             return None
         # granted_domains holds each within the run's allowlist; checked again here, as
         # this list is all the call's proxy will enforce.
-        domains = _within(granted_domains(self.tool, ctx), net.allow_domains)
+        domains = _within(granted_domains(self.tool, ctx), net.reachable_domains)
         if not domains:
             return None
         if not net.proxy.enabled:
@@ -238,7 +221,9 @@ class ProcessToolRunner:
                     "sandbox connect out (network.proxy.enabled is false)"
                 )
             return None
-        return net.model_copy(update={"allow_domains": domains})
+        # Its package managers' domains are in ``domains`` where granted: the copy
+        # names none, or they would join its allowlist again.
+        return net.model_copy(update={"allow_domains": domains, "package_managers": ()})
 
     # --- the view ---------------------------------------------------------------------
 

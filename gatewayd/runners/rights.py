@@ -210,7 +210,7 @@ def granted_domains(tool: FolderTool, ctx: CallRights) -> tuple[str, ...]:
         if net is None:
             continue
         if need.name.startswith("*."):
-            if need.name in net.allow_domains:
+            if need.name in net.reachable_domains:
                 granted.append(need.name)
             continue
         try:

@@ -19,12 +19,12 @@ from referencing import Registry
 
 from gatewayd.errors import GatewayError
 from gatewayd.mcp.schemas import arguments_decoder, bounded_validator
-from gatewayd.runners.process import CallEgress, ProcessToolRunner
+from gatewayd.runners.process import ProcessToolRunner
 from gatewayd.runners.rights import required_request
 from gatewayd.runners.spec import FolderTool
 from gatewayd.runners.wasm import WasmEngine, WasmToolRunner
 from gatewayd.tools.manifest import RunnerKind
-from gatewayd.tools.registry import Tool, ToolRunner
+from gatewayd.tools.registry import CallEgress, Tool, ToolRunner
 
 
 class ToolUnavailable(ValueError):

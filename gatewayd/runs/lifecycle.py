@@ -8,7 +8,10 @@ the daemon's nursery it is given, and a run ends by cancelling its scope; its en
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +22,50 @@ from gatewayd.audit import AuditEvent, AuditLog, AuditWriteError
 from gatewayd.config import GatewaydConfig
 from gatewayd.dialer import Resolver, resolve_host
 from gatewayd.dispatch import Dispatcher, RunReview
-from gatewayd.errors import GatewayError, PolicyViolation
+from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
 from gatewayd.metrics import GatewayMetrics
-from gatewayd.policy import PolicyError, SandboxSection
+from gatewayd.policy import PolicyError, SandboxSection, tool_allowed
+from gatewayd.policy.model import NetworkSection
 from gatewayd.policy.paths import PathMode
 from gatewayd.protocol import ErrorCode
 from gatewayd.runs.model import ChildKind, ChildSpec, Run, RunRequest, RunState
 from gatewayd.runs.registry import RunRegistry
-from gatewayd.runs.services import services_for, start_services
+from gatewayd.runs.services import CallEgressProxies, services_for, start_services
 from gatewayd.runs.startup import HostSandbox
+from gatewayd.runs.workspaces import (
+    BASE_LENDING_MODES,
+    BaseLender,
+    WorkspacePlan,
+    choose_workspace,
+    give_back_base,
+    plan_base_loan,
+    refuse_host_paths_into_base,
+    require_base_free,
+)
 from gatewayd.sandbox.launch import Echo, ExecResult, ResultForm, exec_result_json
+from gatewayd.sandbox.lease import LeaseError
 from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.passthrough import Passthrough
-from gatewayd.sandbox.session import CommandLimits, RunSandbox, SandboxUnavailable, SandboxView
+from gatewayd.sandbox.session import (
+    CommandLimits,
+    RunSandbox,
+    SandboxUnavailable,
+    SandboxView,
+    WorkspaceInUse,
+)
 from gatewayd.sandbox.uids import UidPool
 from gatewayd.server import serve_run
+from gatewayd.tools.exec import (
+    CommandEgress,
+    ExecOptions,
+    PreparedExec,
+    exec_hint,
+    prepare_exec,
+    run_exec_command,
+)
+from gatewayd.workspace import WorkspaceError, WorkspaceSession
+from gatewayd.workspace.store import WorkspaceStore
 
 log = structlog.get_logger("gatewayd.runs")
 
@@ -69,6 +100,7 @@ class RunManager:
         metrics: GatewayMetrics,
         resolver: Resolver | None = None,
         control_socket: Path | None = None,
+        workspaces: WorkspaceStore | None = None,
     ) -> None:
         self.config = config
         self.audit = audit
@@ -85,6 +117,12 @@ class RunManager:
         self._resolver = resolver
         # The control socket this daemon serves (None: none), never lent to a run.
         self._control_socket = control_socket
+        # An exec narrowed to some domains gets an egress proxy of its own.
+        self._call_egress = CallEgressProxies(
+            audit=audit,
+            resolve=resolver or resolve_host,
+            reply_after_result=config.audit_reply_after_result,
+        )
         # Sandboxes are made one at a time: the check that no live run holds a workspace
         # and the lease that then takes it must not interleave with another start.
         self._isolating = trio.Lock()
@@ -97,6 +135,10 @@ class RunManager:
         # Trees of runs whose give-back failed: still (partly) a sandbox uid's, so no
         # other run may take them until the next start returns them.
         self._stuck_trees: list[Path] = []
+        # Every run's workspace session (gatewayd/runs/workspaces.py). In agent_dir, not
+        # the state directory: the sandbox binds a session's view, and no bind source may
+        # lie in the state directory (gatewayd/sandbox/plan.py).
+        self.workspaces = workspaces or WorkspaceStore(config.resolved_agent_dir)
 
     async def start(
         self,
@@ -106,6 +148,7 @@ class RunManager:
         lend_workspace: bool = True,
         policy_paths: bool = False,
         own_root: Path | None = None,
+        workspace_session: bool = True,
     ) -> Run:
         """Create a run and start serving its socket. Refusals are audited, then raised.
         ``sandbox_user`` and ``lend_workspace``: see :meth:`RunSandbox.open` (an agent
@@ -114,10 +157,16 @@ class RunManager:
         directory), beneath which its trees may lie besides the lendable roots.
         ``policy_paths``: the request may name its policy by a file's path (gatewayd's own
         command line); otherwise only by name, from the configured policy directories.
+        ``workspace_session``: the run works on a session of the workspace store in the
+        mode its request, policy or configuration chooses (gatewayd/runs/workspaces.py);
+        False: on ``workspacePath`` as it is (a caller that made its own session: an
+        agent run, ``gatewayd tools run``).
 
         Error handling: AuthzDenied (no sandbox grant), PolicyError (bad policy),
         ValueError (bad workspace), NotLendable (a workspace or rw path under no lendable
-        root), OSError (gatewayd could not make the run's files); each is recorded as a
+        root), PolicyViolation (a workspace mode or limit the policy does not let the
+        request choose), SandboxUnavailable (the workspace session could not be opened),
+        OSError (gatewayd could not make the run's files); each is recorded as a
         ``run_refused`` event with the matching code.
         """
         roots = LendableRoots(
@@ -132,8 +181,15 @@ class RunManager:
                 # Every run, sandboxed or degraded (whose host-side tools write as
                 # gatewayd), before anything of it is touched.
                 _require_lendable(run, roots)
-                await self._isolate(run, roots, sandbox_user, lend_workspace, SandboxView())
+                plan = None
+                if workspace_session:
+                    plan = choose_workspace(
+                        request.workspace, run.spec.policy, self.config.workspace_mode
+                    )
+                await self._isolate(run, roots, sandbox_user, lend_workspace, SandboxView(), plan)
             except BaseException:
+                with trio.CancelScope(shield=True):
+                    await self._drop_workspace(run)
                 self.registry.remove(run)
                 raise
         except Exception as exc:
@@ -145,6 +201,11 @@ class RunManager:
                     "policy": request.policy,
                     "workspacePath": request.workspacePath,
                     "allowSandbox": request.grant.allowSandbox,
+                    **(
+                        {"workspace": request.workspace.model_dump(exclude_none=True)}
+                        if request.workspace is not None
+                        else {}
+                    ),
                 },
             )
             raise
@@ -153,6 +214,7 @@ class RunManager:
             # audit log, its tools) ends the run the usual way: nothing of it is left.
             with trio.CancelScope(shield=True):
                 await self._audit_created(run)
+                await self._audit_workspace_opened(run)
             if self.run_tools is not None:
                 await self.run_tools(run)
         except BaseException:
@@ -231,7 +293,7 @@ class RunManager:
             "tenantId": request.tenantId,
             "policy": run.spec.policy.name,
             "policySource": run.spec.policy_source,
-            "workspace": str(run.spec.workspace),
+            "workspace": str(run.workspace_base),
             "toolIds": list(request.toolIds) if request.toolIds is not None else None,
             "sandbox": _sandbox_detail(run),
         }
@@ -240,6 +302,26 @@ class RunManager:
             detail.update(run.spec.made_for.label())
         await self.audit.append(
             "event", event=AuditEvent.RUN_CREATED, runId=run.run_id, detail=detail
+        )
+
+    async def _audit_workspace_opened(self, run: Run) -> None:
+        handle = run.workspace
+        if handle is None:
+            return
+        info = handle.info
+        await self.audit.append(
+            "event",
+            event=AuditEvent.WORKSPACE_OPENED,
+            runId=run.run_id,
+            detail={
+                "mode": handle.mode,
+                "modeFrom": run.workspace_mode_from,
+                "base": str(handle.base),
+                "root": str(handle.root),
+                "onEnd": info.on_end,
+                "keepForS": info.keep_for_s,
+                "maxDeltaBytes": info.max_delta_bytes,
+            },
         )
 
     async def _start_serving(self, run: Run) -> None:
@@ -262,11 +344,13 @@ class RunManager:
         user: HostUser | None = None,
         lend_workspace: bool = True,
         view: SandboxView | None = None,
+        plan: WorkspacePlan | None = None,
     ) -> None:
-        """Give the run its OS sandbox, or make it degraded if its policy allows that.
+        """Give the run its workspace session (``plan``; None: none) and its OS
+        sandbox, or make it degraded if its policy allows that.
 
         Error handling: PolicyViolation when the policy requires a sandbox this host
-        cannot give; SandboxUnavailable when making it failed.
+        cannot give; SandboxUnavailable when making it (or the session) failed.
         """
         policy = run.spec.policy
         held = sorted(set(policy.env.allow) & self._secret_env_names())
@@ -298,11 +382,100 @@ class RunManager:
                 reason=self.support.reason,
                 note="the run's commands run WITHOUT isolation; every call is audited as degraded",
             )
+            if plan is not None:
+                # No uid to lend to: the fs tools (gatewayd's) work on the session's view.
+                await self._open_workspace(run, plan, None, roots)
             return
         limits = policy.sandbox
         image = run.spec.request.sandboxImage
         async with self._isolating:
+            if plan is not None:
+                # The uid first: an overlay's base is lent to it before the mount.
+                taken = user is None
+                user = user or self.uid_pool.acquire()
+                try:
+                    await self._open_workspace(run, plan, user, roots)
+                except BaseException:
+                    if taken:
+                        self.uid_pool.release(user)
+                    raise
+                if plan.mode in BASE_LENDING_MODES:
+                    lend_workspace = False  # the base is the run's already
+                elif run.workspace is not None and plan.mode != "host":
+                    # A view gatewayd made for the run alone (agentfs): lent like a
+                    # workspace, beneath the session's own directory.
+                    roots = dataclasses.replace(roots, own=(*roots.own, run.workspace.directory))
             await self._open_sandbox(run, limits, image, user, lend_workspace, roots, view)
+        if run.workspace is not None and run.sandbox is not None:
+            run.sandbox.after_command = _syncer(run.workspace.session)
+
+    async def _open_workspace(
+        self, run: Run, plan: WorkspacePlan, user: HostUser | None, roots: LendableRoots
+    ) -> None:
+        """Open the run's session over its workspace (the base), lend the base to
+        ``user`` first when the mode needs it (overlay), and make the session's root
+        what the run's sandbox and fs tools see. Called with ``_isolating`` held when
+        the run has a sandbox: the check that no live run holds the base and the lease
+        that then takes it must not interleave with another start.
+
+        Error handling: PolicyViolation (a policy path the mode cannot serve),
+        WorkspaceInUse (another live run holds the base), NotLendable / WorkspaceInUse
+        (the base may not be lent), SandboxUnavailable naming the mode and the fix when
+        the session cannot be opened."""
+        base = run.spec.workspace
+        lender = None
+        if plan.mode != "host":
+            # Any virtual mode: no writable policy path may show the base past the view.
+            refuse_host_paths_into_base(run.spec.policy, run.spec.grants, base)
+        if user is not None and plan.mode in BASE_LENDING_MODES:
+            require_base_free(base, self._busy_trees(run))
+            loan = await trio.to_thread.run_sync(plan_base_loan, run.spec.policy, base)
+            lender = BaseLender(loan, user, roots=roots, pool_range=self.uid_pool.range)
+        store = self.workspaces
+        try:
+            handle = await trio.to_thread.run_sync(
+                lambda: store.open_session(
+                    run.run_id,
+                    base,
+                    plan.mode,
+                    on_end=plan.on_end,
+                    keep_for_s=plan.keep_for_s,
+                    max_delta_bytes=plan.max_delta_bytes,
+                    before_mount=lender,
+                    commit_git_metadata=run.spec.policy.workspace.commit_git_metadata,
+                )
+            )
+        except LeaseError as exc:
+            raise WorkspaceInUse(f"cannot lend run {run.run_id}'s workspace: {exc}") from exc
+        except (WorkspaceError, OSError) as exc:
+            raise SandboxUnavailable(
+                f"run refused: its workspace could not be opened in mode {plan.mode} "
+                f"({exc}). Fix the cause, or choose another mode: the request's "
+                "workspace.mode, the policy's workspace.mode, or the daemon's "
+                "workspace_mode (host works on the directory itself)"
+            ) from exc
+        run.workspace = handle
+        run.workspace_on_end = plan.on_end
+        run.workspace_mode_from = plan.mode_from
+        if handle.root != base:
+            if user is not None and lender is not None and lender.whole_base:
+                # The view's own top directory (the overlay's upper one): the run's, like
+                # the base it lies over, so it may make files at the top of /workspace.
+                os.chown(handle.root, user.uid, user.gid)
+            self.registry.rebind(run, handle.root)
+
+    def _busy_trees(self, run: Run) -> list[Path]:
+        """The trees ``run`` may not take: those other live runs hold (lent, or read),
+        the bases lent for their sessions, and those whose give-back failed."""
+        busy = [*self._stuck_trees]
+        for other in self.registry.all():
+            if other is run:
+                continue
+            if other.sandbox is not None:
+                busy += other.sandbox.held
+            if other.workspace is not None and other.workspace.mode in BASE_LENDING_MODES:
+                busy.append(other.workspace.base)
+        return busy
 
     async def _open_sandbox(
         self,
@@ -317,10 +490,7 @@ class RunManager:
         settings = self.sandbox_settings
         if settings is None:  # _isolate makes a degraded run instead
             raise SandboxUnavailable(f"run {run.run_id}: no OS sandbox on this host")
-        busy = [*self._stuck_trees]
-        busy += [
-            tree for other in self.registry.all() if other.sandbox for tree in other.sandbox.held
-        ]
+        busy = self._busy_trees(run)
         run.sandbox = await RunSandbox.open(
             run_id=run.run_id,
             settings=settings,
@@ -374,6 +544,32 @@ class RunManager:
         start (also audited); AuditWriteError when ``exec_ended`` cannot be made durable
         (the command ran; its result must not be given).
         """
+        result, _hint = await self.exec_explained(
+            run_id, command, stdin=stdin, timeout_s=timeout_s, echo=echo, passthrough=passthrough
+        )
+        return result
+
+    async def exec_explained(
+        self,
+        run_id: str,
+        command: list[str],
+        *,
+        stdin: bytes | None = None,
+        timeout_s: float | None = None,
+        echo: Echo | None = None,
+        passthrough: Passthrough | None = None,
+        options: ExecOptions | None = None,
+    ) -> tuple[ExecResult, str | None]:
+        """:meth:`exec`, with ``options`` (a cwd, variables, a narrower network: checked
+        as sandbox.exec checks its own, :func:`~gatewayd.tools.exec.prepare_exec`), and
+        the result's hint (why the sandbox made it fail, or None).
+
+        Error handling: as :meth:`exec`; and the options' refusals (PolicyViolation,
+        InvalidArguments, ToolFailed, each naming what is allowed), audited as the
+        command's ``exec_ended`` before they are raised. ValueError for options with
+        ``echo`` or ``passthrough`` (a command with options is captured)."""
+        if options is not None and (echo is not None or passthrough is not None):
+            raise ValueError("an exec with options is captured: no echo, no passthrough")
         run = self.registry.get(run_id)
         if run is None:
             raise LookupError(f"no run {run_id}")
@@ -383,16 +579,51 @@ class RunManager:
                 f"run {run_id} has no OS sandbox ({run.degraded}); commands run only inside "
                 "a sandbox"
             )
+        sandbox = run.sandbox
         await self.audit.append(
             "event",
             event=AuditEvent.EXEC_STARTED,
             runId=run_id,
-            detail={"command": command[:AUDITED_COMMAND_ARGS], "timeoutS": timeout_s},
+            detail={
+                "command": command[:AUDITED_COMMAND_ARGS],
+                "timeoutS": timeout_s,
+                **(options.audited() if options is not None else {}),
+            },
         )
+        policy = run.spec.policy
+        prepared = PreparedExec(cwd=None, env={}, network=None)
         try:
-            result = await run.sandbox.exec(
-                command, stdin=stdin, timeout_s=timeout_s, echo=echo, passthrough=passthrough
+            if options is None:
+                result = await sandbox.exec(
+                    command, stdin=stdin, timeout_s=timeout_s, echo=echo, passthrough=passthrough
+                )
+            else:
+                prepared = prepare_exec(
+                    options,
+                    grants=run.spec.grants,
+                    env_allow=policy.env.allow,
+                    network=policy.network,
+                )
+                result = await run_exec_command(
+                    sandbox,
+                    command,
+                    prepared,
+                    stdin=stdin,
+                    timeout_s=timeout_s,
+                    env_values=os.environ,
+                    egress=self._command_egress(run_id, sandbox),
+                )
+        except (PolicyViolation, InvalidArguments, ToolFailed) as exc:
+            # The options were refused: nothing ran. On the record all the same.
+            seq = self.audit.record(
+                "event",
+                event=AuditEvent.EXEC_ENDED,
+                runId=run_id,
+                errorCode=str(exc.code),
+                safeMessage=exc.safe_message,
             )
+            await self.durable_before_answer(seq)
+            raise
         except Exception as exc:
             seq = self.audit.record(
                 "event",
@@ -415,7 +646,30 @@ class RunManager:
             ),
         )
         await self.durable_before_answer(seq)
-        return result
+        hint = exec_hint(
+            result,
+            sandbox=sandbox,
+            timeout_s=timeout_s,
+            run_network=policy.network,
+            prepared=prepared,
+            fetch_allowed=tool_allowed("http.fetch", run.spec.rules),
+        )
+        return result, hint
+
+    def _command_egress(self, run_id: str, sandbox: RunSandbox) -> CommandEgress:
+        """How an operator's exec narrowed to some domains gets its own proxy (its
+        audit entries say ``exec: control``)."""
+
+        def serve(network: NetworkSection, socket: Path) -> AbstractAsyncContextManager[None]:
+            return self._call_egress.serve(
+                run_id=run_id,
+                sandbox=sandbox,
+                network=network,
+                socket=socket,
+                tags={"exec": "control"},
+            )
+
+        return serve
 
     async def durable_before_answer(self, seq: int) -> None:
         """Return once the entry ``seq`` (what an answer about to leave gatewayd reports:
@@ -435,6 +689,7 @@ class RunManager:
         max_runtime = run.spec.request.limits.maxRuntimeSec
         try:
             with trio.move_on_after(max_runtime) as scope:
+                run.serving_since, run.deadline = trio.current_time(), scope.deadline
                 try:
                     async with trio.open_nursery() as nursery:
                         await nursery.start(self._serve_socket, run, nursery.cancel_scope)
@@ -481,12 +736,75 @@ class RunManager:
         finally:
             services.cancel()
 
+    async def _end_workspace(self, run: Run, sandbox_gone: bool) -> bool:
+        """The run's session at its end: sealed (its view unmounted), the base lent for
+        it given back, its ``on_end`` applied (the store's ``end_of_run``), audited as
+        ``workspace_ended``. ``sandbox_gone``: every process of the run is dead; if not,
+        the session is left live (the store's recovery keeps it at the next start) and
+        the base stays lent. Returns whether nothing stays lent. Never raises: a step
+        that fails is logged and audited, and what it left is the store's recovery's."""
+        handle = run.workspace
+        if handle is None:
+            return True
+        detail: dict[str, Any] = {"mode": handle.mode, "base": str(handle.base)}
+        returned = False
+        store = self.workspaces
+        try:
+            if not sandbox_gone:
+                detail["action"] = "left live"
+                raise SandboxUnavailable(
+                    "the run's processes could not all be stopped; the session stays live "
+                    "and its base lent until the next start recovers them"
+                )
+            await trio.to_thread.run_sync(handle.seal)
+            detail["baseEntriesReturned"] = await trio.to_thread.run_sync(
+                give_back_base, handle.directory
+            )
+            returned = True
+            run.workspace_fate = await trio.to_thread.run_sync(store.end_of_run, run.run_id)
+            detail["action"] = run.workspace_fate
+        except Exception as exc:
+            log.exception("workspace_end_failed", run_id=run.run_id)
+            detail["error"] = str(exc)
+            detail.setdefault("action", "kept (its end failed; see error)")
+            if not returned and handle.mode in BASE_LENDING_MODES:
+                self._stuck_trees.append(handle.base)
+            if returned:
+                run.workspace_fate = "kept (its end failed: see the audit log)"
+        detail.update(handle.info.counts)
+        try:
+            await self.audit.append(
+                "event", event=AuditEvent.WORKSPACE_ENDED, runId=run.run_id, detail=detail
+            )
+        except AuditWriteError:
+            log.error("workspace_end_not_audited", run_id=run.run_id)
+        return returned or handle.mode not in BASE_LENDING_MODES
+
+    async def _drop_workspace(self, run: Run) -> None:
+        """A run refused after its session was opened: nothing of the run ever ran in
+        it, so the session is discarded and the base given back. Never raises."""
+        handle = run.workspace
+        if handle is None:
+            return
+        store = self.workspaces
+        try:
+            await trio.to_thread.run_sync(handle.seal)
+            await trio.to_thread.run_sync(give_back_base, handle.directory)
+            await trio.to_thread.run_sync(store.end_of_run, run.run_id)
+            await trio.to_thread.run_sync(store.discard, run.run_id)
+        except Exception:
+            log.exception("workspace_drop_failed", run_id=run.run_id)
+        run.workspace = None
+
     async def end(self, run_id: str, reason: str = "ended") -> dict[str, Any] | None:
         """Stop serving a run and remove its socket; returns its final summary."""
         run = self.registry.get(run_id)
         if run is None:
             return None
-        run.end_reason = reason
+        if run.state in (RunState.CREATED, RunState.SERVING):
+            # A run already ending keeps its own reason (its max runtime ran out): its
+            # end (the session's seal, the give-back) may still be under way.
+            run.end_reason = reason
         run.cancel_scope.cancel()
         await run.finished.wait()
         return run.summary()
@@ -512,8 +830,10 @@ class RunManager:
                 log.exception("sandbox_cleanup_failed", run_id=run.run_id)
                 cleanup = {"cleanupFailed": str(exc)}
                 self._stuck_trees.extend(run.sandbox.trees)
-            else:
-                self.uid_pool.release(run.sandbox.user)
+        # The uid goes back to the pool only once the base lent for the session is back.
+        base_returned = await self._end_workspace(run, "cleanupFailed" not in cleanup)
+        if run.sandbox is not None and "cleanupFailed" not in cleanup and base_returned:
+            self.uid_pool.release(run.sandbox.user)
         self._dispatcher.drop_run_tools(run.run_id)
         if "cleanupFailed" not in cleanup:
             self.registry.remove(run)
@@ -533,6 +853,18 @@ class RunManager:
             run.finished.set()
             self._metrics.runs_ended.inc((run.end_reason,))
             log.info("run_ended", run_id=run.run_id, reason=run.end_reason)
+
+
+def _syncer(session: WorkspaceSession) -> Callable[[], Awaitable[None]]:
+    """What a run's sandbox awaits after each command: the session's sync (cheap when
+    nothing changed; the backend's to make so), in a worker thread, one at a time."""
+    lock = trio.Lock()
+
+    async def sync() -> None:
+        async with lock:
+            await trio.to_thread.run_sync(session.sync)
+
+    return sync
 
 
 def _sandbox_detail(run: Run) -> dict[str, Any]:

@@ -22,9 +22,17 @@ import trio
 
 from gatewayd.policy import Policy, RunRules, TokenBucket
 from gatewayd.policy.paths import PathGrant
+from gatewayd.policy.workspace_section import (
+    MAX_DELTA_MB,
+    MAX_KEEP_FOR_S,
+    MIN_DELTA_MB,
+    OnEndName,
+    WorkspaceModeName,
+)
 
 if TYPE_CHECKING:
     from gatewayd.sandbox.session import RunSandbox
+    from gatewayd.workspace.store import RunWorkspace
 
 # 16 random bytes = 128 bits: unguessable, so a run id alone names exactly one run.
 RUN_ID_BYTES: Final = 16
@@ -70,6 +78,18 @@ class RunLimits(_Strict):
     maxMemoryMb: int = pydantic.Field(default=2048, ge=64, le=1 << 20)
 
 
+class WorkspaceRequest(_Strict):
+    """What a run request may ask of its workspace; each field unset takes the policy's
+    (gatewayd/runs/workspaces.py decides). A mode must be one of the policy's
+    ``workspace.request_modes``; ``keepForSec`` and ``maxDeltaMb`` may only narrow the
+    policy's."""
+
+    mode: WorkspaceModeName | None = None
+    onEnd: OnEndName | None = None
+    keepForSec: int | None = pydantic.Field(default=None, ge=1, le=MAX_KEEP_FOR_S)
+    maxDeltaMb: int | None = pydantic.Field(default=None, ge=MIN_DELTA_MB, le=MAX_DELTA_MB)
+
+
 class RunRequest(_Strict):
     """What a caller may ask for. It has no runId field: gatewayd makes the id."""
 
@@ -88,6 +108,8 @@ class RunRequest(_Strict):
     # A root filesystem for the sandbox instead of the host's system directories
     # (sandbox_image/README.md); an absolute host path, checked when the run starts.
     sandboxImage: str | None = pydantic.Field(default=None, max_length=MAX_PATH_CHARS)
+    # The run's virtual workspace (mode, what happens at its end); None: the policy's.
+    workspace: WorkspaceRequest | None = None
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -216,6 +238,19 @@ class Run:
     degraded: str | None = None
     # The run's egress proxy (gatewayd/egress.py) when its policy turns it on.
     egress: Any = None
+    # The run's workspace session (gatewayd/runs/workspaces.py); None: the run works on
+    # its workspace directory as it is (an agent run's own session, a child run).
+    workspace: RunWorkspace | None = None
+    # What becomes of that session when the run ends (keep, commit, discard), and, once
+    # it ended, what became of it ("kept until <time>", "committed", "discarded").
+    workspace_on_end: str | None = None
+    workspace_fate: str | None = None
+    # Who chose the session's mode: request, policy, configuration or default.
+    workspace_mode_from: str | None = None
+    # On trio's clock: when the run began serving, and when its wall-time limit
+    # (limits.maxRuntimeSec) ends it; None until it serves (sandbox.usage reports both).
+    serving_since: float | None = None
+    deadline: float | None = None
 
     @property
     def run_id(self) -> str:
@@ -239,6 +274,23 @@ class Run:
             self.denied += 1
             self.denied_by_code[error_code] = self.denied_by_code.get(error_code, 0) + 1
 
+    @property
+    def workspace_base(self) -> Path:
+        """The host directory the run was asked to work on (its session's base)."""
+        return self.workspace.base if self.workspace is not None else self.spec.workspace
+
+    def workspace_summary(self) -> dict[str, object]:
+        """The run's workspace as the summary shows it: its mode (None: no session of
+        gatewayd's: the directory as it is), base, root (what the sandbox sees), what
+        happens at the end and, once ended, what happened."""
+        return {
+            "mode": self.workspace.mode if self.workspace is not None else None,
+            "base": str(self.workspace_base),
+            "root": str(self.spec.workspace),
+            "onEnd": self.workspace_on_end,
+            **({"fate": self.workspace_fate} if self.workspace_fate is not None else {}),
+        }
+
     def summary(self) -> dict[str, object]:
         """What the control socket and `gatewayd run` show about a run."""
         return {
@@ -247,7 +299,7 @@ class Run:
             "actorId": self.spec.request.actorId,
             "tenantId": self.spec.request.tenantId,
             "policy": self.spec.policy.name,
-            "workspace": str(self.spec.workspace),
+            "workspace": self.workspace_summary(),
             "socket": str(self.socket_path),
             "osSandbox": self.sandbox is not None,
             "degraded": self.degraded,

@@ -7,6 +7,7 @@ private directory holding its socket.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import stat
@@ -116,6 +117,23 @@ class RunRegistry:
             rules=rules,
         )
         return self._add(spec, directory, socket_path)
+
+    def rebind(self, run: Run, root: Path) -> None:
+        """Make ``root`` (a workspace session's view of the run's workspace) what the
+        run's sandbox binds and its fs tools resolve beneath: its policy is bound again
+        against it, so policy paths beneath the workspace lead into the view, and those
+        outside it stay the host paths they were.
+
+        Error handling: PolicyError when a policy path cannot be bound in the view.
+        """
+        spec = run.spec
+        grants = bind_paths(spec.policy, root)
+        rules = RunRules(
+            tool_patterns=tuple(spec.policy.tools.allow),
+            run_tool_ids=spec.request.toolIds,
+            grants=grants,
+        )
+        run.spec = dataclasses.replace(spec, workspace=root, grants=grants, rules=rules)
 
     def create_child(self, spec: ChildSpec) -> Run:
         """Make a child run (an app's invocation) from the spec its parent's tool made:

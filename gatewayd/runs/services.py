@@ -243,23 +243,36 @@ class CallEgressProxies:
     def __call__(
         self, *, ctx: ToolContext, tool: str, network: NetworkSection, socket: Path
     ) -> AbstractAsyncContextManager[None]:
-        return self._serve(ctx, tool, network, socket)
+        if ctx.sandbox is None:  # the runner refuses such a call before; never served
+            raise SandboxUnavailable(f"run {ctx.run_id} has no OS sandbox")
+        return self.serve(
+            run_id=ctx.run_id,
+            sandbox=ctx.sandbox,
+            network=network,
+            socket=socket,
+            tags={"tool": tool, "toolCallId": ctx.tool_call_id or ""},
+        )
 
     @asynccontextmanager
-    async def _serve(
-        self, ctx: ToolContext, tool: str, network: NetworkSection, socket: Path
+    async def serve(
+        self,
+        *,
+        run_id: str,
+        sandbox: RunSandbox,
+        network: NetworkSection,
+        socket: Path,
+        tags: Mapping[str, str],
     ) -> AsyncIterator[None]:
-        sandbox = ctx.sandbox
-        if sandbox is None:  # the runner refuses such a call before; never served
-            raise SandboxUnavailable(f"run {ctx.run_id} has no OS sandbox")
+        """One command's own proxy for run ``run_id``, whoever asked for it (a tool's
+        call, or an operator's exec on the control socket): ``tags`` name them in
+        every audit entry of its connections."""
         proxy = EgressProxy(
-            run_id=ctx.run_id,
+            run_id=run_id,
             network=network,
             audit=self._audit,
             resolve=self._resolve,
-            degraded=ctx.degraded,
             reply_after_result=self._reply_after_result,
-            tags={"tool": tool, "toolCallId": ctx.tool_call_id or ""},
+            tags=tags,
         )
         failed: Exception | None = None
         try:

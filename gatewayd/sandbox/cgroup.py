@@ -64,6 +64,9 @@ REMOVE_FIRST_POLL_S: Final = 0.0005
 # systemd marks the cgroups it delegated with this xattr ("1"); unprivileged managers
 # use the user. namespace.
 DELEGATE_XATTRS: Final = ("trusted.delegate", "user.delegate")
+# How many forks the pids controller refused at pids.max (v1 and v2 alike, Linux 4.8+).
+PIDS_EVENTS_FILE: Final = "pids.events"
+PIDS_MAX_KEY: Final = "max"
 # The counter both v1 memory.oom_control (Linux 4.13+) and v2 memory.events keep.
 OOM_KILL_KEY: Final = "oom_kill"
 
@@ -568,6 +571,21 @@ class CommandCgroup:
         """
         path = self.memory_dir / oom_counter_file(self.version)
         return oom_kill_count(_read(path), source=str(path)) > 0
+
+    def pids_limit_hit(self) -> bool | None:
+        """Whether the kernel refused a fork or a thread in this cgroup at its
+        ``pids.max`` so far (``pids.events``' ``max`` counter); None when there is no
+        pids controller or its counter cannot be read (an unanswered question, which
+        only a hint asks: never a failure of the command)."""
+        if self.pids_dir is None:
+            return None
+        path = self.pids_dir / PIDS_EVENTS_FILE
+        try:
+            counters = parse_counters(_read(path), source=str(path))
+        except (CgroupError, OSError):
+            return None
+        hits = counters.get(PIDS_MAX_KEY)
+        return None if hits is None else hits > 0
 
     async def remove(self) -> None:
         """SIGKILL whatever is still inside, then remove the directories. Tolerant of races:

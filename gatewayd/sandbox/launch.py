@@ -130,6 +130,15 @@ class ExecResult:
     memoryLimit: LimitMechanism
     processLimit: LimitMechanism
     streamed: StreamedBytes | None = None
+    # Whether the command's pids cgroup refused a fork at its limit (None: no pids
+    # cgroup, or its counter unread); for the result's hint, not part of any JSON form.
+    processLimitHit: bool | None = None
+
+    @property
+    def failed(self) -> bool:
+        """Did the command fail: a non-zero exit, a signal, or a limit (its time, its
+        memory, an rlimit) that ended it? (note 002's ``failed`` beside the exit code)"""
+        return self.exitCode != 0 or self.signal is not None or self.errorCode is not None
 
 
 class ResultForm(enum.Enum):
@@ -167,6 +176,8 @@ RESULT_FIELDS: Final[Mapping[ResultForm, tuple[str, ...]]] = {
         "stderr",
         "stderrEncoding",
         "stderrTruncated",
+        "failed",
+        "hint",
     ),
     ResultForm.TOOL: (
         "exitCode",
@@ -177,6 +188,8 @@ RESULT_FIELDS: Final[Mapping[ResultForm, tuple[str, ...]]] = {
         "stdoutTruncated",
         "stderrTruncated",
         "durationMs",
+        "failed",
+        "hint",
     ),
     ResultForm.AUDIT: (
         "memoryLimit",
@@ -203,10 +216,15 @@ RESULT_FIELDS: Final[Mapping[ResultForm, tuple[str, ...]]] = {
 }
 
 
-def exec_result_json(result: ExecResult, form: ResultForm) -> dict[str, Any]:
+def exec_result_json(
+    result: ExecResult, form: ResultForm, *, hint: str | None = None
+) -> dict[str, Any]:
     """``result`` as a JSON object for ``form``'s reader: its :data:`RESULT_FIELDS`, in
-    that order; the output decoded only as that reader takes it."""
+    that order; the output decoded only as that reader takes it. ``hint``: why the
+    sandbox made it fail, for the forms that carry one (:mod:`gatewayd.sandbox.hints`)."""
     facts: dict[str, Any] = {
+        "failed": result.failed,
+        "hint": hint,
         "exitCode": result.exitCode,
         "signal": result.signal,
         "durationMs": result.durationMs,
@@ -572,6 +590,7 @@ async def _supervise(
         oom_killed = cgroup is not None and cgroup.oom_killed()
     except CgroupError as exc:
         raise LaunchError(f"cannot tell whether the command was OOM-killed: {exc}") from exc
+    pids_hit = None if cgroup is None else cgroup.pids_limit_hit()
     reading = classify_exit(process.returncode, timed_out=timed_out, oom_killed=oom_killed)
     return ExecResult(
         exitCode=reading.exit_code,
@@ -587,6 +606,7 @@ async def _supervise(
         streamed=None
         if passthrough is None or not passthrough.relay
         else StreamedBytes(stdin=relays[0].count, stdout=relays[1].count, stderr=relays[2].count),
+        processLimitHit=pids_hit,
     )
 
 

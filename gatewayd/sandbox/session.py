@@ -27,7 +27,7 @@ import shutil
 import signal
 import stat
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
@@ -253,6 +253,18 @@ class CallView:
     egress_socket: Path | None = None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CommandNetwork:
+    """One command's network when it is narrower than its run's: a network namespace of
+    its own with loopback only, where none of the run's in-sandbox services is (no model
+    endpoint, not the run's proxy), and, with ``egress_socket``, the host socket of the
+    command's own egress proxy (:meth:`RunSandbox.call_egress_socket`) bound where the
+    run's would be, the proxy variables set: the command then starts its own bridge to
+    it (``cogni-tool serve --proxy-port ... --``). None: no way out at all."""
+
+    egress_socket: Path | None = None
+
+
 @dataclass(eq=False, kw_only=True)
 class RunSandbox:
     """The OS sandbox of one live run."""
@@ -281,6 +293,9 @@ class RunSandbox:
     view: SandboxView = field(default_factory=SandboxView)
     # Trees this run holds without lending them: a workspace its policy makes read-only.
     unlent: tuple[Path, ...] = ()
+    # Awaited after each command that sees the run's workspace ends (the workspace
+    # session's sync: a backend whose view is a copy records what the command wrote).
+    after_command: Callable[[], Awaitable[None]] | None = None
     _running: set[trio.CancelScope] = field(default_factory=set)
     _idle: trio.Event = field(default_factory=trio.Event)
     _closed: bool = False
@@ -317,8 +332,10 @@ class RunSandbox:
         ``busy_trees`` are the trees other live runs hold: overlapping one is refused.
         ``user``: a uid the caller took from ``pool`` already (it is released like one
         taken here). ``lend_workspace=False``: the caller made the workspace the run's
-        own and disposes of it (an agent run's overlay, gatewayd/agent/), so it is not
-        lent and not given back. ``view``: an app's own sandbox (:class:`SandboxView`):
+        own and disposes of it (an agent run's overlay, gatewayd/agent/; a run's session
+        over a base lent before the mount, gatewayd/runs/workspaces.py), so it is not
+        lent and not given back, nor is a rw policy path beneath it. ``view``: an app's
+        own sandbox (:class:`SandboxView`):
         the workspace is then neither lent nor checked against ``busy_trees`` (the
         caller's run holds it; the app only reads it), and a writable tree in the app's
         own folder is not in use by the caller (whose lease never lends its apps folder).
@@ -389,7 +406,16 @@ class RunSandbox:
                 busy_trees,
             )
             lent_workspace = lend_workspace and not view.workspace_read_only
-            writable = [workspace, *rw_paths] if lent_workspace else rw_paths
+            if lent_workspace:
+                writable = [workspace, *rw_paths]
+            elif lend_workspace or caller_holds:
+                writable = rw_paths
+            else:
+                # The caller made the workspace the run's own, with everything in it (a
+                # session's view over a base lent before it was mounted): a rw path
+                # beneath it is the run's already, and chowning it through the view
+                # would copy every file of it into the session's delta.
+                writable = [p for p in rw_paths if not p.is_relative_to(workspace)]
             workspace_fd = pins[0][0]
             try:
                 apps = await trio.to_thread.run_sync(
@@ -494,11 +520,15 @@ class RunSandbox:
         echo: Echo | None = None,
         limits: SandboxLimits | None = None,
         passthrough: Passthrough | None = None,
+        cwd: str | None = None,
+        network: CommandNetwork | None = None,
     ) -> ExecResult:
         """Run ``command`` in a fresh sandbox of this run and return what it did.
         ``limits`` replaces the run's command limits (the run's services only);
         ``passthrough`` relays its streams from and to host descriptors
-        (:func:`~gatewayd.sandbox.launch.run_in_sandbox`).
+        (:func:`~gatewayd.sandbox.launch.run_in_sandbox`). ``cwd``: where it starts
+        (a visible path the caller checked; default the view's). ``network``: a network
+        namespace of the command's own instead of the run's (:class:`CommandNetwork`).
 
         Must be called from the trio thread. Error handling: ``PlanError`` or
         ``LaunchError`` when the sandbox cannot start; :class:`SandboxUnavailable`
@@ -507,8 +537,31 @@ class RunSandbox:
         if self._closed:
             raise SandboxUnavailable(f"run {self.run_id} is ending; no new command may start")
         values = dict(os.environ) if env_values is None else dict(env_values)
-        plan = self.plan(command, values)
-        return await self._launch(
+        if cwd is None and network is None:
+            plan = self.plan(command, values)
+        else:
+            egress = None if network is None else network.egress_socket
+            plan = _plan(
+                run_id=self.run_id,
+                settings=self.settings,
+                workspace=self.workspace,
+                mounts=self.mounts,
+                socket_path=self.socket_path,
+                netns_path=self.netns.path,
+                env_names=self.env_names,
+                image_dir=self.image_dir,
+                limits=self.limits,
+                command=command,
+                env_values=values,
+                pinned=self.pinned,
+                services=self.services
+                if network is None
+                else Services(egress_proxy=egress is not None),
+                view=self.view if cwd is None else replace(self.view, cwd=cwd),
+                run_network=network is None,
+                egress_socket=None if egress is None else str(egress),
+            )
+        result = await self._launch(
             plan,
             limits=limits or self.limits.for_command(timeout_s),
             stdin=stdin,
@@ -516,6 +569,10 @@ class RunSandbox:
             pins=self.pins,
             passthrough=passthrough,
         )
+        # Also after a command that timed out or was killed: it may have written first.
+        if self.after_command is not None:
+            await self.after_command()
+        return result
 
     async def exec_in_view(
         self,

@@ -9,12 +9,15 @@ from gatewayd.tools.fs.read import FS_READ
 from gatewayd.tools.fs.write import FS_EDIT, FS_WRITE
 from gatewayd.tools.http import HTTP_FETCH
 from gatewayd.tools.model import MODEL_CHAT
+from gatewayd.tools.query import SANDBOX_QUERY
 from gatewayd.tools.registry import ToolRegistry
+from gatewayd.tools.usage import SANDBOX_USAGE
 
 
 def builtin_tools() -> ToolRegistry:
     """A registry of the built-in host tools: time.now, the fs.* file tools, model.chat,
-    http.fetch, sandbox.exec (a new one per call: a daemon or a test adds its own)."""
+    http.fetch, sandbox.exec, sandbox.query and sandbox.usage (a new one per call: a
+    daemon or a test adds its own)."""
     return ToolRegistry(
         (
             TIME_NOW,
@@ -26,5 +29,7 @@ def builtin_tools() -> ToolRegistry:
             MODEL_CHAT,
             HTTP_FETCH,
             SANDBOX_EXEC,
+            SANDBOX_QUERY,
+            SANDBOX_USAGE,
         )
     )

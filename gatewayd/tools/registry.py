@@ -15,7 +15,9 @@ looks tools up by name and never asks what kind one is.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, overload
 
 from gatewayd.config import ModelAlias
@@ -26,7 +28,7 @@ from gatewayd.tools.manifest import ToolManifest
 if TYPE_CHECKING:
     from gatewayd.policy.model import NetworkSection
     from gatewayd.protocol import Response
-    from gatewayd.runs import ModelBudget
+    from gatewayd.runs import ModelBudget, Run
     from gatewayd.sandbox.session import RunSandbox
 
 A = TypeVar("A")
@@ -74,6 +76,30 @@ class ToolContext:
     # (gatewayd.runners.rights).
     env: tuple[str, ...] = ()
     model_access: tuple[str, ...] = ()
+    # sandbox.query and sandbox.usage: the live run they describe (read only), and the
+    # names of the tools it may call (dispatch's to compute: the run's own tools count;
+    # asked only by the tools that need it). None: a call made outside a run's dispatch.
+    run: Run | None = None
+    allowed_tools: Callable[[], tuple[str, ...]] | None = None
+    # sandbox.exec with allowedDomains or packageManagers: how its command gets an
+    # egress proxy of its own, narrowed to them (None: this gatewayd gives none).
+    call_egress: CallEgress | None = None
+
+
+class CallEgress(Protocol):
+    """Serves one call's own egress proxy (the daemon's wiring gives one: the proxy sits
+    above dispatch, so this layer cannot make it). While the context is open, a proxy
+    enforcing ``network`` (the run's section, its domains narrowed to the call's)
+    listens on the host socket ``socket`` for the processes of ``ctx``'s run sandbox
+    outside the run's own network namespace, auditing every connection as the run's
+    proxy does, its entries naming ``tool`` and the call; on exit it stops and the
+    socket file is removed.
+
+    Error handling: ``OSError`` when the socket cannot be made."""
+
+    def __call__(
+        self, *, ctx: ToolContext, tool: str, network: NetworkSection, socket: Path
+    ) -> AbstractAsyncContextManager[None]: ...
 
 
 class NestedCall(Protocol):

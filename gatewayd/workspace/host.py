@@ -161,8 +161,15 @@ class HostWorkspace(WorkspaceSession):
         self.snapshot = state_dir / SNAPSHOT_NAME
 
     @classmethod
-    def create(cls, base: Path, state_dir: Path) -> HostWorkspace:
+    def create(
+        cls, base: Path, state_dir: Path, *, max_delta_bytes: int | None = None
+    ) -> HostWorkspace:
         """Open a session on the directory ``base``; ``state_dir`` must be empty or new.
+
+        ``max_delta_bytes`` is accepted for the one signature every backend has, and not
+        enforced here: the sandbox writes the host directory itself, so nothing bounds
+        its writes as they happen. The session store measures the delta when the run
+        ends and refuses to commit one past the limit (docs/workspaces.md).
 
         A discard a crash interrupted in ``state_dir`` is finished first
         (:func:`recover_discard`, which restores ``base``), as is the removal of a
@@ -185,13 +192,46 @@ class HostWorkspace(WorkspaceSession):
         session._pin_root()
         return session
 
+    writes_base = True
+
+    @classmethod
+    def recover_state(cls, base: Path, state_dir: Path) -> str | None:
+        """A discard a crash interrupted is finished (the base restored)."""
+        return "discarded" if recover_discard(state_dir, base) else None
+
+    @classmethod
+    def reopen(cls, base: Path, state_dir: Path) -> HostWorkspace:
+        """The sealed session a run left in ``state_dir`` (its snapshot), for diff, commit
+        or discard from another process. A discard a crash interrupted is finished first,
+        and the session is then gone (:class:`WorkspaceError` says so), as it is when
+        the snapshot is missing."""
+        base = Path(os.path.realpath(base))
+        state_dir = Path(state_dir)
+        if recover_discard(state_dir, base):
+            raise WorkspaceError(
+                f"the session in {state_dir} was being discarded; the discard is finished"
+            )
+        session = cls(base, state_dir)
+        if not session.snapshot.is_dir():
+            raise WorkspaceError(f"the session in {state_dir} has no snapshot of {base}")
+        session._pin_root()
+        session._sealed = True
+        return session
+
     def diff(self) -> WorkspaceDiff:
         self._require_open()
         return compare_trees(self.snapshot, self.root, [""])
 
-    def commit(self) -> None:
-        """The changes are already in the base: drop the snapshot."""
+    def commit(self, *, leave_out: frozenset[str] = frozenset(), keep_marker: bool = False) -> None:
+        """The changes are already in the base: drop the snapshot. Nothing can be left
+        out (the run wrote the base itself): a non-empty ``leave_out`` is refused."""
         self._require_open()
+        if leave_out:
+            raise WorkspaceError(
+                "mode host cannot leave paths out of a commit: the run wrote them into "
+                f"{self.base} itself ({', '.join(sorted(leave_out)[:5])}); discard the "
+                "session to restore the directory"
+            )
         self._state = SessionState.COMMITTED
         _drop_snapshot(self.state_dir)
 
@@ -211,5 +251,6 @@ class HostWorkspace(WorkspaceSession):
         _restore(self.state_dir, self.base)
 
     def close(self) -> None:
-        if self._state is SessionState.OPEN:
+        # A sealed session's snapshot is kept for a later commit or discard.
+        if self._state is SessionState.OPEN and not self._sealed:
             self.discard()

@@ -18,10 +18,15 @@ modified; a whiteout (a character device 0/0) is a removal; a directory with
 
 Commit is a journal replayed forward: the planned operations are written durably
 to ``commit.journal`` before the base is touched, each file is replaced atomically
-(temporary file in the same directory, fsync, rename), and the journal is removed
-last. After a crash, :func:`recover_commit` (which :meth:`OverlayWorkspace.create`
-calls on the state directory) replays the whole journal; every operation is
-idempotent, and the upper directory it copies from is kept until the journal is gone.
+(temporary file in the same directory, fsync, rename), then ``commit.applied`` is
+written durably (:mod:`gatewayd.workspace.commit_marker`), and the journal is removed,
+then the delta; the marker stays until the state directory is removed or reused. After
+a crash, :func:`recover_commit` (which :meth:`OverlayWorkspace.create` calls on the state
+directory) replays the whole journal unless the marker says it was applied; every
+operation is idempotent, and the upper directory it copies from is kept until the
+journal is gone. A commit may be told to leave paths out (``leave_out``: the session
+store's git-metadata rule, :mod:`gatewayd.workspace.commit_rules`): they never enter the
+journal.
 
 Delta size limit (``max_delta_bytes``): the upper and work directories then live on a
 private tmpfs mounted by gatewayd at ``state_dir/delta`` (``size=<bytes>``, mode 0700,
@@ -46,7 +51,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-from gatewayd.files import LIBC, fsync_dir, write_atomically
+from gatewayd.files import LIBC, write_atomically
+from gatewayd.workspace.commit_marker import (
+    APPLIED_NAME,
+    clear_marker,
+    drop_journal,
+    is_applied,
+    mark_applied,
+)
 from gatewayd.workspace.session import (
     DIR_FLAGS,
     SessionState,
@@ -79,6 +91,8 @@ DELTA_MODE: Final = 0o700
 _OPTION_UNSAFE: Final = frozenset(",:\\\n")
 # Setuid, setgid and sticky bits never travel from the sandbox to the host.
 _COMMIT_MODE_MASK: Final = 0o777
+# A directory the commit makes is gatewayd's alone until its mode is set.
+_NEW_DIR_MODE: Final = 0o700
 
 
 def _mount_overlay(lower: Path, upper: Path, work: Path, merged: Path) -> None:
@@ -218,6 +232,9 @@ def _copy_in(source: Path, parent_fd: int, name: str) -> None:
     st = os.lstat(source)
     if stat.S_ISLNK(st.st_mode):
         os.symlink(os.readlink(source), tmp, dir_fd=parent_fd)
+        if os.geteuid() == 0:
+            # The link itself (never what it points at), as the files below.
+            os.chown(tmp, owner.st_uid, owner.st_gid, dir_fd=parent_fd, follow_symlinks=False)
     else:
         src = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
@@ -253,6 +270,23 @@ def _lstat_at(dir_fd: int, name: str) -> int | None:
         return None
 
 
+def _make_dir(parent_fd: int, name: str, mode: int) -> None:
+    """Make directory ``name`` with ``mode``, owned like the directory it lands in.
+
+    Mode and owner go on through a descriptor of the directory made: a writer in the
+    base could swap the name for a symlink between mkdir and chmod, and a chmod or chown
+    by name would follow it to a host file (as root)."""
+    os.mkdir(name, _NEW_DIR_MODE, dir_fd=parent_fd)
+    made = os.open(name, DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        if os.geteuid() == 0:
+            owner = os.fstat(parent_fd)
+            os.fchown(made, owner.st_uid, owner.st_gid)
+        os.fchmod(made, mode)
+    finally:
+        os.close(made)
+
+
 def apply_operation(base_fd: int, upper: Path, op: str, rel: str) -> None:
     """Apply one journal operation to the base (idempotent)."""
     *dirs, name = rel.split("/")
@@ -262,13 +296,12 @@ def apply_operation(base_fd: int, upper: Path, op: str, rel: str) -> None:
             _remove_at(parent, name)
         elif op == "replace_dir":
             _remove_at(parent, name)
-            os.mkdir(name, dir_fd=parent)
-            os.chmod(name, os.lstat(upper / rel).st_mode & _COMMIT_MODE_MASK, dir_fd=parent)
+            _make_dir(parent, name, os.lstat(upper / rel).st_mode & _COMMIT_MODE_MASK)
         elif op == "dir":
             mode = _lstat_at(parent, name)
             if mode is None or not stat.S_ISDIR(mode):
                 _remove_at(parent, name)
-                os.mkdir(name, dir_fd=parent)
+                _make_dir(parent, name, os.lstat(upper / rel).st_mode & _COMMIT_MODE_MASK)
         elif op == "file":
             _copy_in(upper / rel, parent, name)
         else:
@@ -278,7 +311,7 @@ def apply_operation(base_fd: int, upper: Path, op: str, rel: str) -> None:
         os.close(parent)
 
 
-def _replay(state_dir: Path, journal: dict[str, object]) -> None:
+def _replay(state_dir: Path, journal: dict[str, object], *, keep_marker: bool) -> None:
     base = Path(str(journal["base"]))
     ops = journal["ops"]
     if not isinstance(ops, list):
@@ -299,9 +332,12 @@ def _replay(state_dir: Path, journal: dict[str, object]) -> None:
         os.fsync(base_fd)
     finally:
         os.close(base_fd)
-    (state_dir / JOURNAL_NAME).unlink()
-    fsync_dir(state_dir, follow_symlinks=False)
+    # Before the journal goes: from here on recovery never applies it again.
+    mark_applied(state_dir)
+    drop_journal(state_dir, JOURNAL_NAME)
     _remove_delta(state_dir)
+    if not keep_marker:
+        clear_marker(state_dir)
 
 
 def _remove_delta(state_dir: Path) -> None:
@@ -316,14 +352,24 @@ def _remove_delta(state_dir: Path) -> None:
         delta.rmdir()
 
 
-def recover_commit(state_dir: Path) -> bool:
-    """Finish a commit a crash interrupted in ``state_dir``; True if there was one."""
+def recover_commit(state_dir: Path, *, keep_marker: bool = False) -> bool:
+    """Finish a commit a crash interrupted in ``state_dir``; True if there was one (a
+    journal to replay, or the applied marker: then only the journal and the delta are
+    dropped, and nothing is applied again). ``keep_marker``: leave the marker for the
+    session store, which removes it with the session (see commit_marker)."""
     journal_path = Path(state_dir) / JOURNAL_NAME
-    if not journal_path.exists():
+    applied = is_applied(state_dir)
+    if not applied and not journal_path.exists():
         return False
     unmount(Path(state_dir) / MERGED_NAME, detach=True)
-    journal = json.loads(journal_path.read_bytes())
-    _replay(Path(state_dir), journal)
+    if applied:
+        drop_journal(Path(state_dir), JOURNAL_NAME)
+        _remove_delta(Path(state_dir))
+        if not keep_marker:
+            clear_marker(Path(state_dir))
+    else:
+        journal = json.loads(journal_path.read_bytes())
+        _replay(Path(state_dir), journal, keep_marker=keep_marker)
     merged = Path(state_dir) / MERGED_NAME
     if merged.is_dir() and not os.path.ismount(merged):
         merged.rmdir()
@@ -370,6 +416,8 @@ class OverlayWorkspace(WorkspaceSession):
         state_dir = Path(os.path.realpath(state_dir))
         if state_dir.is_dir():
             recover_commit(state_dir)
+            # A finished commit's marker: the state directory is reused.
+            (state_dir / APPLIED_NAME).unlink(missing_ok=True)
             for leftover in (MERGED_NAME,):
                 if (state_dir / leftover).is_dir() and not os.path.ismount(state_dir / leftover):
                     (state_dir / leftover).rmdir()
@@ -393,16 +441,86 @@ class OverlayWorkspace(WorkspaceSession):
         if self.root.is_dir() and not os.path.ismount(self.root):
             self.root.rmdir()
 
+    @classmethod
+    def recover_state(cls, base: Path, state_dir: Path) -> str | None:
+        """A commit a crash interrupted is finished from its journal (the applied marker
+        is left for the store, which removes it with the session)."""
+        return "committed" if recover_commit(state_dir, keep_marker=True) else None
+
+    @classmethod
+    def reopen(cls, base: Path, state_dir: Path) -> OverlayWorkspace:
+        """The sealed session a run left in ``state_dir`` (its upper directory, no mount),
+        for diff, commit or discard from another process.
+
+        Error handling: :class:`WorkspaceError` when the delta is gone: a delta on a
+        tmpfs (``max_delta_bytes``) does not survive a reboot, and nothing is left to
+        commit (the base was never written).
+        """
+        base = Path(os.path.realpath(base))
+        state_dir = Path(os.path.realpath(state_dir))
+        on_tmpfs = (state_dir / DELTA_NAME).is_dir()
+        session = cls(base, state_dir, max_delta_bytes=None)
+        if on_tmpfs:
+            session.delta = state_dir / DELTA_NAME
+            session.upper = session.delta / UPPER_NAME
+            session.work = session.delta / WORK_NAME
+        # A daemon that died with the run left its merged view mounted.
+        unmount(session.root, detach=True)
+        if not session.upper.is_dir() or (on_tmpfs and not os.path.ismount(session.delta)):
+            raise WorkspaceError(
+                f"the session in {state_dir} has lost its delta"
+                + (" (it was on a tmpfs, which does not survive a reboot)" if on_tmpfs else "")
+                + f"; {base} was never written, so there is nothing to commit"
+            )
+        if not session.root.is_dir():
+            session.root.mkdir(mode=0o755)
+        session._sealed = True
+        return session
+
+    def seal(self) -> None:
+        """Unmount the merged view (the sandbox is gone); the upper directory, and its
+        tmpfs, stay for diff, commit and discard. A lazy unmount if something still
+        holds the view: nothing should (the sandbox's processes are dead)."""
+        self._require_open()
+        if self._mounted:
+            unmount(self.root, detach=True)
+            self._mounted = False
+        self._sealed = True
+
     def delta_operations(self) -> list[list[str]]:
         """The operations commit would apply (the upper directory, read as a plan)."""
         return plan_delta(self.upper, self.base)
 
+    def committed_bytes(self) -> int:
+        """The apparent size of every regular file commit would copy (see the ABC): the
+        tmpfs bounding the delta counts blocks, and a sparse file needs almost none."""
+        total = 0
+        for op, rel in self.delta_operations():
+            if op == "file":
+                st = os.lstat(self.upper / rel)
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+        return total
+
+    def touched(self) -> list[str]:
+        """Every path of the base the commit writes or removes (a directory merged into
+        included: the commit makes it a directory)."""
+        return [rel for _op, rel in self.delta_operations()]
+
     def diff(self) -> WorkspaceDiff:
         self._require_open()
-        return compare_trees(self.base, self.root, _scopes(self.delta_operations()))
+        scopes = _scopes(self.delta_operations())
+        if self._mounted:
+            return compare_trees(self.base, self.root, scopes)
+        # Sealed: no merged view. Beneath each scope the upper directory holds the whole
+        # new content (a file copied up whole, metacopy off; an opaque or new directory
+        # whole), and a whiteout, a 0/0 device, reads as absent: the same answer.
+        return compare_trees(self.base, self.upper, scopes)
 
-    def commit(self) -> None:
-        """Unmount, then apply the delta to the base through a journal (see module doc).
+    def commit(self, *, leave_out: frozenset[str] = frozenset(), keep_marker: bool = False) -> None:
+        """Unmount, then apply the delta to the base through a journal (see module doc);
+        the operations on the paths in ``leave_out`` are left out of it; ``keep_marker``:
+        the applied marker stays (the session store removes it with the session).
 
         Error handling: if the merged mount is still in use, nothing is applied and the
         session stays open (:class:`WorkspaceError`). A failure while applying leaves
@@ -411,15 +529,15 @@ class OverlayWorkspace(WorkspaceSession):
         self._require_open()
         unmount(self.root, detach=False)
         self._mounted = False
-        ops = self.delta_operations()
+        ops = [op for op in self.delta_operations() if op[1] not in leave_out]
         journal: dict[str, object] = {
             "base": str(self.base),
             "ops": ops,
-            "delta_on_tmpfs": self.max_delta_bytes is not None,
+            "delta_on_tmpfs": self.delta != self.state_dir,
         }
         write_atomically(self.state_dir / JOURNAL_NAME, json.dumps(journal).encode())
         self._state = SessionState.COMMITTED
-        _replay(self.state_dir, journal)
+        _replay(self.state_dir, journal, keep_marker=keep_marker)
         self.root.rmdir()
 
     def discard(self) -> None:
@@ -435,7 +553,7 @@ class OverlayWorkspace(WorkspaceSession):
         self._remove_all()
 
     def close(self) -> None:
-        if self._state is SessionState.OPEN:
+        if self._state is SessionState.OPEN and not self._sealed:
             self.discard()
         elif self._mounted:
             self._teardown()

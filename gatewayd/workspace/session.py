@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Final
+from typing import ClassVar, Final
 
 from gatewayd.errors import InvalidArguments, PolicyViolation, ToolFailed
 from gatewayd.files import write_all
@@ -55,6 +55,12 @@ class WorkspaceDiff:
     every added, removed or modified file whose content is binary (a NUL byte in the
     first 8 KiB, or not UTF-8): such files have no hunk in ``unified``. A rename is a
     removed and an added file with identical content (sha256); it has no hunk.
+
+    ``links_out`` names each symlink the change adds or alters that leads out of the
+    workspace, with its target (kept in the diff: see
+    :mod:`gatewayd.workspace.commit_rules`). ``left_out`` names, with the reason, the paths
+    a commit of this session leaves out of the base (filled by the session store; the
+    backends' own diff has none).
     """
 
     unified: str
@@ -63,6 +69,8 @@ class WorkspaceDiff:
     modified: list[str] = field(default_factory=list)
     renamed: list[tuple[str, str]] = field(default_factory=list)
     binary: list[str] = field(default_factory=list)
+    links_out: list[tuple[str, str]] = field(default_factory=list)
+    left_out: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -134,7 +142,8 @@ class WorkspaceSession(abc.ABC):
 
     ``root`` is the directory the sandbox binds: the base itself (host backend) or
     the merged overlay mount (overlay backend). A session is open until commit(),
-    discard() or close(); close() discards anything not committed.
+    discard() or close(); close() discards anything not committed, unless the session
+    was sealed (seal(): the run is over and its delta is kept for later).
 
     Resource handling: use as a context manager or call close(); close() is
     idempotent and releases mounts and private state.
@@ -150,6 +159,8 @@ class WorkspaceSession(abc.ABC):
     def __init__(self) -> None:
         self._state = SessionState.OPEN
         self._grant: PathGrant | None = None
+        # Sealed: the run is over, the delta is kept for diff/commit/discard (see seal()).
+        self._sealed = False
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -196,13 +207,66 @@ class WorkspaceSession(abc.ABC):
             access="write" if access == "write" else "read",
         )
 
+    # Whether the sandbox writes the base itself (host): then only the backend's own
+    # copy can undo a run, and a session whose state is lost cannot be discarded.
+    writes_base: ClassVar[bool] = False
+
+    @classmethod
+    def recover_state(cls, base: Path, state_dir: Path) -> str | None:
+        """Finish what a crash interrupted in ``state_dir`` (a commit's journal, a
+        discard's marker): "committed" or "discarded" when that ended the session, None
+        when nothing was pending. The default: nothing is ever pending."""
+        return None
+
+    def seal(self) -> None:
+        """The run's sandbox is gone: stop serving :attr:`root` to it, keep the delta.
+
+        After seal, diff, commit and discard still work (from this process, or from
+        another one through the backend's ``reopen``); close() keeps the delta instead
+        of discarding it. The default (a backend with nothing mounted): nothing to do.
+        """
+        self._require_open()
+        self._sealed = True
+
+    @property
+    def is_sealed(self) -> bool:
+        return self._sealed
+
+    def sync(self) -> None:
+        """Bring the session's record of the delta up to date with :attr:`root` (a
+        backend whose view is a copy of its store); the default has nothing to sync
+        beyond checking the session is still open."""
+        self._require_open()
+
+    def committed_bytes(self) -> int | None:
+        """The bytes commit would write into the base: every file it copies, at its full
+        size (a sparse file costs little where the delta is held and all of its size once
+        copied). The session store checks it against the delta limit at seal. None: the
+        backend bounds what its commit writes itself (the default)."""
+        return None
+
+    def touched(self) -> list[str]:
+        """The relative paths of the base the delta would change at commit: what the
+        commit's conflict check compares. The default: every path the diff names (a
+        directory without its trailing ``/``); backends that know their delta's
+        operations say more precisely (a mode change, a directory merged into)."""
+        diff = self.diff()
+        paths = [*diff.added, *diff.removed, *diff.modified]
+        paths += [name for pair in diff.renamed for name in pair]
+        return sorted({path.rstrip("/") for path in paths})
+
     @abc.abstractmethod
     def diff(self) -> WorkspaceDiff:
         """What the session changed, relative to the base as it was at create time."""
 
     @abc.abstractmethod
-    def commit(self) -> None:
-        """Make the base equal the session's view; the session ends."""
+    def commit(self, *, leave_out: frozenset[str] = frozenset(), keep_marker: bool = False) -> None:
+        """Make the base equal the session's view; the session ends. ``leave_out``: paths
+        (as :meth:`touched` names them) the commit must not write; a backend that cannot
+        leave anything out (the sandbox wrote the base itself) refuses a non-empty one.
+        ``keep_marker``: a journaled commit leaves its applied marker
+        (:mod:`gatewayd.workspace.commit_marker`) for the caller to remove (the session
+        store, with the session); a backend with no journal ignores it."""
 
     @abc.abstractmethod
     def discard(self) -> None:

@@ -14,6 +14,9 @@ Rules (also in docs/workspaces.md):
 * Rename: a removed and an added entry of the same kind with identical content
   (sha256) are paired, in sorted order, one to one; the pair has no hunk.
 * Directories present on one side only are listed with a trailing ``/``.
+* A symlink added, changed or renamed whose target leads out of the tree (absolute,
+  climbing above it: :func:`~gatewayd.workspace.commit_rules.link_leads_out`) is named
+  in ``links_out`` with its target, besides its usual place.
 
 The caller says which subtrees to look at (``scopes``): the whole tree for the host
 backend, only what the overlay's upper directory touches for the overlay backend.
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
 
+from gatewayd.workspace.commit_rules import link_leads_out
 from gatewayd.workspace.session import DIR_FLAGS, WorkspaceDiff, open_dirs, read_all
 
 # Like git: a NUL byte in the first 8 KiB marks a file as binary.
@@ -268,6 +272,12 @@ def compare_trees(old_root: Path, new_root: Path, scopes: Iterable[str]) -> Work
             new_prints[rel] = fingerprint(new_root, rel, after)
 
     renamed = _pair_renames(added, removed, old_prints, new_prints)
+    links_out: list[tuple[str, str]] = []
+    for rel in sorted({*added, *modified, *(after for _before, after in renamed)}):
+        if new.get(rel) == "link":
+            target = os.fsdecode(content(new_root, rel, "link"))
+            if link_leads_out(rel, target) is not None:
+                links_out.append((rel, target))
 
     binary: list[str] = []
     hunks: list[str] = []
@@ -300,6 +310,7 @@ def compare_trees(old_root: Path, new_root: Path, scopes: Iterable[str]) -> Work
         modified=modified,
         renamed=renamed,
         binary=binary,
+        links_out=links_out,
     )
 
 

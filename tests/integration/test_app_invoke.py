@@ -114,6 +114,8 @@ def app_config(
         policy_dirs=(base,),
         netns_prefix=config.netns_prefix,
         sandbox_uids=config.sandbox_uids,
+        # The apps' data folders are checked on the host: runs write it directly.
+        workspace_mode=config.workspace_mode,
         models={name: alias(fake) for name, fake in aliases.items()},
     )
 

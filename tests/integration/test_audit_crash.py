@@ -272,6 +272,8 @@ network:
     connection_burst: 1024
     max_connections: 1024
 sandbox: {timeout_s: 600, cpu_s: 600, max_processes: 48}
+# The sandbox's counts of the proxy's refusals are read from the workspace on the host.
+workspace: {mode: host}
 """
 # In the sandbox, through the run's egress proxy (cogni-tool serve relays 127.0.0.1:3128):
 # requests to a domain the policy does not allow, one per connection, each 403 seen

@@ -2,7 +2,8 @@
 cogni-tool client (or raw bytes where the client would refuse to send them), each
 checked for its code, a helpful message, and its audit entries.
 
-review_denied is the rule review's: tests/integration/test_review.py.
+review_denied is the rule review's: tests/integration/test_review.py; approval_denied's
+operator, timeout and restart paths: tests/integration/test_approvals*.py.
 """
 
 from __future__ import annotations
@@ -157,6 +158,26 @@ async def test_rate_limited_when_the_run_exceeds_its_call_rate(
     assert err.code == "rate_limited"
     assert "retry after" in str(err)
     assert await audited(gateway, "rate_limited")
+
+
+async def test_approval_denied_when_nobody_can_be_asked_and_nothing_ran(
+    gateway: Gateway, workspace: Path
+) -> None:
+    # This gateway serves no control socket, so a call its policy marks for approval is
+    # denied at once; the operator's answers and the timeout: test_approvals.py.
+    policy = """
+    version: 1
+    name: approve
+    tools: {allow: [fs.write]}
+    filesystem: {paths: {workspace: {root: ., mode: rw}}}
+    approvals: {required: [{tool: fs.write}]}
+    """
+    run = await gateway.create_run(workspace, policy)
+    err = await expect_error(run, "fs.write", {"path": "new.md", "content": "x"})
+    assert err.code == "approval_denied"
+    assert "needs the operator's approval (approvals.required entry 1" in err.safe_message
+    assert "gatewayd serve" in err.safe_message
+    assert {e["kind"] for e in await audited(gateway, "approval_denied")} == {"call", "result"}
 
 
 async def test_tool_failed_for_a_missing_file(gateway: Gateway, workspace: Path) -> None:

@@ -137,6 +137,8 @@ async def test_no_effect_happens_when_the_audit_entry_cannot_be_made_durable(
             state_dir=short_tmp / "state",
             audit_path=small / "audit.jsonl",
             policy_dirs=(policies,),
+            # The effect that must not happen is looked for in the workspace itself.
+            workspace_mode="host",
         )
         async with open_daemon(config) as daemon:
             gw = Gateway(daemon, policies)

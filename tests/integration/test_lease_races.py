@@ -256,6 +256,8 @@ async def daemon(base: Path) -> AsyncIterator[Daemon]:
         netns_prefix=f"cgt{secrets.token_hex(4)}-",
         sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=64),
         lendable_roots=(base / "homes",),
+        # The races are those of lending the workspace directory itself to the sandbox.
+        workspace_mode="host",
     )
     (base / "homes").mkdir()
     async with open_daemon(config) as live:
@@ -400,7 +402,9 @@ async def test_a_run_is_lent_exactly_the_directory_its_sandbox_binds_while_the_p
         ws, other = homes.make(None)  # two directories of the racer's: ws and other
         with racing(ws, other, swaps):
             try:
-                run = await daemon.runs.start(_request(ws))
+                # The sandbox's own pinning and lending race here, not a session's
+                # snapshot (a copy of a tree being swapped fails, refusing the run).
+                run = await daemon.runs.start(_request(ws), workspace_session=False)
                 refusal = ""
             except (UnsafeMounts, WorkspaceInUse) as exc:
                 refusal = str(exc)

@@ -287,10 +287,12 @@ def disguised_runs() -> Iterator[dict[str, Any]]:
         f"    target: {{root: {BASE}/link, mount: /data/target, mode: rw}}\\n"
     )
 
+    # Mode host: what the attacks did is looked for in the directories themselves.
     def run(name, workspace, *options, policy=DEMO, attack=ATTACK):
         proc = subprocess.run(
             [GATEWAYD, "run", "--state-dir", f"{BASE}/{name}", "--workspace", workspace,
-             "--policy", policy, *sandbox_options(), *options, "--", "sh", "-c", attack],
+             "--policy", policy, "--workspace-mode", "host", *sandbox_options(), *options,
+             "--", "sh", "-c", attack],
             capture_output=True, text=True, timeout=120,
         )
         return {"rc": proc.returncode, "stderr": proc.stderr, "stdout": proc.stdout}

@@ -184,7 +184,9 @@ def run_argv(
         env_allow=env_allow,
     )
     policy.write_text(text + more_policy)
-    argv = ["run", "--state-dir", str(base / "state"), *sandbox_options()]
+    # Mode host: what the servers write (a branch, a file) is looked for in the workspace.
+    argv = ["run", "--state-dir", str(base / "state"), "--workspace-mode", "host"]
+    argv += sandbox_options()
     return [*argv, "--workspace", str(base / "ws"), "--policy", str(policy), "--", *command]
 
 

@@ -348,6 +348,8 @@ async def harness(base: Path) -> AsyncIterator[Harness]:
         netns_prefix=f"cgp{secrets.token_hex(4)}-",
         sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=64),
         audit_fsync=False,
+        # What a tool's process writes (and leaves no trace of) is looked for on the host.
+        workspace_mode="host",
     )
     os.environ[SECRET_NAME] = "sk-host-only-" + secrets.token_hex(8)
     os.environ[GRANTED_NAME] = "granted-value"

@@ -119,6 +119,9 @@ def sandbox_config(base: Path) -> GatewaydConfig:
     return GatewaydConfig(
         state_dir=base / "state",
         policy_dirs=(base,),
+        # These runs' commands write the workspace directory itself (what the tests
+        # check on the host); tests/integration/test_run_workspaces.py has the overlay.
+        workspace_mode="host",
         netns_prefix=f"cgt{secrets.token_hex(4)}-",
         sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=64),
     )
@@ -860,7 +863,9 @@ async def test_a_crashed_daemon_leaves_nothing_after_the_next_start(base: Path) 
     ws.mkdir()
     (ws / "notes.md").write_text("hello\n")
     policy = base / "policy.yaml"
-    policy.write_text(textwrap.dedent(POLICY))
+    # Mode host: what the crashed run left is looked for in the workspace itself
+    # (test_run_workspaces.py crashes an overlay run).
+    policy.write_text(textwrap.dedent(POLICY) + "workspace: {mode: host}\n")
     state = base / "state"
     prefix = f"cgt{secrets.token_hex(4)}-"
     uid_base = 1_700_000_000 + secrets.randbelow(50_000) * 1024

@@ -232,7 +232,8 @@ def test_a_non_root_gatewayd_with_ambient_capabilities_runs_sandboxes_that_hold_
     command = (
         f"id -u; {BIN / 'gatewayd'} run --state-dir {state} --netns-prefix cgu{os.getpid()}- "
         f"--sandbox-uids {uid + 100}+16 --policy {ROOT / 'policies/examples/demo.yaml'} "
-        f"--workspace {ws} -- sh -c {shlex.quote(inside)}"
+        # Mode host: what the run made is looked for (and its owner) in the workspace.
+        f"--workspace {ws} --workspace-mode host -- sh -c {shlex.quote(inside)}"
     )
     done = as_system_user(uid, command)
     assert done.returncode == 0, done.stdout + done.stderr

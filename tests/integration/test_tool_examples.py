@@ -143,6 +143,8 @@ async def ex(base: Path, fake: FakeProvider) -> AsyncIterator[Examples]:
         sandbox_uids=SandboxUids(base=1_710_000_000 + secrets.randbelow(50_000) * 1024, count=64),
         audit_fsync=False,
         tool_dirs=(tools,),
+        # What the example tools write is looked for in the workspace itself.
+        workspace_mode="host",
         models={
             "default": ModelAlias(
                 provider="openai", model="fake-chat", api_base=fake.api_base, api_key_env=KEY_ENV

@@ -114,6 +114,19 @@ def test_commit_applies_the_overlays_changes_to_the_workspace(base: Path) -> Non
     assert (base / "ws" / "out" / "x.txt").read_text() == "kept\n"
 
 
+def test_commit_never_writes_git_metadata_into_the_workspace(base: Path) -> None:
+    done = tools_run(
+        base,
+        "files.write",
+        '{"path": ".git/hooks/pre-commit", "content": "#!/bin/sh\\nid\\n"}',
+        "--commit",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "left out of the commit: out/.git: git metadata" in done.stderr
+    assert "changes committed" in done.stderr
+    assert not (base / "ws" / "out" / ".git").exists()
+
+
 def test_host_mode_writes_the_workspace_itself(base: Path) -> None:
     done = tools_run(
         base,

@@ -63,6 +63,8 @@ async def ex(base: Path, request: pytest.FixtureRequest) -> AsyncIterator[Exampl
         sandbox_uids=SandboxUids(base=1_760_000_000 + secrets.randbelow(50_000) * 1024, count=64),
         audit_fsync=False,
         tool_dirs=(tools,),
+        # What the components write is looked for in the workspace itself.
+        workspace_mode="host",
     )
     async with open_daemon(config) as daemon:
         policy = base / "policy.yaml"

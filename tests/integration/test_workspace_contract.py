@@ -1,7 +1,8 @@
-"""The workspace contract, run against both backends (host and kernel overlayfs).
+"""The workspace contract, run against every backend (host, kernel overlayfs, AgentFS).
 
-Real files, real overlay mounts. The overlay backend is skipped only when the mount
-itself fails here (with the kernel's reason); every mount is unmounted in a finally.
+Real files, real overlay mounts, real AgentFS databases. The overlay backend is skipped
+only when the mount itself fails here (with the kernel's reason); every mount is unmounted
+in a finally.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from gatewayd.workspace import (
 )
 from gatewayd.workspace import host as host_module
 from gatewayd.workspace import overlay as overlay_module
+from gatewayd.workspace.agentfs import AgentFSWorkspace
 from gatewayd.workspace.host import recover_discard
 from tests.conftest import ROOT
 
@@ -95,7 +97,7 @@ def make_base(root: Path) -> Path:
 Factory = Callable[[Path, Path], WorkspaceSession]
 
 
-@pytest.fixture(params=["host", "overlay", "overlay-limited"])
+@pytest.fixture(params=["host", "overlay", "overlay-limited", "agentfs", "agentfs-limited"])
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -108,7 +110,9 @@ def base(tmp_path: Path) -> Path:
 def _open(kind: str, base: Path, state: Path) -> WorkspaceSession:
     if kind == "host":
         return HostWorkspace.create(base, state)
-    limit = CONTRACT_DELTA_LIMIT if kind == "overlay-limited" else None
+    limit = CONTRACT_DELTA_LIMIT if kind.endswith("-limited") else None
+    if kind.startswith("agentfs"):
+        return AgentFSWorkspace.create(base, state, max_delta_bytes=limit)
     try:
         return OverlayWorkspace.create(base, state, max_delta_bytes=limit)
     except WorkspaceError as exc:
@@ -789,8 +793,8 @@ def test_workspace_bench_runs_on_a_tiny_tree_and_prints_every_row() -> None:
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    for row in ("cp -a (baseline)", "host", "overlay"):
+    for row in ("cp -a (baseline)", "host", "overlay", "agentfs"):
         assert row in done.stdout, done.stdout
-    for column in ("create", "diff", "commit", "discard"):
+    for column in ("create", "write", "sync", "idle sync", "diff", "seal", "commit", "discard"):
         assert column in done.stdout
     assert "round 2/2" in done.stderr

@@ -311,7 +311,8 @@ async def test_without_a_grant_on_the_workspace_it_stays_the_commands_writable_d
 
 def _cli_policy(base: Path) -> Path:
     policy = base / "policy.yaml"
-    policy.write_text(textwrap.dedent(READ_ONLY))
+    # Mode host: the workspace itself is what must stay unchanged (and out/ written).
+    policy.write_text(textwrap.dedent(READ_ONLY) + "workspace: {mode: host}\n")
     return policy
 
 

@@ -33,6 +33,8 @@ MINIMAL_ARGV: Final[dict[str, list[str]]] = {
     "apps": ["apps", "check", "apps/examples/note-taker"],
     "mcp": ["mcp", "list"],
     "tools": ["tools", "list"],
+    "approvals": ["approvals", "list"],
+    "workspace": ["workspace", "list"],
 }
 
 

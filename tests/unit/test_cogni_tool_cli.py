@@ -41,6 +41,7 @@ EXPECTED_EXIT_CODES = {
     "internal": 21,
     "confirmation_required": 23,
     "limit_exceeded": 24,
+    "approval_denied": 25,
 }
 
 
@@ -116,6 +117,14 @@ def test_every_gatewayd_error_code_has_its_own_exit_code() -> None:
     wire = {code.value for code in protocol.ErrorCode}
     assert wire == set(WIRE_EXIT_CODES), "add the new error code to cogni_tool.client"
     assert len(set(WIRE_EXIT_CODES.values())) == len(WIRE_EXIT_CODES)
+
+
+def test_serve_answers_a_refusal_that_only_a_person_can_change_as_403_never_429() -> None:
+    # An OpenAI SDK retries a 429 by itself; nothing changes these but the operator.
+    from cogni_tool.serve import _STATUS
+
+    for code in ("approval_denied", "confirmation_required", "limit_exceeded"):
+        assert _STATUS[code] == (403, "permission_denied"), code
 
 
 def test_cli_copies_of_client_constants_are_equal() -> None:

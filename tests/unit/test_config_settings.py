@@ -217,7 +217,7 @@ def test_an_empty_variable_counts_as_unset(tmp_path: Path) -> None:
         ("GATEWAYD_TOOL_TIMEOUT_S", "0", "should be greater than 0"),
         ("GATEWAYD_TOOL_MEMORY_MB", "1.5", "'1.5' is not a whole number"),
         ("GATEWAYD_TOOL_DEFAULT_RUNNER", "docker", "should be 'wasm' or 'process'"),
-        ("GATEWAYD_WORKSPACE_MODE", "copy", "should be 'host' or 'overlay'"),
+        ("GATEWAYD_WORKSPACE_MODE", "copy", "should be 'host', 'overlay' or 'agentfs'"),
     ],
 )
 def test_a_bad_variable_is_refused_naming_the_variable(variable: str, text: str, says: str) -> None:

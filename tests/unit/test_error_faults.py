@@ -30,6 +30,7 @@ CODES = [
     (ErrorCode.INTERNAL, "internal", Fault.GATEWAYD),
     (ErrorCode.CONFIRMATION_REQUIRED, "confirmation_required", Fault.POLICY),
     (ErrorCode.LIMIT_EXCEEDED, "limit_exceeded", Fault.POLICY),
+    (ErrorCode.APPROVAL_DENIED, "approval_denied", Fault.POLICY),
 ]
 
 

@@ -48,7 +48,7 @@ EXITED = ExecResult(
             '{"exitCode": null, "signal": 9, "durationMs": 1500, "errorCode": "timeout", '
             '"memoryLimit": "cgroup", "processLimit": "rlimit", "stdout": "h\\u00e9llo\\n", '
             '"stdoutEncoding": "utf-8", "stdoutTruncated": true, "stderr": "YmFkIP8gYnl0ZQ==", '
-            '"stderrEncoding": "base64", "stderrTruncated": false}',
+            '"stderrEncoding": "base64", "stderrTruncated": false, "failed": true, "hint": null}',
         ),
         (
             EXITED,
@@ -56,20 +56,21 @@ EXITED = ExecResult(
             '{"exitCode": 0, "signal": null, "durationMs": 3, "errorCode": null, '
             '"memoryLimit": "rlimit", "processLimit": "rlimit", "stdout": "", '
             '"stdoutEncoding": "utf-8", "stdoutTruncated": false, "stderr": "", '
-            '"stderrEncoding": "utf-8", "stderrTruncated": false}',
+            '"stderrEncoding": "utf-8", "stderrTruncated": false, "failed": false, "hint": null}',
         ),
         (
             TIMED_OUT,
             ResultForm.TOOL,
             '{"exitCode": null, "signal": 9, "errorCode": "timeout", "stdout": "h\\u00e9llo\\n", '
             '"stderr": "bad \\ufffd byte", "stdoutTruncated": true, "stderrTruncated": false, '
-            '"durationMs": 1500}',
+            '"durationMs": 1500, "failed": true, "hint": null}',
         ),
         (
             EXITED,
             ResultForm.TOOL,
             '{"exitCode": 0, "signal": null, "errorCode": null, "stdout": "", "stderr": "", '
-            '"stdoutTruncated": false, "stderrTruncated": false, "durationMs": 3}',
+            '"stdoutTruncated": false, "stderrTruncated": false, "durationMs": 3, "failed": false, '
+            '"hint": null}',
         ),
         (
             TIMED_OUT,
@@ -146,3 +147,39 @@ def test_a_streamed_commands_audit_counts_what_crossed_each_stream() -> None:
     )
     # A captured command's input is its caller's, not counted here.
     assert exec_result_json(EXITED, ResultForm.STREAMED_AUDIT)["stdinBytes"] is None
+
+
+@pytest.mark.parametrize(
+    ("exit_code", "sig", "error", "failed"),
+    [
+        (0, None, None, False),
+        (1, None, None, True),
+        (None, 9, None, True),
+        (None, 9, ErrorKind.TIMEOUT, True),
+        # A limit ended it although it exited 0 (a SIGXFSZ caught, say): still failed.
+        (0, None, ErrorKind.LIMIT_EXCEEDED, True),
+    ],
+)
+def test_failed_is_a_non_zero_exit_a_signal_or_a_limit(
+    exit_code: int | None, sig: int | None, error: ErrorKind | None, failed: bool
+) -> None:
+    result = ExecResult(
+        exitCode=exit_code,
+        signal=sig,
+        stdout=b"",
+        stderr=b"",
+        stdoutTruncated=False,
+        stderrTruncated=False,
+        durationMs=1,
+        errorCode=error,
+        memoryLimit=LimitMechanism.CGROUP,
+        processLimit=LimitMechanism.CGROUP,
+    )
+    for form in (ResultForm.CONTROL, ResultForm.TOOL):
+        assert exec_result_json(result, form)["failed"] is failed
+
+
+def test_the_hint_goes_to_the_control_and_tool_forms_only() -> None:
+    for form in ResultForm:
+        value = exec_result_json(TIMED_OUT, form, hint="why")
+        assert (value.get("hint") == "why") is (form in (ResultForm.CONTROL, ResultForm.TOOL))

@@ -141,6 +141,8 @@ def test_builtin_tools_are_exactly_these() -> None:
         "model.chat",
         "http.fetch",
         "sandbox.exec",
+        "sandbox.query",
+        "sandbox.usage",
     }
     assert all(name == spec.name for name, spec in TOOLS.items())
 

@@ -199,7 +199,9 @@ def broken_references(text: str) -> list[str]:
     return broken
 
 
-@pytest.mark.parametrize("page", ["security-model.md", "configuration.md", "policy.md", "mcp.md"])
+@pytest.mark.parametrize(
+    "page", ["security-model.md", "configuration.md", "policy.md", "mcp.md", "approvals.md"]
+)
 def test_the_pages_name_existing_tests_pages_and_sections(page: str) -> None:
     assert broken_references((DOCS / page).read_text()) == []
 

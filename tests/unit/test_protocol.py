@@ -52,6 +52,7 @@ def test_error_codes_are_exactly_the_closed_set() -> None:
         "internal",
         "confirmation_required",
         "limit_exceeded",
+        "approval_denied",
     }
 
 

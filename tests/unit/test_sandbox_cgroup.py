@@ -15,6 +15,7 @@ from gatewayd.sandbox.cgroup import (
     CgroupMount,
     CgroupSupport,
     CgroupVersion,
+    CommandCgroup,
     OwnCgroups,
     command_cgroup_name,
     find_own_cgroups,
@@ -297,3 +298,17 @@ def test_support_refuses_inconsistent_values(kwargs: dict[str, object], message:
     values.update(kwargs)
     with pytest.raises(ValueError, match=message):
         CgroupSupport(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("events", "hit"),
+    [("max 0\n", False), ("max 3\n", True), ("", None), ("max x\n", None), (None, None)],
+)
+def test_pids_limit_hit_reads_the_max_counter_and_never_fails(
+    tmp_path: Path, events: str | None, hit: bool | None
+) -> None:
+    if events is not None:
+        (tmp_path / "pids.events").write_text(events)
+    cgroup = CommandCgroup(version=V1, memory_dir=tmp_path / "memory", pids_dir=tmp_path)
+    assert cgroup.pids_limit_hit() is hit
+    assert CommandCgroup(version=V1, memory_dir=tmp_path, pids_dir=None).pids_limit_hit() is None

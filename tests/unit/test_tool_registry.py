@@ -32,6 +32,7 @@ from gatewayd.tools.fs.write import EditArgs, WriteArgs
 from gatewayd.tools.http import FetchArgs
 from gatewayd.tools.manifest import RunnerKind, ToolLimits, ToolManifest
 from gatewayd.tools.model import ChatArgs
+from gatewayd.tools.query import QueryArgs
 from gatewayd.tools.registry import (
     TOOLS_LIST,
     DuplicateToolError,
@@ -39,6 +40,7 @@ from gatewayd.tools.registry import (
     ToolContext,
     ToolRegistry,
 )
+from gatewayd.tools.usage import UsageArgs
 
 REPO_ROOT: Final = Path(__file__).resolve().parents[2]
 READS: Final = Capabilities(files=(FileCapability(path=EVERY_PATH, mode=PathMode.RO),))
@@ -86,6 +88,16 @@ BUILTINS: Final[dict[str, tuple[type[msgspec.Struct], Capabilities, bool, Any, A
         {"command": "true"},
         CapabilityRequest(exec=True),
     ),
+    # Answers about paths without asking for them: a path outside is an answer, not a
+    # refusal (gatewayd/tools/query.py).
+    "sandbox.query": (
+        QueryArgs,
+        READS,
+        False,
+        {"op": "can_read", "path": "/etc/passwd"},
+        CapabilityRequest(),
+    ),
+    "sandbox.usage": (UsageArgs, Capabilities(), False, {}, CapabilityRequest()),
 }
 
 

@@ -288,6 +288,14 @@ class _Listing:
         return True
 
 
+def open_listed(target: ResolvedPath) -> tuple[int, tuple[int, int] | None]:
+    """An ``O_PATH`` descriptor of what fs.list lists at ``target`` (the caller closes
+    it; a final symlink inside the root is followed), and the apps folder's (device,
+    inode) beneath the root while it exists. ``sandbox.query`` asks it too."""
+    with BeneathRoot(target) as root:
+        return root.open_file(os.O_PATH, follow_final=True), root.apps_id
+
+
 def list_dir(
     args: ListArgs, target: ResolvedPath, *, stop: threading.Event | None = None
 ) -> dict[str, Any]:
@@ -295,9 +303,7 @@ def list_dir(
     inside the root (openat2); nothing below it is ever followed. ``stop`` set (the
     call was abandoned) ends the walk at the next entry."""
     glob = Glob.parse(args.pattern)
-    with BeneathRoot(target) as root:
-        path_fd = root.open_file(os.O_PATH, follow_final=True)
-        apps_id = root.apps_id
+    path_fd, apps_id = open_listed(target)
     try:
         if not stat.S_ISDIR(os.fstat(path_fd).st_mode):
             raise ToolFailed(

@@ -275,6 +275,16 @@ def _read_text(
     }
 
 
+def open_for_read(target: ResolvedPath, flags: int = READ_OPEN_FLAGS) -> int:
+    """The descriptor fs.read reads ``target`` through (the caller closes it). A symlink
+    at the end is followed (inside the root) unless the grant restricts suffixes: there
+    a link ``notes.md -> key.pem`` would dodge the rule. ``sandbox.query`` passes
+    ``O_PATH``: the same resolution, without opening the file itself (opening a FIFO
+    would wake its writer)."""
+    with BeneathRoot(target) as root:
+        return root.open_file(flags, follow_final=not target.grant.suffixes)
+
+
 def read_file(
     args: ReadArgs,
     target: ResolvedPath,
@@ -282,11 +292,9 @@ def read_file(
     *,
     stop: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """fs.read, blocking. A symlink at the end is followed (inside the root) unless the
-    grant restricts suffixes: there a link ``notes.md -> key.pem`` would dodge the rule.
-    ``stop`` set (the call was abandoned) ends the scan at the next chunk."""
-    with BeneathRoot(target) as root:
-        fd = root.open_file(READ_OPEN_FLAGS, follow_final=not target.grant.suffixes)
+    """fs.read, blocking (opened by :func:`open_for_read`). ``stop`` set (the call was
+    abandoned) ends the scan at the next chunk."""
+    fd = open_for_read(target)
     try:
         st = require_single_link_regular(fd, target.visible)
         check_size(target, st.st_size, TOOL_MAX_READ_FILE_BYTES)

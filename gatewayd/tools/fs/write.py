@@ -157,6 +157,33 @@ def _create_temp(parent_fd: int, visible: str) -> tuple[int, str]:
     raise ToolFailed(f"'{shown(visible)}': could not create a temporary file next to it")
 
 
+def replaceable(
+    parent_fd: int, name: str, visible: str
+) -> tuple[os.stat_result | None, int | None]:
+    """What is at ``name`` in ``parent_fd`` now (``lstat``; None: nothing), and the
+    permission bits a file replacing it keeps (None: a new file's). Refused: a
+    directory (:class:`ToolFailed`), a hard-linked file, a FIFO, socket or device
+    (:class:`PolicyViolation`). A symlink is replaced, never written through. fs.write
+    and fs.edit check this before they write; ``sandbox.query`` asks it for ``can_write``.
+    """
+    existing = _lstat_at(parent_fd, name, visible)
+    mode: int | None = None
+    if existing is not None:
+        kind = existing.st_mode
+        if stat.S_ISDIR(kind):
+            raise ToolFailed(f"'{shown(visible)}' is a directory; name a file to write")
+        if stat.S_ISREG(kind):
+            if hard_linked(existing):
+                raise hard_link_refusal(visible, "delete it and write anew")
+            mode = stat.S_IMODE(kind) & 0o777  # never carry set-id bits over
+        elif not stat.S_ISLNK(kind):
+            raise PolicyViolation(
+                f"'{shown(visible)}' is a {describe_mode(kind)}, not a regular file; "
+                "only regular files can be read or written"
+            )
+    return existing, mode
+
+
 def replace_file(
     parent_fd: int,
     name: str,
@@ -175,21 +202,7 @@ def replace_file(
     ``expected`` (device, inode) refuses the write if the file changed since it was
     read (fs.edit). Returns whether the file was created.
     """
-    existing = _lstat_at(parent_fd, name, visible)
-    mode: int | None = None
-    if existing is not None:
-        kind = existing.st_mode
-        if stat.S_ISDIR(kind):
-            raise ToolFailed(f"'{shown(visible)}' is a directory; name a file to write")
-        if stat.S_ISREG(kind):
-            if hard_linked(existing):
-                raise hard_link_refusal(visible, "delete it and write anew")
-            mode = stat.S_IMODE(kind) & 0o777  # never carry set-id bits over
-        elif not stat.S_ISLNK(kind):
-            raise PolicyViolation(
-                f"'{shown(visible)}' is a {describe_mode(kind)}, not a regular file; "
-                "only regular files can be read or written"
-            )
+    existing, mode = replaceable(parent_fd, name, visible)
     if expected is not None and (
         existing is None or (existing.st_dev, existing.st_ino) != expected
     ):
