@@ -14,22 +14,21 @@ from __future__ import annotations
 
 import argparse
 import errno
-import getpass
 import json
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK
-from gatewayd.cli.control_client import control_request
-from gatewayd.cli.options import control_socket_of
+from gatewayd.cli.control_client import NO_DAEMON, control_request, lacks_routes, print_refusal
+from gatewayd.cli.options import control_socket_of, who_answers
 
 if TYPE_CHECKING:
     from gatewayd.cli.command import Subparsers
 
-# connect() errors that mean nothing serves the socket (rather than something refusing us).
-_NO_DAEMON: Final = frozenset({errno.ENOENT, errno.ECONNREFUSED, errno.ENOTSOCK})
+# connect() errors that mean nothing serves the socket (rather than something refusing
+# us); a path that is no socket too, as there is nothing to fall back to here.
+_NO_DAEMON: Final = NO_DAEMON | {errno.ENOTSOCK}
 
 
 def add_parsers(sub: Subparsers) -> None:
@@ -62,7 +61,7 @@ def main(args: argparse.Namespace) -> int:
         if command == "list":
             status, answer = control_request(control, "GET", "/v1/approvals")
         else:
-            body = {"by": _who(args), "reason": args.reason}
+            body = {"by": who_answers(args), "reason": args.reason}
             target = f"/v1/approvals/{args.approval_id}/{command}"
             status, answer = control_request(control, "POST", target, body)
     except OSError as exc:
@@ -77,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             print(f"gatewayd approvals: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    if status == 404 and "no route" in str(answer.get("message", "")):
+    if lacks_routes(status, answer):
         print(
             f"gatewayd approvals: the gatewayd at {control} has no approval routes (an "
             "older version?), or the id is not 32 hex digits: "
@@ -85,12 +84,7 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
-    if not answer.get("ok"):
-        print(
-            f"gatewayd approvals {command}: {answer.get('errorCode', status)}: "
-            f"{answer.get('message')}",
-            file=sys.stderr,
-        )
+    if print_refusal(f"gatewayd approvals {command}", answer, code=status):
         return EXIT_FAILED
     if command == "list":
         _print_list(answer["approvals"], as_json=args.json)
@@ -101,18 +95,6 @@ def main(args: argparse.Namespace) -> int:
             f"of run {decided['runId']} (call {decided['toolCallId']})"
         )
     return EXIT_OK
-
-
-def _who(args: argparse.Namespace) -> str:
-    """Who answers, for the record: ``--by``, else this command's user and uid (the
-    daemon records the control socket peer's uid itself, whatever is written here)."""
-    if args.by:
-        return str(args.by)
-    try:
-        name = getpass.getuser()
-    except (KeyError, OSError):
-        name = "unknown"
-    return f"{name} (uid {os.getuid()})"
 
 
 def _shown(value: Any) -> str:

@@ -1,13 +1,23 @@
 """A client of the control socket for the commands that talk to a running
-`gatewayd serve` (`gatewayd exec`, `gatewayd rules`, `gatewayd apps rules`): one JSON
-request over HTTP/1.1 on the unix socket, standard library only."""
+`gatewayd serve` (`gatewayd exec`, `gatewayd rules`, `gatewayd apps rules`, `gatewayd
+approvals`, `gatewayd mcp`, `gatewayd workspace`): one JSON request over HTTP/1.1 on the
+unix socket, standard library only; and how those commands report what it answered."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
+
+# What a missing or dead control socket looks like: no daemon serves it (rather than
+# something refusing us), so a command that can opens the daemon itself.
+NO_DAEMON: Final = frozenset({errno.ENOENT, errno.ECONNREFUSED})
+
+Answer = dict[str, Any]
 
 
 def control_request(
@@ -37,3 +47,42 @@ def control_request(
     except ValueError:
         decoded = {"ok": False, "message": raw.decode(errors="replace")}
     return response.status, decoded if isinstance(decoded, dict) else {"ok": False}
+
+
+def lacks_routes(status: int, answer: Answer) -> bool:
+    """Whether the daemon said it has no such route: a gatewayd older than this command."""
+    return status == 404 and "no route" in str(answer.get("message", ""))
+
+
+def print_refusal(command: str, answer: Answer, *, code: object = "failed") -> bool:
+    """True when ``answer`` is not ok, its error code (``code`` when it names none) and
+    message then printed to stderr after ``command`` (the command line's words)."""
+    if answer.get("ok"):
+        return False
+    print(f"{command}: {answer.get('errorCode', code)}: {answer.get('message')}", file=sys.stderr)
+    return True
+
+
+def ask_else_here(
+    prog: str,
+    control: Path,
+    ask: Callable[[], tuple[int, Answer]],
+    here: Callable[[], Answer],
+    *,
+    missing_routes: str,
+) -> Answer | None:
+    """The answer of the daemon serving ``control`` (``ask``), else, when none serves
+    it, of ``here`` (the command in a daemon opened in this process). None, the reason
+    printed to stderr after ``prog``, when something else refuses the connection or the
+    daemon lacks the routes (``missing_routes`` says which and what to do)."""
+    try:
+        status, answer = ask()
+    except OSError as exc:
+        if exc.errno not in NO_DAEMON:
+            print(f"{prog}: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
+            return None
+        return here()
+    if lacks_routes(status, answer):
+        print(f"{prog}: the gatewayd at {control} has {missing_routes}", file=sys.stderr)
+        return None
+    return answer

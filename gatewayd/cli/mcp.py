@@ -12,25 +12,25 @@ for `diff`, 1 also when the live tools differ from their pins, so a script can c
 from __future__ import annotations
 
 import argparse
-import errno
-import getpass
-import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import quote
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK, refusing
-from gatewayd.cli.control_client import control_request
-from gatewayd.cli.options import add_daemon_options, config_from_options, control_socket_of
+from gatewayd.cli.control_client import ask_else_here, control_request, print_refusal
+from gatewayd.cli.in_process import answer_in_process
+from gatewayd.cli.options import (
+    add_daemon_options,
+    control_socket_of,
+    who_answers,
+)
 
 if TYPE_CHECKING:
     from gatewayd.cli.command import Subparsers
+    from gatewayd.daemon import Daemon
     from gatewayd.mcp.approval import Approval
 
-# What a missing or dead control socket looks like: no daemon serves it, so the
-# command opens the daemon itself.
-_NO_DAEMON: Final = frozenset({errno.ENOENT, errno.ECONNREFUSED})
 # How much of a pinned description `show` prints per tool (the pin file has it whole).
 SHOW_DESCRIPTION_CHARS: Final = 200
 
@@ -84,26 +84,14 @@ def _mcp(args: argparse.Namespace) -> int:
             print(f"gatewayd mcp {command}: bad_request: {exc}", file=sys.stderr)
             return EXIT_FAILED
     control = control_socket_of(args)
-    try:
-        status, answer = _through_control(control, args)
-    except OSError as exc:
-        if exc.errno not in _NO_DAEMON:
-            print(f"gatewayd mcp: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        answer = _in_process(args)
-    else:
-        if status == 404 and "no route" in str(answer.get("message", "")):
-            print(
-                f"gatewayd mcp: the gatewayd at {control} has no MCP routes (an older "
-                "version?); restart it to pin through it",
-                file=sys.stderr,
-            )
-            return EXIT_FAILED
-    if not answer.get("ok"):
-        print(
-            f"gatewayd mcp {command}: {answer.get('errorCode', 'failed')}: {answer.get('message')}",
-            file=sys.stderr,
-        )
+    answer = ask_else_here(
+        "gatewayd mcp",
+        control,
+        lambda: _through_control(control, args),
+        lambda: _in_process(args),
+        missing_routes="no MCP routes (an older version?); restart it to pin through it",
+    )
+    if answer is None or print_refusal(f"gatewayd mcp {command}", answer):
         return EXIT_FAILED
     return _print(command, answer)
 
@@ -119,36 +107,22 @@ def _through_control(control: Path, args: argparse.Namespace) -> tuple[int, dict
         return control_request(control, "GET", f"{target}/pins")
     if command == "diff":
         return control_request(control, "GET", f"{target}/diff")
-    body = {"tools": args.tool, "pinnedBy": _who(args)}
+    body = {"tools": args.tool, "pinnedBy": who_answers(args)}
     return control_request(control, "POST", f"{target}/pins", body)
 
 
 def _in_process(args: argparse.Namespace) -> dict[str, Any]:
     """The command in a daemon opened for it (no `gatewayd serve` answers)."""
-    import logging
-
-    import trio
-
-    from gatewayd.cli.options import log_scrubber
-    from gatewayd.daemon import open_daemon
-    from gatewayd.logs import configure_logging
     from gatewayd.mcp.approval import Approval, ApprovalError
 
-    config = config_from_options(args)
-    configure_logging(logging.WARNING, scrubber=log_scrubber(config))
-    answer: dict[str, Any] = {}
+    async def ask(daemon: Daemon) -> dict[str, Any]:
+        approval = Approval(daemon.mcp_tools)
+        try:
+            return await _ask(approval, args)
+        except ApprovalError as exc:
+            return {"ok": False, "errorCode": str(exc.code), "message": exc.message}
 
-    async def once() -> None:
-        nonlocal answer
-        async with open_daemon(config) as daemon:
-            approval = Approval(daemon.mcp_tools)
-            try:
-                answer = await _ask(approval, args)
-            except ApprovalError as exc:
-                answer = {"ok": False, "errorCode": str(exc.code), "message": exc.message}
-
-    trio.run(once)
-    return answer
+    return answer_in_process(args, ask)
 
 
 async def _ask(approval: Approval, args: argparse.Namespace) -> dict[str, Any]:
@@ -160,19 +134,7 @@ async def _ask(approval: Approval, args: argparse.Namespace) -> dict[str, Any]:
     if command == "diff":
         return await approval.diff(args.server)
     tools = tuple(args.tool) if args.tool is not None else None
-    return await approval.pin(args.server, tools=tools, by=_who(args))
-
-
-def _who(args: argparse.Namespace) -> str:
-    """Who approves, for the pins and the audit log: ``--by``, else the user this
-    command runs as (and its uid, which the name alone does not prove)."""
-    if args.by:
-        return str(args.by)
-    try:
-        name = getpass.getuser()
-    except (KeyError, OSError):
-        name = "unknown"
-    return f"{name} (uid {os.getuid()})"
+    return await approval.pin(args.server, tools=tools, by=who_answers(args))
 
 
 def _print(command: str, answer: dict[str, Any]) -> int:

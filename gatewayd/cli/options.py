@@ -7,6 +7,7 @@ gatewayd/configsources.py).
 from __future__ import annotations
 
 import argparse
+import getpass
 import os
 import sys
 from pathlib import Path
@@ -180,6 +181,19 @@ def control_socket_of(args: argparse.Namespace) -> Path:
     if args.control_socket is not None:
         return Path(args.control_socket)
     return settings_from_options(args, warn=False).config.resolved_control_socket
+
+
+def who_answers(args: argparse.Namespace) -> str:
+    """Who approves or answers, for the record: ``--by``, else this command's user and
+    its uid (which the name alone does not prove; a daemon records the control socket
+    peer's uid itself, whatever is written here)."""
+    if args.by:
+        return str(args.by)
+    try:
+        name = getpass.getuser()
+    except (KeyError, OSError):
+        name = "unknown"
+    return f"{name} (uid {os.getuid()})"
 
 
 def log_scrubber(config: GatewaydConfig) -> Scrubber:

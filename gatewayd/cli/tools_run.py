@@ -18,7 +18,10 @@ Workspace modes (``--workspace-mode``, default the configuration's ``workspace_m
 - ``overlay``: the run works on an overlay of W (gatewayd/workspace/overlay.py), so W is
   not written during the call; afterwards the changes are printed on stderr as a diff
   and discarded, unless ``--commit`` applies them to W.
-- ``host``: the run works on W itself, as `gatewayd run --workspace W` does.
+- ``host``: the run works on W itself, as `gatewayd run --workspace-mode host` does.
+
+A configured ``workspace_mode: agentfs`` means ``overlay`` here (one call needs no
+AgentFS database, and host would write W during the call).
 
 The overlay's run has no sandbox uid of its own lent W's files (an agent run lends its
 private clone; W is the operator's): a wasm tool writes as gatewayd does, so its
@@ -177,6 +180,11 @@ def _run_tool(args: argparse.Namespace) -> int:
 
     config = config_from_options(args)
     mode = args.workspace_mode or config.workspace_mode
+    if mode == "agentfs":
+        # One call needs no AgentFS database: the configured virtual mode becomes the
+        # overlay (never host, which would write W during the call).
+        _say("workspace_mode agentfs: `tools run` keeps the tool's changes in an overlay")
+        mode = "overlay"
     if args.commit and mode != "overlay":
         print(
             "gatewayd tools run: --commit applies an overlay's changes; the workspace "

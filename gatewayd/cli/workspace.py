@@ -16,7 +16,6 @@ Exit status: 0 done; 1 refused or failed (the message says why and what to do).
 from __future__ import annotations
 
 import argparse
-import errno
 import getpass
 import json
 import os
@@ -26,16 +25,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK, refusing
-from gatewayd.cli.control_client import control_request
-from gatewayd.cli.options import add_daemon_options, config_from_options, control_socket_of
+from gatewayd.cli.control_client import ask_else_here, control_request, print_refusal
+from gatewayd.cli.in_process import answer_in_process
+from gatewayd.cli.options import add_daemon_options, control_socket_of
 
 if TYPE_CHECKING:
     from gatewayd.cli.command import Subparsers
     from gatewayd.daemon import Daemon
 
-# What a missing or dead control socket looks like: no daemon serves it, so the
-# command opens the daemon itself.
-_NO_DAEMON: Final = frozenset({errno.ENOENT, errno.ECONNREFUSED})
 # A run id: the store's RUN_ID_PATTERN (a test holds them equal), not imported from it,
 # since the store loads the workspace backends (most of a second) for a command that
 # only asks the daemon.
@@ -88,27 +85,14 @@ def _workspace(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILED
     control = control_socket_of(args)
-    try:
-        status, answer = _through_control(control, args)
-    except OSError as exc:
-        if exc.errno not in _NO_DAEMON:
-            print(f"gatewayd workspace: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-        answer = _in_process(args)
-    else:
-        if status == 404 and "no route" in str(answer.get("message", "")):
-            print(
-                f"gatewayd workspace: the gatewayd at {control} has no workspace routes (an "
-                "older version?); restart it",
-                file=sys.stderr,
-            )
-            return EXIT_FAILED
-    if not answer.get("ok"):
-        print(
-            f"gatewayd workspace {command}: {answer.get('errorCode', 'failed')}: "
-            f"{answer.get('message')}",
-            file=sys.stderr,
-        )
+    answer = ask_else_here(
+        "gatewayd workspace",
+        control,
+        lambda: _through_control(control, args),
+        lambda: _in_process(args),
+        missing_routes="no workspace routes (an older version?); restart it",
+    )
+    if answer is None or print_refusal(f"gatewayd workspace {command}", answer):
         return EXIT_FAILED
     if args.json:
         print(json.dumps(answer, indent=2, sort_keys=True))
@@ -146,25 +130,13 @@ def _through_control(control: Path, args: argparse.Namespace) -> tuple[int, dict
 
 def _in_process(args: argparse.Namespace) -> dict[str, Any]:
     """The command in a daemon opened for it (no `gatewayd serve` answers)."""
-    import logging
-
     import trio
 
-    from gatewayd.cli.options import log_scrubber
-    from gatewayd.daemon import open_daemon
-    from gatewayd.logs import configure_logging
+    async def ask(daemon: Daemon) -> dict[str, Any]:
+        # The store's work blocks (file system, locks): off the daemon's trio thread.
+        return await trio.to_thread.run_sync(_ask, daemon, args)
 
-    config = config_from_options(args)
-    configure_logging(logging.WARNING, scrubber=log_scrubber(config))
-    answer: dict[str, Any] = {}
-
-    async def once() -> None:
-        nonlocal answer
-        async with open_daemon(config) as daemon:
-            answer = await trio.to_thread.run_sync(_ask, daemon, args)
-
-    trio.run(once)
-    return answer
+    return answer_in_process(args, ask)
 
 
 def _ask(daemon: Daemon, args: argparse.Namespace) -> dict[str, Any]:

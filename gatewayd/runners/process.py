@@ -84,12 +84,7 @@ from gatewayd.runners.rights import (
 from gatewayd.runners.spec import TOOL_MOUNT, FolderTool
 from gatewayd.sandbox.launch import ExecResult, LaunchError
 from gatewayd.sandbox.limits import MIN_MEMORY_BYTES, ErrorKind, SandboxLimits
-from gatewayd.sandbox.plan import (
-    COGNI_TOOL_VISIBLE_DIR,
-    EGRESS_PROXY_PORT,
-    SANDBOX_EGRESS_SOCKET,
-    PlanError,
-)
+from gatewayd.sandbox.plan import EGRESS_BRIDGE, PlanError
 from gatewayd.sandbox.session import CallBind, CallView, RunSandbox
 from gatewayd.strictjson import JsonInputError, loads
 from gatewayd.tools.registry import CallEgress, ToolContext
@@ -111,18 +106,6 @@ _FOLDER_FLAGS: Final = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NO_FOLLOW_REASON: Final = (
     "a process tool's paths are bound where the policy checked them, so no symlink is "
     "followed on the way"
-)
-# What a call granted network runs in its sandbox before the tool: cogni-tool's egress
-# bridge (the run's in-sandbox services use the same code), which listens on the port a
-# run's sandbox has its proxy on, then execs the tool in its own place.
-_BRIDGE: Final = (
-    f"{COGNI_TOOL_VISIBLE_DIR}/cogni-tool",
-    "serve",
-    "--proxy-port",
-    str(EGRESS_PROXY_PORT),
-    "--egress-socket",
-    SANDBOX_EGRESS_SOCKET,
-    "--",
 )
 
 
@@ -178,7 +161,7 @@ class ProcessToolRunner:
                 proxy = self.egress(ctx=ctx, tool=name, network=network, socket=socket)
                 async with proxy:
                     return await self._call(
-                        sandbox, view, (*_BRIDGE, *self.tool.entry), env, stdin, ctx
+                        sandbox, view, (*EGRESS_BRIDGE, *self.tool.entry), env, stdin, ctx
                     )
             except OSError as exc:
                 log.warning("process_tool_egress_failed", tool=name, error=str(exc))

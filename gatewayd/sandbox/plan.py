@@ -66,6 +66,19 @@ SANDBOX_API_KEY: Final = "sk-cogni-gateway-holds-the-key"
 WORKSPACE: Final = str(WORKSPACE_VISIBLE_ROOT)
 # cogni-tool's host directory is mounted here read-only and put first on PATH.
 COGNI_TOOL_VISIBLE_DIR: Final = "/opt/cogni-tool"
+# What a command or a process tool's call with a network of its own runs first:
+# cogni-tool's egress bridge (the run's in-sandbox services use the same code), which
+# listens on the port a run's sandbox has its proxy on, forwards to the call's own proxy
+# socket, and execs the command in its own place.
+EGRESS_BRIDGE: Final = (
+    f"{COGNI_TOOL_VISIBLE_DIR}/cogni-tool",
+    "serve",
+    "--proxy-port",
+    str(EGRESS_PROXY_PORT),
+    "--egress-socket",
+    SANDBOX_EGRESS_SOCKET,
+    "--",
+)
 # gatewayd's copy of the client inside its state directory (the only state-directory
 # path besides the run's socket that a plan may bind).
 CLIENT_COPY_DIR: Final = "cogni-tool"

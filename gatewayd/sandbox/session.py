@@ -491,8 +491,17 @@ class RunSandbox:
             unlent=(workspace,) if view.workspace_read_only and not caller_holds else (),
         )
 
-    def plan(self, command: Sequence[str], env_values: Mapping[str, str]) -> SandboxPlan:
-        """The bwrap plan for ``command`` in this run (validated)."""
+    def plan(
+        self,
+        command: Sequence[str],
+        env_values: Mapping[str, str],
+        *,
+        cwd: str | None = None,
+        network: CommandNetwork | None = None,
+    ) -> SandboxPlan:
+        """The bwrap plan for ``command`` in this run (validated); ``cwd`` and
+        ``network`` as :meth:`exec` takes them."""
+        egress = None if network is None else network.egress_socket
         return _plan(
             run_id=self.run_id,
             settings=self.settings,
@@ -506,8 +515,12 @@ class RunSandbox:
             command=command,
             env_values=env_values,
             pinned=self.pinned,
-            services=self.services,
-            view=self.view,
+            services=self.services
+            if network is None
+            else Services(egress_proxy=egress is not None),
+            view=self.view if cwd is None else replace(self.view, cwd=cwd),
+            run_network=network is None,
+            egress_socket=None if egress is None else str(egress),
         )
 
     async def exec(
@@ -537,30 +550,7 @@ class RunSandbox:
         if self._closed:
             raise SandboxUnavailable(f"run {self.run_id} is ending; no new command may start")
         values = dict(os.environ) if env_values is None else dict(env_values)
-        if cwd is None and network is None:
-            plan = self.plan(command, values)
-        else:
-            egress = None if network is None else network.egress_socket
-            plan = _plan(
-                run_id=self.run_id,
-                settings=self.settings,
-                workspace=self.workspace,
-                mounts=self.mounts,
-                socket_path=self.socket_path,
-                netns_path=self.netns.path,
-                env_names=self.env_names,
-                image_dir=self.image_dir,
-                limits=self.limits,
-                command=command,
-                env_values=values,
-                pinned=self.pinned,
-                services=self.services
-                if network is None
-                else Services(egress_proxy=egress is not None),
-                view=self.view if cwd is None else replace(self.view, cwd=cwd),
-                run_network=network is None,
-                egress_socket=None if egress is None else str(egress),
-            )
+        plan = self.plan(command, values, cwd=cwd, network=network)
         result = await self._launch(
             plan,
             limits=limits or self.limits.for_command(timeout_s),

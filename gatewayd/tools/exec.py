@@ -66,11 +66,7 @@ from gatewayd.policy.paths import (
 )
 from gatewayd.sandbox.hints import CommandEnd, CommandNetworkFacts, HintFacts, command_hint
 from gatewayd.sandbox.launch import ExecResult, ResultForm, exec_result_json
-from gatewayd.sandbox.plan import (
-    COGNI_TOOL_VISIBLE_DIR,
-    EGRESS_PROXY_PORT,
-    SANDBOX_EGRESS_SOCKET,
-)
+from gatewayd.sandbox.plan import COGNI_TOOL_VISIBLE_DIR, EGRESS_BRIDGE
 from gatewayd.sandbox.session import CommandNetwork, RunSandbox
 from gatewayd.tools.builtin import builtin_tool
 from gatewayd.tools.registry import Tool, ToolContext
@@ -89,18 +85,6 @@ MAX_ENV_VALUE_CHARS: Final = 32_768
 # All of them together: they travel as bwrap's arguments, which with the command must
 # stay well under the kernel's ARG_MAX (2 MiB here), or bwrap could not start at all.
 MAX_ENV_TOTAL_CHARS: Final = 256 * 1024
-# What a command with a network of its own runs first: cogni-tool's egress bridge on the
-# port a run's sandbox has its proxy on, to the command's own proxy socket, which then
-# execs the command in its place (the process tools' calls start the same way).
-EGRESS_BRIDGE: Final = (
-    f"{COGNI_TOOL_VISIBLE_DIR}/cogni-tool",
-    "serve",
-    "--proxy-port",
-    str(EGRESS_PROXY_PORT),
-    "--egress-socket",
-    SANDBOX_EGRESS_SOCKET,
-    "--",
-)
 # The /etc files every plan makes itself (gatewayd/sandbox/plan.py's RoBindData steps).
 GENERATED_ETC: Final = ("passwd", "group", "hosts")
 # Where the run's sockets are (the gateway's, the egress proxy's).

@@ -114,15 +114,18 @@ from turso.aio import connect
 from gatewayd.errors import LimitExceeded
 from gatewayd.files import fsync_dir, write_atomically
 from gatewayd.policy.paths import shown
-from gatewayd.workspace.commit_marker import (
-    APPLIED_NAME,
-    clear_marker,
-    drop_journal,
-    is_applied,
-    mark_applied,
-)
+from gatewayd.workspace.commit_marker import APPLIED_NAME, is_applied
 from gatewayd.workspace.host import copy_tree_contents
-from gatewayd.workspace.overlay import apply_operation
+from gatewayd.workspace.journal import (
+    JOURNAL_NAME,
+    apply_journal,
+    commit_interrupted,
+    finish_applied,
+    journal_operations,
+    load_journal,
+    prepare_create,
+)
+from gatewayd.workspace.overlay import apply_operation, lstat_mode
 from gatewayd.workspace.session import (
     DIR_FLAGS,
     SessionState,
@@ -134,7 +137,7 @@ from gatewayd.workspace.session import (
     read_all,
     split_relative,
 )
-from gatewayd.workspace.treediff import compare_trees
+from gatewayd.workspace.treediff import compare_trees, walk_below
 
 T = TypeVar("T")
 
@@ -142,7 +145,6 @@ DB_NAME: Final = "delta.db"
 VIEW_NAME: Final = "view"
 # The delta exported from the database for a commit: what the journal replays from.
 UPPER_NAME: Final = "upper"
-JOURNAL_NAME: Final = "commit.journal"
 # Temporary exports for diff live beside the database (same file system, private).
 EXPORT_PREFIX: Final = "export-"
 # Twice the coarsest kernel timer tick (HZ=100): file times come from a clock that only
@@ -272,18 +274,10 @@ def _scan(view: Path, scope: str) -> dict[str, Seen]:
                 return found
             os.close(fd)
             fd = child
-        for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=fd, follow_symlinks=False):
-            rel_dir = os.path.normpath(os.path.join(scope, dirpath)) if scope else dirpath
-            rel_dir = os.path.normpath(rel_dir)
-            for name in dirnames + filenames:
-                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                try:
-                    st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                seen = _seen(st)
-                if seen is not None:
-                    found[rel] = seen
+        for rel, st in walk_below(fd, scope):
+            seen = _seen(st)
+            if seen is not None:
+                found[rel] = seen
     finally:
         os.close(fd)
     return found
@@ -577,29 +571,28 @@ def _clear_state(state_dir: Path, *, keep_marker: bool = False) -> None:
 
 def _replay(state_dir: Path, journal: dict[str, object], *, keep_marker: bool) -> None:
     base = Path(str(journal["base"]))
-    ops = journal["ops"]
+    ops = journal_operations(state_dir, journal)
     upper = state_dir / UPPER_NAME
-    if not isinstance(ops, list):
-        raise WorkspaceError(f"{state_dir / JOURNAL_NAME} is malformed")
     if not upper.is_dir():
         raise WorkspaceError(
             f"the commit journal in {state_dir} cannot be replayed: the exported delta "
             f"{upper} is gone; {base} holds part of the commit, each file whole; the "
             f"database {state_dir / DB_NAME} still holds the delta"
         )
-    base_fd = os.open(base, DIR_FLAGS)
-    try:
-        for op, rel in ops:
-            _apply(base_fd, upper, op, rel)
-        os.fsync(base_fd)
-    finally:
-        os.close(base_fd)
-    # Before the journal goes: from here on recovery never applies it again.
-    mark_applied(state_dir)
-    drop_journal(state_dir, JOURNAL_NAME)
+    apply_journal(
+        state_dir,
+        base,
+        ops,
+        upper,
+        apply=_apply,
+        remove_delta=_remove_delta,
+        keep_marker=keep_marker,
+    )
+
+
+def _remove_delta(state_dir: Path) -> None:
+    """All the session kept but a commit's applied marker (it outlives the delta)."""
     _clear_state(state_dir, keep_marker=True)
-    if not keep_marker:
-        clear_marker(state_dir)
 
 
 def recover_commit(state_dir: Path, *, keep_marker: bool = False) -> bool:
@@ -607,16 +600,12 @@ def recover_commit(state_dir: Path, *, keep_marker: bool = False) -> bool:
     session is then gone: its delta is in the base). With the applied marker nothing is
     applied again: the journal and the delta are dropped. ``keep_marker``: leave the
     marker for the session store, which removes it with the session."""
-    journal_path = Path(state_dir) / JOURNAL_NAME
     if is_applied(state_dir):
-        drop_journal(Path(state_dir), JOURNAL_NAME)
-        _clear_state(Path(state_dir), keep_marker=True)
-        if not keep_marker:
-            clear_marker(Path(state_dir))
+        finish_applied(Path(state_dir), remove_delta=_remove_delta, keep_marker=keep_marker)
         return True
-    if not journal_path.exists():
+    if not commit_interrupted(state_dir):
         return False
-    _replay(Path(state_dir), json.loads(journal_path.read_bytes()), keep_marker=keep_marker)
+    _replay(Path(state_dir), load_journal(state_dir), keep_marker=keep_marker)
     return True
 
 
@@ -651,23 +640,7 @@ class AgentFSWorkspace(WorkspaceSession):
         A commit a crash interrupted in ``state_dir`` is finished first
         (:func:`recover_commit`); then ``state_dir`` must hold nothing else.
         """
-        if max_delta_bytes is not None and (
-            isinstance(max_delta_bytes, bool)
-            or not isinstance(max_delta_bytes, int)
-            or max_delta_bytes <= 0
-        ):
-            raise WorkspaceError(
-                f"max_delta_bytes must be a positive number of bytes or None (no limit), "
-                f"not {max_delta_bytes!r}"
-            )
-        base = Path(os.path.realpath(base))
-        if not base.is_dir():
-            raise WorkspaceError(f"workspace base {base} is not a directory")
-        state_dir = Path(os.path.realpath(state_dir))
-        if state_dir.is_dir():
-            recover_commit(state_dir)
-            # A finished commit's marker: the state directory is reused.
-            (state_dir / APPLIED_NAME).unlink(missing_ok=True)
+        base, state_dir = prepare_create(base, state_dir, max_delta_bytes, recover_commit)
         session = cls(base, make_state_dir(state_dir), max_delta_bytes=max_delta_bytes)
         try:
             session.root.mkdir(mode=0o700)
@@ -979,7 +952,7 @@ class AgentFSWorkspace(WorkspaceSession):
             if entry is None:
                 ops.append(["remove", rel])
             elif entry[0] == "dir":
-                base_is_dir = stat.S_ISDIR(_lstat_mode(self.base / rel))
+                base_is_dir = stat.S_ISDIR(lstat_mode(self.base / rel))
                 ops.append(
                     ["dir" if base_is_dir and rel not in self._whiteouts else "replace_dir", rel]
                 )
@@ -1089,10 +1062,3 @@ class AgentFSWorkspace(WorkspaceSession):
                 self.discard()
             else:
                 self._release()
-
-
-def _lstat_mode(path: Path) -> int:
-    try:
-        return os.lstat(path).st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        return 0

@@ -52,12 +52,15 @@ from pathlib import Path
 from typing import Final
 
 from gatewayd.files import LIBC, write_atomically
-from gatewayd.workspace.commit_marker import (
-    APPLIED_NAME,
-    clear_marker,
-    drop_journal,
-    is_applied,
-    mark_applied,
+from gatewayd.workspace.commit_marker import is_applied
+from gatewayd.workspace.journal import (
+    JOURNAL_NAME,
+    apply_journal,
+    commit_interrupted,
+    finish_applied,
+    journal_operations,
+    load_journal,
+    prepare_create,
 )
 from gatewayd.workspace.session import (
     DIR_FLAGS,
@@ -75,7 +78,6 @@ WORK_NAME: Final = "work"
 # Mount point of the size-limited tmpfs holding upper and work (with max_delta_bytes).
 DELTA_NAME: Final = "delta"
 MERGED_NAME: Final = "merged"
-JOURNAL_NAME: Final = "commit.journal"
 OPAQUE_XATTR: Final = "trusted.overlay.opaque"
 MOUNT_OPTIONS: Final = "redirect_dir=off,metacopy=off,index=off,xino=off"
 
@@ -183,7 +185,7 @@ def _walk_upper(upper: Path, base: Path, rel_dir: str) -> Iterator[list[str]]:
         if _is_whiteout(st):
             yield ["remove", rel]
         elif stat.S_ISDIR(st.st_mode):
-            base_is_dir = stat.S_ISDIR(_lstat_mode(base / rel))
+            base_is_dir = stat.S_ISDIR(lstat_mode(base / rel))
             if _is_opaque(path) or not base_is_dir:
                 yield ["replace_dir", rel]
             else:
@@ -194,7 +196,8 @@ def _walk_upper(upper: Path, base: Path, rel_dir: str) -> Iterator[list[str]]:
         # Anything else (a FIFO, a device node the sandbox made) never reaches the host.
 
 
-def _lstat_mode(path: Path) -> int:
+def lstat_mode(path: Path) -> int:
+    """The mode of ``path`` (not followed), 0 when there is nothing there."""
     try:
         return os.lstat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
@@ -313,9 +316,7 @@ def apply_operation(base_fd: int, upper: Path, op: str, rel: str) -> None:
 
 def _replay(state_dir: Path, journal: dict[str, object], *, keep_marker: bool) -> None:
     base = Path(str(journal["base"]))
-    ops = journal["ops"]
-    if not isinstance(ops, list):
-        raise WorkspaceError(f"{state_dir / JOURNAL_NAME} is malformed")
+    ops = journal_operations(state_dir, journal)
     on_tmpfs = journal.get("delta_on_tmpfs") is True
     upper = (state_dir / DELTA_NAME if on_tmpfs else state_dir) / UPPER_NAME
     if not upper.is_dir():
@@ -325,19 +326,16 @@ def _replay(state_dir: Path, journal: dict[str, object], *, keep_marker: bool) -
             + f"{base} holds part of the commit, each file whole; remove "
             f"{state_dir / JOURNAL_NAME} to give up the rest"
         )
-    base_fd = os.open(base, DIR_FLAGS)
-    try:
-        for op, rel in ops:
-            apply_operation(base_fd, upper, op, rel)
-        os.fsync(base_fd)
-    finally:
-        os.close(base_fd)
-    # Before the journal goes: from here on recovery never applies it again.
-    mark_applied(state_dir)
-    drop_journal(state_dir, JOURNAL_NAME)
-    _remove_delta(state_dir)
-    if not keep_marker:
-        clear_marker(state_dir)
+    # Looked up now, not bound at import: a test stands in for a step to crash there.
+    apply_journal(
+        state_dir,
+        base,
+        ops,
+        upper,
+        apply=apply_operation,
+        remove_delta=_remove_delta,
+        keep_marker=keep_marker,
+    )
 
 
 def _remove_delta(state_dir: Path) -> None:
@@ -357,19 +355,13 @@ def recover_commit(state_dir: Path, *, keep_marker: bool = False) -> bool:
     journal to replay, or the applied marker: then only the journal and the delta are
     dropped, and nothing is applied again). ``keep_marker``: leave the marker for the
     session store, which removes it with the session (see commit_marker)."""
-    journal_path = Path(state_dir) / JOURNAL_NAME
-    applied = is_applied(state_dir)
-    if not applied and not journal_path.exists():
+    if not commit_interrupted(state_dir):
         return False
     unmount(Path(state_dir) / MERGED_NAME, detach=True)
-    if applied:
-        drop_journal(Path(state_dir), JOURNAL_NAME)
-        _remove_delta(Path(state_dir))
-        if not keep_marker:
-            clear_marker(Path(state_dir))
+    if is_applied(state_dir):
+        finish_applied(Path(state_dir), remove_delta=_remove_delta, keep_marker=keep_marker)
     else:
-        journal = json.loads(journal_path.read_bytes())
-        _replay(Path(state_dir), journal, keep_marker=keep_marker)
+        _replay(Path(state_dir), load_journal(state_dir), keep_marker=keep_marker)
     merged = Path(state_dir) / MERGED_NAME
     if merged.is_dir() and not os.path.ismount(merged):
         merged.rmdir()
@@ -401,23 +393,8 @@ class OverlayWorkspace(WorkspaceSession):
         ``max_delta_bytes`` caps what the session may write (new and copied-up files,
         directories, whiteouts) on a private tmpfs: past it, writes fail with ENOSPC.
         """
-        if max_delta_bytes is not None and (
-            isinstance(max_delta_bytes, bool)
-            or not isinstance(max_delta_bytes, int)
-            or max_delta_bytes <= 0
-        ):
-            raise WorkspaceError(
-                f"max_delta_bytes must be a positive number of bytes or None (no limit), "
-                f"not {max_delta_bytes!r}"
-            )
-        base = Path(os.path.realpath(base))
-        if not base.is_dir():
-            raise WorkspaceError(f"workspace base {base} is not a directory")
-        state_dir = Path(os.path.realpath(state_dir))
+        base, state_dir = prepare_create(base, state_dir, max_delta_bytes, recover_commit)
         if state_dir.is_dir():
-            recover_commit(state_dir)
-            # A finished commit's marker: the state directory is reused.
-            (state_dir / APPLIED_NAME).unlink(missing_ok=True)
             for leftover in (MERGED_NAME,):
                 if (state_dir / leftover).is_dir() and not os.path.ismount(state_dir / leftover):
                     (state_dir / leftover).rmdir()

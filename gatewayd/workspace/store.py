@@ -85,6 +85,7 @@ from gatewayd.protocol import ErrorCode
 from gatewayd.sandbox.lease import LEASE_FILE, LeaseError, give_back, read_lease
 from gatewayd.workspace.commit_marker import is_applied
 from gatewayd.workspace.commit_rules import HeldBack, held_back, is_git_metadata
+from gatewayd.workspace.journal import check_max_delta_bytes
 from gatewayd.workspace.overlay import unmount
 from gatewayd.workspace.session import (
     DIR_FLAGS,
@@ -699,15 +700,8 @@ class WorkspaceStore:
             raise InvalidArguments(
                 f"a session is kept 1 to {MAX_KEEP_FOR_S} seconds (90 days), not {keep_for_s}"
             )
-        if max_delta_bytes is not None and (
-            isinstance(max_delta_bytes, bool)
-            or not isinstance(max_delta_bytes, int)
-            or max_delta_bytes <= 0
-        ):
-            raise InvalidArguments(
-                f"max_delta_bytes must be a positive number of bytes or None (no limit), "
-                f"not {max_delta_bytes!r}"
-            )
+        if (problem := check_max_delta_bytes(max_delta_bytes)) is not None:
+            raise InvalidArguments(problem)
         if not isinstance(commit_git_metadata, bool):
             raise InvalidArguments(
                 f"commit_git_metadata must be true or false, not {commit_git_metadata!r}"

@@ -30,7 +30,7 @@ import errno
 import hashlib
 import os
 import stat
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Literal
@@ -110,23 +110,29 @@ def walk_entries(root: Path, scope: str) -> dict[str, Kind]:
     else:
         top = os.open(root, DIR_FLAGS)
     try:
-        for dirpath, dirnames, filenames, dir_fd in os.fwalk(
-            ".", dir_fd=top, follow_symlinks=False
-        ):
-            rel_dir = os.path.normpath(os.path.join(scope, dirpath)) if scope else dirpath
-            rel_dir = os.path.normpath(rel_dir)
-            for name in dirnames + filenames:
-                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                try:
-                    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
-                except FileNotFoundError:
-                    continue
-                child = _kind_of(mode)
-                if child is not None:
-                    found[rel] = child
+        for rel, st in walk_below(top, scope):
+            child = _kind_of(st.st_mode)
+            if child is not None:
+                found[rel] = child
     finally:
         os.close(top)
     return found
+
+
+def walk_below(top: int, scope: str) -> Iterator[tuple[str, os.stat_result]]:
+    """Each entry below the directory open at ``top`` (``scope``: its relative name, ""
+    for the root) with its ``lstat``, named relative to the root; links are not followed
+    and an entry that vanishes while we walk is left out. ``top`` stays the caller's."""
+    for dirpath, dirnames, filenames, dir_fd in os.fwalk(".", dir_fd=top, follow_symlinks=False):
+        rel_dir = os.path.normpath(os.path.join(scope, dirpath)) if scope else dirpath
+        rel_dir = os.path.normpath(rel_dir)
+        for name in dirnames + filenames:
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            yield rel, st
 
 
 def content(root: Path, rel: str, kind: Kind) -> bytes:

@@ -73,6 +73,12 @@ class Harness:
     async def http(self, method: str, target: str, body: Any = None) -> tuple[int, Any]:
         return await trio.to_thread.run_sync(control_request, self.control, method, target, body)
 
+    async def decide(self, waiting: dict[str, Any], *, approve: bool) -> None:
+        """Answer ``waiting`` as root would, in this process (not the control socket)."""
+        await self.approvals.decide(
+            waiting["approvalId"], approve=approve, by=approvals_module.Operator(uid=0, pid=1)
+        )
+
     async def events(self, name: str) -> list[dict[str, Any]]:
         return [e for e in await self.gw.audit_entries() if e.get("event") == name]
 
@@ -234,9 +240,7 @@ async def test_the_wait_holds_no_call_slot_and_not_the_calls_own_time_limit(
             )
             assert now["ok"] is True, now
         await trio.sleep(1.5)  # past limits.call_timeout_s
-        await harness.approvals.decide(
-            waiting["approvalId"], approve=True, by=approvals_module.Operator(uid=0, pid=1)
-        )
+        await harness.decide(waiting, approve=True)
         result = await call.result()
     assert result["ok"] is True, result
     assert (workspace / "late.txt").read_text() == "x"
@@ -262,9 +266,7 @@ async def test_calls_past_the_per_run_limit_are_refused_at_once_not_queued(
         # The refused one was never pending; the others still are.
         assert len(harness.approvals.pending()) == MAX_PENDING_PER_RUN
         for item in harness.approvals.pending():
-            await harness.approvals.decide(
-                item["approvalId"], approve=False, by=approvals_module.Operator(uid=0, pid=1)
-            )
+            await harness.decide(item, approve=False)
         for call in waiting:
             assert (await call.result())["errorCode"] == "approval_denied"
     pendings = await harness.events("approval_pending")
@@ -322,9 +324,7 @@ async def test_a_caller_that_only_half_closes_still_gets_its_answer(
         (waiting,) = await harness.pending()
         await trio.sleep(2 * approvals_module.CALLER_POLL_S)
         assert harness.approvals.pending() == [waiting]
-        await harness.approvals.decide(
-            waiting["approvalId"], approve=True, by=approvals_module.Operator(uid=0, pid=1)
-        )
+        await harness.decide(waiting, approve=True)
         with trio.fail_after(PATIENCE_S):
             answer = await read_frame(stream, bytearray())
     assert answer is not None and answer["ok"] is True
@@ -376,9 +376,7 @@ async def test_a_policy_tightened_while_a_call_waits_applies_after_the_approval(
         )
         outcomes = await reload_policies(harness.gw.daemon.registry, harness.gw.daemon.audit)
         assert outcomes[run.run_id] == "reloaded"
-        await harness.approvals.decide(
-            waiting["approvalId"], approve=True, by=approvals_module.Operator(uid=0, pid=1)
-        )
+        await harness.decide(waiting, approve=True)
         result = await call.result()
     assert result["errorCode"] == "policy_denied"
     assert "was approved, and this run's policy no longer allows it" in result["safeMessage"]

@@ -9,7 +9,6 @@ daemon's resolver names (as tests/integration/test_process_runner_network.py doe
 
 from __future__ import annotations
 
-import http.server
 import ipaddress
 import json
 import os
@@ -19,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -31,6 +29,7 @@ from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from tests.integration.test_run_sandbox import _unavailable
 from tests.livedaemon import start_daemon
+from tests.origin_server import QuietHandler, serving
 
 pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
 
@@ -97,7 +96,7 @@ print(json.dumps(out))
 """
 
 
-class _Origin(http.server.BaseHTTPRequestHandler):
+class _Origin(QuietHandler):
     seen: ClassVar[list[str]] = []
 
     def do_GET(self) -> None:
@@ -109,22 +108,12 @@ class _Origin(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
 
 @pytest.fixture
 def origin() -> Iterator[int]:
     _Origin.seen = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Origin)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
-    thread.start()
-    try:
-        yield int(server.server_address[1])
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_Origin) as port:
+        yield port
 
 
 @pytest.fixture

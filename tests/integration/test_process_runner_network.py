@@ -10,7 +10,6 @@ run's own services, and reports what happened.
 
 from __future__ import annotations
 
-import http.server
 import ipaddress
 import json
 import os
@@ -20,7 +19,6 @@ import socket
 import stat
 import tempfile
 import textwrap
-import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -44,6 +42,7 @@ from gatewayd.runs.services import CallEgressProxies
 from gatewayd.sandbox.plan import EGRESS_PROXY_PORT, MODEL_ENDPOINT_PORT
 from gatewayd.tools.registry import ToolContext
 from tests.integration.test_process_runner import folder_tool
+from tests.origin_server import QuietHandler, serving
 from tests.responses import value
 
 PY = "/usr/bin/python3"
@@ -153,7 +152,7 @@ def _unavailable() -> str | None:
 pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
 
 
-class _Origin(http.server.BaseHTTPRequestHandler):
+class _Origin(QuietHandler):
     seen: ClassVar[list[str]] = []
 
     def do_GET(self) -> None:
@@ -165,22 +164,12 @@ class _Origin(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
 
 @pytest.fixture
 def origin() -> Iterator[int]:
     _Origin.seen = []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Origin)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
-    thread.start()
-    try:
-        yield int(server.server_address[1])
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(_Origin) as port:
+        yield port
 
 
 @pytest.fixture

@@ -127,6 +127,17 @@ def test_commit_never_writes_git_metadata_into_the_workspace(base: Path) -> None
     assert not (base / "ws" / "out" / ".git").exists()
 
 
+def test_a_configured_agentfs_mode_keeps_the_tools_changes_in_an_overlay(base: Path) -> None:
+    write_config(base, workspace_mode="agentfs")
+    done = tools_run(base, "files.write", '{"path": "a.txt", "content": "virtual\\n"}')
+    assert done.returncode == 0, done.stderr
+    assert "workspace_mode agentfs: `tools run` keeps the tool's changes in an overlay" in (
+        done.stderr
+    )
+    assert "+virtual" in done.stderr and "changes discarded" in done.stderr
+    assert list((base / "ws" / "out").iterdir()) == []  # never written during the call
+
+
 def test_host_mode_writes_the_workspace_itself(base: Path) -> None:
     done = tools_run(
         base,

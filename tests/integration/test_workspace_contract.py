@@ -32,30 +32,12 @@ from gatewayd.workspace import overlay as overlay_module
 from gatewayd.workspace.agentfs import AgentFSWorkspace
 from gatewayd.workspace.host import recover_discard
 from tests.conftest import ROOT
-
-Tree = dict[str, tuple[object, ...]]
+from tests.workspace_helpers import tree
 
 BINARY_OLD = bytes(range(256)) * 4
 BINARY_NEW = b"\x00\xff" + bytes(range(256)) * 4
 # Roomy for every contract test, so the limited overlay runs the whole suite.
 CONTRACT_DELTA_LIMIT = 16 << 20
-
-
-def tree(root: Path) -> Tree:
-    """Everything below ``root``: kind, content or link target, and permission bits."""
-    found: Tree = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = Path(dirpath, name)
-            rel = str(path.relative_to(root))
-            st = os.lstat(path)
-            if stat.S_ISLNK(st.st_mode):
-                found[rel] = ("link", os.readlink(path))
-            elif stat.S_ISDIR(st.st_mode):
-                found[rel] = ("dir", stat.S_IMODE(st.st_mode))
-            else:
-                found[rel] = ("file", path.read_bytes(), stat.S_IMODE(st.st_mode))
-    return found
 
 
 def mount_entry(path: Path) -> list[str] | None:

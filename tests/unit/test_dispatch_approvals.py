@@ -52,6 +52,14 @@ def marked_run(workspace: Path) -> Run:
     return run
 
 
+def dispatching(clock: MockClock) -> tuple[FakeAuditLog, Seen, Dispatcher]:
+    """A fake audit log, the fake tools that note how far it was durable when each ran,
+    and a dispatcher of both on ``clock``."""
+    log = FakeAuditLog()
+    seen = Seen(lambda: log.durable_seq)
+    return log, seen, make_dispatcher(log, fake_tools(seen), clock)
+
+
 def with_approvals(dispatcher: Dispatcher, log: FakeAuditLog, state: Path) -> Approvals:
     approvals = Approvals(cast("AuditLog", log), state, answerable=True)
     dispatcher.approvals = approvals
@@ -72,9 +80,7 @@ def events(log: FakeAuditLog, name: str) -> list[dict[str, Any]]:
 async def test_without_anyone_to_ask_a_marked_call_is_denied_and_others_run(
     tmp_path: Path, autojump_clock: MockClock
 ) -> None:
-    log = FakeAuditLog()
-    seen = Seen(lambda: log.durable_seq)
-    dispatcher = make_dispatcher(log, fake_tools(seen), autojump_clock)
+    _log, seen, dispatcher = dispatching(autojump_clock)
     run = marked_run(tmp_path)
     refused = await dispatcher.handle(run, call("test.echo", {"text": "danger zone"}), PEER)
     assert refused.errorCode is ErrorCode.APPROVAL_DENIED
@@ -88,9 +94,7 @@ async def test_without_anyone_to_ask_a_marked_call_is_denied_and_others_run(
 async def test_each_record_is_durable_before_the_next_step_and_the_tool_runs_last(
     tmp_path: Path, autojump_clock: MockClock
 ) -> None:
-    log = FakeAuditLog()
-    seen = Seen(lambda: log.durable_seq)
-    dispatcher = make_dispatcher(log, fake_tools(seen), autojump_clock)
+    log, seen, dispatcher = dispatching(autojump_clock)
     approvals = with_approvals(dispatcher, log, tmp_path / "state")
     run = marked_run(tmp_path)
     answer: list[Response] = []
@@ -123,9 +127,7 @@ async def test_each_record_is_durable_before_the_next_step_and_the_tool_runs_las
 async def test_the_default_timeout_denies_on_the_virtual_clock(
     tmp_path: Path, autojump_clock: MockClock
 ) -> None:
-    log = FakeAuditLog()
-    seen = Seen(lambda: log.durable_seq)
-    dispatcher = make_dispatcher(log, fake_tools(seen), autojump_clock)
+    log, seen, dispatcher = dispatching(autojump_clock)
     with_approvals(dispatcher, log, tmp_path / "state")
     run = marked_run(tmp_path)
     started = trio.current_time()
@@ -140,9 +142,7 @@ async def test_the_default_timeout_denies_on_the_virtual_clock(
 async def test_a_caller_gone_is_withdrawn_within_a_poll(
     tmp_path: Path, autojump_clock: MockClock
 ) -> None:
-    log = FakeAuditLog()
-    seen = Seen(lambda: log.durable_seq)
-    dispatcher = make_dispatcher(log, fake_tools(seen), autojump_clock)
+    log, seen, dispatcher = dispatching(autojump_clock)
     approvals = with_approvals(dispatcher, log, tmp_path / "state")
     run = marked_run(tmp_path)
     gone = False
@@ -165,9 +165,7 @@ async def test_a_caller_gone_is_withdrawn_within_a_poll(
 async def test_an_audit_log_that_fails_while_a_call_waits_runs_nothing_and_keeps_the_record(
     tmp_path: Path, autojump_clock: MockClock
 ) -> None:
-    log = FakeAuditLog()
-    seen = Seen(lambda: log.durable_seq)
-    dispatcher = make_dispatcher(log, fake_tools(seen), autojump_clock)
+    log, seen, dispatcher = dispatching(autojump_clock)
     approvals = with_approvals(dispatcher, log, tmp_path / "state")
     run = marked_run(tmp_path)
     answer: list[Response] = []

@@ -6,9 +6,7 @@ leading out of the workspace without naming it."""
 from __future__ import annotations
 
 import os
-import stat
 import subprocess
-import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,10 +21,9 @@ from gatewayd.workspace.store import (
     SessionInfo,
     WorkspaceConflict,
     WorkspaceStore,
-    _mounts_under,
     diff_json,
 )
-from tests.conftest import ROOT
+from tests.workspace_helpers import commit_in_child, tree, unmount_all_under
 
 RUN = "c" * 32
 KEEP_S = 3600
@@ -38,29 +35,12 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="overlay mounts need r
 @pytest.fixture
 def where(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
-    for point in _mounts_under(tmp_path):
-        subprocess.run(["umount", "-l", str(point)], check=False)
+    unmount_all_under(tmp_path)
 
 
 @pytest.fixture(params=["overlay", "agentfs"])
 def mode(request: pytest.FixtureRequest) -> str:
     return str(request.param)
-
-
-def tree(root: Path) -> dict[str, tuple[object, ...]]:
-    found: dict[str, tuple[object, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = Path(dirpath, name)
-            st = os.lstat(path)
-            rel = str(path.relative_to(root))
-            if stat.S_ISLNK(st.st_mode):
-                found[rel] = ("link", os.readlink(path))
-            elif stat.S_ISDIR(st.st_mode):
-                found[rel] = ("dir", stat.S_IMODE(st.st_mode))
-            else:
-                found[rel] = ("file", path.read_bytes(), stat.S_IMODE(st.st_mode))
-    return found
 
 
 def make_repo(where: Path) -> Path:
@@ -333,18 +313,20 @@ CRASH_POINTS = {
     "journal-removed": ("remove_delta", "instead", True, "commit had finished"),
 }
 
+# ``module``: the backend's; ``journal``: the commit steps both backends share
+# (gatewayd/workspace/journal.py, imported in every child: tests/workspace_helpers.py).
 _PATCHED = {
     "overlay": {
-        "write_atomically": "write_atomically",
-        "apply": "apply_operation",
-        "drop_journal": "drop_journal",
-        "remove_delta": "_remove_delta",
+        "write_atomically": "module.write_atomically",
+        "apply": "module.apply_operation",
+        "drop_journal": "journal.drop_journal",
+        "remove_delta": "module._remove_delta",
     },
     "agentfs": {
-        "write_atomically": "write_atomically",
-        "apply": "_apply",
-        "drop_journal": "drop_journal",
-        "remove_delta": "_clear_state",
+        "write_atomically": "module.write_atomically",
+        "apply": "module._apply",
+        "drop_journal": "journal.drop_journal",
+        "remove_delta": "module._clear_state",
     },
 }
 
@@ -366,26 +348,15 @@ def test_a_commit_killed_at_each_step_is_recovered_exactly(
     write(handle.root, "new.txt", "new\n")
     end(handle, store)
     die = (
-        f"real = module.{name}\n"
-        f"def dying(*args, **kwargs):\n    real(*args, **kwargs)\n    os._exit(9)\n"
+        f"real = {name}\ndef dying(*args, **kwargs):\n    real(*args, **kwargs)\n    os._exit(9)\n"
         if how == "after"
         else "def dying(*args, **kwargs):\n    os._exit(9)\n"
     )
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os\n"
-            "from pathlib import Path\n"
-            f"from gatewayd.workspace import {mode} as module\n"
-            "from gatewayd.workspace.store import WorkspaceStore\n"
-            f"{die}"
-            f"module.{name} = dying\n"
-            f"WorkspaceStore(Path({str(state)!r})).commit({RUN!r})\n",
-        ],
-        cwd=ROOT,
+    child = commit_in_child(
+        state,
+        RUN,
+        f"from gatewayd.workspace import {mode} as module\n{die}{name} = dying\n",
         capture_output=True,
-        check=False,
     )
     assert child.returncode == 9, child.stderr.decode()[-2000:]
     assert store.info(RUN).state == "committing"
@@ -422,20 +393,7 @@ def test_a_commit_killed_before_its_journal_whose_delta_is_then_lost_is_discarde
     )
     write(handle.root, "src/main.py", "print('run')\n")
     end(handle, store)
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os\n"
-            "from pathlib import Path\n"
-            "from gatewayd.workspace import overlay\n"
-            "from gatewayd.workspace.store import WorkspaceStore\n"
-            "overlay.write_atomically = lambda *args: os._exit(9)\n"
-            f"WorkspaceStore(Path({str(state)!r})).commit({RUN!r})\n",
-        ],
-        cwd=ROOT,
-        check=False,
-    )
+    child = commit_in_child(state, RUN, "overlay.write_atomically = lambda *args: os._exit(9)\n")
     assert child.returncode == 9
     subprocess.run(["umount", str(handle.directory / "session" / "delta")], check=True)
     [line] = WorkspaceStore(state).recover()

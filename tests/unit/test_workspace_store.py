@@ -30,7 +30,7 @@ from gatewayd.workspace.store import (
     _mounts_under,
     iso_time,
 )
-from tests.conftest import ROOT
+from tests.workspace_helpers import commit_in_child, run_child, tree, unmount_all_under
 
 RUN = "a" * 32
 OTHER_RUN = "b" * 32
@@ -39,23 +39,6 @@ KEEP_S = 3600
 DELTA_LIMIT = 4 << 20
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="overlay mounts need root")
-
-
-def tree(root: Path) -> dict[str, tuple[object, ...]]:
-    """Everything below ``root``: kind, content or link target, permission bits."""
-    found: dict[str, tuple[object, ...]] = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            path = Path(dirpath, name)
-            st = os.lstat(path)
-            rel = str(path.relative_to(root))
-            if stat.S_ISLNK(st.st_mode):
-                found[rel] = ("link", os.readlink(path))
-            elif stat.S_ISDIR(st.st_mode):
-                found[rel] = ("dir", stat.S_IMODE(st.st_mode))
-            else:
-                found[rel] = ("file", path.read_bytes(), stat.S_IMODE(st.st_mode))
-    return found
 
 
 def make_base(where: Path) -> Path:
@@ -73,9 +56,7 @@ def make_base(where: Path) -> Path:
 @pytest.fixture
 def where(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
-    # Whatever a failed test left mounted must not outlive it.
-    for point in _mounts_under(tmp_path):
-        subprocess.run(["umount", "-l", str(point)], check=False)
+    unmount_all_under(tmp_path)
 
 
 @pytest.fixture(params=["host", "overlay", "overlay-limited"])
@@ -104,6 +85,16 @@ def open_run(
         keep_for_s=keep_for_s,
         max_delta_bytes=max_delta_bytes,
     )
+
+
+def kept_new_file(where: Path, kind: str) -> tuple[Path, WorkspaceStore, RunWorkspace]:
+    """A base, a store in ``where``, and the run's session that added new.txt, kept."""
+    base = make_base(where)
+    store = WorkspaceStore(where / "state")
+    handle = open_run(store, base, kind)
+    (handle.root / "new.txt").write_text("n\n")
+    store.end_of_run(RUN)
+    return base, store, handle
 
 
 def run_writes(handle: RunWorkspace) -> None:
@@ -271,11 +262,7 @@ def test_a_live_session_is_refused_commit_and_discard(where: Path, kind: str) ->
 
 
 def test_a_second_command_is_refused_while_one_holds_the_lock(where: Path) -> None:
-    base = make_base(where)
-    store = WorkspaceStore(where / "state")
-    handle = open_run(store, base, "overlay")
-    (handle.root / "new.txt").write_text("n\n")
-    store.end_of_run(RUN)
+    base, store, handle = kept_new_file(where, "overlay")
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -454,22 +441,13 @@ def test_recover_keeps_the_session_a_dead_daemon_left_live(where: Path, kind: st
     before = tree(base)
     state = where / "state"
     # A daemon process opens a session, writes, and dies without ending the run.
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os, sys\n"
-            "from pathlib import Path\n"
-            "from gatewayd.workspace.store import WorkspaceStore\n"
-            f"h = WorkspaceStore(Path({str(state)!r})).open_session({RUN!r}, "
-            f"Path({str(base)!r}), {('host' if kind == 'host' else 'overlay')!r}, "
-            "on_end='commit', keep_for_s=3600, "
-            f"max_delta_bytes={DELTA_LIMIT if kind == 'overlay-limited' else None})\n"
-            "(h.root / 'new.txt').write_text('from the dead run\\n')\n"
-            "os._exit(9)\n",
-        ],
-        cwd=ROOT,
-        check=False,
+    child = run_child(
+        f"h = WorkspaceStore(Path({str(state)!r})).open_session({RUN!r}, "
+        f"Path({str(base)!r}), {('host' if kind == 'host' else 'overlay')!r}, "
+        "on_end='commit', keep_for_s=3600, "
+        f"max_delta_bytes={DELTA_LIMIT if kind == 'overlay-limited' else None})\n"
+        "(h.root / 'new.txt').write_text('from the dead run\\n')\n"
+        "os._exit(9)\n"
     )
     assert child.returncode == 9
     store = WorkspaceStore(state)
@@ -492,21 +470,12 @@ def test_recover_keeps_the_session_a_dead_daemon_left_live(where: Path, kind: st
 def test_a_dead_run_is_recovered_by_the_next_command_too(where: Path) -> None:
     base = make_base(where)
     state = where / "state"
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os\n"
-            "from pathlib import Path\n"
-            "from gatewayd.workspace.store import WorkspaceStore\n"
-            f"h = WorkspaceStore(Path({str(state)!r})).open_session({RUN!r}, "
-            f"Path({str(base)!r}), 'overlay', on_end='keep', keep_for_s=3600, "
-            "max_delta_bytes=None)\n"
-            "(h.root / 'new.txt').write_text('n\\n')\n"
-            "os._exit(9)\n",
-        ],
-        cwd=ROOT,
-        check=False,
+    child = run_child(
+        f"h = WorkspaceStore(Path({str(state)!r})).open_session({RUN!r}, "
+        f"Path({str(base)!r}), 'overlay', on_end='keep', keep_for_s=3600, "
+        "max_delta_bytes=None)\n"
+        "(h.root / 'new.txt').write_text('n\\n')\n"
+        "os._exit(9)\n"
     )
     assert child.returncode == 9
     assert WorkspaceStore(state).commit(RUN).added == ["new.txt"]
@@ -524,27 +493,18 @@ def test_a_crash_in_commit_is_finished_by_recover(where: Path) -> None:
         (handle.root / "src" / f"f{n:02}.py").write_text("new\n")
     store.end_of_run(RUN)
     # A command commits and is killed after applying five of the journal's operations.
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os\n"
-            "from pathlib import Path\n"
-            "from gatewayd.workspace import overlay\n"
-            "from gatewayd.workspace.store import WorkspaceStore\n"
-            "real = overlay.apply_operation\n"
-            "count = 0\n"
-            "def dying(*args):\n"
-            "    global count\n"
-            "    count += 1\n"
-            "    if count > 5:\n"
-            "        os._exit(9)\n"
-            "    real(*args)\n"
-            "overlay.apply_operation = dying\n"
-            f"WorkspaceStore(Path({str(state)!r})).commit({RUN!r})\n",
-        ],
-        cwd=ROOT,
-        check=False,
+    child = commit_in_child(
+        state,
+        RUN,
+        "real = overlay.apply_operation\n"
+        "count = 0\n"
+        "def dying(*args):\n"
+        "    global count\n"
+        "    count += 1\n"
+        "    if count > 5:\n"
+        "        os._exit(9)\n"
+        "    real(*args)\n"
+        "overlay.apply_operation = dying\n",
     )
     assert child.returncode == 9
     contents = {(base / "src" / f"f{n:02}.py").read_text() for n in range(20)}
@@ -563,21 +523,10 @@ def test_a_crash_in_commit_is_finished_by_the_next_commit(where: Path) -> None:
     handle = open_run(store, base, "overlay")
     run_writes(handle)
     store.end_of_run(RUN)
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os\n"
-            "from pathlib import Path\n"
-            "from gatewayd.workspace import overlay\n"
-            "from gatewayd.workspace.store import WorkspaceStore\n"
-            "def dying(*args):\n"
-            "    os._exit(9)\n"
-            "overlay.apply_operation = dying\n"
-            f"WorkspaceStore(Path({str(state)!r})).commit({RUN!r})\n",
-        ],
-        cwd=ROOT,
-        check=False,
+    child = commit_in_child(
+        state,
+        RUN,
+        "def dying(*args):\n    os._exit(9)\noverlay.apply_operation = dying\n",
     )
     assert child.returncode == 9
     with pytest.raises(WorkspaceNotFound, match="finished the interrupted commit"):
@@ -715,11 +664,7 @@ def test_a_commit_that_fails_is_recorded_again_with_its_error(
 
 
 def test_damaged_records_are_refused_with_what_to_do(where: Path) -> None:
-    base = make_base(where)
-    store = WorkspaceStore(where / "state")
-    handle = open_run(store, base, "overlay")
-    (handle.root / "new.txt").write_text("n\n")
-    store.end_of_run(RUN)
+    base, store, handle = kept_new_file(where, "overlay")
     meta = handle.directory / "meta.json"
     good = meta.read_bytes()
     for damage in (b"{not json", b"[]", json.dumps({"run_id": RUN}).encode(), b" " * (2 << 20)):
@@ -770,11 +715,7 @@ def test_a_base_replaced_by_a_symlink_after_the_run_is_a_conflict(where: Path) -
 
 
 def test_a_host_session_whose_snapshot_is_gone_is_not_discarded_blindly(where: Path) -> None:
-    base = make_base(where)
-    store = WorkspaceStore(where / "state")
-    handle = open_run(store, base, "host")
-    (handle.root / "new.txt").write_text("n\n")
-    store.end_of_run(RUN)
+    base, store, handle = kept_new_file(where, "host")
     subprocess.run(["rm", "-rf", str(handle.directory / "session" / "snapshot")], check=True)
     with pytest.raises(WorkspaceError, match="has no snapshot"):
         store.discard(RUN)
@@ -786,28 +727,19 @@ def test_recover_gives_back_the_base_a_dead_run_borrowed(where: Path) -> None:
     base = make_base(where)
     state = where / "state"
     borrower = 4_000_011
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os\n"
-            "from pathlib import Path\n"
-            "from gatewayd.sandbox.lease import lend\n"
-            "from gatewayd.sandbox.lendable import LendableRoots\n"
-            "from gatewayd.sandbox.limits import HostUser\n"
-            "from gatewayd.workspace.store import WorkspaceStore\n"
-            f"user = HostUser(uid={borrower}, gid={borrower})\n"
-            f"base = Path({str(base)!r})\n"
-            "def lend_base(directory):\n"
-            "    lend([base], user, directory, roots=LendableRoots())\n"
-            f"h = WorkspaceStore(Path({str(state)!r})).open_session({RUN!r}, base, "
-            "'overlay', on_end='keep', keep_for_s=3600, max_delta_bytes=None, "
-            "before_mount=lend_base)\n"
-            "(h.root / 'new.txt').write_text('n\\n')\n"
-            "os._exit(9)\n",
-        ],
-        cwd=ROOT,
-        check=False,
+    child = run_child(
+        "from gatewayd.sandbox.lease import lend\n"
+        "from gatewayd.sandbox.lendable import LendableRoots\n"
+        "from gatewayd.sandbox.limits import HostUser\n"
+        f"user = HostUser(uid={borrower}, gid={borrower})\n"
+        f"base = Path({str(base)!r})\n"
+        "def lend_base(directory):\n"
+        "    lend([base], user, directory, roots=LendableRoots())\n"
+        f"h = WorkspaceStore(Path({str(state)!r})).open_session({RUN!r}, base, "
+        "'overlay', on_end='keep', keep_for_s=3600, max_delta_bytes=None, "
+        "before_mount=lend_base)\n"
+        "(h.root / 'new.txt').write_text('n\\n')\n"
+        "os._exit(9)\n"
     )
     assert child.returncode == 9
     assert os.stat(base / "src" / "main.py").st_uid == borrower
@@ -839,20 +771,7 @@ def test_a_commit_killed_with_no_journal_is_told_apart(
     handle = open_run(store, base, "overlay")
     run_writes(handle)
     store.end_of_run(RUN)
-    child = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import os\n"
-            "from pathlib import Path\n"
-            "from gatewayd.workspace import overlay\n"
-            "from gatewayd.workspace.store import WorkspaceStore\n"
-            f"overlay.{dies_in} = lambda *args: os._exit(9)\n"
-            f"WorkspaceStore(Path({str(state)!r})).commit({RUN!r})\n",
-        ],
-        cwd=ROOT,
-        check=False,
-    )
+    child = commit_in_child(state, RUN, f"overlay.{dies_in} = lambda *args: os._exit(9)\n")
     assert child.returncode == 9
     assert store.info(RUN).state == "committing"
     [line] = store.recover()
@@ -867,11 +786,7 @@ def test_a_commit_killed_with_no_journal_is_told_apart(
 
 
 def test_a_base_replaced_after_the_run_is_never_written(where: Path, kind: str) -> None:
-    base = make_base(where)
-    store = WorkspaceStore(where / "state")
-    handle = open_run(store, base, kind)
-    (handle.root / "new.txt").write_text("n\n")
-    store.end_of_run(RUN)
+    base, store, _handle = kept_new_file(where, kind)
     # Someone moves the directory away and puts another one, alike, at its path.
     os.rename(base, where / "moved")
     subprocess.run(["cp", "-a", str(where / "moved"), str(base)], check=True)

@@ -21,8 +21,8 @@ from gatewayd.workspace.store import (
     WorkspaceBusy,
     WorkspaceConflict,
     WorkspaceStore,
-    _mounts_under,
 )
+from tests.workspace_helpers import unmount_all_under
 
 RUN = "a" * 32
 OTHER_RUN = "b" * 32
@@ -34,8 +34,7 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="overlay mounts need r
 @pytest.fixture
 def where(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path
-    for point in _mounts_under(tmp_path):
-        subprocess.run(["umount", "-l", str(point)], check=False)
+    unmount_all_under(tmp_path)
 
 
 def make_base(where: Path) -> Path:
