@@ -5,12 +5,16 @@ same file runs on the host and inside a run's sandbox, where bench/mcp_overhead.
 it into the workspace and starts it with the system python3:
 
     python3 -I /workspace/mcp_driver.py inside ROUNDS CALLS EXEC_CALLS WARMUP [SDK_PATH
-                                          [BEHIND_TOOL [ROWS]]]
+                                          [BEHIND_TOOL [ROWS [DIRECT_SERVER ...]]]]
 
 prints one JSON line: per variant (``exec``, ``mcp_raw``, ``mcp_sdk``, and with
 BEHIND_TOOL, a declared MCP server's gateway tool: ``behind_raw``, ``behind_sdk``),
 every call's seconds. ROWS ``c`` times the BEHIND_TOOL variants alone (``all``, the
-default: every one).
+default: every one). DIRECT_SERVER, the command of the same MCP server that gatewayd
+runs behind BEHIND_TOOL: the driver starts it as its own subprocess and calls it
+directly with both clients (``direct_raw``, ``direct_sdk``), interleaved with the
+BEHIND_TOOL calls: the baseline measured beside them, in the same sandbox, by the same
+interpreter, at the same moments.
 
 Two MCP clients:
 
@@ -24,7 +28,11 @@ Two MCP clients:
   cost per call on top of the server's.
 
 Calls of all variants are interleaved round by round (:func:`run_rounds`), so drift on a
-loaded machine hits each alike.
+loaded machine hits each alike. That is why the direct calls of DIRECT_SERVER are made
+here too, not only on the host: a baseline measured in another phase of the bench (on
+the host, by the host's interpreter, outside the sandbox) drifts apart from the calls it
+is compared with (their difference moved by 1.2 ms between two runs of the same tree);
+the direct calls made here share those calls' sandbox, interpreter and moments.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import IO, Any, Final
 
 # A revision both cogni-tool mcp and the reference servers (the SDK's server side) speak.
@@ -47,6 +55,8 @@ CLOSE_WAIT_S: Final = 30.0
 GATEWAY_TOOL: Final = "time.now"
 # The arguments of mcp-server-time's get_current_time, when it is called behind gatewayd.
 BEHIND_ARGUMENTS: Final = {"timezone": "UTC"}
+# The same tool's own name, when the driver calls the server directly.
+DIRECT_TOOL: Final = "get_current_time"
 
 Call = Callable[[], Awaitable[float]]
 
@@ -207,50 +217,60 @@ async def inside(
     sdk_path: str,
     behind: str,
     behind_only: bool = False,
+    direct: Sequence[str] = (),
 ) -> None:
     """The in-sandbox measurement: the same gateway call through cogni-tool exec and
     through cogni-tool mcp (our client, and the SDK's when ``sdk_path`` names it); and,
     when ``behind`` names a gateway tool of a declared MCP server, that tool through
-    cogni-tool mcp with both clients (``behind_raw``, ``behind_sdk``). ``behind_only``:
-    those two alone."""
+    cogni-tool mcp with both clients (``behind_raw``, ``behind_sdk``), and when
+    ``direct`` is that server's command, the server called directly as a subprocess of
+    this driver with both clients (``direct_raw``, ``direct_sdk``). ``behind_only``:
+    the behind and direct variants alone."""
     variants: dict[str, Call] = {} if behind_only else {"exec": exec_call()}
     counts = {"exec": exec_calls, "mcp_raw": calls, "mcp_sdk": calls}
-    counts |= {"behind_raw": calls, "behind_sdk": calls}
-    raw = LineClient(["cogni-tool", "mcp"])
-    try:
+    counts |= dict.fromkeys(("behind_raw", "behind_sdk", "direct_raw", "direct_sdk"), calls)
+    async with AsyncExitStack() as stack:
+        raw = LineClient(["cogni-tool", "mcp"])
+        stack.callback(raw.close)
         raw.initialize()
         if not behind_only:
             variants["mcp_raw"] = line_call(raw, GATEWAY_TOOL, {})
         if behind:
             variants["behind_raw"] = line_call(raw, behind, BEHIND_ARGUMENTS)
-        if not sdk_path:
-            print(
-                json.dumps(await run_rounds(variants, rounds=rounds, calls=counts, warmup=warmup))
+        if direct:
+            direct_raw = LineClient(direct)
+            stack.callback(direct_raw.close)
+            direct_raw.initialize()
+            variants["direct_raw"] = line_call(direct_raw, DIRECT_TOOL, BEHIND_ARGUMENTS)
+        if sdk_path:
+            sys.path.insert(0, sdk_path)  # the system python3 has no SDK of its own
+            # The SDK passes only a few variables to its server by default; cogni-tool
+            # needs the run's (its socket and run id).
+            session = await stack.enter_async_context(
+                sdk_session("cogni-tool", ["mcp"], env=dict(os.environ))
             )
-            return
-        sys.path.insert(0, sdk_path)  # the system python3 has no SDK of its own
-        # The SDK passes only a few variables to its server by default; cogni-tool needs
-        # the run's (its socket and run id).
-        async with sdk_session("cogni-tool", ["mcp"], env=dict(os.environ)) as session:
             if not behind_only:
                 variants["mcp_sdk"] = sdk_call(session, GATEWAY_TOOL, {})
             if behind:
                 variants["behind_sdk"] = sdk_call(session, behind, BEHIND_ARGUMENTS)
-            times = await run_rounds(variants, rounds=rounds, calls=counts, warmup=warmup)
-        print(json.dumps(times))
-    finally:
-        raw.close()
+            if direct:
+                # The SDK's default environment for its server, as on the host.
+                direct_session = await stack.enter_async_context(sdk_session(direct[0], direct[1:]))
+                variants["direct_sdk"] = sdk_call(direct_session, DIRECT_TOOL, BEHIND_ARGUMENTS)
+        times = await run_rounds(variants, rounds=rounds, calls=counts, warmup=warmup)
+    print(json.dumps(times))
 
 
 def main(argv: Sequence[str]) -> int:
-    if len(argv) not in (5, 6, 7, 8) or argv[0] != "inside" or argv[7:] not in ([], ["all"], ["c"]):
+    if len(argv) < 5 or argv[0] != "inside" or argv[7:8] not in ([], ["all"], ["c"]):
         print(__doc__, file=sys.stderr)
         return 2
     rounds, calls, exec_calls, warmup = (int(value) for value in argv[1:5])
     sdk_path = argv[5] if len(argv) > 5 else ""
     behind = argv[6] if len(argv) > 6 else ""
-    behind_only = argv[7:] == ["c"]
-    asyncio.run(inside(rounds, calls, exec_calls, warmup, sdk_path, behind, behind_only))
+    behind_only = argv[7:8] == ["c"]
+    direct = argv[8:]
+    asyncio.run(inside(rounds, calls, exec_calls, warmup, sdk_path, behind, behind_only, direct))
     return 0
 
 

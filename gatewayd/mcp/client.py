@@ -160,6 +160,12 @@ class McpSession:
         answers with a version gatewayd does not speak."""
         raise NotImplementedError
 
+    def cached_tools(self) -> tuple[RemoteTool, ...] | None:
+        """The server's tools as last read, while the server has not said they changed
+        (None: to be read with :meth:`tools`). Never awaits: a call's pin check reads
+        them without a request, a cancel scope or a schedule point."""
+        return self._tools
+
     async def tools(self) -> tuple[RemoteTool, ...]:
         """The server's tools, every page (cached until the server says they changed).
 
@@ -190,7 +196,9 @@ class McpSession:
         self, tool: str, arguments: Mapping[str, Any], timeout_s: float = math.inf
     ) -> RemoteResult:
         """One ``tools/call``. Cancelling it (or ``timeout_s`` passing) sends the server
-        a ``notifications/cancelled`` for it.
+        a ``notifications/cancelled`` for it. With no ``timeout_s`` the call makes no
+        deadline of its own: a caller that holds one already (the supervisor's) is the
+        only cancel scope with a deadline on the call's path.
 
         Error handling: CallTimedOut after ``timeout_s``; SessionFailed; ServerError for
         a JSON-RPC error answer or one off MCP's shapes."""
@@ -267,13 +275,18 @@ class _StdioSession(McpSession):
     async def call(
         self, tool: str, arguments: Mapping[str, Any], timeout_s: float = math.inf
     ) -> RemoteResult:
+        if timeout_s == math.inf:
+            return await self._call(tool, arguments)
         with trio.move_on_after(timeout_s):
-            answer = await self._request("tools/call", {"name": tool, "arguments": dict(arguments)})
-            result = _call_result(answer)
-            if not result.is_error:
-                await self._check_structured(tool, answer, result.structured)
-            return result
+            return await self._call(tool, arguments)
         raise self._timed_out(timeout_s)
+
+    async def _call(self, tool: str, arguments: Mapping[str, Any]) -> RemoteResult:
+        answer = await self._request("tools/call", {"name": tool, "arguments": dict(arguments)})
+        result = _call_result(answer)
+        if not result.is_error:
+            await self._check_structured(tool, answer, result.structured)
+        return result
 
     async def ping(self) -> None:
         await self._request("ping", None)

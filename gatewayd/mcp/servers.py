@@ -169,6 +169,9 @@ class McpServers:
         declaration = self._declarations[server]
         instance = await self._instance(server, caller)
         session = _session(instance)
+        cached = session.cached_tools()
+        if cached is not None:  # every call's pin check: no request, nothing to guard
+            return cached
         tools: tuple[RemoteTool, ...] = await self._guarded(
             instance, session.tools(), declaration.call_timeout_s, what="tools/list"
         )
@@ -196,8 +199,9 @@ class McpServers:
         limit = min(timeout_s, declaration.call_timeout_s)
         instance = await self._instance(server, caller)
         session = _session(instance)
+        # _guarded's deadline is the call's only one (the session's call makes none).
         result: RemoteResult = await self._guarded(
-            instance, session.call(tool, arguments, limit), limit, what=f"tools/call {tool}"
+            instance, session.call(tool, arguments), limit, what=f"tools/call {tool}"
         )
         return RemoteResult(
             content=self._scrubber.value(result.content),

@@ -66,6 +66,14 @@ def test_mcp_overhead_bench_prints_every_variant() -> None:
         row = rf"{re.escape(label)}\s+{calls}\s+{MS}\s+{MS}\s+{VERSUS}"
         assert re.search(row, c_section), (label, c_section)
     assert re.search(r"on the host \(direct\)\s+10\s+.*\(baseline\)", c_section), c_section
+    # The in-sandbox rows against the direct calls the driver made beside them.
+    for label in (
+        "official SDK client -> mcp-server-time in the sandbox (direct)",
+        "std-lib client -> mcp-server-time in the sandbox (direct)",
+    ):
+        row = rf"{re.escape(label)}\s+10\s+{MS}\s+{MS}\s+{VERSUS}"
+        assert re.search(row, c_section), (label, c_section)
+    assert re.search(r"in the sandbox \(direct\)\s+10\s+.*\(baseline\)", c_section), c_section
 
 
 def test_rows_c_measures_the_declared_server_rows_alone() -> None:
@@ -84,6 +92,7 @@ def test_rows_c_measures_the_declared_server_rows_alone() -> None:
     (c_section,) = re.findall(r"^\(c\).*(?:\n  .*)*", out, flags=re.MULTILINE)
     for label in (
         "official SDK client -> mcp-server-time on the host (direct)",
+        "official SDK client -> mcp-server-time in the sandbox (direct)",
         "in the sandbox: SDK client -> cogni-tool mcp -> gatewayd -> server",
         "std-lib client -> the same, audit_fsync: false",
     ):

@@ -273,6 +273,27 @@ async def test_a_hung_call_times_out_and_the_next_call_works(base: Path) -> None
         assert await mcp.call("misc", "echo", caller, text="y") == "y"
 
 
+async def test_a_listed_server_answers_its_tools_without_a_request_or_a_guard(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every call's pin check reads the tool list: once listed, it comes from the
+    session's cache, with no request and no deadline; only the call itself is guarded."""
+    async with gateway(base, {"misc": server()}) as mcp:
+        caller = await mcp.run()
+        listed = await mcp.servers.list_tools("misc", caller=caller)
+        guarded: list[str] = []
+        guard = mcp.servers._guarded
+
+        async def spy(instance: Any, pending: Any, limit: float, what: str) -> Any:
+            guarded.append(what)
+            return await guard(instance, pending, limit, what)
+
+        monkeypatch.setattr(mcp.servers, "_guarded", spy)
+        assert await mcp.servers.list_tools("misc", caller=caller) is listed
+        assert await mcp.call("misc", "echo", caller, text="x") == "x"
+        assert guarded == ["tools/call echo"]
+
+
 async def test_calls_waiting_on_a_stopped_instance_answer_at_once(base: Path) -> None:
     async with gateway(base, {"misc": server()}) as mcp:
         caller = await mcp.run()

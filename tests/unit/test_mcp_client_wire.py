@@ -404,6 +404,56 @@ async def test_a_message_longer_than_the_bound_fails_the_session(
         assert isinstance(error, SessionFailed) and "MAX_MESSAGE_BYTES" in str(error)
 
 
+async def test_a_call_without_a_timeout_opens_no_deadline_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The supervisor holds the call's deadline: a call it makes without one adds no
+    scope; with one, the call keeps its own (callers outside the supervisor)."""
+    deadlines: list[float] = []
+    move_on_after = trio.move_on_after
+
+    def counted(seconds: float) -> trio.CancelScope:
+        deadlines.append(seconds)
+        return move_on_after(seconds)
+
+    async with ready() as (session, server, nursery):
+        monkeypatch.setattr(trio, "move_on_after", counted)
+        ok = await call_answered(session, server, nursery, "echo", {"content": []})
+        assert ok.content == [] and deadlines == []
+        outcome = await in_background(nursery, lambda: session.call("echo", {}, timeout_s=5))
+        await server.answer(await server.receive(), {"content": []})
+        assert (await settled(outcome)).content == [] and deadlines == [5]
+        # Cut off by its caller's deadline alone, the server is still told.
+        with trio.move_on_after(0.05):
+            await session.call("echo", {})
+        assert (await server.receive())["method"] == "tools/call"
+        notice = await server.receive()
+        assert notice["method"] == "notifications/cancelled" and session.failure is None
+
+
+# -- the cached tool list ----------------------------------------------------------------
+
+
+async def test_the_listed_tools_are_read_without_a_request_until_they_change() -> None:
+    async with connected() as (session, server, nursery):
+        assert session.cached_tools() is None  # never listed
+    async with ready() as (session, server, nursery):
+        cached = session.cached_tools()
+        assert cached is not None and [tool.name for tool in cached] == ["echo", "shaped"]
+        assert await session.tools() is cached  # the same list, no request
+        await server.send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})
+        with trio.fail_after(5):
+            while session.cached_tools() is not None:
+                await trio.sleep(0.001)
+        # Read again: the next listing asks the server.
+        listed = await in_background(nursery, session.tools)
+        request = await server.receive()
+        assert request["method"] == "tools/list"
+        await server.answer(request, {"tools": TOOLS[:1]})
+        assert [tool.name for tool in await settled(listed)] == ["echo"]
+        assert session.cached_tools() == await session.tools()
+
+
 # -- requests written straight to a pipe (the server's stdin as gatewayd holds it) --
 
 
