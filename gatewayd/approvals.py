@@ -40,6 +40,7 @@ import collections
 import contextlib
 import datetime
 import json
+import math
 import os
 import re
 import secrets
@@ -457,7 +458,11 @@ class Approvals:
         the decision could not be made durable: the file stays, and the next start denies
         it ("never ran" stays true: the call does not go on)."""
         if pending.decided_seq is not None:
-            with trio.move_on_after(WITHDRAW_FLUSH_S) as flush:
+            # Only a withdrawal gives up waiting: an operator's or the timeout's verdict
+            # waits for its entry like any call's, so what the operator was told (and the
+            # one approval_decided entry) is what happened.
+            bound = WITHDRAW_FLUSH_S if pending.verdict == WITHDRAWN else math.inf
+            with trio.move_on_after(bound) as flush:
                 try:
                     await self.audit.durable(pending.decided_seq)
                 except AuditWriteError:

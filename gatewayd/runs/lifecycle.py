@@ -9,6 +9,7 @@ the daemon's nursery it is given, and a run ends by cancelling its scope; its en
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -34,6 +35,7 @@ from gatewayd.runs.services import CallEgressProxies, services_for, start_servic
 from gatewayd.runs.startup import HostSandbox
 from gatewayd.runs.workspaces import (
     BASE_LENDING_MODES,
+    FINISHED_END_REASONS,
     BaseLender,
     WorkspacePlan,
     choose_workspace,
@@ -389,6 +391,7 @@ class RunManager:
         limits = policy.sandbox
         image = run.spec.request.sandboxImage
         async with self._isolating:
+            taken = False
             if plan is not None:
                 # The uid first: an overlay's base is lent to it before the mount.
                 taken = user is None
@@ -405,7 +408,15 @@ class RunManager:
                     # A view gatewayd made for the run alone (agentfs): lent like a
                     # workspace, beneath the session's own directory.
                     roots = dataclasses.replace(roots, own=(*roots.own, run.workspace.directory))
-            await self._open_sandbox(run, limits, image, user, lend_workspace, roots, view)
+            try:
+                await self._open_sandbox(run, limits, image, user, lend_workspace, roots, view)
+            except BaseException:
+                if taken and user is not None:
+                    # The base goes back before its uid returns to the pool.
+                    with trio.CancelScope(shield=True):
+                        await self._drop_workspace(run)
+                    self.uid_pool.release(user)
+                raise
         if run.workspace is not None and run.sandbox is not None:
             run.sandbox.after_command = _syncer(run.workspace.session)
 
@@ -761,7 +772,14 @@ class RunManager:
                 give_back_base, handle.directory
             )
             returned = True
-            run.workspace_fate = await trio.to_thread.run_sync(store.end_of_run, run.run_id)
+            interrupted = (
+                None
+                if run.end_reason in FINISHED_END_REASONS
+                else f"the run ended before its work did ({run.end_reason})"
+            )
+            run.workspace_fate = await trio.to_thread.run_sync(
+                functools.partial(store.end_of_run, run.run_id, interrupted=interrupted)
+            )
             detail["action"] = run.workspace_fate
         except Exception as exc:
             log.exception("workspace_end_failed", run_id=run.run_id)
@@ -790,10 +808,15 @@ class RunManager:
         try:
             await trio.to_thread.run_sync(handle.seal)
             await trio.to_thread.run_sync(give_back_base, handle.directory)
-            await trio.to_thread.run_sync(store.end_of_run, run.run_id)
-            await trio.to_thread.run_sync(store.discard, run.run_id)
+            # Whatever its on-end says: nothing ran, nothing is committed.
+            await trio.to_thread.run_sync(
+                functools.partial(store.end_of_run, run.run_id, on_end="discard")
+            )
         except Exception:
             log.exception("workspace_drop_failed", run_id=run.run_id)
+            if handle.mode in BASE_LENDING_MODES:
+                # Perhaps still lent: no other run takes it until a start recovers it.
+                self._stuck_trees.append(handle.base)
         run.workspace = None
 
     async def end(self, run_id: str, reason: str = "ended") -> dict[str, Any] | None:

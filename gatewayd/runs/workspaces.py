@@ -52,6 +52,10 @@ from gatewayd.sandbox.session import WorkspaceInUse
 from gatewayd.sandbox.uids import UidRange
 
 _MIB: Final = 1 << 20
+# How a run ends when its work is done: asked to by its caller (`gatewayd run`'s command
+# exited, the control socket's DELETE, an explicit end). Any other end (its time ran out,
+# the daemon stopped, the start failed) interrupts it: its on-end commit is not made.
+FINISHED_END_REASONS: Final = frozenset({"ended", "command_exited", "ended_by_operator"})
 # The modes whose base is lent to the run's uid before the session is opened (the
 # sandbox writes a view whose lower layer is the base itself).
 BASE_LENDING_MODES: Final = frozenset({"overlay"})

@@ -330,8 +330,9 @@ class RunSandbox:
         """Make the run's sandbox resources; on any failure, undo what was made.
         ``roots``: what the writable trees must lie beneath (the lease checks them).
         ``busy_trees`` are the trees other live runs hold: overlapping one is refused.
-        ``user``: a uid the caller took from ``pool`` already (it is released like one
-        taken here). ``lend_workspace=False``: the caller made the workspace the run's
+        ``user``: a uid the caller took from ``pool`` already (the caller releases it
+        when the open fails: a base lent to it must go back first; released at close
+        like one taken here). ``lend_workspace=False``: the caller made the workspace the run's
         own and disposes of it (an agent run's overlay, gatewayd/agent/; a run's session
         over a base lent before the mount, gatewayd/runs/workspaces.py), so it is not
         lent and not given back, nor is a rw policy path beneath it. ``view``: an app's
@@ -354,6 +355,7 @@ class RunSandbox:
         # folder in it for the run, which two runs would do to each other.
         caller_holds = view.workspace_read_only
         view = sandbox_view(grants, workspace, view)
+        taken_here = user is None
         user = user or pool.acquire()
         netns: NetnsHandle | None = None
         lease: Lease | None = None
@@ -462,7 +464,8 @@ class RunSandbox:
                 if netns is not None:
                     name = netns.name
                     await trio.to_thread.run_sync(remove_run_netns, name)
-                pool.release(user)
+                if taken_here:
+                    pool.release(user)
             if isinstance(exc, SandboxUnavailable | NotLendable):
                 raise
             if isinstance(exc, LeaseError):  # the workspace's state, not gatewayd's fault

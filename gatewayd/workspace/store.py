@@ -779,11 +779,17 @@ class WorkspaceStore:
         with self._live_lock:
             return self._live.get(run_id)
 
-    def end_of_run(self, run_id: str) -> str:
+    def end_of_run(
+        self, run_id: str, *, on_end: OnEnd | None = None, interrupted: str | None = None
+    ) -> str:
         """Apply the run's on-end to its session (sealing it first if the caller did
         not): "committed", "discarded", or "kept until <ISO time>" (with the reason when
-        a commit was refused: a conflict, a host delta past its limit). Releases the
-        session's lock. Error handling: WorkspaceNotFound when no live session of
+        a commit was refused: a conflict, a host delta past its limit). ``on_end``
+        overrides the session's own (a run refused before anything ran: discard).
+        ``interrupted``: why the run ended before its work did (its time ran out, the
+        daemon stopped); a commit is then not made, the session is kept with that note,
+        as a crash keeps it: half-done work never reaches the base on its own. Releases
+        the session's lock. Error handling: WorkspaceNotFound when no live session of
         ``run_id`` is in this store; a discard that fails raises (the session stays
         kept, and recover() or a later discard finishes it)."""
         with self._live_lock:
@@ -793,7 +799,12 @@ class WorkspaceStore:
         try:
             handle.seal()
             info = handle.info
-            if info.on_end == "discard":
+            action = on_end or info.on_end
+            if action == "commit" and interrupted is not None:
+                note = f"commit skipped: {interrupted}"
+                kept = self._keep(handle.directory, info, note=note)
+                return f"kept until {iso_time(kept)} ({note})"
+            if action == "discard":
                 try:
                     self._discard_locked(handle.directory, info, handle.session, wait=True)
                     return "discarded"
@@ -801,7 +812,7 @@ class WorkspaceStore:
                     # A host session over a base another run is live on: restored later.
                     kept = self._keep(handle.directory, info, note=f"discard refused: {exc}")
                     return f"kept until {iso_time(kept)} (discard refused: {exc})"
-            if info.on_end == "commit":
+            if action == "commit":
                 try:
                     done = self._commit_locked(handle.directory, info, handle.session, wait=True)
                     summary = commit_summary(done)

@@ -224,6 +224,46 @@ def test_on_end_commit_and_mode_host_are_chosen_on_the_command_line(base: Path) 
     assert tree(host) == tree(make_workspace(base, "ws-fresh"))
 
 
+def test_a_run_cut_off_by_its_time_limit_keeps_its_session_instead_of_committing(
+    base: Path,
+) -> None:
+    ws = make_workspace(base)
+    before = tree(ws)
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    proc = gw(
+        base,
+        "run",
+        "--state-dir",
+        str(base / "state"),
+        "--lendable-root",
+        str(base),
+        "--workspace",
+        str(ws),
+        "--policy",
+        str(policy),
+        "--on-end",
+        "commit",
+        "--max-runtime",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "echo half > half.txt; sleep 60",
+    )
+    assert proc.returncode != 0, proc.stderr
+    assert "commit skipped: the run ended before its work did (max_runtime_exceeded)" in (
+        proc.stderr
+    )
+    assert tree(ws) == before  # the half-done work never reached the base
+    run_id = run_id_of(proc)
+    diff = gw(base, "workspace", "diff", "--state-dir", str(base / "state"), run_id)
+    assert diff.returncode == 0 and "half.txt" in diff.stdout, diff.stderr
+    commit = gw(base, "workspace", "commit", "--state-dir", str(base / "state"), run_id)
+    assert commit.returncode == 0, commit.stderr  # the operator may still apply it
+    assert (ws / "half.txt").read_text() == "half\n"
+
+
 def test_a_mode_the_policy_keeps_from_requests_is_refused_naming_the_allowed(base: Path) -> None:
     ws = make_workspace(base)
     before = tree(ws)
@@ -418,6 +458,45 @@ async def test_an_absolute_rw_path_into_the_base_is_refused(daemon: Daemon, base
     path.write_text(policy)
     with pytest.raises(PolicyViolation, match="relative to the workspace"):
         await start(daemon, base, ws, policy=str(path))
+
+
+async def test_a_sandbox_refused_after_the_session_opened_gives_the_base_back_first(
+    daemon: Daemon, base: Path
+) -> None:
+    ws = make_workspace(base)
+    before = tree(ws)
+    not_an_image = base / "not-an-image"
+    not_an_image.mkdir()
+    request = RunRequest(
+        workspacePath=str(ws),
+        policy="virtual",
+        actorId="tester",
+        tenantId="t1",
+        grant=Grant(allowSandbox=True),
+        workspace=WorkspaceRequest(mode="overlay", onEnd="commit"),
+        sandboxImage=str(not_an_image),
+    )
+    pool = daemon.runs.uid_pool
+    owners_at_release: list[set[int]] = []
+    release = pool.release
+
+    def watched(user: Any) -> None:
+        owners_at_release.append({os.lstat(p).st_uid for p in [ws, *ws.rglob("*")]})
+        release(user)
+
+    pool.release = watched  # type: ignore[method-assign]
+    try:
+        with pytest.raises(SandboxUnavailable):
+            await daemon.runs.start(request)
+    finally:
+        del pool.release
+    # The uid went back to the pool once, after the base was the owner's again.
+    assert owners_at_release == [{os.stat(ws).st_uid}]
+    assert tree(ws) == before  # owners given back, nothing committed
+    assert pool.in_use == 0
+    assert WorkspaceStore(daemon.config.resolved_agent_dir).list() == []
+    again = await start(daemon, base, ws)  # the base is free for the next run
+    await daemon.runs.end(again.run_id)
 
 
 @pytest.mark.parametrize("mode", ["overlay", "agentfs"])

@@ -188,3 +188,40 @@ async def _approve_ignoring_failure(approvals: Approvals, approval_id: str) -> N
     # The operator is told the audit log failed (the control socket's 500).
     with pytest.raises(AuditWriteError):
         await approvals.decide(approval_id, approve=True, by=OPERATOR)
+
+
+class SlowAuditLog(FakeAuditLog):
+    """A log whose flushes take ``delay`` seconds once it is set (a slow disk)."""
+
+    delay = 0.0
+
+    async def durable(self, seq: int) -> None:
+        await trio.sleep(self.delay)
+        await super().durable(seq)
+
+
+async def test_an_approval_whose_entry_is_slow_to_be_durable_still_runs_once(
+    tmp_path: Path, autojump_clock: MockClock
+) -> None:
+    log = SlowAuditLog()
+    seen = Seen(lambda: log.durable_seq)
+    dispatcher = make_dispatcher(log, fake_tools(seen), autojump_clock)
+    approvals = with_approvals(dispatcher, log, tmp_path / "state")
+    run = marked_run(tmp_path)
+    answer: list[Response] = []
+
+    async def calling() -> None:
+        request = call("test.write", {"path": "out.txt", "text": "x"})
+        answer.append(await dispatcher.handle(run, request, PEER))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(calling)
+        waiting = await first_waiting(approvals)
+        log.delay = 30.0  # longer than a withdrawal would wait for its entry
+        await approvals.decide(waiting["approvalId"], approve=True, by=OPERATOR)
+    # What the operator was told happened: the call ran, once, and nothing is left for
+    # the next start to deny (a second approval_decided).
+    assert answer[0].ok is True, answer[0]
+    assert [tool for tool, _ in seen.runs] == ["test.write"]
+    assert list((tmp_path / "state" / "approvals").iterdir()) == []
+    assert len(events(log, "approval_decided")) == 1

@@ -181,6 +181,31 @@ def test_on_end_is_applied_at_the_end_of_the_run(where: Path, kind: str, on_end:
     assert store.list() == []
 
 
+def test_an_interrupted_run_is_kept_instead_of_committed(where: Path, kind: str) -> None:
+    base = make_base(where)
+    store = WorkspaceStore(where / "state")
+    handle = open_run(store, base, kind, on_end="commit")
+    (handle.root / "half.txt").write_text("half\n")
+    outcome = store.end_of_run(RUN, interrupted="its time ran out")
+    assert outcome.startswith("kept until ") and "commit skipped: its time ran out" in outcome
+    (info,) = store.list()
+    assert info.state == "kept" and info.note == "commit skipped: its time ran out"
+    if kind != "host":  # host mode wrote the base during the run; discard restores it
+        assert not (base / "half.txt").exists()
+    store.discard(RUN)
+    assert not (base / "half.txt").exists()
+
+
+def test_an_on_end_override_discards_whatever_the_session_said(where: Path, kind: str) -> None:
+    base = make_base(where)
+    before = tree(base)
+    store = WorkspaceStore(where / "state")
+    handle = open_run(store, base, kind, on_end="commit")
+    run_writes(handle)
+    assert store.end_of_run(RUN, on_end="discard") == "discarded"
+    assert tree(base) == before and store.list() == []
+
+
 def test_commit_refuses_a_conflict_naming_the_files(where: Path) -> None:
     base = make_base(where)
     store = WorkspaceStore(where / "state")
