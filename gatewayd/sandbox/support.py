@@ -15,6 +15,7 @@ import ctypes
 import errno
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -37,6 +38,13 @@ USERNS_SYSCTL: Final = Path("/proc/sys/user/max_user_namespaces")
 PROBE_TIMEOUT_S: Final = 10.0
 # The probe's namespace: a run id no run gets (runs are random; this one is all zeros).
 PROBE_RUN_ID: Final = "0" * 32
+# bwrap's `--ro-bind / /` remounts every mount beneath /; one that another process
+# unmounts meanwhile (a run's network namespace torn down by this or another gatewayd)
+# fails that start with this message. A host that cannot build a sandbox fails every
+# time: a few tries tell the two apart.
+PROBE_ATTEMPTS: Final = 3
+MOUNT_RACE: Final = "Unable to apply mount flags"
+PROBE_RETRY_PAUSE_S: Final = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,25 +119,29 @@ def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> San
 
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--ro-bind", "/", "/"]
     argv += ["--proc", "/proc", "--dev", "/dev", "--cap-drop", "ALL", "--", "/bin/true"]
-    try:
-        done = subprocess.run(
-            argv,
-            env={},
-            capture_output=True,
-            timeout=PROBE_TIMEOUT_S,
-            check=False,
-            preexec_fn=lambda: drop_privileges(probe_user),
-        )
-    except (OSError, subprocess.SubprocessError) as exc:
-        return SandboxSupport(False, f"cannot start {bwrap}: {exc}")
-    if done.returncode != 0:
+    for attempt in range(1, PROBE_ATTEMPTS + 1):
+        try:
+            done = subprocess.run(
+                argv,
+                env={},
+                capture_output=True,
+                timeout=PROBE_TIMEOUT_S,
+                check=False,
+                preexec_fn=lambda: drop_privileges(probe_user),
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            return SandboxSupport(False, f"cannot start {bwrap}: {exc}")
+        if done.returncode == 0:
+            return SandboxSupport(True)
         detail = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
-        return SandboxSupport(
-            False,
-            f"bubblewrap cannot build a sandbox as an unprivileged uid: {detail} (are "
-            "unprivileged user namespaces allowed? kernel.unprivileged_userns_clone)",
-        )
-    return SandboxSupport(True)
+        if MOUNT_RACE not in detail or attempt == PROBE_ATTEMPTS:
+            break
+        time.sleep(PROBE_RETRY_PAUSE_S)
+    return SandboxSupport(
+        False,
+        f"bubblewrap cannot build a sandbox as an unprivileged uid: {detail} (are "
+        "unprivileged user namespaces allowed? kernel.unprivileged_userns_clone)",
+    )
 
 
 def _mount_api_missing() -> str:

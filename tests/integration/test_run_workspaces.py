@@ -134,7 +134,10 @@ def gw(base: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def gw_run(base: Path, ws: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def gw_run(
+    base: Path, ws: Path, *extra: str, script: str = CHANGES
+) -> subprocess.CompletedProcess[str]:
+    """`gatewayd run` of ``script`` (a /bin/sh script) on ``ws`` with ``extra`` options."""
     policy = base / "policy.yaml"
     policy.write_text(textwrap.dedent(POLICY))
     return gw(
@@ -152,7 +155,7 @@ def gw_run(base: Path, ws: Path, *extra: str) -> subprocess.CompletedProcess[str
         "--",
         "sh",
         "-c",
-        CHANGES,
+        script,
     )
 
 
@@ -229,28 +232,8 @@ def test_a_run_cut_off_by_its_time_limit_keeps_its_session_instead_of_committing
 ) -> None:
     ws = make_workspace(base)
     before = tree(ws)
-    policy = base / "policy.yaml"
-    policy.write_text(textwrap.dedent(POLICY))
-    proc = gw(
-        base,
-        "run",
-        "--state-dir",
-        str(base / "state"),
-        "--lendable-root",
-        str(base),
-        "--workspace",
-        str(ws),
-        "--policy",
-        str(policy),
-        "--on-end",
-        "commit",
-        "--max-runtime",
-        "3",
-        "--",
-        "sh",
-        "-c",
-        "echo half > half.txt; sleep 60",
-    )
+    script = "echo half > half.txt; sleep 60"
+    proc = gw_run(base, ws, "--on-end", "commit", "--max-runtime", "3", script=script)
     assert proc.returncode != 0, proc.stderr
     assert "commit skipped: the run ended before its work did (max_runtime_exceeded)" in (
         proc.stderr

@@ -52,12 +52,21 @@ def marked_run(workspace: Path) -> Run:
     return run
 
 
-def dispatching(clock: MockClock) -> tuple[FakeAuditLog, Seen, Dispatcher]:
-    """A fake audit log, the fake tools that note how far it was durable when each ran,
-    and a dispatcher of both on ``clock``."""
-    log = FakeAuditLog()
-    seen = Seen(lambda: log.durable_seq)
+def dispatching(
+    clock: MockClock, log: FakeAuditLog | None = None
+) -> tuple[FakeAuditLog, Seen, Dispatcher]:
+    """A fake audit log (``log``, or a new one), the fake tools that note how far it was
+    durable when each ran, and a dispatcher of both on ``clock``."""
+    log = log or FakeAuditLog()
+    durable = log
+    seen = Seen(lambda: durable.durable_seq)
     return log, seen, make_dispatcher(log, fake_tools(seen), clock)
+
+
+async def write_marked(dispatcher: Dispatcher, run: Run, answer: list[Response]) -> None:
+    """The run's marked ``test.write`` call; its answer is appended to ``answer``."""
+    request = call("test.write", {"path": "out.txt", "text": "x"})
+    answer.append(await dispatcher.handle(run, request, PEER))
 
 
 def with_approvals(dispatcher: Dispatcher, log: FakeAuditLog, state: Path) -> Approvals:
@@ -98,13 +107,8 @@ async def test_each_record_is_durable_before_the_next_step_and_the_tool_runs_las
     approvals = with_approvals(dispatcher, log, tmp_path / "state")
     run = marked_run(tmp_path)
     answer: list[Response] = []
-
-    async def calling() -> None:
-        request = call("test.write", {"path": "out.txt", "text": "x"})
-        answer.append(await dispatcher.handle(run, request, PEER))
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(calling)
+        nursery.start_soon(write_marked, dispatcher, run, answer)
         waiting = await first_waiting(approvals)
         (pending,) = events(log, "approval_pending")
         # Shown to the operator only once its record file and its entry are durable.
@@ -204,18 +208,12 @@ async def test_an_approval_whose_entry_is_slow_to_be_durable_still_runs_once(
     tmp_path: Path, autojump_clock: MockClock
 ) -> None:
     log = SlowAuditLog()
-    seen = Seen(lambda: log.durable_seq)
-    dispatcher = make_dispatcher(log, fake_tools(seen), autojump_clock)
+    _, seen, dispatcher = dispatching(autojump_clock, log)
     approvals = with_approvals(dispatcher, log, tmp_path / "state")
     run = marked_run(tmp_path)
     answer: list[Response] = []
-
-    async def calling() -> None:
-        request = call("test.write", {"path": "out.txt", "text": "x"})
-        answer.append(await dispatcher.handle(run, request, PEER))
-
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(calling)
+        nursery.start_soon(write_marked, dispatcher, run, answer)
         waiting = await first_waiting(approvals)
         log.delay = 30.0  # longer than a withdrawal would wait for its entry
         await approvals.decide(waiting["approvalId"], approve=True, by=OPERATOR)
