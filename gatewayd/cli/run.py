@@ -11,8 +11,9 @@ import functools
 import logging
 import os
 import shlex
+import signal
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Final, TextIO
 
@@ -26,12 +27,17 @@ from gatewayd.cli.options import (
 )
 
 if TYPE_CHECKING:
+    import trio
+
     from gatewayd.cli.command import Subparsers
     from gatewayd.daemon import Daemon
     from gatewayd.runs import Run, RunRequest
 
 # A child killed by signal N exits 128 + N, like a shell reports it.
 SIGNAL_EXIT_BASE: Final = 128
+# What stops a one-shot run early: an operator's ^C, a service manager's stop, a
+# closed terminal. gatewayd then exits 128 + N like the command would.
+STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Variables a run's command may inherit from gatewayd's environment; everything else
 # is dropped (invariant SECRETS_HOST_ONLY), and the two COGNI_ variables are added.
 ENV_ALLOWLIST: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TZ")
@@ -256,92 +262,125 @@ def _run(args: argparse.Namespace) -> int:
     configure_logging(logging.WARNING, scrubber=log_scrubber(config))
     status = EXIT_FAILED
 
+    async def work(daemon: Daemon) -> None:
+        nonlocal status
+        try:
+            run = await daemon.runs.start(request, policy_paths=True)
+        except GatewayError as exc:  # no grant, no sandbox, a workspace out of reach
+            print(f"gatewayd: {exc.code}: {exc}", file=sys.stderr)
+            return
+        except (PolicyError, ValueError) as exc:
+            print(f"gatewayd: run refused: {exc}", file=sys.stderr)
+            return
+        mode = run.workspace.mode if run.workspace is not None else None
+        print(
+            f"gatewayd: run {run.run_id} started (policy {run.spec.policy.name}"
+            + (f", workspace mode {mode}" if mode else "")
+            + ")",
+            file=sys.stderr,
+        )
+        max_runtime = run.spec.request.limits.maxRuntimeSec
+        if run.sandbox is not None:
+            status = await _run_in_sandbox(daemon, run, cmd, max_runtime, args)
+            return
+        print(
+            f"gatewayd: WARNING: run {run.run_id} has NO OS sandbox ({run.degraded}); "
+            "its command runs on the host without isolation",
+            file=sys.stderr,
+        )
+        # Audited like a sandboxed command, marked degraded: the reviewer sees what
+        # ran without isolation.
+        await daemon.audit.append(
+            "event",
+            event=AuditEvent.EXEC_STARTED,
+            runId=run.run_id,
+            detail={"command": cmd[:AUDITED_COMMAND_ARGS], "timeoutS": max_runtime},
+            degraded=run.degraded,
+        )
+        # Cancelling run_process stops the command (SIGTERM, then SIGKILL).
+        with trio.move_on_after(max_runtime) as scope:
+            # Our own standard streams, as they are: without a sandbox the command
+            # is on the host anyway.
+            proc = await trio.run_process(
+                cmd,
+                stdin=None,
+                cwd=str(run.spec.workspace),
+                env=child_environment(run),
+                check=False,
+                start_new_session=True,
+            )
+        if scope.cancelled_caught:
+            print(
+                f"gatewayd: run {run.run_id} exceeded its {max_runtime} s "
+                "(maxRuntimeSec); its command was stopped",
+                file=sys.stderr,
+            )
+            rc, status = -1, EXIT_MAX_RUNTIME
+        else:
+            rc = proc.returncode
+            status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
+        seq = daemon.audit.record(
+            "event",
+            event=AuditEvent.EXEC_ENDED,
+            runId=run.run_id,
+            detail={
+                "exitCode": rc if rc >= 0 else None,
+                "signal": -rc if rc < 0 and not scope.cancelled_caught else None,
+                "errorCode": "timeout" if scope.cancelled_caught else None,
+            },
+            degraded=run.degraded,
+        )
+        try:
+            # The exit status says how the command ended: only once the log does.
+            await daemon.runs.durable_before_answer(seq)
+        except AuditWriteError as exc:
+            print(_exec_end_not_audited(exc.detail), file=sys.stderr)
+            status = EXIT_FAILED
+        await _end_one_shot(daemon, run, f"exit {rc}", args)
+
     async def one_shot() -> None:
         nonlocal status
+        stopped_by: list[int] = []
         async with open_daemon(config) as daemon:
-            try:
-                run = await daemon.runs.start(request, policy_paths=True)
-            except GatewayError as exc:  # no grant, no sandbox, a workspace out of reach
-                print(f"gatewayd: {exc.code}: {exc}", file=sys.stderr)
-                return
-            except (PolicyError, ValueError) as exc:
-                print(f"gatewayd: run refused: {exc}", file=sys.stderr)
-                return
-            mode = run.workspace.mode if run.workspace is not None else None
-            print(
-                f"gatewayd: run {run.run_id} started (policy {run.spec.policy.name}"
-                + (f", workspace mode {mode}" if mode else "")
-                + ")",
-                file=sys.stderr,
-            )
-            max_runtime = run.spec.request.limits.maxRuntimeSec
-            if run.sandbox is not None:
-                status = await _run_in_sandbox(daemon, run, cmd, max_runtime, args)
-                return
-            print(
-                f"gatewayd: WARNING: run {run.run_id} has NO OS sandbox ({run.degraded}); "
-                "its command runs on the host without isolation",
-                file=sys.stderr,
-            )
-            # Audited like a sandboxed command, marked degraded: the reviewer sees what
-            # ran without isolation.
-            await daemon.audit.append(
-                "event",
-                event=AuditEvent.EXEC_STARTED,
-                runId=run.run_id,
-                detail={"command": cmd[:AUDITED_COMMAND_ARGS], "timeoutS": max_runtime},
-                degraded=run.degraded,
-            )
-            # Cancelling run_process stops the command (SIGTERM, then SIGKILL).
-            with trio.move_on_after(max_runtime) as scope:
-                # Our own standard streams, as they are: without a sandbox the command
-                # is on the host anyway.
-                proc = await trio.run_process(
-                    cmd,
-                    stdin=None,
-                    cwd=str(run.spec.workspace),
-                    env=child_environment(run),
-                    check=False,
-                    start_new_session=True,
-                )
-            if scope.cancelled_caught:
+            # A stop signal ends the run the way a daemon's stop does (command stopped,
+            # overlay unmounted, base given back, the session kept): without this the
+            # default action would kill gatewayd with its base still lent.
+            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_cancel_on_signal, signals, nursery.cancel_scope, stopped_by)
+                    await work(daemon)
+                    nursery.cancel_scope.cancel()
+            if stopped_by:
+                name = signal.Signals(stopped_by[0]).name
                 print(
-                    f"gatewayd: run {run.run_id} exceeded its {max_runtime} s "
-                    "(maxRuntimeSec); its command was stopped",
+                    f"gatewayd: {name}: the run is being ended (its command stopped); "
+                    "a workspace session is kept (gatewayd workspace list)",
                     file=sys.stderr,
                 )
-                rc, status = -1, EXIT_MAX_RUNTIME
-            else:
-                rc = proc.returncode
-                status = SIGNAL_EXIT_BASE - rc if rc < 0 else rc
-            seq = daemon.audit.record(
-                "event",
-                event=AuditEvent.EXEC_ENDED,
-                runId=run.run_id,
-                detail={
-                    "exitCode": rc if rc >= 0 else None,
-                    "signal": -rc if rc < 0 and not scope.cancelled_caught else None,
-                    "errorCode": "timeout" if scope.cancelled_caught else None,
-                },
-                degraded=run.degraded,
-            )
-            try:
-                # The exit status says how the command ended: only once the log does.
-                await daemon.runs.durable_before_answer(seq)
-            except AuditWriteError as exc:
-                print(_exec_end_not_audited(exc.detail), file=sys.stderr)
-                status = EXIT_FAILED
-            await _end_one_shot(daemon, run, f"exit {rc}", args)
+                status = SIGNAL_EXIT_BASE + stopped_by[0]
 
     trio.run(one_shot)
     return status
 
 
+async def _cancel_on_signal(
+    signals: AsyncIterator[int], scope: trio.CancelScope, stopped_by: list[int]
+) -> None:
+    async for signum in signals:
+        stopped_by.append(signum)
+        scope.cancel()
+        return
+
+
 async def _end_one_shot(
     daemon: Daemon, run: Run, outcome: str, args: argparse.Namespace | None = None
 ) -> None:
-    # The run may already have ended (maxRuntimeSec); its counters stay on it.
-    await daemon.runs.end(run.run_id, reason="command_exited")
+    import trio
+
+    # The run may already have ended (maxRuntimeSec); its counters stay on it. Shielded:
+    # a stop signal arriving now must not cut the summary short.
+    with trio.CancelScope(shield=True):
+        await daemon.runs.end(run.run_id, reason="command_exited")
     by_code = ", ".join(f"{k}: {v}" for k, v in sorted(run.denied_by_code.items()))
     print(
         f"gatewayd: run {run.run_id} ended: {outcome}; {run.calls} calls, "
@@ -412,6 +451,15 @@ async def _run_in_sandbox(
         await _end_one_shot(daemon, run, "its end not audited", args)
         return EXIT_FAILED
     except GatewayError as exc:
+        if run.end_reason == "max_runtime_exceeded":
+            # The run's own time ran out while its command ran: not a failed start.
+            print(
+                f"gatewayd: run {run.run_id} exceeded its {max_runtime} s "
+                "(maxRuntimeSec); its command was stopped",
+                file=sys.stderr,
+            )
+            await _end_one_shot(daemon, run, "max runtime exceeded", args)
+            return EXIT_MAX_RUNTIME
         print(f"gatewayd: the sandbox could not start: {exc}", file=sys.stderr)
         await _end_one_shot(daemon, run, "not started", args)
         return EXIT_FAILED

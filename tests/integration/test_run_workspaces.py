@@ -16,6 +16,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -234,7 +235,9 @@ def test_a_run_cut_off_by_its_time_limit_keeps_its_session_instead_of_committing
     before = tree(ws)
     script = "echo half > half.txt; sleep 60"
     proc = gw_run(base, ws, "--on-end", "commit", "--max-runtime", "3", script=script)
-    assert proc.returncode != 0, proc.stderr
+    assert proc.returncode == 124, proc.stderr  # like timeout(1)
+    assert "exceeded its 3 s (maxRuntimeSec); its command was stopped" in proc.stderr
+    assert "could not start" not in proc.stderr
     assert "commit skipped: the run ended before its work did (max_runtime_exceeded)" in (
         proc.stderr
     )
@@ -612,3 +615,44 @@ def test_a_crashed_daemons_overlay_run_is_kept_and_its_base_given_back(base: Pat
     finally:
         restarted.stop()
     assert tree(ws) == before
+
+
+# --- a stop signal to a one-shot run: ended like a daemon's stop -------------------------
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_ends_the_one_shot_run_and_gives_the_base_back(
+    base: Path, signum: signal.Signals
+) -> None:
+    ws = make_workspace(base)
+    before = tree(ws)
+    policy = base / "policy.yaml"
+    policy.write_text(textwrap.dedent(POLICY))
+    state = base / "state"
+    argv = [GATEWAYD, "run", "--state-dir", str(state), "--lendable-root", str(base)]
+    argv += ["--workspace", str(ws), "--policy", str(policy), "--on-end", "commit"]
+    argv += ["--", "sh", "-c", "echo half > half.txt; echo ready; sleep 60"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == b"ready\n"  # the command runs, the base is lent
+        assert os.stat(ws / "notes.md").st_uid != 0
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stderr = err.decode()
+    assert proc.returncode == 128 + signum, stderr
+    assert f"gatewayd: {signum.name}: the run is being ended" in stderr, stderr
+    assert tree(ws) == before  # given back, unmounted, and nothing committed
+    mounts = Path("/proc/self/mountinfo").read_text()
+    assert str(base) not in mounts
+    run_id = run_id_of(subprocess.CompletedProcess(argv, proc.returncode, "", stderr))
+    diff = gw(base, "workspace", "diff", "--state-dir", str(state), run_id)
+    assert diff.returncode == 0 and "half.txt" in diff.stdout, diff.stderr  # kept
+    log = state / "audit" / "audit.jsonl"
+    verify = gw(base, "audit", "verify", str(log))
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "daemon_stopping" in log.read_text()
