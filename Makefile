@@ -19,10 +19,12 @@ LINT_STAMP := $(LINT_VENV)/.installed
 #   openssl         test certificates for the egress proxy's TLS origins
 #   libcap2-bin     capsh: gatewayd run as a non-root user with ambient capabilities
 #   systemd         systemd-analyze (unit checks) and systemd-sysusers (dry runs)
+#   systemd-container  systemd-nspawn: the end-to-end test boots a real systemd in a
+#                   box (tests/systemdbox.py) and runs the installed service under it
 #   nodejs          the official MCP TypeScript SDK's client in the tests (its engines:
 #                   node >=18; Debian 12 has 18.20). npm: see node-packages
 APT_PACKAGES := bubblewrap libcap-dev libseccomp-dev python3-venv python3-dev gcc git curl iproute2 busybox-static \
-  openssl libcap2-bin systemd nodejs
+  openssl libcap2-bin systemd systemd-container nodejs
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 # litellm must never fetch its price map at import.
@@ -33,7 +35,8 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 NODE_DIR := tests/mcp_node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup system-packages node-packages venv tools demo test test-fast lint typecheck check bench clean
+.PHONY: setup system-packages node-packages venv tools demo test test-fast lint typecheck check bench clean \
+  install uninstall
 
 setup: system-packages venv node-packages
 
@@ -148,3 +151,50 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache
+
+# The service's installation (docs/operations.md, "Install"): a wheel of this checkout in
+# $(PREFIX)/venv, a virtualenv of the SYSTEM interpreter (the service user must be able
+# to run it, and the unit hides /home, /root and /tmp: never a pyenv or the checkout's
+# .venv), the docs the unit names beside it, then `gatewayd install-systemd` (the unit,
+# the socket, the system user, /etc/gatewayd). Again: the same version is reinstalled
+# over itself, the operator's /etc/gatewayd kept. DESTDIR stages it for a package: the
+# scripts' #! lines name $(PREFIX), not the staging directory.
+PREFIX ?= /opt/gatewayd
+DESTDIR ?=
+SYSTEM_PYTHON ?= /usr/bin/python3
+INSTALL_VENV := $(DESTDIR)$(PREFIX)/venv
+# What the wheel is built from (copied out first: two builds at once in one checkout, as
+# in the tests' boxes, would share setuptools' build/ directory otherwise).
+WHEEL_SOURCES := pyproject.toml README.md gatewayd cogni_tool policies systemd
+
+install:
+	@[ "$$($(SYSTEM_PYTHON) -c 'import sys; print(sys.prefix)' 2>/dev/null)" = /usr ] || { \
+	  echo "make install: $(SYSTEM_PYTHON) is not the system's python3 (Debian: apt-get install python3 python3-venv)" >&2; exit 1; }
+	@set -euo pipefail; build=$$(mktemp -d /tmp/gatewayd-wheel.XXXXXX); trap 'rm -rf "$$build"' EXIT; \
+	[ -x $(INSTALL_VENV)/bin/python ] || { echo "==> creating $(INSTALL_VENV) with $(SYSTEM_PYTHON)"; \
+	  $(SYSTEM_PYTHON) -m venv $(INSTALL_VENV); }; \
+	echo "==> building the wheel of $(CURDIR)"; \
+	tar -c --exclude=__pycache__ $(WHEEL_SOURCES) | tar -x -C "$$build/"; \
+	$(INSTALL_VENV)/bin/python -m pip wheel -q --no-deps -w "$$build/dist" "$$build"; \
+	wheel=$$(ls "$$build"/dist/cogni_gateway-*.whl); \
+	echo "==> installing $$(basename $$wheel) and its dependencies into $(INSTALL_VENV)"; \
+	$(INSTALL_VENV)/bin/python -m pip install -q --use-pep517 "$$wheel"; \
+	$(INSTALL_VENV)/bin/python -m pip install -q --force-reinstall --no-deps "$$wheel"
+	@if [ -n "$(DESTDIR)" ]; then \
+	  grep -rlIF "$(INSTALL_VENV)" $(INSTALL_VENV)/bin | xargs -r sed -i "s|$(INSTALL_VENV)|$(PREFIX)/venv|g"; fi
+	rm -rf $(DESTDIR)$(PREFIX)/docs && cp -r docs $(DESTDIR)$(PREFIX)/docs
+	@# -P: the installed gatewayd, not the checkout's (python -m would look in . first)
+	$(INSTALL_VENV)/bin/python -P -m gatewayd.cli install-systemd --root $(or $(DESTDIR),/) \
+	  --program $(PREFIX)/venv/bin/gatewayd
+
+# Stops and disables the service, removes the virtualenv, the docs and the units; keeps
+# the configuration, the state (runs' data, the audit log) and the gatewayd user.
+uninstall:
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then \
+	  systemctl disable --now gatewayd.socket gatewayd.service 2>/dev/null || true; fi
+	rm -rf $(DESTDIR)$(PREFIX)/venv $(DESTDIR)$(PREFIX)/docs
+	rm -f $(DESTDIR)/etc/systemd/system/gatewayd.service $(DESTDIR)/etc/systemd/system/gatewayd.socket \
+	  $(DESTDIR)/etc/tmpfiles.d/gatewayd.conf
+	@rmdir $(DESTDIR)$(PREFIX) 2>/dev/null || true
+	@if [ -z "$(DESTDIR)" ] && [ -d /run/systemd/system ]; then systemctl daemon-reload; fi
+	@echo "==> kept: /etc/gatewayd (configuration), /var/lib/gatewayd and /var/lib/gatewayd-agent (state, the audit log), the gatewayd user (/etc/sysusers.d/gatewayd.conf); remove them by hand if they are not wanted"

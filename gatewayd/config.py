@@ -44,8 +44,10 @@ from pydantic import (
     model_validator,
 )
 
+from gatewayd.audit.cosignature import CosignatureVerifier
 from gatewayd.frame_limits import DEFAULT_MAX_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from gatewayd.mcp.declaration import McpServerDeclaration, ServerName, declared_secret_names
+from gatewayd.metrics_server import parse_listen_address
 from gatewayd.policy.section import MODEL_ALIAS_RE
 from gatewayd.sandbox.daemons import DaemonShare, derived_netns_prefix, derived_uid_range
 from gatewayd.sandbox.lendable import (
@@ -58,10 +60,12 @@ from gatewayd.sandbox.netns import _check_prefix
 from gatewayd.sandbox.plan import BWRAP
 from gatewayd.sandbox.uids import DEFAULT_UID_COUNT, UidRange, check_derivable_count
 from gatewayd.secrets import NAME_RE as SECRET_NAME_RE
+from gatewayd.shipped import shipped_path
+from gatewayd.tracing import MAX_ENDPOINT_CHARS, check_endpoint
 
 DEFAULT_STATE_DIR: Final = Path("/var/lib/gatewayd")
-# Shipped policies, next to the package in a source checkout.
-SHIPPED_POLICY_DIR: Final = Path(__file__).resolve().parent.parent / "policies"
+# Shipped policies: package data (the checkout's policies/ in a checkout).
+SHIPPED_POLICY_DIR: Final = shipped_path("policies")
 SHIPPED_POLICY_DIRS: Final = (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
 # The audit log's active file rotates before it passes this: big enough that a busy
 # daemon rotates a few times a day, not every minute; small enough that a segment is
@@ -86,6 +90,13 @@ MAX_LENDABLE_ROOTS: Final = 32
 # from every other setting, so a change to one of those waits for a restart.
 RELOADABLE_SETTINGS: Final = frozenset({"models"})
 _PROVIDER_RE: Final = re.compile(r"[a-z][a-z0-9_]{0,31}")
+# Scale-out on Temporal (docs/scale-out.md): a frontend's "host:port" (a DNS name or an
+# address, IPv6 in brackets); the namespace and task queue names as Temporal allows them.
+_TEMPORAL_ADDRESS_RE: Final = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}")
+_TEMPORAL_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
+DEFAULT_TEMPORAL_NAMESPACE: Final = "default"
+# The queue gatewayd workers poll and clients submit to unless told otherwise.
+DEFAULT_TEMPORAL_TASK_QUEUE: Final = "gatewayd-agent-runs"
 _ENV_RE: Final = SECRET_NAME_RE  # a variable name, and so a safe credential file name
 
 
@@ -208,6 +219,59 @@ _LENDABLE_ROOTS_HINT: Final = (
 )
 
 
+def _check_listen(text: str) -> str:
+    parse_listen_address(text)  # MetricsListenError is a ValueError: pydantic reports it
+    return text
+
+
+def _check_otel_endpoint(url: str) -> str:
+    return check_endpoint(url, "otel_endpoint")  # TracingError is a ValueError
+
+
+# Witnesses of the audit log's checkpoints: each is one HTTP request per checkpoint (at
+# most one a second); a quorum is a handful, more is a pasted list.
+MAX_AUDIT_WITNESSES: Final = 16
+_WITNESS_URL_RE: Final = re.compile(r"https?://[A-Za-z0-9.\-\[\]:]+(/[A-Za-z0-9._~/%-]*)?")
+
+
+def _check_witness_url(url: str) -> str:
+    if not _WITNESS_URL_RE.fullmatch(url):
+        raise ValueError(
+            f"{url[:80]!r} is not a witness URL: http:// or https://, a host (and port), an "
+            "optional path; no user, query or fragment (e.g. https://witness.example.com/w1)"
+        )
+    return url
+
+
+class AuditWitness(_Strict):
+    """A witness that cosigns the audit log's checkpoints (C2SP tlog-witness)."""
+
+    # The witness's key name, as its verifier key and its cosignatures carry it.
+    name: Annotated[str, Field(strict=True, min_length=1, max_length=255)]
+    # The submission prefix: checkpoints go to <url>/add-checkpoint.
+    url: Annotated[str, Field(strict=True, max_length=2048), AfterValidator(_check_witness_url)]
+    # NAME+KEYID+BASE64 (`gatewayd witness keygen` prints it).
+    verifier_key: Annotated[str, Field(strict=True, min_length=1, max_length=512)]
+
+    @model_validator(mode="after")
+    def _key_is_the_witness(self) -> AuditWitness:
+        key = CosignatureVerifier.from_string(self.verifier_key)  # CosignatureError: ValueError
+        if key.name != self.name:
+            raise ValueError(
+                f"verifier_key is the key of {key.name!r}, not of {self.name!r}: name is the "
+                "witness's key name"
+            )
+        return self
+
+
+def _unique_witnesses(witnesses: tuple[AuditWitness, ...]) -> tuple[AuditWitness, ...]:
+    names = [w.name for w in witnesses]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"names a witness more than once: {', '.join(repeated)}")
+    return witnesses
+
+
 class GatewaydConfig(_Strict):
     """The whole file; every setting has a default, so an empty file is valid.
 
@@ -233,6 +297,17 @@ class GatewaydConfig(_Strict):
     audit_reply_after_result: Annotated[bool, Field(strict=True)] = True
     # 0: never rotate.
     audit_max_bytes: Annotated[int, Field(strict=True, ge=0)] = DEFAULT_AUDIT_MAX_BYTES
+    # The signer key of the audit log's checkpoints (`gatewayd audit keygen`), outside
+    # the audit directory; None: the systemd credential audit-checkpoint-key if there is
+    # one, else no checkpoints (docs/audit.md).
+    audit_checkpoint_key: AbsolutePath | None = None
+    # The witnesses each checkpoint is sent to; their cosignatures are kept beside the log
+    # (docs/audit.md, "Witnesses"). Empty: none.
+    audit_witnesses: Annotated[
+        tuple[AuditWitness, ...],
+        Field(max_length=MAX_AUDIT_WITNESSES),
+        AfterValidator(_unique_witnesses),
+    ] = ()
     max_frame_bytes: Annotated[int, Field(strict=True, ge=MIN_FRAME_BYTES, le=MAX_FRAME_BYTES)] = (
         DEFAULT_MAX_FRAME_BYTES
     )
@@ -280,6 +355,31 @@ class GatewaydConfig(_Strict):
     # `gatewayd tools run`: a tool works on an overlay of the workspace (its changes
     # shown, kept only on --commit), or on the workspace itself.
     workspace_mode: Literal["host", "overlay", "agentfs"] = "overlay"
+    # -- observability (docs/metrics.md): the Prometheus listener, "IP:PORT" (None: none;
+    # the control socket's /v1/metrics serves the same), and the OTLP/HTTP collector
+    # traces go to (None: the standard OTEL_EXPORTER_OTLP_* variables, else no traces).
+    metrics_listen: (
+        Annotated[str, Field(strict=True, max_length=64), AfterValidator(_check_listen)] | None
+    ) = None
+    otel_endpoint: (
+        Annotated[
+            str,
+            Field(strict=True, max_length=MAX_ENDPOINT_CHARS),
+            AfterValidator(_check_otel_endpoint),
+        ]
+        | None
+    ) = None
+    # -- scale-out on Temporal (docs/scale-out.md): where the control socket's
+    # /v1/agent-runs routes submit; None: those routes answer 404.
+    temporal_address: (
+        Annotated[str, Field(strict=True), _check(_TEMPORAL_ADDRESS_RE, "temporal_address")] | None
+    ) = None
+    temporal_namespace: Annotated[
+        str, Field(strict=True), _check(_TEMPORAL_NAME_RE, "temporal_namespace")
+    ] = DEFAULT_TEMPORAL_NAMESPACE
+    temporal_task_queue: Annotated[
+        str, Field(strict=True), _check(_TEMPORAL_NAME_RE, "temporal_task_queue")
+    ] = DEFAULT_TEMPORAL_TASK_QUEUE
 
     @model_validator(mode="after")
     def _agent_dir_outside_state_dir(self) -> GatewaydConfig:

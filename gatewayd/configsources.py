@@ -78,6 +78,18 @@ def _env_number(text: str) -> Any:
         raise ValueError(f"{text!r} is not a number") from None
 
 
+def _env_mapping_list(text: str) -> Any:
+    try:
+        value = strictyaml.load(text)
+    except strictyaml.YamlInputError as exc:
+        raise ValueError(f"not a YAML or JSON list ({exc})") from None
+    if not isinstance(value, list):
+        raise ValueError(  # noqa: TRY004 - pydantic reports ValueError
+            "must be a YAML or JSON list, e.g. [{name: ..., url: ..., verifier_key: ...}]"
+        )
+    return value
+
+
 def _env_path_list(text: str) -> Any:
     return [part for part in text.split(os.pathsep) if part]
 
@@ -123,6 +135,12 @@ ENV_SYNTAX: Final[Mapping[str, EnvSyntax]] = {
     "audit_fsync": EnvSyntax(_env_bool, "false"),
     "audit_reply_after_result": EnvSyntax(_env_bool, "false"),
     "audit_max_bytes": EnvSyntax(_env_int, "268435456"),
+    "audit_checkpoint_key": EnvSyntax(_env_text, "/etc/gatewayd/audit-checkpoint.key"),
+    "audit_witnesses": EnvSyntax(
+        _env_mapping_list,
+        "[{name: w.example/1, url: 'https://w.example/1', verifier_key: "
+        "'w.example/1+865d03be+BDdfF6OR1N7dL+XjaTG4/2rPUAHXKJ74KcweZD4m078L'}]",
+    ),
     "max_frame_bytes": EnvSyntax(_env_int, "4194304"),
     "os_sandbox": EnvSyntax(_env_bool, "false"),
     "bwrap": EnvSyntax(_env_text, "/usr/local/bin/bwrap"),
@@ -142,6 +160,11 @@ ENV_SYNTAX: Final[Mapping[str, EnvSyntax]] = {
     "tool_default_runner": EnvSyntax(_env_text, "process"),
     "tool_cache_dir": EnvSyntax(_env_text, "/var/cache/gatewayd/wasm"),
     "workspace_mode": EnvSyntax(_env_text, "host"),
+    "metrics_listen": EnvSyntax(_env_text, "127.0.0.1:9464"),
+    "otel_endpoint": EnvSyntax(_env_text, "http://127.0.0.1:4318"),
+    "temporal_address": EnvSyntax(_env_text, "temporal.internal:7233"),
+    "temporal_namespace": EnvSyntax(_env_text, "agents"),
+    "temporal_task_queue": EnvSyntax(_env_text, "gatewayd-agent-runs-gpu"),
 }
 
 
@@ -360,7 +383,14 @@ def shown_values(config: GatewaydConfig) -> dict[str, Any]:
         elif isinstance(value, BaseModel):
             value = value.model_dump()
         elif isinstance(value, tuple):
-            value = [str(v) if isinstance(v, Path) else v for v in value]
+            value = [
+                str(v)
+                if isinstance(v, Path)
+                else v.model_dump(mode="json")
+                if isinstance(v, BaseModel)
+                else v
+                for v in value
+            ]
         elif isinstance(value, Path):
             value = str(value)
         shown[name] = value

@@ -12,7 +12,10 @@ the MCP servers' pins (``GET /v1/mcp/servers``, ``GET|POST
 /v1/mcp/servers/{server}/pins``, ``GET /v1/mcp/servers/{server}/diff``), and the calls
 waiting for approval (``GET /v1/approvals``, ``POST /v1/approvals/{id}/approve|deny``),
 and the runs' workspace sessions (``GET /v1/workspaces``, ``GET /v1/workspaces/{runId}``,
-``GET /v1/workspaces/{runId}/diff``, ``POST /v1/workspaces/{runId}/commit|discard``).
+``GET /v1/workspaces/{runId}/diff``, ``POST /v1/workspaces/{runId}/commit|discard``),
+and agent runs on Temporal when ``temporal_address`` is set (``POST /v1/agent-runs``,
+``GET|DELETE /v1/agent-runs/{workflowId}``, ``GET /v1/agent-runs/{workflowId}/result``;
+docs/scale-out.md).
 HTTP parsing is h11's (sans-IO); this module only routes. No run socket can reach it:
 it lives in the state directory, which no sandbox sees, and it refuses peers other than
 root or the daemon's own user. A query parameter a route does not take, or one given twice, is
@@ -21,7 +24,8 @@ refused (400), never ignored.
 The socket's path is its own: a start refuses a path where something listens (another
 gatewayd's socket, a run's) or that is not a socket (an audit log, any file), and
 replaces only a socket nobody listens on (a crashed daemon's); a stop removes the
-path only while it is still the socket this server bound.
+path only while it is still the socket this server bound. A listening socket systemd
+passed (gatewayd.socket, gatewayd.sdlisten) is served as it is and never removed.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import socket
 import stat
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, TypeVar
 from urllib.parse import parse_qsl
 
 import h11
@@ -69,6 +73,12 @@ from gatewayd.runs import MAX_PATH_CHARS, RunRegistry, RunRequest, format_valida
 from gatewayd.runs.lifecycle import RunManager
 from gatewayd.sandbox.launch import ResultForm, exec_result_json
 from gatewayd.sandbox.session import SandboxUnavailable
+from gatewayd.scaleout.submission import (
+    AgentRunsError,
+    AgentSubmission,
+    ErrorKind,
+    check_workflow_id,
+)
 from gatewayd.server import open_unix_listener, peer_credentials
 from gatewayd.tools.exec import MAX_ENV_VALUE_CHARS, MAX_ENV_VARS, ExecOptions
 from gatewayd.workspace.store import (
@@ -78,6 +88,10 @@ from gatewayd.workspace.store import (
     WorkspaceStore,
     diff_json,
 )
+
+if TYPE_CHECKING:
+    # Only the type: the Temporal SDK is imported by a daemon that submits agent runs.
+    from gatewayd.scaleout.client import AgentRunsService
 
 log = structlog.get_logger("gatewayd.control")
 
@@ -131,6 +145,17 @@ MAX_EXEC_MANAGER_NAME_CHARS: Final = 32
 MAX_EXEC_ENV_NAME_CHARS: Final = 256
 # The MCP tools one pin request may name: a server's pinned tools are capped lower.
 MAX_PIN_TOOLS: Final = 1024
+# An agent run on Temporal: its status, its result, its cancellation (the id's own
+# shape is checked by gatewayd.scaleout.submission, so a wrong one is told why).
+_AGENT_RUN_PATH: Final = re.compile(r"/v1/agent-runs/([^/]{1,200})(/result)?")
+# Whose fault a failed agent-run request was, as the wire's error codes say it.
+_AGENT_RUNS_CODE: Final[Mapping[ErrorKind, ErrorCode]] = {
+    ErrorKind.BAD_REQUEST: ErrorCode.BAD_REQUEST,
+    ErrorKind.NOT_FOUND: ErrorCode.BAD_REQUEST,
+    ErrorKind.CONFLICT: ErrorCode.BAD_REQUEST,
+    ErrorKind.UNREACHABLE: ErrorCode.TOOL_FAILED,
+    ErrorKind.TIMEOUT: ErrorCode.TIMEOUT,
+}
 # Who an operator says they are: the review desk's addedBy bound.
 MAX_OPERATOR_NAME_CHARS: Final = 200
 
@@ -404,8 +429,11 @@ class ControlServer:
         mcp: Approval | None = None,
         approvals: Approvals | None = None,
         workspaces: WorkspaceStore | None = None,
+        agent_runs: AgentRunsService | None = None,
     ) -> None:
         self.runs = runs
+        # None: no Temporal configured; the agent-run routes answer 404 saying so.
+        self.agent_runs = agent_runs
         # None: this server answers no workspace route (its routes answer 404).
         self.workspaces = workspaces
         # None: this server answers no approvals (its routes answer 404).
@@ -419,14 +447,24 @@ class ControlServer:
         self.app_rules = app_rules
 
     async def serve(
-        self, path: Path, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+        self,
+        path: Path,
+        *,
+        passed: socket.socket | None = None,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen on ``path`` (its real path) until cancelled. A socket nobody listens on
         there is replaced; at the end the path is removed if it is still this socket.
+        ``passed``: the listening socket at ``path`` systemd holds (gatewayd.sdlisten),
+        served as it is; its path is systemd's and is never removed.
 
         Error handling: ControlSocketInUse (:func:`control_socket_problem`) when
         something listens there or it is not a socket; nothing is touched then.
         """
+        if passed is not None:
+            listener = trio.SocketListener(trio.socket.from_stdlib_socket(passed))
+            await self._serve_on(listener, task_status=task_status)
+            return
         path = Path(os.path.realpath(path))
         problem = await trio.to_thread.run_sync(control_socket_problem, path)
         if problem is not None:
@@ -435,20 +473,27 @@ class ControlServer:
             if stat.S_ISSOCK(os.lstat(path).st_mode):
                 path.unlink()  # nobody listens on it: a crashed daemon's
         listener = await open_unix_listener(path, mode=0o600)
-        async with listener:
-            bound = os.lstat(path)
-            try:
-                async with trio.open_nursery() as nursery:
-                    task_status.started()
-                    while True:
-                        stream = await listener.accept()
-                        nursery.start_soon(self._connection, stream)
-            finally:
-                # Only our own socket: whatever took the path since is not ours to remove.
-                with contextlib.suppress(OSError):
-                    now = os.lstat(path)
-                    if (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):
-                        path.unlink()
+        bound = os.lstat(path)
+        try:
+            await self._serve_on(listener, task_status=task_status)
+        finally:
+            # Only our own socket: whatever took the path since is not ours to remove.
+            with contextlib.suppress(OSError):
+                now = os.lstat(path)
+                if (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):
+                    path.unlink()
+
+    async def _serve_on(
+        self,
+        listener: trio.SocketListener,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        async with listener, trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                stream = await listener.accept()
+                nursery.start_soon(self._connection, stream)
 
     async def _connection(self, stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=16 * 1024)
@@ -546,6 +591,8 @@ class ControlServer:
                 return await self._mcp(self.mcp, method, target, body)
             if target.startswith("/v1/workspaces") and self.workspaces is not None:
                 return await self._workspaces(self.workspaces, method, target, body, peer)
+            if target == "/v1/agent-runs" or target.startswith("/v1/agent-runs/"):
+                return await self._agent_runs(method, target, body)
             if target.startswith("/v1/approvals") and self.approvals is not None:
                 return await self._approvals(self.approvals, method, target, body, peer)
             exec_match = _EXEC_PATH.fullmatch(target)
@@ -575,7 +622,9 @@ class ControlServer:
                 "GET|POST /v1/mcp/servers/{server}/pins, GET /v1/mcp/servers/{server}/diff, "
                 "GET /v1/approvals, POST /v1/approvals/{id}/approve|deny, "
                 "GET /v1/workspaces, GET /v1/workspaces/{runId}, "
-                "GET /v1/workspaces/{runId}/diff, POST /v1/workspaces/{runId}/commit|discard",
+                "GET /v1/workspaces/{runId}/diff, POST /v1/workspaces/{runId}/commit|discard, "
+                "POST /v1/agent-runs, GET|DELETE /v1/agent-runs/{workflowId}, "
+                "GET /v1/agent-runs/{workflowId}/result",
             )
         except HttpError as exc:
             return exc.status, _error_body(exc.code, exc.message)
@@ -775,6 +824,45 @@ class ControlServer:
             raise HttpError(409, exc.code, str(exc)) from None
         except GatewayError as exc:
             raise HttpError(_STATUS[exc.code.fault], exc.code, str(exc)) from None
+
+    async def _agent_runs(self, method: str, target: str, body: bytes) -> tuple[int, Any]:
+        """Agent runs on Temporal (gatewayd.scaleout): submit one, read its status or
+        result, cancel it. Any gatewayd worker polling the task queue runs it, this
+        host's or another's; nothing here starts a run on this daemon."""
+        service = self.agent_runs
+        if service is None:
+            raise HttpError(
+                404,
+                ErrorCode.BAD_REQUEST,
+                "this gatewayd submits no agent runs to Temporal: set temporal_address "
+                "(GATEWAYD_TEMPORAL_ADDRESS) in its configuration and restart it "
+                "(docs/scale-out.md), or use `gatewayd agent submit --temporal ADDRESS`",
+            )
+        match = _AGENT_RUN_PATH.fullmatch(target)
+        try:
+            if target == "/v1/agent-runs" and method == "POST":
+                submission = _parse(AgentSubmission, body, "agent run submission")
+                workflow_id = await service.submit(submission)
+                return 201, {
+                    "ok": True,
+                    "workflowId": workflow_id,
+                    "status": f"/v1/agent-runs/{workflow_id}",
+                    "result": f"/v1/agent-runs/{workflow_id}/result",
+                }
+            if match and method == "GET" and match.group(2):
+                return 200, await service.result(check_workflow_id(match.group(1)))
+            if match and method == "GET":
+                return 200, await service.status(check_workflow_id(match.group(1)))
+            if match and method == "DELETE" and not match.group(2):
+                return 202, await service.cancel(check_workflow_id(match.group(1)))
+        except AgentRunsError as exc:
+            raise HttpError(exc.kind.value, _AGENT_RUNS_CODE[exc.kind], exc.message) from None
+        raise HttpError(
+            404,
+            ErrorCode.BAD_REQUEST,
+            f"no route {method} {target}; agent runs: POST /v1/agent-runs, GET|DELETE "
+            "/v1/agent-runs/{workflowId}, GET /v1/agent-runs/{workflowId}/result",
+        )
 
     async def _approvals(
         self, approvals: Approvals, method: str, target: str, body: bytes, peer: Peer | None

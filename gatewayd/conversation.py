@@ -55,7 +55,7 @@ MAX_CALLS_PER_TURN: Final = 32
 MAX_TURN_COMPLETION_TOKENS: Final = 8192
 # Why a conversation stopped: a wall time limit, gatewayd or the model failing, another
 # limit, or a model budget (its caller's) spent.
-StopCode = Literal["timeout", "internal", "task_failed", "rate_limited"]
+StopCode = Literal["timeout", "internal", "task_failed", "rate_limited", "cancelled"]
 # The fs tools whose ``path`` argument is rebased when the conversation has a base.
 _PATH_TOOLS: Final = frozenset({"read", "write", "edit", "list"})
 # What model providers take as a function's name (OpenAI's and Anthropic's rule:

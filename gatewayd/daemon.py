@@ -13,6 +13,8 @@ the rule desk in :mod:`gatewayd.review.ruledesk`, the control API in
 from __future__ import annotations
 
 import functools
+import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -27,6 +29,10 @@ from gatewayd.approvals import Approvals
 from gatewayd.apps.invoke import Apps
 from gatewayd.apps.ruledesk import AppRuleDesk
 from gatewayd.audit import AuditLog, open_audit_log
+from gatewayd.audit.checkpointer import Checkpointer, load_checkpoint_key
+from gatewayd.audit.cosignature import CosignatureVerifier
+from gatewayd.audit.note import Signer
+from gatewayd.audit.witnessing import WitnessClient, WitnessEndpoint
 from gatewayd.config import GatewaydConfig
 from gatewayd.control import ControlServer
 from gatewayd.dialer import Resolver, resolve_host
@@ -36,6 +42,7 @@ from gatewayd.mcp.pins import PinStore
 from gatewayd.mcp.servers import McpServers
 from gatewayd.mcp.tools import McpTools
 from gatewayd.metrics import METRICS, GatewayMetrics
+from gatewayd.metrics_server import parse_listen_address, serve_metrics
 from gatewayd.policyfile import PolicyLoader
 from gatewayd.review.reviewer import Reviewer
 from gatewayd.review.rulebook import RuleBook
@@ -56,10 +63,12 @@ from gatewayd.runs.services import CallEgressProxies
 from gatewayd.runs.startup import prepare_host, raise_open_file_limit
 from gatewayd.sandbox.daemons import DaemonShare, Registration, register_daemon
 from gatewayd.sandbox.uids import UidPool
+from gatewayd.scaleout.submission import TemporalTarget
 from gatewayd.secrets import Scrubber
 from gatewayd.tools import builtin_tools
 from gatewayd.tools.manifest import RunnerKind
 from gatewayd.tools.registry import CallEgress, DuplicateToolError, ToolRegistry
+from gatewayd.tracing import Tracer, open_tracer
 from gatewayd.workspace.store import EXPIRY_INTERVAL_S, WorkspaceStore, audit_recorder
 
 log = structlog.get_logger("gatewayd.daemon")
@@ -94,6 +103,9 @@ class Daemon:
     # Calls waiting for the operator's approval (answered on the control socket).
     approvals: Approvals | None = None
     wasm: WasmEngine | None = None
+    # Signs the audit tree's checkpoints (None: no key configured, or the tree is off);
+    # its on_checkpoint hooks are told of each one.
+    checkpointer: Checkpointer | None = None
 
     @property
     def config(self) -> GatewaydConfig:
@@ -106,6 +118,7 @@ async def open_daemon(
     config: GatewaydConfig,
     *,
     control_socket: Path | None = None,
+    control_listener: socket.socket | None = None,
     tools: ToolRegistry | None = None,
     resolver: Resolver | None = None,
 ) -> AsyncIterator[Daemon]:
@@ -121,10 +134,12 @@ async def open_daemon(
 
     ``control_socket``: the control socket this daemon serves (``gatewayd serve``; None,
     the default: none), registered so that no second daemon binds it or a file of this
-    one's audit log, and never lent to a run. ``tools`` replaces the built-in tool registry
-    (tests add deliberately slow or failing tools to reach the timeout and internal
-    paths). ``resolver``: how http.fetch and the egress proxy resolve names (tests map
-    names to loopback); None: the host's resolver.
+    one's audit log, and never lent to a run. ``control_listener``: the listening socket
+    at ``control_socket`` systemd passed (socket activation, gatewayd.sdlisten), served
+    instead of binding the path, which then stays at stop. ``tools`` replaces the
+    built-in tool registry (tests add deliberately slow or failing tools to reach the
+    timeout and internal paths). ``resolver``: how http.fetch and the egress proxy
+    resolve names (tests map names to loopback); None: the host's resolver.
     """
     raise_open_file_limit()
     config = config.with_real_dirs()
@@ -132,8 +147,13 @@ async def open_daemon(
     scrubber = Scrubber.for_config(config.models, config.scrubbed_secret_env)
     # The tool folders' tools join the built-in ones (or those a test gives).
     registry_of_tools = builtin_tools() if tools is None else tools
+    # Before the log is opened: a key that cannot be used (inside the audit directory,
+    # readable by others) stops the start with the reason (CheckpointKeyError).
+    checkpoint_key = load_checkpoint_key(config.audit_checkpoint_key, config.resolved_audit_path)
     async with (
         _registered(config.host_share(control_socket=control_socket)),
+        # Left last: every run's span has ended when what is queued is exported.
+        _tracing(config) as tracer,
         open_audit_log(
             config.resolved_audit_path,
             fsync=config.audit_fsync,
@@ -157,9 +177,11 @@ async def open_daemon(
         policies = PolicyLoader(config.policy_dirs)
         registry = RunRegistry(config.state_dir, policy_loader=policies)
         metrics = METRICS  # process-wide: see gatewayd/metrics.py
-        metrics.runs_active.function = lambda: len(registry.all())
+        metrics.count_runs_with(lambda: len(registry.all()))
         first_seq = audit.last_seq  # gatewayd_audit_entries_total counts from here
         metrics.audit_entries.function = lambda: audit.last_seq - first_seq
+        checkpointer = await _start_checkpointer(config, audit, checkpoint_key, nursery)
+        _start_witnesses(config, audit, checkpointer, nursery)
         reviewer = Reviewer(config.models, metrics=metrics)
         rules = RuleBook()
         # Only a daemon with a control socket has someone to ask; calls a dead daemon
@@ -238,6 +260,7 @@ async def open_daemon(
 
         runs.run_tools = run_tools
         runs.run_ending = mcp_servers.end_run
+        dispatcher.tracer = runs.tracer = tracer
         rule_desk = RuleDesk(rules, policies=policies, audit=audit)
         # The control server stops before the runs end: no request starts a run then.
         control = trio.CancelScope()
@@ -255,10 +278,25 @@ async def open_daemon(
                     workspaces=workspaces,
                 )
                 await nursery.start(
-                    _serve_control, server, control_socket, control, control_stopped
+                    functools.partial(
+                        _serve_control,
+                        server,
+                        control_socket,
+                        control,
+                        control_stopped,
+                        passed=control_listener,
+                        temporal=_temporal_target(config),
+                    )
                 )
             else:
                 control_stopped.set()
+            if control_socket is not None and config.metrics_listen is not None:
+                # Beside the control socket, for `gatewayd serve` only: a one-run
+                # `gatewayd run` would take a serving daemon's port. Started once the
+                # control server has (a failure here stops that one the usual way).
+                await nursery.start(
+                    serve_metrics, parse_listen_address(config.metrics_listen), metrics
+                )
             yield Daemon(
                 audit=audit,
                 registry=registry,
@@ -276,6 +314,7 @@ async def open_daemon(
                 wasm=wasm,
                 approvals=approvals,
                 workspaces=workspaces,
+                checkpointer=checkpointer,
             )
         finally:
             with trio.CancelScope(shield=True):
@@ -285,6 +324,55 @@ async def open_daemon(
                 await mcp_servers.aclose()
                 await runs.end_all()
             nursery.cancel_scope.cancel()
+
+
+async def _start_checkpointer(
+    config: GatewaydConfig, audit: AuditLog, key: Signer | None, nursery: trio.Nursery
+) -> Checkpointer | None:
+    """Start signing the audit tree's checkpoints (the first one before this returns),
+    or say in the daemon log why there are none."""
+    if audit.tree is None:
+        log.error("audit_tree_off", reason=audit.tree_failure or "disabled")
+        return None
+    if key is None:
+        log.info(
+            "audit_checkpoints_off",
+            reason="no audit_checkpoint_key and no credential audit-checkpoint-key",
+        )
+        return None
+    checkpointer = Checkpointer(audit, key, fsync=config.audit_fsync)
+    await nursery.start(
+        checkpointer.run, lambda message: log.error("audit_checkpoint_failed", reason=message)
+    )
+    return checkpointer
+
+
+def _start_witnesses(
+    config: GatewaydConfig,
+    audit: AuditLog,
+    checkpointer: Checkpointer | None,
+    nursery: trio.Nursery,
+) -> None:
+    """Send every checkpoint to the configured witnesses (a task of its own: never in
+    a call's way), starting with the latest one, signed before the hook was attached."""
+    if not config.audit_witnesses:
+        return
+    if checkpointer is None:
+        log.error("audit_witnesses_off", reason="no checkpoints are signed, so none is witnessed")
+        return
+    client = WitnessClient(
+        [
+            WitnessEndpoint(w.name, w.url, CosignatureVerifier.from_string(w.verifier_key))
+            for w in config.audit_witnesses
+        ],
+        log_path=audit.path,
+        prove=checkpointer.consistency_proof,
+        audit=audit,
+    )
+    checkpointer.on_checkpoint.append(client.on_checkpoint)
+    if checkpointer.latest is not None:
+        client.on_checkpoint(checkpointer.latest.note, checkpointer.latest.checkpoint)
+    nursery.start_soon(client.run)
 
 
 @asynccontextmanager
@@ -359,15 +447,37 @@ async def _serve_control(
     scope: trio.CancelScope,
     stopped: trio.Event,
     *,
+    passed: socket.socket | None = None,
+    temporal: TemporalTarget | None = None,
     task_status: trio.TaskStatus[None],
 ) -> None:
     """The control server at ``path`` until ``scope`` is cancelled; ``stopped`` is set
-    once it has stopped (its socket removed), whether it started or not."""
+    once it has stopped (its socket removed), whether it started or not. ``temporal``:
+    where its agent-run routes submit (None: they answer 404); the connection's thread
+    lives as long as the server."""
     try:
         with scope:
-            await server.serve(path, task_status=task_status)
+            if temporal is None:
+                await server.serve(path, passed=passed, task_status=task_status)
+                return
+            # The Temporal SDK is imported only by a daemon configured to use it.
+            from gatewayd.scaleout.client import open_agent_runs
+
+            async with open_agent_runs(temporal) as agent_runs:
+                server.agent_runs = agent_runs
+                await server.serve(path, passed=passed, task_status=task_status)
     finally:
         stopped.set()
+
+
+def _temporal_target(config: GatewaydConfig) -> TemporalTarget | None:
+    if config.temporal_address is None:
+        return None
+    return TemporalTarget(
+        address=config.temporal_address,
+        namespace=config.temporal_namespace,
+        task_queue=config.temporal_task_queue,
+    )
 
 
 async def _expire_workspaces(workspaces: WorkspaceStore) -> None:
@@ -391,6 +501,23 @@ async def _preload_models() -> None:
         await trio.to_thread.run_sync(model_client.preload)
     except Exception:  # the first call will say what is wrong
         log.exception("model_client_preload_failed")
+
+
+@asynccontextmanager
+async def _tracing(config: GatewaydConfig) -> AsyncIterator[Tracer | None]:
+    """The tracer of this daemon's runs and calls (None: no collector configured, and
+    nothing of OpenTelemetry loaded); at the end, what is queued is exported, in a
+    worker thread (the SDK blocks up to its export timeout, OTEL_EXPORTER_OTLP_TIMEOUT).
+
+    Error handling: TracingError (gatewayd.tracing) for an endpoint in the environment
+    that is not an http(s) URL, raised before the audit log is opened or anything swept."""
+    tracer = open_tracer(config.otel_endpoint, os.environ)
+    try:
+        yield tracer
+    finally:
+        if tracer is not None:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(tracer.shutdown)
 
 
 @asynccontextmanager

@@ -42,7 +42,7 @@ from gatewayd.argsummary import args_digest, sha256_digest, summarize
 from gatewayd.audit import AuditLog, AuditWriteError, Peer
 from gatewayd.config import ModelAlias
 from gatewayd.errors import ArgumentsRejected, GatewayError
-from gatewayd.metrics import METRICS, UNKNOWN_TOOL, GatewayMetrics, ToolMeter
+from gatewayd.metrics import ALLOWED, DENIED, METRICS, UNKNOWN_TOOL, GatewayMetrics, ToolMeter
 from gatewayd.policy import Allow, allowed_tools, tool_allowed
 from gatewayd.policy.approvals_section import required_approval
 from gatewayd.policy.capabilities import RunRights, check_call
@@ -74,6 +74,7 @@ from gatewayd.tools.registry import (
     ToolContext,
     ToolRegistry,
 )
+from gatewayd.tracing import CallSpan, Tracer
 
 log = structlog.get_logger("gatewayd.dispatch")
 
@@ -82,6 +83,9 @@ log = structlog.get_logger("gatewayd.dispatch")
 # slot of the call it serves. Taking a second one could wait forever in a run of one
 # slot (limits.max_concurrent_calls: 1), and trio's limiter refuses a borrower twice.
 _SLOT_HELD: ContextVar[str | None] = ContextVar("gatewayd_slot_held", default=None)
+# The span of the call the current task handles (tracing on), where its tally writes
+# the verdict: the call's steps need not carry it.
+_CALL_SPAN: ContextVar[CallSpan | None] = ContextVar("gatewayd_call_span", default=None)
 
 CANCELLED_MESSAGE: Final = "stopped before it finished: the run or gatewayd is shutting down"
 WITHDRAWN_MESSAGE: Final = (
@@ -167,9 +171,11 @@ class Dispatcher:
         # Runs whose calls are reviewed under rules of their own, not their policy's (an
         # app's child run: the app's rules, always, whatever the policy says).
         self._run_reviews: dict[str, RunReview] = {}
-        self._denials = {code: metrics.denials.cell((str(code),)) for code in ErrorCode}
+        self._denials = {code: metrics.denials.labels(str(code)) for code in ErrorCode}
         # The peer of the calls runners make for a call (:meth:`_nested_for`): gatewayd.
         self._own_peer = Peer(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
+        # Spans of calls (None, the default: tracing is off, and a call pays one test).
+        self.tracer: Tracer | None = None
 
     # -- the tools of one run --------------------------------------------------
 
@@ -246,15 +252,19 @@ class Dispatcher:
         return meter
 
     def _count_denied(self, tool: str, code: ErrorCode) -> None:
-        (self._meters.get(tool) or self._meter(tool)).denied.value += 1
-        self._denials[code].value += 1
+        (self._meters.get(tool) or self._meter(tool)).denied.inc()
+        self._denials[code].inc()
+        if self.tracer is not None:
+            _trace_outcome(DENIED, code)
 
     def _count_allowed(self, tool: str, seconds: float, code: ErrorCode | None) -> None:
         meter = self._meters.get(tool) or self._meter(tool)
-        meter.allowed.value += 1
+        meter.allowed.inc()
         meter.duration.observe(seconds)
         if code is not None:
-            self.metrics.call_failures.inc((str(code),))
+            self.metrics.call_failures.labels(str(code)).inc()
+        if self.tracer is not None:
+            _trace_outcome(ALLOWED, code)
 
     # -- frames that never became requests -------------------------------------
 
@@ -325,10 +335,23 @@ class Dispatcher:
         answer is ``internal`` until the operator fixes the log; a call whose result
         entry cannot be made durable is answered ``internal`` too, never with its value.
         """
+        tracer = self.tracer
+        if tracer is None:
+            try:
+                return await self._handle(run, req, peer, caller_gone)
+            except AuditWriteError:
+                return self._audit_down(run, req.toolCallId, req.tool)
+        # The span's tool is the metrics' label: a name a run made up is "unknown".
+        tool = req.tool if self._meter(req.tool) is not self._unknown_meter else UNKNOWN_TOOL
+        span = tracer.call(run.run_id, tool)
+        token = _CALL_SPAN.set(span)
         try:
             return await self._handle(run, req, peer, caller_gone)
         except AuditWriteError:
             return self._audit_down(run, req.toolCallId, req.tool)
+        finally:
+            _CALL_SPAN.reset(token)
+            span.end()
 
     def _audit_down(self, run: Run, tool_call_id: str | None, tool: str | None) -> Response:
         log.error("audit_unavailable", run_id=run.run_id, tool=tool)
@@ -783,7 +806,7 @@ class Dispatcher:
                 exc, model=section.model, latency_ms=(self.clock() - started) * 1000
             )
         if outcome is not None:
-            self.metrics.reviews.observe(outcome.latency_ms / 1000, (str(outcome.source),))
+            self.metrics.reviews.labels(str(outcome.source)).observe(outcome.latency_ms / 1000)
             answered = outcome.source is Source.MODEL or outcome.prompt_tokens is not None
             if own is not None and own.budget is not None and answered:
                 # An app's reviews are spent on its caller's behalf: its budget pays.
@@ -877,6 +900,14 @@ class Dispatcher:
             durationMs=round((self.clock() - started) * 1000, 3),
         )
         return seq, message
+
+
+def _trace_outcome(verdict: str, code: ErrorCode | None) -> None:
+    """Write a call's verdict on the span of the call this task handles (a frame that
+    never became a request has none)."""
+    span = _CALL_SPAN.get()
+    if span is not None:
+        span.outcome(verdict, None if code is None else str(code))
 
 
 def _rights(run: Run) -> RunRights:

@@ -154,7 +154,7 @@ class EgressProxy:
             log.exception("egress_failed", run_id=self.run_id)
             outcome.fail(ErrorCode.INTERNAL, "gatewayd failed while proxying; see its log")
         finally:
-            METRICS.egress_connections.inc((outcome.verdict,))
+            METRICS.egress_connections.labels(outcome.verdict).inc()
             if trio.current_effective_deadline() == -math.inf:  # cancelled from outside
                 outcome.fail(None, "closed by gatewayd: the run is ending")
             with trio.CancelScope(shield=True):
@@ -179,7 +179,7 @@ class EgressProxy:
         lets only a few linger for their client to read the answer. An audited refusal
         is answered once its entry is durable; one left out has no entry to wait for."""
         start = trio.current_time()
-        METRICS.egress_connections.inc((DENIED,))
+        METRICS.egress_connections.labels(DENIED).inc()
         suppressed = throttle.admit(str(code), start)
         lingering = throttle.lingering < MAX_LINGERING_REFUSALS
         throttle.lingering += lingering

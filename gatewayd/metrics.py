@@ -1,18 +1,22 @@
-"""Operational metrics: a small registry and the Prometheus text format (0.0.4).
+"""Operational metrics: gatewayd's families on ``prometheus_client``'s registry, exposed
+in the Prometheus text format 0.0.4 by its ``generate_latest``.
 
-No dependency: a counter is a dict from a tuple of label values to a number, so counting
-a call costs one dict update on the trio thread (bench/metrics_cost.py measures it). The
-families are declared once, in :class:`GatewayMetrics`; the names follow Prometheus's
-conventions (``gatewayd_`` prefix, ``_total`` for counters, base units: ``_seconds``).
+The maintained client replaced a registry and renderer of our own once
+bench/metrics_cost.py measured both in one run: its labelled child's ``inc`` plus a
+histogram's ``observe`` add about 1 µs to a call, well under the 5 µs budget a call's
+metrics were given (docs/metrics.md, "Cost"). The families are declared once, in
+:class:`GatewayMetrics`; the names follow Prometheus's conventions (``gatewayd_`` prefix,
+``_total`` for counters, base units: ``_seconds``), and the ``sandbox_run_`` families
+are the ``sandbox.run.*`` metrics the sandboxed-agent design asks for, beside them.
 
 Label values are never free text from a sandbox: tool names outside the daemon's tool
 table become ``unknown``, error codes are the closed :class:`~gatewayd.protocol.ErrorCode`
 set, end reasons and review sources are gatewayd's own words. So the number of series is
 bounded by the code, not by what a run sends.
 
-Threads: counters, gauges and most histograms are written on the trio thread only (one
-writer, no lock); the audit fsync histogram is observed by the flusher thread and takes
-a lock per observation (``threaded=True``). Rendering runs on the trio thread.
+Threads: every value takes prometheus_client's lock when written, so the audit writer's
+flusher thread and the trio thread write safely; rendering runs on the trio thread (the
+control socket, the metrics listener).
 
 One process-wide :data:`METRICS`: a Prometheus target is a process, and two places that
 record are built below the daemon where it cannot hand them an object without threading
@@ -24,20 +28,25 @@ them a registry of its own.
 
 from __future__ import annotations
 
-import bisect
-import math
-import re
-import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Final, TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Final
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from gatewayd.protocol import ErrorCode
 
-# The media type of the text exposition format this module writes.
-CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+# No ``_created`` series beside each counter and histogram: they would double the
+# series gatewayd has always exported, and rate() does not need them. Process-wide
+# (the client has no per-registry switch); gatewayd makes no other Prometheus metric.
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
-_NAME: Final = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-_LABEL: Final = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+# The media type of the text exposition format served: generate_latest's legacy text,
+# 0.0.4, which every Prometheus scrapes (the client's newest default names 1.0.0).
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 
 # Latency buckets (seconds). Calls: 100 us (an fs.stat through the whole chokepoint) up
 # to the longest call timeout worth telling apart.
@@ -93,289 +102,9 @@ FSYNC_BUCKETS: Final = (
 )
 # Forking and exec'ing bwrap: a few milliseconds; more means a loaded host.
 LAUNCH_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
-
-Labels = tuple[str, ...]
-
-
-def _check_names(name: str, labelnames: Sequence[str]) -> None:
-    if not _NAME.fullmatch(name):
-        raise ValueError(f"metric name {name!r} is not a Prometheus name")
-    for label in labelnames:
-        if not _LABEL.fullmatch(label) or label.startswith("__") or label == "le":
-            raise ValueError(f"label name {label!r} of {name} is not allowed")
-    if len(set(labelnames)) != len(labelnames):
-        raise ValueError(f"{name} repeats a label name")
-
-
-class _Family:
-    kind: str = "untyped"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        _check_names(name, labelnames)
-        self.name = name
-        self.help = help_text
-        self.labelnames = tuple(labelnames)
-
-    def _check_labels(self, labels: Labels) -> None:
-        if len(labels) != len(self.labelnames) or not all(isinstance(v, str) for v in labels):
-            raise ValueError(f"{self.name} takes labels {self.labelnames}, got {labels!r}")
-
-    def samples(self) -> Iterator[tuple[str, Labels, tuple[str, ...], float]]:
-        """(sample name, label names, label values, value) for rendering."""
-        raise NotImplementedError
-
-
-class Cell:
-    """One series' number. Hot paths hold the cell and add to ``value`` directly."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value: float = 0
-
-
-class Counter(_Family):
-    """A monotonically increasing number per label set. Label sets are checked when a
-    cell is made and when rendered, never per increment."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str, labelnames: Sequence[str] = ()) -> None:
-        if not name.endswith("_total"):
-            raise ValueError(f"counter {name} must end in _total")
-        super().__init__(name, help_text, labelnames)
-        self._cells: dict[Labels, Cell] = {}
-        if not labelnames:
-            self._cells[()] = Cell()
-
-    def cell(self, labels: Labels = ()) -> Cell:
-        """The series for ``labels``, made at 0 if new (so a rate over it starts at the
-        first scrape). A hot path keeps the cell and does ``cell.value += 1``."""
-        found = self._cells.get(labels)
-        if found is None:
-            self._check_labels(labels)
-            found = self._cells[labels] = Cell()
-        return found
-
-    def inc(self, labels: Labels = (), amount: float = 1) -> None:
-        found = self._cells.get(labels)
-        if found is None:
-            found = self.cell(labels)
-        found.value += amount
-
-    def declare(self, *label_sets: Labels) -> None:
-        """Make these series exist at 0."""
-        for labels in label_sets:
-            self.cell(labels)
-
-    def value(self, labels: Labels = ()) -> float:
-        found = self._cells.get(labels)
-        return 0 if found is None else found.value
-
-    def samples(self) -> Iterator[tuple[str, Labels, tuple[str, ...], float]]:
-        for labels, found in sorted(self._cells.items()):
-            yield self.name, self.labelnames, labels, found.value
-
-
-class Gauge(_Family):
-    """A number that goes up and down; or, with ``function``, read when scraped (costs
-    nothing between scrapes)."""
-
-    kind = "gauge"
-
-    def __init__(
-        self,
-        name: str,
-        help_text: str,
-        *,
-        function: Callable[[], float] | None = None,
-    ) -> None:
-        super().__init__(name, help_text)
-        self._value: float = 0
-        self.function = function
-
-    def set(self, value: float) -> None:
-        self._value = value
-
-    def value(self) -> float:
-        return self.function() if self.function is not None else self._value
-
-    def samples(self) -> Iterator[tuple[str, Labels, tuple[str, ...], float]]:
-        yield self.name, (), (), self.value()
-
-
-class CounterFunction(_Family):
-    """A counter whose value is read when scraped from something that counts already
-    (the audit chain's sequence number): nothing on the hot path at all."""
-
-    kind = "counter"
-
-    def __init__(self, name: str, help_text: str) -> None:
-        if not name.endswith("_total"):
-            raise ValueError(f"counter {name} must end in _total")
-        super().__init__(name, help_text)
-        self.function: Callable[[], float] = lambda: 0
-
-    def samples(self) -> Iterator[tuple[str, Labels, tuple[str, ...], float]]:
-        yield self.name, (), (), self.function()
-
-
-class HistogramSeries:
-    """One label set's buckets (not cumulative; the last is +Inf), sum and count. A hot
-    path keeps the series and calls ``observe``."""
-
-    __slots__ = ("_bounds", "_lock", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...], lock: threading.Lock | None) -> None:
-        self._bounds = bounds
-        self._lock = lock
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        index = bisect.bisect_left(self._bounds, value)  # le is inclusive
-        lock = self._lock
-        if lock is None:
-            self.counts[index] += 1
-            self.sum += value
-        else:
-            with lock:
-                self.counts[index] += 1
-                self.sum += value
-
-    def snapshot(self) -> tuple[list[int], float]:
-        if self._lock is None:
-            return list(self.counts), self.sum
-        with self._lock:
-            return list(self.counts), self.sum
-
-
-class Histogram(_Family):
-    """Observations counted into fixed buckets (upper bounds, ascending), with their sum
-    and count, per label set. ``threaded``: observed from more than one thread (a lock
-    per observation, ~50 ns); otherwise the trio thread alone writes it, lock-free."""
-
-    kind = "histogram"
-
-    def __init__(
-        self,
-        name: str,
-        help_text: str,
-        buckets: Sequence[float],
-        labelnames: Sequence[str] = (),
-        *,
-        threaded: bool = False,
-    ) -> None:
-        super().__init__(name, help_text, labelnames)
-        bounds = [float(b) for b in buckets if b != math.inf]
-        if not bounds or bounds != sorted(set(bounds)) or any(math.isnan(b) for b in bounds):
-            raise ValueError(f"{name}: buckets must be distinct, ascending numbers")
-        self.bounds = tuple(bounds)
-        self._lock = threading.Lock() if threaded else None
-        self._series: dict[Labels, HistogramSeries] = {}
-        if not labelnames:
-            self._series[()] = HistogramSeries(self.bounds, self._lock)
-
-    def series(self, labels: Labels = ()) -> HistogramSeries:
-        """The series for ``labels``, made empty if new."""
-        found = self._series.get(labels)
-        if found is None:
-            self._check_labels(labels)
-            found = self._series[labels] = HistogramSeries(self.bounds, self._lock)
-        return found
-
-    def observe(self, value: float, labels: Labels = ()) -> None:
-        found = self._series.get(labels)
-        if found is None:
-            found = self.series(labels)
-        found.observe(value)
-
-    def declare(self, *label_sets: Labels) -> None:
-        for labels in label_sets:
-            self.series(labels)
-
-    def count(self, labels: Labels = ()) -> int:
-        found = self._series.get(labels)
-        return 0 if found is None else sum(found.snapshot()[0])
-
-    def samples(self) -> Iterator[tuple[str, Labels, tuple[str, ...], float]]:
-        names = (*self.labelnames, "le")
-        for labels, found in sorted(self._series.items(), key=lambda item: item[0]):
-            counts, total = found.snapshot()
-            cumulative = 0
-            for bound, n in zip((*self.bounds, math.inf), counts, strict=True):
-                cumulative += n
-                yield f"{self.name}_bucket", names, (*labels, _number(bound)), cumulative
-            yield f"{self.name}_sum", self.labelnames, labels, total
-            yield f"{self.name}_count", self.labelnames, labels, cumulative
-
-
-_F = TypeVar("_F", bound=_Family)
-
-
-class Registry:
-    """Metric families in the order they were added, rendered together."""
-
-    def __init__(self) -> None:
-        self._families: dict[str, _Family] = {}
-
-    def add(self, family: _F) -> _F:
-        taken = _sample_names(family)
-        for existing in self._families.values():
-            if taken & _sample_names(existing):
-                raise ValueError(f"metric {family.name} collides with {existing.name}")
-        self._families[family.name] = family
-        return family
-
-    def __iter__(self) -> Iterator[_Family]:
-        return iter(self._families.values())
-
-    def render(self) -> str:
-        """Every family in the Prometheus text exposition format 0.0.4."""
-        return render(self)
-
-
-def _sample_names(family: _Family) -> set[str]:
-    if isinstance(family, Histogram):
-        return {family.name, *(f"{family.name}_{s}" for s in ("bucket", "sum", "count"))}
-    return {family.name}
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
-
-
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _number(value: float) -> str:
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if math.isnan(value):
-        return "NaN"
-    if float(value).is_integer() and abs(value) < 1e15:
-        return str(int(value))
-    return repr(float(value))
-
-
-def render(families: Iterable[_Family]) -> str:
-    """The text exposition format 0.0.4: ``# HELP``, ``# TYPE``, then one line per
-    sample; a newline ends the text."""
-    lines: list[str] = []
-    for family in families:
-        lines.append(f"# HELP {family.name} {_escape_help(family.help)}")
-        lines.append(f"# TYPE {family.name} {family.kind}")
-        for sample, names, values, value in family.samples():
-            if names:
-                pairs = ",".join(
-                    f'{n}="{_escape_label(v)}"' for n, v in zip(names, values, strict=True)
-                )
-                lines.append(f"{sample}{{{pairs}}} {_number(value)}")
-            else:
-                lines.append(f"{sample} {_number(value)}")
-    return "\n".join(lines) + "\n"
-
+# A run's life: a `gatewayd run` of one command lasts a second, an agent's run minutes,
+# a long one up to its maxRuntimeSec (hours at most).
+RUN_BUCKETS: Final = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0)
 
 # Label values for a call's decision, as the audit's ``call`` entry has them.
 ALLOWED: Final = "allowed"
@@ -391,6 +120,56 @@ END_REASONS: Final = (
     "services_failed",
     "daemon_stopping",
 )
+# A run's end as the sandboxed-agent design's run result says it: ``ok``, else its
+# ``errorCode``. A run ended by its owner, its operator, its command's exit or its
+# finished work is ok; one whose time ran out is ``timeout``; an agent run the agent's
+# loop stopped before its task was done is ``task_failed`` (its own result has the
+# finer code, ``oom_killed`` among them: docs/agent-runs.md); one gatewayd ended (its
+# services or its start failed, the daemon stopped under it) is ``internal``.
+NO_ERROR: Final = "none"
+RUN_ERROR_CODES: Final[Mapping[str, str]] = {
+    "ended": NO_ERROR,
+    "ended_by_operator": NO_ERROR,
+    "command_exited": NO_ERROR,
+    "tool_called": NO_ERROR,
+    "app_finished": NO_ERROR,
+    "agent_finished": NO_ERROR,
+    "mcp_server_stopped": NO_ERROR,
+    "max_runtime_exceeded": "timeout",
+    "mcp_server_timeout": "timeout",
+    "agent_stopped": "task_failed",
+    "agent_needs_sandbox": "internal",
+    "services_failed": "internal",
+    "start_failed": "internal",
+    "mcp_server_failed": "internal",
+    "daemon_stopping": "internal",
+}
+
+
+def run_error_code(reason: str) -> str:
+    """The ``error_code`` label of a run that ended for ``reason`` (one of gatewayd's
+    own words; an unknown one is gatewayd's bug, counted as ``internal``)."""
+    return RUN_ERROR_CODES.get(reason, "internal")
+
+
+class ReadCounter(Collector):
+    """A counter whose value is read when scraped from something that counts already
+    (the audit chain's sequence number): nothing on the hot path at all. The client's
+    own Counter only counts what it is told, so this is its custom-collector form."""
+
+    def __init__(self, name: str, help_text: str) -> None:
+        if not name.endswith("_total"):
+            raise ValueError(f"counter {name} must end in _total")
+        self.name = name
+        self.help = help_text
+        self.function: Callable[[], float] = lambda: 0
+
+    def collect(self) -> Iterable[Metric]:
+        yield CounterMetricFamily(self.name, self.help, value=self.function())
+
+    def describe(self) -> Iterable[Metric]:
+        # Names only (the registry checks collisions with them): nothing is read.
+        yield CounterMetricFamily(self.name, self.help, value=0)
 
 
 class ToolMeter:
@@ -398,7 +177,7 @@ class ToolMeter:
 
     __slots__ = ("allowed", "denied", "duration")
 
-    def __init__(self, allowed: Cell, denied: Cell, duration: HistogramSeries) -> None:
+    def __init__(self, allowed: Counter, denied: Counter, duration: Histogram) -> None:
         self.allowed = allowed
         self.denied = denied
         self.duration = duration
@@ -408,122 +187,176 @@ class GatewayMetrics:
     """Every metric gatewayd exports, in one registry. docs/metrics.md lists them."""
 
     def __init__(self) -> None:
-        r = self.registry = Registry()
-        codes = [(str(code),) for code in ErrorCode]
-        self.runs_started = r.add(
-            Counter("gatewayd_runs_started_total", "Runs started (their socket is served).")
+        # auto_describe: a family whose names collide with another's fails when added.
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        codes = [str(code) for code in ErrorCode]
+        self.runs_started = Counter(
+            "gatewayd_runs_started_total", "Runs started (their socket is served).", registry=r
         )
-        self.runs_active = r.add(
-            Gauge("gatewayd_runs_active", "Runs in the registry now (serving or ending).")
+        self.runs_active = Gauge(
+            "gatewayd_runs_active", "Runs in the registry now (serving or ending).", registry=r
         )
-        self.runs_ended = r.add(
-            Counter("gatewayd_runs_ended_total", "Runs ended, by reason.", ["reason"])
+        self.runs_ended = Counter(
+            "gatewayd_runs_ended_total", "Runs ended, by reason.", ["reason"], registry=r
         )
-        self.runs_ended.declare(*[(reason,) for reason in END_REASONS])
-        self.runs_refused = r.add(
-            Counter(
-                "gatewayd_runs_refused_total",
-                "Run requests refused before start, by error code.",
-                ["code"],
-            )
+        _declare(self.runs_ended, END_REASONS)
+        self.runs_refused = Counter(
+            "gatewayd_runs_refused_total",
+            "Run requests refused before start, by error code.",
+            ["code"],
+            registry=r,
         )
-        self.runs_refused.declare(*codes)
-        self.calls = r.add(
-            Counter(
-                "gatewayd_calls_total",
-                "Tool calls answered, by tool and decision (allowed: it ran; denied: refused "
-                "before it ran).",
-                ["tool", "decision"],
-            )
+        _declare(self.runs_refused, codes)
+        self.calls = Counter(
+            "gatewayd_calls_total",
+            "Tool calls answered, by tool and decision (allowed: it ran; denied: refused "
+            "before it ran).",
+            ["tool", "decision"],
+            registry=r,
         )
-        self.denials = r.add(
-            Counter(
-                "gatewayd_denials_total",
-                "Calls refused before they ran (decision denied), by error code.",
-                ["code"],
-            )
+        self.denials = Counter(
+            "gatewayd_denials_total",
+            "Calls refused before they ran (decision denied), by error code.",
+            ["code"],
+            registry=r,
         )
-        self.denials.declare(*codes)
-        self.call_failures = r.add(
-            Counter(
-                "gatewayd_call_failures_total",
-                "Allowed calls that ended in an error (tool_failed, timeout, internal), by code.",
-                ["code"],
-            )
+        _declare(self.denials, codes)
+        self.call_failures = Counter(
+            "gatewayd_call_failures_total",
+            "Allowed calls that ended in an error (tool_failed, timeout, internal), by code.",
+            ["code"],
+            registry=r,
         )
-        self.call_failures.declare(
-            *[(str(c),) for c in (ErrorCode.TOOL_FAILED, ErrorCode.TIMEOUT, ErrorCode.INTERNAL)]
+        _declare(
+            self.call_failures,
+            [str(c) for c in (ErrorCode.TOOL_FAILED, ErrorCode.TIMEOUT, ErrorCode.INTERNAL)],
         )
-        self.call_duration = r.add(
-            Histogram(
-                "gatewayd_call_duration_seconds",
-                "Allowed calls: from the request to the answer (review, audit write-ahead, "
-                "the tool, scrubbing), by tool.",
-                CALL_BUCKETS,
-                ["tool"],
-            )
+        self.call_duration = Histogram(
+            "gatewayd_call_duration_seconds",
+            "Allowed calls: from the request to the answer (review, audit write-ahead, "
+            "the tool, scrubbing), by tool.",
+            ["tool"],
+            buckets=CALL_BUCKETS,
+            registry=r,
         )
-        self.reviews = r.add(
-            Histogram(
-                "gatewayd_review_duration_seconds",
-                "Rule reviews, by where the verdict came from (structured, cache, model, failed).",
-                REVIEW_BUCKETS,
-                ["source"],
-            )
+        self.reviews = Histogram(
+            "gatewayd_review_duration_seconds",
+            "Rule reviews, by where the verdict came from (structured, cache, model, failed).",
+            ["source"],
+            buckets=REVIEW_BUCKETS,
+            registry=r,
         )
-        self.review_cache_hits = r.add(
-            Counter(
-                "gatewayd_review_cache_hits_total",
-                "Reviews answered from the decision cache.",
-            )
+        self.review_cache_hits = Counter(
+            "gatewayd_review_cache_hits_total",
+            "Reviews answered from the decision cache.",
+            registry=r,
         )
-        self.review_cache_misses = r.add(
-            Counter(
-                "gatewayd_review_cache_misses_total",
-                "Cacheable reviews the decision cache could not answer (the model is asked).",
-            )
+        self.review_cache_misses = Counter(
+            "gatewayd_review_cache_misses_total",
+            "Cacheable reviews the decision cache could not answer (the model is asked).",
+            registry=r,
         )
-        self.audit_fsync = r.add(
-            Histogram(
-                "gatewayd_audit_fsync_duration_seconds",
-                "fdatasync of one batch of audit entries (group commit), in the flusher thread.",
-                FSYNC_BUCKETS,
-                threaded=True,
-            )
+        self.audit_fsync = Histogram(
+            "gatewayd_audit_fsync_duration_seconds",
+            "fdatasync of one batch of audit entries (group commit), in the flusher thread.",
+            buckets=FSYNC_BUCKETS,
+            registry=r,
         )
-        self.audit_entries = r.add(
-            CounterFunction(
-                "gatewayd_audit_entries_total",
-                "Audit entries recorded by this gatewayd process (calls, results, events).",
-            )
+        self.audit_entries = ReadCounter(
+            "gatewayd_audit_entries_total",
+            "Audit entries recorded by this gatewayd process (calls, results, events).",
         )
-        self.sandbox_launch = r.add(
-            Histogram(
-                "gatewayd_sandbox_launch_duration_seconds",
-                "Starting one sandboxed command: fork, the child's setup (network namespace, "
-                "uid, pinned mounts) and the exec of bwrap.",
-                LAUNCH_BUCKETS,
-            )
+        r.register(self.audit_entries)
+        self.sandbox_launch = Histogram(
+            "gatewayd_sandbox_launch_duration_seconds",
+            "Starting one sandboxed command: fork, the child's setup (network namespace, "
+            "uid, pinned mounts) and the exec of bwrap.",
+            buckets=LAUNCH_BUCKETS,
+            registry=r,
         )
-        self.egress_connections = r.add(
-            Counter(
-                "gatewayd_egress_connections_total",
-                "Connections to the runs' egress proxies, by verdict.",
-                ["verdict"],
-            )
+        self.egress_connections = Counter(
+            "gatewayd_egress_connections_total",
+            "Connections to the runs' egress proxies, by verdict.",
+            ["verdict"],
+            registry=r,
         )
-        self.egress_connections.declare((ALLOWED,), (DENIED,))
+        _declare(self.egress_connections, (ALLOWED, DENIED))
+        # -- sandbox.run.*: the sandboxed-agent design's names for the same runs
+        self.sandbox_run_started = Counter(
+            "sandbox_run_started_total", "Sandbox runs started (sandbox.run.started).", registry=r
+        )
+        self.sandbox_run_active = Gauge(
+            "sandbox_run_active",
+            "Sandbox runs now, serving or ending (sandbox.run.active).",
+            registry=r,
+        )
+        self.sandbox_run_completed = Counter(
+            "sandbox_run_completed_total",
+            "Sandbox runs ended, by their result's ok and errorCode (sandbox.run.completed).",
+            ["ok", "error_code"],
+            registry=r,
+        )
+        for code in sorted(set(RUN_ERROR_CODES.values())):
+            self.sandbox_run_completed.labels(_ok_label(code), code)
+        self.sandbox_run_refused = Counter(
+            "sandbox_run_refused_total",
+            "Sandbox run requests refused before start, by error code (sandbox.run.refused; "
+            "authz_denied: no allowSandbox grant).",
+            ["error_code"],
+            registry=r,
+        )
+        _declare(self.sandbox_run_refused, codes)
+        self.sandbox_run_duration = Histogram(
+            "sandbox_run_duration_seconds",
+            "Sandbox runs from serving to their end (sandbox.run.duration).",
+            buckets=RUN_BUCKETS,
+            registry=r,
+        )
+
+    def count_runs_with(self, active: Callable[[], float]) -> None:
+        """Read both families' runs in progress from ``active`` when scraped."""
+        self.runs_active.set_function(active)
+        self.sandbox_run_active.set_function(active)
+
+    def run_started(self) -> None:
+        self.runs_started.inc()
+        self.sandbox_run_started.inc()
+
+    def run_refused(self, code: str) -> None:
+        self.runs_refused.labels(code).inc()
+        self.sandbox_run_refused.labels(code).inc()
+
+    def run_ended(self, reason: str, seconds: float | None) -> None:
+        """A run ended for ``reason`` after serving ``seconds`` (None: it never served,
+        so it has no duration)."""
+        self.runs_ended.labels(reason).inc()
+        code = run_error_code(reason)
+        self.sandbox_run_completed.labels(_ok_label(code), code).inc()
+        if seconds is not None:
+            self.sandbox_run_duration.observe(seconds)
 
     def tool_meter(self, tool: str) -> ToolMeter:
         """The series of one tool label (a name from the tool table, or UNKNOWN_TOOL)."""
         return ToolMeter(
-            self.calls.cell((tool, ALLOWED)),
-            self.calls.cell((tool, DENIED)),
-            self.call_duration.series((tool,)),
+            self.calls.labels(tool, ALLOWED),
+            self.calls.labels(tool, DENIED),
+            self.call_duration.labels(tool),
         )
 
     def render(self) -> str:
-        return self.registry.render()
+        """Every family in the Prometheus text exposition format 0.0.4."""
+        return generate_latest(self.registry).decode()
+
+
+def _declare(counter: Counter, values: Iterable[str]) -> None:
+    """Make a one-label counter's series exist at 0, so rate() works from the first
+    scrape."""
+    for value in values:
+        counter.labels(value)
+
+
+def _ok_label(code: str) -> str:
+    return "true" if code == NO_ERROR else "false"
 
 
 METRICS: Final = GatewayMetrics()

@@ -46,7 +46,7 @@ from gatewayd.agent.conversation import RUN_TOOL_IDS, AgentStop, agent_conversat
 from gatewayd.agent.forge import open_pull_request
 from gatewayd.agent.patches import BRANCH_PREFIX, patch_from_tree, push_branch_from_patches
 from gatewayd.agent.repo import RepoError, checkout_at, fetch_mirror
-from gatewayd.agent.task import AgentResult, AgentTask, PullRequestSpec
+from gatewayd.agent.task import AgentResult, AgentTask, PullRequestSpec, RunCancel
 from gatewayd.agent.workdir import AgentDirError, make_work_dir, remove_tree
 from gatewayd.apps.discovery import discover_apps
 from gatewayd.audit.events import AuditEvent
@@ -77,6 +77,7 @@ async def run_agent(
     *,
     mcp: McpTools | None = None,
     folder_tools: tuple[str, ...] = (),
+    cancel: RunCancel | None = None,
 ) -> AgentResult:
     """One agent run, start to end; never raises for the task's own failures (the result
     says what happened), and always removes its workspace.
@@ -89,6 +90,9 @@ async def run_agent(
     ``mcp``: the daemon's MCP tools; their pinned tools are offered to the model beside
     the five and the apps (None: none), and the run's policy still decides each call.
     ``folder_tools``: the names of the daemon's tool folders' tools, offered the same way.
+    ``cancel``: lets the caller end the run early (a workflow's cancellation): the
+    conversation stops, the sandbox is killed, the patch of what was done is kept, nothing
+    is pushed, and the result's ``errorCode`` is ``cancelled``.
     """
     result = AgentResult(ok=False)
 
@@ -134,6 +138,7 @@ async def run_agent(
                 work=work,
                 mcp=() if mcp is None else await trio.to_thread.run_sync(mcp.tool_names),
                 folder=folder_tools,
+                cancel=cancel,
             )
         )
     except Exception as exc:  # gatewayd's own failure: the result says so, the log has it
@@ -167,6 +172,7 @@ class _Job:
     mcp: tuple[str, ...] = ()
     # The tool folders' tools (wasm and process tools), offered like apps.
     folder: tuple[str, ...] = ()
+    cancel: RunCancel | None = None
 
     @property
     def mirror(self) -> Path:
@@ -371,7 +377,19 @@ async def _converse_and_collect(job: _Job, session: WorkspaceSession, run: Run) 
     )
     try:
         with trio.move_on_after(task.limits.max_wall_s) as wall:
-            await conversation.go()
+            if job.cancel is not None:
+                job.cancel.attach(wall)
+            try:
+                await conversation.go()
+            finally:
+                if job.cancel is not None:
+                    job.cancel.attach(None)
+        if wall.cancelled_caught and job.cancel is not None and job.cancel.requested:
+            raise AgentStop(
+                "cancelled",
+                f"the run was cancelled ({job.cancel.reason}) before the model finished; "
+                "the bundle holds what it had done",
+            )
         if wall.cancelled_caught:
             raise AgentStop(
                 "timeout",

@@ -449,7 +449,7 @@ def _remove_entry_dir(root: Path, rel: str) -> None:
 # --- pushing ------------------------------------------------------------------------
 
 
-def _check_branch(branch: str) -> None:
+def check_branch(branch: str) -> None:
     if not _BRANCH_RE.fullmatch(branch) or ".." in branch or branch.endswith((".", ".lock")):
         raise RepoError(
             f"branch {branch!r} is not allowed: agent runs push only to new branches named "
@@ -477,7 +477,7 @@ def push_branch_from_patches(
     already exists (no force push, ever), and an empty ``patches``.
     """
     check_url(repo_url, credentials)
-    _check_branch(branch)
+    check_branch(branch)
     check_sha(base_sha)
     if not patches:
         raise RepoError("nothing to push: there are no patches (the run changed no file)")

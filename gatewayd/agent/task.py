@@ -5,11 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+import trio
+
 from gatewayd.agent.patches import MAX_PATCH_INPUT_BYTES
 from gatewayd.agent.repo import RepoCredentials
 
 Backend = Literal["overlay", "host"]
-ErrorCodeName = Literal["timeout", "oom_killed", "internal", "task_failed"]
+# "cancelled": someone outside the run ended it early (a workflow's cancellation).
+ErrorCodeName = Literal["timeout", "oom_killed", "internal", "task_failed", "cancelled"]
 
 DEFAULT_MAX_WORKSPACE_BYTES: Final = 1 << 30
 
@@ -54,6 +57,30 @@ class AgentTask:
     # overlay: what the run may write in all (a private tmpfs, so in memory); 0: no
     # limit (the delta on disk, beside the state directory).
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES
+
+
+class RunCancel:
+    """A request from outside a run to end it early, keeping what it did: the run's
+    conversation stops as at its wall time (the sandbox is killed, the run audited, the
+    patch of its changes made), and the result says ``cancelled``. Used from the run's
+    trio thread only."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.reason = ""
+        self._scope: trio.CancelScope | None = None
+
+    def cancel(self, reason: str) -> None:
+        self.requested, self.reason = True, reason
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def attach(self, scope: trio.CancelScope | None) -> None:
+        """The scope a cancellation cancels from now on (None: none); cancelled at once
+        when the request came before it."""
+        self._scope = scope
+        if scope is not None and self.requested:
+            scope.cancel()
 
 
 @dataclass(kw_only=True)

@@ -37,6 +37,11 @@ class AuditEvent(enum.StrEnum):
     CONFIG_RELOADED = "config_reloaded"
     # On SIGHUP, when the configuration file no longer validates: nothing changed.
     CONFIG_RELOAD_FAILED = "config_reload_failed"
+    # A configured witness refused a checkpoint, or answered without a valid cosignature
+    # (detail: witness, reason, status); written when its state changes, not per checkpoint.
+    WITNESS_REFUSED = "witness_refused"
+    # That witness cosigned again after refusing or being unreachable (detail: witness).
+    WITNESS_RECOVERED = "witness_recovered"
 
     # -- a run
     # A run was created (its spec), durable before its sandbox starts.
@@ -108,6 +113,9 @@ class AuditEvent(enum.StrEnum):
     AGENT_RUN_ENDED = "agent_run_ended"
     # The agent run could not start: no work directory, a failed clone, no OS sandbox.
     AGENT_RUN_REFUSED = "agent_run_refused"
+    # An agent run workflow's end, written by the worker that recorded it (scale-out:
+    # the workflow id, the host that ran the run, its audit head there, the branch).
+    AGENT_WORKFLOW_COMPLETED = "agent_workflow_completed"
 
     # -- apps
     # An app folder that discovery could not use (file, line, field, reason): the app is

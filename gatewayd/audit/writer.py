@@ -40,6 +40,13 @@ docs/audit.md ("Rotation").
 Opening (creating or finding the files, locking them, finding where the chain ends,
 ending a torn tail) is :mod:`gatewayd.audit.opening`'s; the writer goes on from there.
 
+The Merkle tree (:mod:`gatewayd.audit.treestore`): once a batch is written and synced,
+the flusher appends its lines (without their newlines) to the tree as leaves, off the
+trio thread; rotation changes nothing for the tree (leaf index = seq - 1). The tree is
+derived from the log, so a tree that cannot be opened or written is switched off
+(``tree_failure`` says why) and the log goes on: no call is refused for it, and the
+next open rebuilds the tree from the log.
+
 Resource handling: ``open_audit_log`` owns two file descriptors (the log, opened
 O_APPEND, and its head file), an exclusive flock on both (the log's inode changes at
 each rotation; the head file's does not), so a second gatewayd cannot interleave its
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import threading
 import time
@@ -74,6 +82,7 @@ from gatewayd.audit.chain import NO_SECRETS, Chain, ChainPosition
 from gatewayd.audit.entry import EntryFields, EntryKind
 from gatewayd.audit.events import REGISTERED_EVENTS, AuditEvent
 from gatewayd.audit.head import HeadRecord, encode_head
+from gatewayd.audit.merkle import leaf_hash
 from gatewayd.audit.opening import (
     FILE_MODE,
     MAX_BATCH_BYTES,
@@ -83,6 +92,7 @@ from gatewayd.audit.opening import (
     torn_detail,
 )
 from gatewayd.audit.segments import segment_path
+from gatewayd.audit.treestore import TreeError, TreeStore, open_tree
 from gatewayd.errors import GatewayError
 from gatewayd.files import fsync_dir, write_all
 from gatewayd.metrics import METRICS
@@ -140,8 +150,19 @@ class AuditLog:
         clock: Callable[[], int],
         sync_delay_s: float = RESULT_SYNC_DELAY_S,
         scrubber: Scrubber = NO_SECRETS,
+        tree: TreeStore | None = None,
     ) -> None:
         self.path = path
+        # The Merkle tree over the entries (None: off, and tree_failure says why when
+        # it failed). Appended to by the flusher only; its reads are thread-safe.
+        self.tree = tree
+        self.tree_failure: str | None = None
+        # Told the seq of every run_ended entry as it is recorded (the checkpointer:
+        # a checkpoint at every run's end). Called on the trio thread; must not block.
+        self.on_run_ended: Callable[[int], None] | None = None
+        # Called (in a worker thread) once the flusher has written audit_close and
+        # stopped, before the tree is closed: the final checkpoint at stop.
+        self.after_close: list[Callable[[], None]] = []
         self.fsync_count = 0  # fdatasync calls made, for tests and benchmarks
         self._fd = opened.fd
         self._head_fd = opened.head_fd
@@ -223,6 +244,8 @@ class AuditLog:
         seq, digest, line = self._chain.append(kind, fields)
         if self._failure is not None or self._closing:
             return seq
+        if event == AuditEvent.RUN_ENDED and self.on_run_ended is not None:
+            self.on_run_ended(seq)
         if self._max_bytes and self._queued_end and self._queued_end + len(line) > self._max_bytes:
             # It would overflow the active segment: seal segment_open in its place,
             # queue the rotation before it, then seal the entry again after it. The
@@ -315,10 +338,11 @@ class AuditLog:
                 if isinstance(work, _Rotate):
                     self._rotate(work)
                     continue
-                batch, head = work
+                batch, head, taken = work
                 self._write_batch(batch, head)
                 self._end, self._lines, self._written_seq = head.end, head.lines, head.seq
                 token.run_sync_soon(self._on_flushed, head.seq, self._fsync)
+                self._grow_tree(taken)
         except OSError as exc:
             self._write_failure = f"writing the audit log {self.path} failed: {exc}"
         except BaseException as exc:  # a bug must fail the log, not hang its waiters
@@ -327,7 +351,9 @@ class AuditLog:
             with contextlib.suppress(trio.RunFinishedError):  # nobody is left to tell
                 token.run_sync_soon(self._on_failed, self._write_failure)
 
-    def _next_batch(self) -> tuple[bytes, HeadRecord] | _Rotate | None:
+    def _next_batch(
+        self,
+    ) -> tuple[bytes, HeadRecord, list[tuple[bytes, str]]] | _Rotate | None:
         """Flusher thread: sleep until a batch is wanted or due, then take it.
 
         A rotation marker at the front of the queue is returned alone (the lines
@@ -362,7 +388,7 @@ class AuditLog:
             end=self._end + len(batch),
             lines=self._lines + len(taken),
         )
-        return batch, head
+        return batch, head, taken
 
     def _take_lines(self) -> list[tuple[bytes, str]]:
         """Flusher thread, under the lock: take the queued lines, at most a batch,
@@ -389,6 +415,24 @@ class AuditLog:
         # Written after the sync, so the head never claims more than is durable. It
         # is not synced itself: after a power cut it may lag, which is safe.
         os.pwrite(self._head_fd, encode_head(head), 0)
+
+    def _grow_tree(self, taken: list[tuple[bytes, str]]) -> None:
+        """Flusher thread: the written lines become the tree's next leaves.
+
+        After the batch is durable (the tree never holds an entry the log may lose),
+        and after trio was told (the waiters do not wait for the tree). A failure
+        switches the tree off; the log goes on.
+        """
+        tree = self.tree
+        if tree is None:
+            return
+        try:
+            tree.append([leaf_hash(line[:-1]) for line, _ in taken])
+        except (OSError, TreeError) as exc:
+            self.tree = None
+            self.tree_failure = f"writing the Merkle tree {tree.directory} failed: {exc}"
+            with contextlib.suppress(OSError):
+                tree.close()
 
     def _rotate(self, rotate: _Rotate) -> None:
         """Flusher thread: close the active file as a segment and start a new one.
@@ -480,11 +524,15 @@ class AuditLog:
                         )
                     if self._fsync:
                         await trio.to_thread.run_sync(os.fsync, self._head_fd)
+                for hook in self.after_close:
+                    await trio.to_thread.run_sync(hook)
             finally:
                 self._closed = True
                 self._closing = True
                 os.close(self._fd)
                 os.close(self._head_fd)
+                if self.tree is not None:
+                    self.tree.close()
 
     async def _join_flusher(self) -> None:
         """Stop the flusher once the queue is written (or writing failed); join it."""
@@ -508,6 +556,7 @@ async def open_audit_log(
     sync_delay_s: float = RESULT_SYNC_DELAY_S,
     scrubber: Scrubber = NO_SECRETS,
     max_bytes: int = 0,
+    tree: bool = True,
 ) -> AsyncIterator[AuditLog]:
     """Open (or create) the audit log at ``path`` and continue its chain.
 
@@ -526,6 +575,10 @@ async def open_audit_log(
     always takes at least one entry besides its ``segment_open``). An active file
     that holds no entry of its own yet but continues a closed segment (a rotation
     was interrupted) starts with a ``segment_open`` event naming that segment.
+    ``tree``: keep the Merkle tree beside the log (``<log>.tree/``), brought up to the
+    log's last entry first (the whole log is read once if there is no tree yet); a
+    tree that cannot be opened is switched off (``AuditLog.tree_failure``), never the
+    log.
 
     Error handling: AuditOpenError when the log is locked by another process, shorter
     than its head file says, rewritten, or not an audit log (the message says what to
@@ -541,9 +594,25 @@ async def open_audit_log(
             f"sync_delay_s must be 0 to {threading.TIMEOUT_MAX:g} seconds, not {sync_delay_s}"
         )
     opened = await trio.to_thread.run_sync(open_files, path, fsync)
+    store: TreeStore | None = None
+    tree_failure: str | None = None
+    if tree:
+        try:
+            store = await trio.to_thread.run_sync(
+                functools.partial(open_tree, path, last_seq=opened.chain_end.position.seq)
+            )
+        except (OSError, TreeError) as exc:
+            tree_failure = f"the Merkle tree of {path} cannot be used: {exc}"
     log = AuditLog(
-        path, opened, fsync=fsync, clock=clock, sync_delay_s=sync_delay_s, scrubber=scrubber
+        path,
+        opened,
+        fsync=fsync,
+        clock=clock,
+        sync_delay_s=sync_delay_s,
+        scrubber=scrubber,
+        tree=store,
     )
+    log.tree_failure = tree_failure
     try:
         log._start_flusher()
         if opened.chain_end.torn:

@@ -1,5 +1,5 @@
 """`gatewayd` command line: serve, run, exec, rules, image, config, policy, audit,
-install-systemd, agent, review, apps, mcp, tools, approvals, workspace.
+install-systemd, agent, review, apps, mcp, tools, approvals, workspace, witness, worker.
 
 Each command group is a module of this package (:class:`~gatewayd.cli.command.CommandModule`):
 it adds its parsers and runs its commands; :data:`COMMANDS` says which module runs
@@ -31,6 +31,8 @@ from gatewayd.cli import (
     run,
     serve,
     tools,
+    witness,
+    worker,
     workspace,
 )
 from gatewayd.cli.command import CommandModule
@@ -53,6 +55,8 @@ COMMANDS: Final[Mapping[str, CommandModule]] = {
     "tools": tools,
     "approvals": approvals,
     "workspace": workspace,
+    "witness": witness,
+    "worker": worker,
 }
 
 

@@ -1,4 +1,5 @@
-"""``gatewayd agent run``: one host-owned agent run from the command line.
+"""``gatewayd agent run``: one host-owned agent run from the command line (``agent
+submit|status|result|cancel``, the same runs on Temporal: :mod:`gatewayd.cli.agent_scaleout`).
 
 Progress goes to stderr as it happens (turn, tool, verdict); the result
 (docs/agent-runs.md) goes to stdout as JSON, or to ``--result FILE``.
@@ -15,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
+from gatewayd.cli import agent_scaleout
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK, EXIT_USAGE, refusing
 from gatewayd.cli.options import add_daemon_options, config_from_options, log_scrubber
 
@@ -34,24 +36,7 @@ def add_parsers(sub: Subparsers) -> None:
         "push the result to cogni/<run-id>",
     )
     add_daemon_options(run)
-    run.add_argument("--repo", required=True, help="the repository's URL (no credentials in it)")
-    run.add_argument("--sha", required=True, help="the commit to start from (full hex id)")
-    task = run.add_mutually_exclusive_group(required=True)
-    task.add_argument("--task", help="what the agent should do, in plain language")
-    task.add_argument("--task-file", type=Path, help="read the task from this file")
-    run.add_argument("--model", required=True, help="a model alias of gatewayd's configuration")
-    run.add_argument(
-        "--policy",
-        default=DEFAULT_AGENT_POLICY,
-        help="the run's policy (default: the shipped 'agent' policy)",
-    )
-    run.add_argument(
-        "--backend",
-        choices=("overlay", "host"),
-        default="overlay",
-        help="the workspace backend (docs/workspaces.md); default overlay",
-    )
-    run.add_argument("--no-push", action="store_true", help="keep the patch; push nothing")
+    add_task_options(run, max_patch_bytes=64 << 20)
     run.add_argument(
         "--git-token-env",
         default=DEFAULT_GIT_TOKEN_ENV,
@@ -61,7 +46,6 @@ def add_parsers(sub: Subparsers) -> None:
     run.add_argument(
         "--git-username", default="x-access-token", help="the user name sent with the token"
     )
-    run.add_argument("--pull-request", action="store_true", help="open a pull request too")
     run.add_argument("--forge-api", help="the forge's API base, e.g. https://api.github.com")
     run.add_argument("--forge-repo", help="the repository on the forge, as owner/name")
     run.add_argument("--base-branch", default="main", help="the pull request's target branch")
@@ -70,32 +54,114 @@ def add_parsers(sub: Subparsers) -> None:
         default=None,
         help="variable holding the forge API token (default: the git token's)",
     )
-    run.add_argument("--max-turns", type=int, default=40, help="model turns at most (40)")
-    run.add_argument("--max-tokens", type=int, default=400_000, help="tokens at most (400000)")
-    run.add_argument(
+    run.add_argument("--result", type=Path, help="write the result JSON here, not to stdout")
+    _add_scaleout_parsers(commands)
+
+
+def _add_scaleout_parsers(commands: Subparsers) -> None:
+    """`agent submit|status|result|cancel`: the same runs as workflows on Temporal,
+    run by the gatewayd workers of many hosts (docs/scale-out.md)."""
+    submit = commands.add_parser(
+        "submit",
+        help="submit the same run as `agent run` to Temporal, for a gatewayd worker to run; "
+        "prints the workflow id",
+    )
+    add_temporal_options(submit, task_queue=True)
+    add_task_options(submit, max_patch_bytes=None)
+    submit.add_argument(
+        "--branch", help="push to this new branch (default cogni/<run-id>; never main)"
+    )
+    for name, what in (
+        ("status", "where a submitted run is: Temporal's status and the worker's progress"),
+        ("result", "a submitted run's result (JSON), once it has ended"),
+        ("cancel", "cancel a submitted run: its sandbox killed, its partial result kept"),
+    ):
+        command = commands.add_parser(name, help=what)
+        add_temporal_options(command, task_queue=False)
+        command.add_argument("workflow_id", metavar="ID", help="the id `agent submit` printed")
+        if name == "result":
+            command.add_argument("--wait", action="store_true", help="wait until the run has ended")
+            command.add_argument(
+                "--timeout", type=float, default=None, help="with --wait: give up after S seconds"
+            )
+
+
+def add_temporal_options(p: argparse.ArgumentParser, *, task_queue: bool) -> None:
+    """Where agent runs are: the options over the configuration's settings (a run is
+    found by its workflow id alone, so only ``submit`` takes a ``task_queue``)."""
+    p.add_argument(
+        "--temporal",
+        metavar="ADDRESS",
+        help="the Temporal frontend, host:port (default: temporal_address of the "
+        "configuration, $GATEWAYD_TEMPORAL_ADDRESS)",
+    )
+    p.add_argument(
+        "--namespace", help="the Temporal namespace (default: temporal_namespace, 'default')"
+    )
+    if task_queue:
+        p.add_argument(
+            "--task-queue",
+            help="the task queue the workers poll (default: temporal_task_queue, "
+            "'gatewayd-agent-runs')",
+        )
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="gatewayd's configuration file, read for the defaults above",
+    )
+
+
+def add_task_options(p: argparse.ArgumentParser, *, max_patch_bytes: int | None) -> None:
+    """What an agent run is asked to do and within which limits: the options `agent run`
+    and `agent submit` share (``max_patch_bytes``: the default, None: the worker's)."""
+    p.add_argument("--repo", required=True, help="the repository's URL (no credentials in it)")
+    p.add_argument("--sha", required=True, help="the commit to start from (full hex id)")
+    task = p.add_mutually_exclusive_group(required=True)
+    task.add_argument("--task", help="what the agent should do, in plain language")
+    task.add_argument("--task-file", type=Path, help="read the task from this file")
+    p.add_argument("--model", required=True, help="a model alias of gatewayd's configuration")
+    p.add_argument(
+        "--policy",
+        default=DEFAULT_AGENT_POLICY,
+        help="the run's policy (default: the shipped 'agent' policy)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("overlay", "host"),
+        default="overlay",
+        help="the workspace backend (docs/workspaces.md); default overlay",
+    )
+    p.add_argument("--no-push", action="store_true", help="keep the patch; push nothing")
+    p.add_argument("--pull-request", action="store_true", help="open a pull request too")
+    p.add_argument("--max-turns", type=int, default=40, help="model turns at most (40)")
+    p.add_argument("--max-tokens", type=int, default=400_000, help="tokens at most (400000)")
+    p.add_argument(
         "--max-wall-s", type=float, default=1800.0, help="wall time at most, seconds (1800)"
     )
-    run.add_argument("--max-memory-mb", type=int, default=2048, help="the sandbox's memory")
-    run.add_argument(
+    p.add_argument("--max-memory-mb", type=int, default=2048, help="the sandbox's memory")
+    shown = "the worker's" if max_patch_bytes is None else f"{max_patch_bytes >> 20} MiB"
+    p.add_argument(
         "--max-patch-bytes",
         type=int,
-        default=64 << 20,
-        help="file contents one patch may carry (64 MiB); larger changes are left out and "
+        default=max_patch_bytes,
+        help=f"file contents one patch may carry ({shown}); larger changes are left out and "
         "listed in the result's skipped",
     )
-    run.add_argument(
+    p.add_argument(
         "--max-workspace-bytes",
         type=int,
         default=1 << 30,
         help="overlay backend: what the run may write in all, held on a private tmpfs "
         "(1 GiB; 0: no limit, on disk); past it, writes fail with ENOSPC",
     )
-    run.add_argument("--actor", default="operator")
-    run.add_argument("--tenant", default="local")
-    run.add_argument("--result", type=Path, help="write the result JSON here, not to stdout")
+    p.add_argument("--actor", default="operator")
+    p.add_argument("--tenant", default="local")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.agent_command != "run":
+        return agent_scaleout.main(args)
     return refusing(_agent_run, args)
 
 

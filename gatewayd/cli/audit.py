@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from gatewayd.cli import audit_tree, audit_witness
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK
 from gatewayd.cli.options import whole_number
 
@@ -29,6 +30,8 @@ def add_parsers(sub: Subparsers) -> None:
         help="check the hash chain across every segment; exit 0 intact, 1 broken or a "
         "segment missing, 3 intact but the oldest segments are gone",
     )
+    audit_tree.add_verify_options(verify)
+    audit_witness.add_verify_options(verify)
     verify.add_argument("file", type=Path, help=log_help)
     show = audit.add_parser("show", help="print the audit log as a table")
     _add_audit_filters(show)
@@ -72,6 +75,7 @@ def add_parsers(sub: Subparsers) -> None:
     )
     result.add_argument("run_id", metavar="RUN", help="the run id, or a unique prefix of it")
     result.add_argument("file", type=Path, help=log_help)
+    audit_tree.add_parsers(audit, log_help)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -133,6 +137,10 @@ def _audit(args: argparse.Namespace) -> int:
     """`gatewayd audit verify|show|export|stats|tail|run` over every segment of a log."""
     from gatewayd.audit.segments import log_files
 
+    if args.audit_command in audit_tree.WITHOUT_LOG:
+        return audit_tree.main(args)
+    if args.audit_command == "prove":
+        args.file = Path(args.operands[-1])
     if args.audit_command == "tail":
         if not args.follow and not log_files(args.file):
             return _no_audit_log(args.file)
@@ -192,6 +200,10 @@ def _audit_verify(args: argparse.Namespace) -> int:
 
     report = verify_file(args.file)
     print(report.render())
+    if args.checkpoint is not None and (code := audit_tree.verify_checkpoint(args)) != EXIT_OK:
+        return code
+    if args.witness and audit_witness.verify_witnesses(args) != EXIT_OK:
+        return EXIT_FAILED
     if not report.ok:
         return EXIT_FAILED
     return EXIT_PARTIAL if report.partial_from is not None else EXIT_OK
@@ -308,4 +320,6 @@ _AUDIT_COMMANDS: Final[dict[str, Callable[[argparse.Namespace], int]]] = {
     "export": _audit_export,
     "stats": _audit_stats,
     "run": _audit_run,
+    "checkpoint": audit_tree.main,
+    "prove": audit_tree.main,
 }

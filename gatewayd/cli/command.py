@@ -37,14 +37,29 @@ class CommandModule(Protocol):
 def refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Run a command that starts a daemon; a refused start (another daemon on this host
     holds what this one would use, the host's registry of daemons cannot be used, the
-    audit log cannot be continued, or the control socket's path is taken) is its message
-    and EXIT_FAILED, not a traceback."""
+    audit log cannot be continued, the control socket's path is taken, the socket
+    systemd passed is not one to serve on, the metrics listener's address cannot be
+    bound, a tracing endpoint in the environment is not a URL, or the audit checkpoint
+    key cannot be used) is its message and EXIT_FAILED, not a traceback."""
     from gatewayd.approvals import ApprovalStoreError
     from gatewayd.audit import AuditOpenError
+    from gatewayd.audit.checkpointer import CheckpointKeyError
     from gatewayd.control import ControlSocketInUse
+    from gatewayd.metrics_server import MetricsListenError
     from gatewayd.sandbox.daemons import DaemonRegistryError
+    from gatewayd.sdlisten import PassedSocketError
+    from gatewayd.tracing import TracingError
 
-    refusals = (DaemonRegistryError, AuditOpenError, ControlSocketInUse, ApprovalStoreError)
+    refusals = (
+        DaemonRegistryError,
+        AuditOpenError,
+        ControlSocketInUse,
+        ApprovalStoreError,
+        PassedSocketError,
+        MetricsListenError,
+        TracingError,
+        CheckpointKeyError,
+    )
     try:
         return command(args)
     except refusals as exc:

@@ -25,6 +25,12 @@ def add_parsers(sub: Subparsers) -> None:
     installer.add_argument(
         "--force", action="store_true", help="replace a unit that differs from this version's"
     )
+    installer.add_argument(
+        "--program",
+        type=Path,
+        help="the gatewayd program ExecStart names, as the service sees it (under --root); "
+        "default: this one",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -35,7 +41,7 @@ def _install_systemd(args: argparse.Namespace) -> int:
     from gatewayd.install import InstallError, install_systemd
 
     try:
-        done = install_systemd(args.root, force=args.force)
+        done = install_systemd(args.root, program=args.program, force=args.force)
     except InstallError as exc:
         print(f"gatewayd install-systemd: {exc}", file=sys.stderr)
         return EXIT_FAILED

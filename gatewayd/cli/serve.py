@@ -48,19 +48,28 @@ def _serve(args: argparse.Namespace) -> int:
 
     from gatewayd.daemon import open_daemon
     from gatewayd.logs import configure_logging
+    from gatewayd.sdlisten import listen_fds, passed_control_socket
     from gatewayd.sdnotify import notify
 
     config = config_from_options(args)
     control_path = config.resolved_control_socket
     # JSON lines on stdout: journald's under systemd (docs/metrics.md, "Logs").
     configure_logging(logging.INFO, scrubber=log_scrubber(config), stream=sys.stdout)
+    # Under gatewayd.socket systemd holds the control socket and passes it (its path
+    # then outlives restarts); started any other way, gatewayd binds the path itself.
+    passed = passed_control_socket(listen_fds(), control_path)
 
     async def serve() -> None:
         # Registered and served by the daemon: a second daemon that would bind it (or a
         # file of this one's audit log) is refused before it touches anything.
-        async with open_daemon(config, control_socket=control_path) as daemon:
+        async with open_daemon(
+            config, control_socket=control_path, control_listener=passed
+        ) as daemon:
             structlog.get_logger("gatewayd.serve").info(
-                "serving", control_socket=str(control_path), state_dir=str(config.state_dir)
+                "serving",
+                control_socket=str(control_path),
+                state_dir=str(config.state_dir),
+                socket_activated=passed is not None,
             )
             stops = (signal.SIGTERM, signal.SIGINT)
             with trio.open_signal_receiver(*stops, signal.SIGHUP) as signals:

@@ -24,7 +24,7 @@ from gatewayd.config import GatewaydConfig
 from gatewayd.dialer import Resolver, resolve_host
 from gatewayd.dispatch import Dispatcher, RunReview
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
-from gatewayd.metrics import GatewayMetrics
+from gatewayd.metrics import GatewayMetrics, run_error_code
 from gatewayd.policy import PolicyError, SandboxSection, tool_allowed
 from gatewayd.policy.model import NetworkSection
 from gatewayd.policy.paths import PathMode
@@ -66,6 +66,7 @@ from gatewayd.tools.exec import (
     prepare_exec,
     run_exec_command,
 )
+from gatewayd.tracing import Tracer
 from gatewayd.workspace import WorkspaceError, WorkspaceSession
 from gatewayd.workspace.store import WorkspaceStore
 
@@ -134,6 +135,8 @@ class RunManager:
         # What stops the processes started for a run outside its sandbox (its per-run
         # MCP servers), set by the composition root; None: nothing to stop.
         self.run_ending: RunEndingHook | None = None
+        # A span per run (None, the default: tracing is off).
+        self.tracer: Tracer | None = None
         # Trees of runs whose give-back failed: still (partly) a sandbox uid's, so no
         # other run may take them until the next start returns them.
         self._stuck_trees: list[Path] = []
@@ -279,7 +282,7 @@ class RunManager:
     async def _refused(self, exc: Exception, detail: dict[str, Any]) -> None:
         """Count and audit a run refused before it was created (``run_refused``)."""
         code = str(_refusal_code(exc))
-        self._metrics.runs_refused.inc((code,))
+        self._metrics.run_refused(code)
         await self.audit.append(
             "event",
             event=AuditEvent.RUN_REFUSED,
@@ -336,7 +339,7 @@ class RunManager:
                 self._dispatcher.drop_run_tools(run.run_id)
                 self.registry.remove(run)
             raise
-        self._metrics.runs_started.inc()
+        self._metrics.run_started()
         log.info("run_started", run_id=run.run_id, policy=run.spec.policy.name)
 
     async def _isolate(
@@ -697,6 +700,8 @@ class RunManager:
         # Every line logged by this task and the tasks it starts (the run's connections,
         # calls, services, egress proxy) carries the run's id.
         structlog.contextvars.bind_contextvars(run_id=run.run_id)
+        if self.tracer is not None:
+            self.tracer.run_started(run.run_id, run.spec.policy.name)
         max_runtime = run.spec.request.limits.maxRuntimeSec
         try:
             with trio.move_on_after(max_runtime) as scope:
@@ -874,7 +879,12 @@ class RunManager:
             log.error("run_end_not_audited", run_id=run.run_id, reason=run.end_reason)
         finally:
             run.finished.set()
-            self._metrics.runs_ended.inc((run.end_reason,))
+            served = run.serving_since
+            self._metrics.run_ended(
+                run.end_reason, None if served is None else trio.current_time() - served
+            )
+            if self.tracer is not None:
+                self.tracer.run_ended(run.run_id, run.end_reason, run_error_code(run.end_reason))
             log.info("run_ended", run_id=run.run_id, reason=run.end_reason)
 
 

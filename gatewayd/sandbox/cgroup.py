@@ -17,6 +17,10 @@ Where command cgroups go: below gatewayd's *own* cgroup of each controller, movi
   ``Delegate=yes`` with ``DelegateSubgroup=``): commands go beside the daemon, in the
   delegated parent, when that parent carries systemd's delegation mark (the xattr
   ``trusted.delegate``) and already lists ``memory`` in its ``cgroup.subtree_control``.
+  When gatewayd's own cgroup is the delegated one (``Delegate=yes`` alone, as systemd 252
+  has no ``DelegateSubgroup=``), gatewayd makes that layout itself: it moves its
+  processes into the leaf ``supervisor`` (:func:`enter_delegated_leaf`), enables
+  ``memory`` (and ``pids``) for its cgroup's children, and commands go beside the leaf.
   Otherwise cgroups are reported unavailable with the reason, and the launcher falls back
   to RLIMIT_AS. gatewayd never edits a cgroup it was not given.
 
@@ -64,6 +68,14 @@ REMOVE_FIRST_POLL_S: Final = 0.0005
 # systemd marks the cgroups it delegated with this xattr ("1"); unprivileged managers
 # use the user. namespace.
 DELEGATE_XATTRS: Final = ("trusted.delegate", "user.delegate")
+# The leaf gatewayd moves into inside its own delegated cgroup: a v2 cgroup may hand
+# controllers to children only once it holds no process. The name systemd's
+# DelegateSubgroup= examples use, so both layouts look alike.
+DAEMON_LEAF: Final = "supervisor"
+# Rounds of moving the delegated cgroup's processes into the leaf: a process that forks
+# meanwhile leaves its child behind, which the next round moves. gatewayd forks nothing
+# while it probes; more than this means something else keeps starting processes there.
+MOVE_ROUNDS: Final = 5
 # How many forks the pids controller refused at pids.max (v1 and v2 alike, Linux 4.8+).
 PIDS_EVENTS_FILE: Final = "pids.events"
 PIDS_MAX_KEY: Final = "max"
@@ -325,24 +337,46 @@ def swap_limit_file(version: CgroupVersion) -> str:
     return "memory.memsw.limit_in_bytes" if version == CgroupVersion.V1 else "memory.swap.max"
 
 
+@dataclass(frozen=True, slots=True)
+class EnterLeaf:
+    """gatewayd's own cgroup is delegated to it but holds its processes: move them into
+    ``parent / DAEMON_LEAF`` and enable ``controllers`` for ``parent``'s children; command
+    cgroups then go in ``parent``."""
+
+    parent: Path
+    controllers: frozenset[str]
+
+
 def v2_parent(
     own: Path,
     *,
     own_subtree: frozenset[str],
     parent_subtree: frozenset[str] | None,
     parent_delegated: bool,
-) -> Path | str:
+    own_delegated: bool = False,
+    own_controllers: frozenset[str] = frozenset(),
+) -> Path | EnterLeaf | str:
     """Where v2 command cgroups may go (module doc), or why nowhere.
 
     ``own_subtree`` and ``parent_subtree`` are the controllers in ``cgroup.subtree_control``
     of gatewayd's cgroup and of its parent (None when gatewayd's cgroup is the top of the
-    tree it can see).
+    tree it can see); ``own_controllers`` those its own cgroup may use
+    (``cgroup.controllers``), and ``own_delegated`` whether it carries systemd's
+    delegation mark.
     """
     if "memory" in own_subtree:
         return own  # only the root cgroup may hold processes and hand controllers down
     parent = own.parent
     if parent_subtree is not None and parent_delegated and "memory" in parent_subtree:
         return parent
+    if own_delegated and "memory" in own_controllers:
+        return EnterLeaf(own, frozenset({"memory", "pids"}) & own_controllers)
+    if own_delegated:
+        return (
+            f"gatewayd's delegated cgroup {own} was given no memory controller (its "
+            "cgroup.controllers lacks it): enable memory in the slice above it "
+            "(systemd: Delegate=yes gives every controller the slice has)"
+        )
     if parent_subtree is not None and parent_delegated:
         return (
             f"the delegated cgroup {parent} does not enable memory for its children: enable "
@@ -468,6 +502,7 @@ _NO_SWAP_ACCOUNTING_V1: Final = (
 def _probe_v2(own: Path, *, at_top: bool) -> CgroupSupport:
     try:
         own_subtree = _controllers(own / "cgroup.subtree_control")
+        own_controllers = _controllers(own / "cgroup.controllers")
         parent_subtree = None if at_top else _controllers(own.parent / "cgroup.subtree_control")
     except CgroupError as exc:
         return CgroupSupport.unavailable(f"cgroup v2 unusable: {exc}")
@@ -476,9 +511,17 @@ def _probe_v2(own: Path, *, at_top: bool) -> CgroupSupport:
         own_subtree=own_subtree,
         parent_subtree=parent_subtree,
         parent_delegated=not at_top and _delegated(own.parent),
+        own_delegated=not at_top and _delegated(own),
+        own_controllers=own_controllers,
     )
     if isinstance(parent, str):
         return CgroupSupport.unavailable(parent)
+    if isinstance(parent, EnterLeaf):
+        try:
+            enter_delegated_leaf(parent.parent, parent.controllers)
+        except CgroupError as exc:
+            return CgroupSupport.unavailable(f"cgroup v2 delegated subtree unusable: {exc}")
+        parent = parent.parent
     try:
         with _probe_child(parent) as child:
             oom_kill_count(_read(child / "memory.events"), source=str(parent))
@@ -498,6 +541,45 @@ def _probe_v2(own: Path, *, at_top: bool) -> CgroupSupport:
         swap_limited=swap_limited,
         reason="; ".join(notes),
     )
+
+
+def enter_delegated_leaf(own: Path, controllers: Collection[str]) -> Path:
+    """Move every process of the delegated cgroup ``own`` (gatewayd itself) into its
+    leaf ``own / DAEMON_LEAF``, then enable ``controllers`` for ``own``'s children, so
+    command cgroups can be made beside the leaf. Idempotent: a restarted gatewayd, put
+    back into ``own`` by systemd, moves again. Returns the leaf.
+
+    Error handling: :class:`CgroupError` naming the file when the kernel refuses, or
+    when processes keep appearing in ``own`` for MOVE_ROUNDS rounds.
+    """
+    leaf = own / DAEMON_LEAF
+    try:
+        leaf.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise CgroupError(_explain(f"cannot create cgroup {leaf}", exc)) from exc
+    for _ in range(MOVE_ROUNDS):
+        try:
+            pids = _pids(own / "cgroup.procs")
+        except OSError as exc:
+            raise CgroupError(_explain(f"cannot read {own / 'cgroup.procs'}", exc)) from exc
+        if not pids:
+            break
+        for pid in sorted(pids):
+            try:
+                _write_settings(leaf, (("cgroup.procs", str(pid)),))
+            except CgroupError as exc:
+                if isinstance(exc.__cause__, ProcessLookupError):
+                    continue  # it ended meanwhile
+                raise
+    else:
+        raise CgroupError(
+            f"processes kept appearing in {own} for {MOVE_ROUNDS} rounds of moving them "
+            f"into {leaf}: something besides gatewayd starts processes in its cgroup"
+        )
+    if controllers:
+        enable = " ".join(f"+{name}" for name in sorted(controllers))
+        _write_settings(own, (("cgroup.subtree_control", enable),))
+    return leaf
 
 
 def _controllers(path: Path) -> frozenset[str]:

@@ -22,13 +22,16 @@ a ``ValueError`` (a caller bug, never the system's fault).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
 import re
+import signal
 import socket
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 # Where iproute2 and pyroute2 pin named namespaces (pyroute2 says /var/run/netns, a
 # symlink to /run on Debian). We always hand pyroute2 the full path, so both agree.
@@ -124,7 +127,8 @@ def create_run_netns(run_id: str, *, prefix: str = NETNS_PREFIX) -> NetnsHandle:
     from pyroute2 import netns as pyroute2_netns
 
     try:
-        pyroute2_netns.create(str(path))
+        with _handled_signals_blocked():
+            pyroute2_netns.create(str(path))
     except FileExistsError as exc:
         # Someone pinned it between our check and the create: still a leftover, not ours.
         raise _leftover(name, path) from exc
@@ -290,6 +294,27 @@ def _discard(name: str, error: NetnsError) -> None:
         error.add_note(f"cleanup also failed, the namespace may be left behind: {cleanup}")
 
 
+# The signals gatewayd handles in Python (trio's handlers: stop, reload). pyroute2 forks
+# a child that runs Python without exec (to create a namespace, to open a netlink socket
+# inside one) and sends it SIGTERM once it has answered. A Python handler inherited from
+# gatewayd runs there, and one that waits on a lock another of gatewayd's threads held
+# at the fork (trio's run_sync_soon does) waits forever, with gatewayd in waitpid for the
+# child: a run stuck for good in its namespace's creation (seen in a `gatewayd worker`
+# under load). Blocked in the forking thread, they stay blocked in the child, which exits
+# on its own right after answering (a pending signal dies with it); pyroute2's SIGKILL
+# after its timeout still ends a child that hangs. gatewayd's other threads take them.
+_HANDLED_SIGNALS: Final = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+
+
+@contextlib.contextmanager
+def _handled_signals_blocked() -> Iterator[None]:
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _bring_up_loopback(name: str, path: Path) -> None:
     from pyroute2 import IPRoute
 
@@ -297,7 +322,7 @@ def _bring_up_loopback(name: str, path: Path) -> None:
     try:
         # flags=0: open the namespace we just made, never create one implicitly.
         # groups=0: we only ask questions, so subscribe to no event stream.
-        with IPRoute(netns=str(path), flags=0, groups=0) as ipr:
+        with _handled_signals_blocked(), IPRoute(netns=str(path), flags=0, groups=0) as ipr:
             step = "find lo"
             indexes = ipr.link_lookup(ifname=LOOPBACK)
             if len(indexes) != 1:

@@ -668,8 +668,14 @@ def serving(base: Path) -> Iterator[LiveDaemon]:
 
 
 def log_files(daemon: LiveDaemon) -> dict[str, bytes]:
-    """Every file of ``daemon``'s audit log (active, head, closed segments): contents."""
-    return {p.name: p.read_bytes() for p in sorted(daemon.audit_path.parent.iterdir())}
+    """Every file of ``daemon``'s audit log (active, head, closed segments, and the
+    files of its Merkle tree's directory): contents."""
+    directory = daemon.audit_path.parent
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def serve_beside(

@@ -387,3 +387,44 @@ def _host_outward_address() -> str | None:
         address: str = s.getsockname()[0]
         return address
     return None
+
+
+# --- pyroute2's forked helper and gatewayd's signal handlers --------------------------
+
+_STUCK_HANDLER_SCRIPT = """
+import signal, sys, threading
+from gatewayd.sandbox.netns import create_run_netns, remove_run_netns
+
+# gatewayd's Python handlers (trio's) are inherited by pyroute2's forked helper; this one
+# waits forever, as trio's does on a lock another thread held at the fork.
+signal.signal(signal.SIGTERM, lambda *_: threading.Event().wait())
+prefix, count = sys.argv[1], int(sys.argv[2])
+for i in range(count):
+    handle = create_run_netns(f"{i:032x}", prefix=prefix)
+    remove_run_netns(handle.name)
+print("created and removed", count)
+"""
+
+
+def test_a_python_sigterm_handler_never_hangs_the_namespace_helper(tmp_path: Path) -> None:
+    # pyroute2 SIGTERMs its helper once it has answered: with the handler run there, the
+    # helper never exits and the run's creation waits for it forever.
+    prefix = f"cgsig{secrets.token_hex(2)}-"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STUCK_HANDLER_SCRIPT, prefix, "5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the script and its stuck helpers
+        out, err = proc.communicate()
+        pytest.fail(f"creating a namespace hung on the helper's SIGTERM handler: {err[-2000:]}")
+    finally:
+        for name in stale_netns(prefix):
+            remove_run_netns(name)
+    assert proc.returncode == 0, err[-2000:]
+    assert "created and removed 5" in out

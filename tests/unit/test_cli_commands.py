@@ -35,6 +35,8 @@ MINIMAL_ARGV: Final[dict[str, list[str]]] = {
     "tools": ["tools", "list"],
     "approvals": ["approvals", "list"],
     "workspace": ["workspace", "list"],
+    "witness": ["witness", "keygen", "w.example/1", "--key-file", "w.key"],
+    "worker": ["worker", "--temporal", "127.0.0.1:7233"],
 }
 
 

@@ -17,7 +17,7 @@ import pytest
 from gatewayd import cli, configsources
 from gatewayd.cli import command as cli_command
 from gatewayd.cli import options as cli_options
-from gatewayd.config import ConfigError, GatewaydConfig, ModelAlias, SandboxUids
+from gatewayd.config import AuditWitness, ConfigError, GatewaydConfig, ModelAlias, SandboxUids
 from gatewayd.configsources import DERIVED_SOURCE, ENV_SYNTAX, env_name, resolve_settings
 from gatewayd.daemon import open_daemon
 from gatewayd.frame_limits import MAX_FRAME_BYTES, MIN_FRAME_BYTES
@@ -25,6 +25,9 @@ from gatewayd.mcp.declaration import McpServerDeclaration, Share
 from gatewayd.runs.lifecycle import RunManager
 from gatewayd.sandbox.daemons import derived_uid_range
 from gatewayd.sandbox.uids import UidRange
+
+# A witness's verifier key (`gatewayd witness keygen w.example/1`).
+WITNESS_KEY = "w.example/1+865d03be+BDdfF6OR1N7dL+XjaTG4/2rPUAHXKJ74KcweZD4m078L"
 
 # Every setting: the text of its variable, and the value it must give (not the default).
 ENV_CASES: dict[str, tuple[str, Any]] = {
@@ -36,6 +39,11 @@ ENV_CASES: dict[str, tuple[str, Any]] = {
     "audit_fsync": ("false", False),
     "audit_reply_after_result": ("off", False),
     "audit_max_bytes": ("0", 0),
+    "audit_checkpoint_key": ("/etc/gw/ckpt.key", Path("/etc/gw/ckpt.key")),
+    "audit_witnesses": (
+        "[{name: w.example/1, url: 'http://127.0.0.1:7380', verifier_key: 'w.example/1+865d03be+BDdfF6OR1N7dL+XjaTG4/2rPUAHXKJ74KcweZD4m078L'}]",
+        (AuditWitness(name="w.example/1", url="http://127.0.0.1:7380", verifier_key=WITNESS_KEY),),
+    ),
     "max_frame_bytes": ("4_194_304", 4 << 20),
     "os_sandbox": ("No", False),
     "bwrap": ("/usr/local/bin/bwrap", "/usr/local/bin/bwrap"),
@@ -57,6 +65,11 @@ ENV_CASES: dict[str, tuple[str, Any]] = {
     "tool_default_runner": ("process", "process"),
     "tool_cache_dir": ("/var/cache/gw", Path("/var/cache/gw")),
     "workspace_mode": ("host", "host"),
+    "metrics_listen": ("[::1]:9464", "[::1]:9464"),
+    "otel_endpoint": ("http://127.0.0.1:4318", "http://127.0.0.1:4318"),
+    "temporal_address": ("temporal.internal:7233", "temporal.internal:7233"),
+    "temporal_namespace": ("agents", "agents"),
+    "temporal_task_queue": ("gw-queue", "gw-queue"),
 }
 
 
@@ -370,6 +383,12 @@ RELOAD_CASES: list[tuple[str, Any, bool]] = [
     ("audit_fsync", False, False),
     ("audit_reply_after_result", False, False),
     ("audit_max_bytes", 0, False),
+    ("audit_checkpoint_key", Path("/etc/gw/ckpt.key"), False),
+    (
+        "audit_witnesses",
+        (AuditWitness(name="w.example/1", url="https://w.example/1", verifier_key=WITNESS_KEY),),
+        False,
+    ),
     ("max_frame_bytes", 4096, False),
     ("os_sandbox", False, False),
     ("bwrap", "/opt/bwrap", False),
@@ -385,6 +404,11 @@ RELOAD_CASES: list[tuple[str, Any, bool]] = [
     ("tool_default_runner", "process", False),
     ("tool_cache_dir", Path("/srv/cache"), False),
     ("workspace_mode", "host", False),
+    ("metrics_listen", "127.0.0.1:9464", False),
+    ("otel_endpoint", "http://127.0.0.1:4318", False),
+    ("temporal_address", "127.0.0.1:7233", False),
+    ("temporal_namespace", "agents", False),
+    ("temporal_task_queue", "gw-queue", False),
 ]
 
 

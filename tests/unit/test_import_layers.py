@@ -9,7 +9,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Packages whose modules sit in different layers, so each of their children is listed.
-SPLIT_PACKAGES = ("gatewayd.runs", "gatewayd.apps", "gatewayd.mcp", "gatewayd.runners")
+SPLIT_PACKAGES = (
+    "gatewayd.runs",
+    "gatewayd.apps",
+    "gatewayd.mcp",
+    "gatewayd.runners",
+    "gatewayd.scaleout",
+)
 
 
 def _layers() -> set[str]:

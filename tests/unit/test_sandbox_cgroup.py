@@ -16,6 +16,7 @@ from gatewayd.sandbox.cgroup import (
     CgroupSupport,
     CgroupVersion,
     CommandCgroup,
+    EnterLeaf,
     OwnCgroups,
     command_cgroup_name,
     find_own_cgroups,
@@ -268,6 +269,61 @@ def test_v2_without_a_usable_parent_says_why_and_how_to_delegate(
     )
     assert isinstance(answer, str)
     assert re.search(reason, answer), answer
+
+
+# systemd 252's Delegate=yes (no DelegateSubgroup=): gatewayd is in the delegated cgroup.
+SERVICE = OWN.parent
+
+
+def test_v2_in_its_own_delegated_cgroup_moves_into_a_leaf_handing_controllers_down() -> None:
+    answer = v2_parent(
+        SERVICE,
+        own_subtree=frozenset(),
+        parent_subtree=frozenset({"memory", "pids", "cpu"}),
+        parent_delegated=False,  # system.slice: systemd's, not gatewayd's
+        own_delegated=True,
+        own_controllers=frozenset({"cpu", "io", "memory", "pids"}),
+    )
+    assert answer == EnterLeaf(SERVICE, MEM)
+
+
+def test_v2_delegated_without_pids_enables_memory_alone() -> None:
+    answer = v2_parent(
+        SERVICE,
+        own_subtree=frozenset(),
+        parent_subtree=frozenset({"memory"}),
+        parent_delegated=False,
+        own_delegated=True,
+        own_controllers=frozenset({"memory"}),
+    )
+    assert answer == EnterLeaf(SERVICE, frozenset({"memory"}))
+
+
+def test_v2_delegated_without_the_memory_controller_says_where_to_enable_it() -> None:
+    answer = v2_parent(
+        SERVICE,
+        own_subtree=frozenset(),
+        parent_subtree=frozenset({"pids"}),
+        parent_delegated=False,
+        own_delegated=True,
+        own_controllers=frozenset({"pids"}),
+    )
+    assert isinstance(answer, str)
+    assert "delegated cgroup" in answer and "no memory controller" in answer
+    assert "enable memory in the slice above it" in answer
+
+
+def test_v2_prefers_a_delegated_parent_that_already_has_the_leaf_layout() -> None:
+    # DelegateSubgroup= (systemd 254+) made the leaf: nothing is moved.
+    answer = v2_parent(
+        OWN,
+        own_subtree=frozenset(),
+        parent_subtree=MEM,
+        parent_delegated=True,
+        own_delegated=True,
+        own_controllers=MEM,
+    )
+    assert answer == OWN.parent
 
 
 # --- the support value ----------------------------------------------------------------------
