@@ -170,7 +170,10 @@ WHEEL_SOURCES := pyproject.toml README.md gatewayd cogni_tool policies systemd
 install:
 	@[ "$$($(SYSTEM_PYTHON) -c 'import sys; print(sys.prefix)' 2>/dev/null)" = /usr ] || { \
 	  echo "make install: $(SYSTEM_PYTHON) is not the system's python3 (Debian: apt-get install python3 python3-venv)" >&2; exit 1; }
-	@set -euo pipefail; build=$$(mktemp -d /tmp/gatewayd-wheel.XXXXXX); trap 'rm -rf "$$build"' EXIT; \
+	@# umask 022 on every line that makes files: root's umask may be 077 (CIS-hardened
+	@# hosts), and the gatewayd user must read the venv and the docs (install-systemd
+	@# refuses a venv it cannot search)
+	@umask 022; set -euo pipefail; build=$$(mktemp -d /tmp/gatewayd-wheel.XXXXXX); trap 'rm -rf "$$build"' EXIT; \
 	[ -x $(INSTALL_VENV)/bin/python ] || { echo "==> creating $(INSTALL_VENV) with $(SYSTEM_PYTHON)"; \
 	  $(SYSTEM_PYTHON) -m venv $(INSTALL_VENV); }; \
 	echo "==> building the wheel of $(CURDIR)"; \
@@ -182,9 +185,9 @@ install:
 	$(INSTALL_VENV)/bin/python -m pip install -q --force-reinstall --no-deps "$$wheel"
 	@if [ -n "$(DESTDIR)" ]; then \
 	  grep -rlIF "$(INSTALL_VENV)" $(INSTALL_VENV)/bin | xargs -r sed -i "s|$(INSTALL_VENV)|$(PREFIX)/venv|g"; fi
-	rm -rf $(DESTDIR)$(PREFIX)/docs && cp -r docs $(DESTDIR)$(PREFIX)/docs
+	umask 022; rm -rf $(DESTDIR)$(PREFIX)/docs && cp -r docs $(DESTDIR)$(PREFIX)/docs
 	@# -P: the installed gatewayd, not the checkout's (python -m would look in . first)
-	$(INSTALL_VENV)/bin/python -P -m gatewayd.cli install-systemd --root $(or $(DESTDIR),/) \
+	umask 022; $(INSTALL_VENV)/bin/python -P -m gatewayd.cli install-systemd --root $(or $(DESTDIR),/) \
 	  --program $(PREFIX)/venv/bin/gatewayd
 
 # Stops and disables the service, removes the virtualenv, the docs and the units; keeps

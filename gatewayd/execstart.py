@@ -45,6 +45,7 @@ MAX_SHEBANG_BYTES: Final = 128
 # A script's interpreter may itself be a script: the kernel follows four levels.
 MAX_INTERPRETER_DEPTH: Final = 4
 _S_IXOTH_SEARCH: Final = 0o1  # the x bit of one permission triple
+_S_IROTH_READ: Final = 0o4  # the r bit of one permission triple
 
 # What each setting hides, when it hides (ProtectHome=read-only leaves paths visible).
 _PROTECT_HOME: Final = ("/home", "/root", "/run/user")
@@ -137,7 +138,7 @@ def _check_file(path: Path, view: ServiceView, root: Path, *, named_by: str, dep
     st, where = found
     if not stat.S_ISREG(st.st_mode):
         raise UnreachableProgram(f"{named_by}: {real} is not a regular file; {FIX_HINT}")
-    if not _may(st, view, 0o1):
+    if not _may(st, view, _S_IXOTH_SEARCH):
         raise UnreachableProgram(
             f"{named_by}: the service user {view.user} may not execute {real} "
             f"({_describe(st)}); chmod o+x {where}, or {FIX_HINT}"
@@ -145,6 +146,14 @@ def _check_file(path: Path, view: ServiceView, root: Path, *, named_by: str, dep
     interpreter = _interpreter(where)
     if interpreter is None:
         return
+    # The kernel runs the interpreter with the script's path, and the interpreter opens
+    # it as the service user: a script it may execute but not read fails after the exec
+    # (python: "can't open file"), not with 203/EXEC, but fails all the same.
+    if not _may(st, view, _S_IROTH_READ):
+        raise UnreachableProgram(
+            f"{named_by}: the service user {view.user} may not read {real} ({_describe(st)}), "
+            f"which its #! interpreter {interpreter} must open; chmod o+r {where}, or {FIX_HINT}"
+        )
     if depth >= MAX_INTERPRETER_DEPTH:
         raise UnreachableProgram(
             f"{named_by}: {real} starts a chain of more than {MAX_INTERPRETER_DEPTH} "
@@ -252,7 +261,7 @@ def _interpreter(path: Path) -> Path | None:
 
 
 def _may(st: os.stat_result, view: ServiceView, bit: int) -> bool:
-    """Whether the mode bits give ``view``'s user ``bit`` (1: execute/search)."""
+    """Whether the mode bits give ``view``'s user ``bit`` (1: execute/search, 4: read)."""
     if view.uid is not None and st.st_uid == view.uid:
         shift = 6
     elif st.st_gid in view.gids:

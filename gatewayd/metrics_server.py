@@ -9,19 +9,28 @@ every label value), so it needs no authentication; it listens on loopback unless
 operator names another address, and then gatewayd says so in its log.
 
 HTTP parsing is h11's (sans-IO), as on the control socket; the text is rendered on the
-trio thread, where the metrics are written. prometheus_client's own HTTP server is not
+trio thread, where the metrics are written. A render takes milliseconds of that thread
+(about 8 ms with a few dozen tools on a busy host), the thread every tool call is
+answered on, so renders are spaced at least :data:`MIN_RENDER_INTERVAL_S` apart: a
+client asking as fast as it can (pipelined requests on every connection it may hold)
+waits for its turn instead of taking the thread from the calls. Each answer is still
+rendered when it is sent, never an older one. prometheus_client's own HTTP server is not
 used: it serves from a thread of its own, outside the daemon's nursery and shutdown.
 
 Resource handling: every connection is a task in the server's nursery, closed in
 ``finally``; at most :data:`MAX_CONNECTIONS` at once (one more is closed at accept), each
-dropped after :data:`REQUEST_TIMEOUT_S` without a whole request.
+dropped when a request and its answer take over :data:`REQUEST_TIMEOUT_S`: a client
+that sends slowly, or that asks and never reads the answer (pipelined requests fill the
+socket's buffers), would otherwise hold its slot forever.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ipaddress
+import math
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -38,12 +47,16 @@ METRICS_PATH: Final = "/metrics"
 # Prometheus scrapes a target over one connection at a time; a few more cover a second
 # scraper and a person's curl. More is a flood, closed at accept before it holds a fd.
 MAX_CONNECTIONS: Final = 16
-# A scraper sends its whole request at once; a client that has not within this long is
-# stuck or hostile, and its connection is dropped.
+# A scraper sends its whole request at once and reads the answer as it comes; a client
+# that has not done both within this long is stuck or hostile, and its connection is
+# dropped.
 REQUEST_TIMEOUT_S: Final = 10.0
 # A scrape's request line and headers are a few hundred bytes.
 MAX_REQUEST_HEAD_BYTES: Final = 16 * 1024
 RECV_CHUNK: Final = 16 * 1024
+# At most ten renders a second, whoever asks: a scraper asks once every few seconds,
+# so it never waits; a flood costs the trio thread at most ~10% (8 ms renders).
+MIN_RENDER_INTERVAL_S: Final = 0.1
 # The listen backlog: scrapes are rare, a short queue is plenty.
 LISTEN_BACKLOG: Final = 64
 # A scrape's answer is never cached: it is the value now.
@@ -137,6 +150,7 @@ async def serve_metrics(
     log.info("metrics_listening", address=str(bound), path=METRICS_PATH)
     listener = trio.SocketListener(sock)
     open_connections = [0]
+    pacer = _RenderPacer()
     async with listener, trio.open_nursery() as nursery:
         task_status.started(bound)
         while True:
@@ -146,38 +160,70 @@ async def serve_metrics(
                 await trio.aclose_forcefully(stream)
                 continue
             open_connections[0] += 1
-            nursery.start_soon(_connection, stream, metrics, open_connections)
+            nursery.start_soon(_connection, stream, metrics, pacer, open_connections)
+
+
+class _RenderPacer:
+    """Spaces the listener's renders :data:`MIN_RENDER_INTERVAL_S` apart (the module's
+    docstring says why); the first waiter goes first."""
+
+    def __init__(self) -> None:
+        self._lock = trio.Lock()  # fair: waiters are served in the order they came
+        self._last = -math.inf
+
+    async def render(self, metrics: GatewayMetrics) -> str:
+        async with self._lock:
+            await trio.sleep_until(self._last + MIN_RENDER_INTERVAL_S)
+            self._last = trio.current_time()
+            return metrics.render()
 
 
 async def _connection(
-    stream: trio.SocketStream, metrics: GatewayMetrics, open_connections: list[int]
+    stream: trio.SocketStream,
+    metrics: GatewayMetrics,
+    pacer: _RenderPacer,
+    open_connections: list[int],
 ) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_HEAD_BYTES)
     try:
         while True:
             with trio.fail_after(REQUEST_TIMEOUT_S):
                 request = await _read_request(stream, conn)
-            if request is None:
-                return
-            status, body, content_type = _answer(request, metrics)
-            # An answer to HEAD has its headers only (h11 refuses a body there).
-            await _send(stream, conn, status, body, content_type, head=request.method == b"HEAD")
+                if request is None:
+                    return
+                status, body, content_type = _refusal(request)
+                if status == 200:
+                    body = await pacer.render(metrics)
+                # An answer to HEAD has its headers only (h11 refuses a body there).
+                head = request.method == b"HEAD"
+                await _send(stream, conn, status, body, content_type, head=head)
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                 return
             conn.start_next_cycle()
     except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError):
         pass
     except _Refused as refused:
-        with contextlib.suppress(trio.BrokenResourceError, h11.LocalProtocolError):
+        with _at_most(REQUEST_TIMEOUT_S):
             await _send(stream, conn, refused.status, refused.message, "text/plain")
     except h11.RemoteProtocolError as exc:
-        with contextlib.suppress(trio.BrokenResourceError, h11.LocalProtocolError):
+        with _at_most(REQUEST_TIMEOUT_S):
             await _send(stream, conn, 400, f"malformed HTTP: {exc}\n", "text/plain")
     except Exception:
         log.exception("metrics_connection_failed")
     finally:
         open_connections[0] -= 1
         await trio.aclose_forcefully(stream)
+
+
+@contextlib.contextmanager
+def _at_most(seconds: float) -> Iterator[None]:
+    """An error answer sent on the way out, given up when the client does not take it
+    within ``seconds`` or has gone."""
+    with (
+        trio.move_on_after(seconds),
+        contextlib.suppress(trio.BrokenResourceError, h11.LocalProtocolError),
+    ):
+        yield
 
 
 class _Refused(Exception):
@@ -204,13 +250,15 @@ async def _read_request(stream: trio.SocketStream, conn: h11.Connection) -> h11.
             return None
 
 
-def _answer(request: h11.Request, metrics: GatewayMetrics) -> tuple[int, str, str]:
+def _refusal(request: h11.Request) -> tuple[int, str, str]:
+    """The answer to a request this listener refuses; 200 (its body still to render)
+    for ``GET /metrics``."""
     path = request.target.decode("ascii", "replace").partition("?")[0]
     if path != METRICS_PATH:
         return 404, f"not found: this listener serves GET {METRICS_PATH} only\n", "text/plain"
     if request.method != b"GET":
         return 405, f"method not allowed: {METRICS_PATH} answers GET\n", "text/plain"
-    return 200, metrics.render(), CONTENT_TYPE
+    return 200, "", CONTENT_TYPE
 
 
 async def _send(

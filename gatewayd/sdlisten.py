@@ -76,7 +76,7 @@ def listen_fds(
     if count_text is None:
         return ()
     me = os.getpid() if pid is None else pid
-    if pid_text is None or not pid_text.isdigit():
+    if pid_text is None or not _is_number(pid_text):
         raise PassedSocketError(
             f"${LISTEN_FDS_ENV} is set but ${LISTEN_PID_ENV} is {pid_text!r}, not a process "
             "id: the environment was not made by systemd's socket activation; unset both"
@@ -84,7 +84,7 @@ def listen_fds(
     if int(pid_text) != me:
         log.warning("listen_fds_not_ours", listen_pid=int(pid_text), pid=me)
         return ()
-    if not count_text.isdigit() or not 1 <= int(count_text) <= MAX_LISTEN_FDS:
+    if not _is_number(count_text) or not 1 <= int(count_text) <= MAX_LISTEN_FDS:
         raise PassedSocketError(
             f"${LISTEN_FDS_ENV} is {count_text!r}: expected a count from 1 to "
             f"{MAX_LISTEN_FDS} (the unit passes one socket, gatewayd.socket's)"
@@ -106,6 +106,12 @@ def listen_fds(
             ) from exc
         passed.append(PassedFd(fd, name))
     return tuple(passed)
+
+
+def _is_number(text: str) -> bool:
+    """Whether ``text`` is a decimal number int() reads: str.isdigit() alone also takes
+    digits such as "\u00b9", on which int() raises."""
+    return text.isascii() and text.isdigit()
 
 
 def passed_control_socket(passed: Sequence[PassedFd], path: Path) -> socket.socket | None:

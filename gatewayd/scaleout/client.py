@@ -170,7 +170,9 @@ async def result(
                 rpc_timeout=None if wait else timedelta(seconds=RPC_TIMEOUT_S),
             )
     except WorkflowFailureError as exc:
-        described = await handle.describe(rpc_timeout=timedelta(seconds=RPC_TIMEOUT_S))
+        # Read again for the status it ended with: Temporal can fail this call too.
+        with _translated(target, f"look up agent run {workflow_id}", workflow_id=workflow_id):
+            described = await handle.describe(rpc_timeout=timedelta(seconds=RPC_TIMEOUT_S))
         return _failure_json(workflow_id, described.status, exc.cause)
     return {
         "workflowId": workflow_id,

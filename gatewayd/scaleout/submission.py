@@ -245,6 +245,25 @@ class AgentSubmission(pydantic.BaseModel):
             )
         return value
 
+    @pydantic.field_validator("toolIds")
+    @classmethod
+    def _plain_tool_ids(cls, value: list[str]) -> list[str]:
+        for tool_id in value:
+            _no_control(tool_id, "a tool id")
+        return value
+
+    @pydantic.field_validator("pullRequest")
+    @classmethod
+    def _no_pull_request(cls, value: bool) -> bool:
+        # The workers' first activity refuses it (they open no pull request yet):
+        # refused here instead, before a workflow that can only fail is started.
+        if value:
+            raise ValueError(
+                "pull requests are not opened by the workers yet: submit with push only "
+                "and open the pull request from the pushed branch"
+            )
+        return value
+
     @pydantic.field_validator("branch")
     @classmethod
     def _branch_name(cls, value: str | None) -> str | None:

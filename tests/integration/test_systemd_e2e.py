@@ -53,6 +53,8 @@ POLICY_DIR: Final = "/etc/gatewayd/policies"
 WORKSPACES: Final = "/srv/workspaces"
 # Outside every route (RFC 5737 TEST-NET-2): a connection attempt proves the way is shut.
 OUTSIDE_V4: Final = "198.51.100.1"
+# A hardened host's root umask (CIS benchmarks): files root makes are its own only.
+ROOT_UMASK_HARDENED: Final = 0o077
 # make install builds a wheel and installs it with its dependencies (~40 s here).
 INSTALL_TIMEOUT_S: Final = 600.0
 # systemd's stop waits up to the unit's TimeoutStopSec (90 s) before SIGKILL.
@@ -149,8 +151,10 @@ print(json.dumps({"inodes": inodes, "missing": missing, "answers": answers,
 
 def install_gatewayd(box: Box) -> None:
     """Install gatewayd in the box the way docs/operations.md tells an operator to:
-    ``make install`` in the checkout, as root (the venv in /opt, the box's own tmpfs)."""
-    box.run("make", "install", timeout=INSTALL_TIMEOUT_S)
+    ``make install`` in the checkout, as root (the venv in /opt, the box's own tmpfs).
+    Under root's umask 077, as on CIS-hardened hosts: the install must still leave the
+    virtualenv readable to the service user (install-systemd refuses it otherwise)."""
+    box.sh(f"umask {ROOT_UMASK_HARDENED:03o}; exec make install", timeout=INSTALL_TIMEOUT_S)
 
 
 @dataclass
@@ -313,7 +317,10 @@ def service() -> Iterator[Service]:
         starting = yaml.safe_load(box.read(config))
         assert starting["lendable_roots"] == [WORKSPACES], starting
         box.append(config, CONFIG_ADDED.format(policies=POLICY_DIR, base=uid_base))
-        box.run("mkdir", "-p", POLICY_DIR, WORKSPACES)
+        # Made by the install (tmpfiles), not by hand: ReadWritePaths= binds it writable
+        # only if it exists at the start; one made later stays read-only to the service.
+        box.run("test", "-d", WORKSPACES)
+        box.run("mkdir", "-p", POLICY_DIR)
         live = Service(box, uid_base)
         started = box.run("systemctl", "start", "gatewayd", check=False, timeout=120)
         assert started.returncode == 0, started.stderr + live.journal_text()

@@ -150,6 +150,18 @@ def test_a_file_the_service_user_cannot_execute_is_refused(tmp_path: Path) -> No
     assert "the service user gatewayd may not execute /opt/g/gatewayd (mode 0744" in message
 
 
+def test_a_script_the_service_user_may_execute_but_not_read_is_refused(tmp_path: Path) -> None:
+    # Its interpreter opens it as the service user: mode 0711 runs python, which then
+    # cannot open the script. A binary (no #!) needs no read bit.
+    stage(tmp_path, "/opt/g/gatewayd", "#!/opt/py/python\n", mode=0o711)
+    stage(tmp_path, "/opt/py/python", mode=0o711)
+    message = refusal(Path("/opt/g/gatewayd"), tmp_path)
+    assert "the service user gatewayd may not read /opt/g/gatewayd (mode 0711" in message
+    assert "its #! interpreter /opt/py/python must open" in message
+    assert f"chmod o+r {tmp_path}/opt/g/gatewayd" in message
+    check_exec_start(Path("/opt/py/python"), NEW_USER, root=tmp_path)
+
+
 def test_an_interpreter_the_service_user_cannot_execute_is_refused(tmp_path: Path) -> None:
     stage(tmp_path, "/opt/g/gatewayd", "#!/opt/py/python\n")
     stage(tmp_path, "/opt/py/python", mode=0o700)

@@ -136,3 +136,22 @@ def test_every_shipped_file_is_package_data_of_the_wheel() -> None:
     }
     assert wanted - shipped == set()
     assert (package / "data/policies").resolve() == CHECKOUT / "policies"
+
+
+def test_every_path_the_unit_binds_writable_is_made_before_the_start() -> None:
+    # ReadWritePaths= binds only what exists when the service starts: a path made later
+    # (the walk-through's `mkdir -p /srv/workspaces/first` after `systemctl start`) stays
+    # read-only to the service, and a read-write workspace lent from it fails with EROFS.
+    unit = install.SOURCE_UNIT.read_text()
+    writable = {
+        entry.lstrip("-+")
+        for line in unit.splitlines()
+        if line.startswith("ReadWritePaths=")
+        for entry in line.split("=", 1)[1].split()
+    }
+    made = {
+        fields[1]
+        for line in install.SOURCE_TMPFILES.read_text().splitlines()
+        if (fields := line.split()) and fields[0] == "d"
+    }
+    assert writable and writable <= made, f"not made at boot: {sorted(writable - made)}"

@@ -4,15 +4,20 @@ URL form are refused here, with a message that says where credentials live inste
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from types import SimpleNamespace
 from typing import Any
 
 import pydantic
 import pytest
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from gatewayd.config import GatewaydConfig
-from gatewayd.scaleout.client import outcome_json
-from gatewayd.scaleout.spec import LIMIT_NAMES, AgentRunOutcome
+from gatewayd.scaleout.client import outcome_json, result
+from gatewayd.scaleout.spec import LIMIT_NAMES, WORKFLOW_NAME, AgentRunOutcome
 from gatewayd.scaleout.submission import (
     MAX_TASK_BYTES,
     WORKFLOW_ID_RE,
@@ -20,6 +25,7 @@ from gatewayd.scaleout.submission import (
     AgentSubmission,
     ErrorKind,
     SubmissionLimits,
+    TemporalTarget,
     check_workflow_id,
     new_workflow_id,
     wall_time_limit,
@@ -160,6 +166,8 @@ def test_a_plain_branch_is_taken() -> None:
         ({"policy": "/etc/gatewayd/policies/agent.yaml"}, "not a path"),
         ({"policy": "../agent"}, "not a path"),
         ({"actorId": "ops\x1b[31m"}, "control character"),
+        ({"toolIds": ["sandbox.exec", "fs.read\r\nX: y"]}, "a tool id holds a control character"),
+        ({"pullRequest": True}, "pull requests are not opened by the workers yet"),
         ({"limits": {"maxTurns": 0}}, "limits.maxTurns"),
         ({"limits": {"maxMemoryMb": 63}}, "limits.maxMemoryMb"),
         ({"limits": {"maxPatchBytes": 2 << 20}}, "limits.maxPatchBytes"),
@@ -233,3 +241,31 @@ def test_the_temporal_address_is_host_and_port(address: str) -> None:
 def test_a_temporal_setting_out_of_shape_is_refused_by_name(setting: str, value: str) -> None:
     with pytest.raises(pydantic.ValidationError, match=setting):
         GatewaydConfig(**{setting: value})
+
+
+class _FailedRunHandle:
+    """A workflow handle whose run failed, and whose second look-up finds Temporal gone."""
+
+    def __init__(self) -> None:
+        self.looked_up = 0
+
+    async def describe(self, **_: Any) -> Any:
+        self.looked_up += 1
+        if self.looked_up > 1:
+            raise RPCError("connection refused", RPCStatusCode.UNAVAILABLE, b"")
+        return SimpleNamespace(status=WorkflowExecutionStatus.FAILED, workflow_type=WORKFLOW_NAME)
+
+    async def result(self, **_: Any) -> Any:
+        raise WorkflowFailureError(cause=ApplicationError("the run failed"))
+
+
+def test_temporal_failing_while_a_failed_runs_result_is_read_is_reported_not_raised() -> None:
+    handle = _FailedRunHandle()
+    client = SimpleNamespace(get_workflow_handle=lambda *_, **__: handle)
+    target = TemporalTarget(address="127.0.0.1:7233", namespace="default", task_queue="q")
+    workflow_id = new_workflow_id()
+    with pytest.raises(AgentRunsError) as caught:
+        asyncio.run(result(client, target, workflow_id))  # type: ignore[arg-type]
+    assert caught.value.kind is ErrorKind.UNREACHABLE
+    assert f"look up agent run {workflow_id}: Temporal at 127.0.0.1:7233" in caught.value.message
+    assert "connection refused" in caught.value.message

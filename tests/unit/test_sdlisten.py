@@ -143,6 +143,9 @@ def test_without_listen_fds_nothing_is_passed() -> None:
         ({"LISTEN_FDS": "-1", "LISTEN_PID": "SELF"}, "$LISTEN_FDS is '-1'"),
         ({"LISTEN_FDS": "65", "LISTEN_PID": "SELF"}, "from 1 to 64"),
         ({"LISTEN_FDS": "two", "LISTEN_PID": "SELF"}, "$LISTEN_FDS is 'two'"),
+        # Digits to str.isdigit() that int() refuses: a clear refusal, not a traceback.
+        ({"LISTEN_FDS": "\u00b9", "LISTEN_PID": "SELF"}, "$LISTEN_FDS is '\u00b9'"),
+        ({"LISTEN_FDS": "1", "LISTEN_PID": "\u00b2"}, "$LISTEN_PID is '\u00b2', not a process"),
     ],
 )
 def test_malformed_variables_are_refused_saying_which(env: dict[str, str], message: str) -> None:
