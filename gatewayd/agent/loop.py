@@ -242,19 +242,40 @@ async def _run_in(job: _Job) -> None:
     )
 
 
+def run_tools(offered: tuple[str, ...], wanted: tuple[str, ...]) -> tuple[str, ...]:
+    """The run's tool ids: ``offered``, narrowed to ``wanted`` when it names any. A
+    wanted id the run does not offer is refused (ValueError naming it and what is
+    offered): a task that counts on a tool must not run without it."""
+    if not wanted:
+        return offered
+    missing = sorted(set(wanted) - set(offered))
+    if missing:
+        raise ValueError(
+            f"tool ids {', '.join(missing)} are not offered to this run (offered: "
+            f"{', '.join(offered)})"
+        )
+    return tuple(tool for tool in offered if tool in set(wanted))
+
+
 async def _start(job: _Job) -> tuple[WorkspaceSession | None, Run | None]:
     """The workspace session and the run on it; (None, None) when either is refused."""
     runs, task, result, say = job.runs, job.task, job.result, job.say
     work, base = job.work, job.base
+    try:
+        tool_ids = run_tools((*RUN_TOOL_IDS, *job.apps, *job.mcp, *job.folder), task.tool_ids)
+    except ValueError as exc:  # the task counts on a tool this run cannot offer
+        result.error_code, result.message = "task_failed", f"the run could not start: {exc}"
+        say(result.message)
+        return None, None
     request = RunRequest(
         workspacePath=str(base),
         policy=task.policy,
         actorId=task.actor,
         tenantId=task.tenant,
         grant=Grant(allowSandbox=True),  # the operator starting the agent is the grant
-        # The five, the apps of the checkout and the pinned MCP tools (the policy still
-        # decides each).
-        toolIds=(*RUN_TOOL_IDS, *job.apps, *job.mcp, *job.folder),
+        # The five, the apps of the checkout and the pinned MCP tools, narrowed to the
+        # task's tool ids when it names some (the policy still decides each).
+        toolIds=tool_ids,
         limits=RunLimits(
             maxRuntimeSec=int(task.limits.max_wall_s) + 60, maxMemoryMb=task.max_memory_mb
         ),

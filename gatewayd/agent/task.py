@@ -57,6 +57,9 @@ class AgentTask:
     # overlay: what the run may write in all (a private tmpfs, so in memory); 0: no
     # limit (the delta on disk, beside the state directory).
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES
+    # The tools the run may call, narrowed from what it offers (run spec ``toolIds``);
+    # empty: every tool it offers. The policy still decides each call.
+    tool_ids: tuple[str, ...] = ()
 
 
 class RunCancel:

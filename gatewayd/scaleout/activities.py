@@ -243,6 +243,7 @@ def _task(spec: AgentRunSpec, credentials: RepoCredentials) -> AgentTask:
         max_memory_mb=spec.limit(LIMIT_MAX_MEMORY_MB, 2048),
         max_patch_bytes=spec.limit(LIMIT_MAX_PATCH_BYTES, DEFAULT_MAX_PATCH_BYTES),
         max_workspace_bytes=spec.limit(LIMIT_MAX_WORKSPACE_BYTES, 1 << 30),
+        tool_ids=tuple(spec.tool_ids),
     )
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from gatewayd.agent.loop import _without_git_metadata
+import pytest
+
+from gatewayd.agent.loop import _without_git_metadata, run_tools
 from gatewayd.workspace import WorkspaceDiff
 
 
@@ -36,3 +38,22 @@ def test_a_diff_without_git_metadata_is_unchanged() -> None:
         [("c", "d")],
         "x",
     )
+
+
+OFFERED = ("fs.read", "fs.write", "sandbox.exec", "app.notes", "mcp.git.log")
+
+
+def test_no_tool_ids_offer_every_tool_of_the_run() -> None:
+    assert run_tools(OFFERED, ()) == OFFERED
+
+
+def test_tool_ids_narrow_the_run_in_the_offered_order() -> None:
+    assert run_tools(OFFERED, ("mcp.git.log", "fs.read")) == ("fs.read", "mcp.git.log")
+
+
+def test_a_tool_id_the_run_does_not_offer_is_refused_naming_it_and_the_offered() -> None:
+    with pytest.raises(ValueError) as caught:
+        run_tools(OFFERED, ("fs.read", "net.raw", "app.missing"))
+    message = str(caught.value)
+    assert "tool ids app.missing, net.raw are not offered to this run" in message
+    assert "offered: fs.read, fs.write, sandbox.exec, app.notes, mcp.git.log" in message

@@ -13,6 +13,7 @@ import pytest
 import trio
 from temporalio.converter import DataConverter
 
+from gatewayd.agent.repo import RepoCredentials
 from gatewayd.agent.task import AgentResult
 from gatewayd.cli import main
 from gatewayd.sandbox.support import SandboxSupport
@@ -20,6 +21,7 @@ from gatewayd.sandbox.uids import UidPool, UidRange
 from gatewayd.scaleout.activities import (
     MAX_AUDIT_BUNDLE_BYTES,
     MAX_LOG_LINES,
+    _task,
     _Tracker,
     outcome_of,
     spec_problems,
@@ -221,3 +223,9 @@ def test_the_reprobe_never_passes_when_the_start_up_probe_failed() -> None:
         "bubblewrap is not installed (found when this worker started; restart it once the "
         "host is fixed)"
     )
+
+
+def test_the_specs_tool_ids_reach_the_hosts_task_and_none_means_every_tool() -> None:
+    narrowed = _task(spec(tool_ids=["fs.read", "sandbox.exec"]), RepoCredentials())
+    assert narrowed.tool_ids == ("fs.read", "sandbox.exec")
+    assert _task(spec(), RepoCredentials()).tool_ids == ()
