@@ -154,17 +154,32 @@ def install_systemd(
         ["systemd-tmpfiles", "--create", str(root / TMPFILES_PATH)],
     ):
         if root == Path("/") and shutil.which(make[0]):
-            subprocess.run(make, check=True, timeout=60)
+            _run_step(make)
         else:
             done.next_steps.append(" ".join(make))
     # The socket first: started alone, the service would bind the path itself.
     enable = "systemctl enable --now gatewayd.socket gatewayd.service"
     if root == Path("/") and _systemd_running():
-        subprocess.run(["systemctl", "daemon-reload"], check=True, timeout=60)
+        _run_step(["systemctl", "daemon-reload"])
         done.next_steps += [enable, _RESTART_HINT]
     else:
         done.next_steps += ["systemctl daemon-reload", enable]
     return done
+
+
+def _run_step(argv: list[str]) -> None:
+    """One of systemd's own tools; its failure is an InstallError naming the command and
+    what it said (the files written so far stay: running the install again is safe)."""
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise InstallError(f"{' '.join(argv)} could not run: {exc}") from None
+    if proc.returncode != 0:
+        said = (proc.stderr or proc.stdout).strip()[-800:] or "nothing"
+        raise InstallError(
+            f"{' '.join(argv)} failed (exit {proc.returncode}): {said}; fix that, then run "
+            "gatewayd install-systemd again (what is written already is kept)"
+        )
 
 
 _RESTART_HINT: Final = "systemctl try-restart gatewayd   # a running daemon: the new version"

@@ -252,8 +252,13 @@ def run_git(
 
 def check_url(repo_url: str, credentials: RepoCredentials | None) -> None:
     """Only http(s) and file URLs or absolute paths, never with userinfo."""
-    if not repo_url or has_control(repo_url) or repo_url.startswith("-"):
+    if not repo_url or has_control(repo_url):
         raise RepoError("the repository URL is empty or contains control characters")
+    if repo_url.startswith("-"):  # git would read it as an option
+        raise RepoError(
+            f"the repository URL {repo_url[:80]!r} starts with '-': give an https://, "
+            "http:// or file:// URL or an absolute path"
+        )
     if repo_url.startswith("/"):
         return
     parts = urlsplit(repo_url)

@@ -169,7 +169,7 @@ def test_checkout_refuses_bad_commits_and_bad_destinations(
         ("ssh://git@github.com/o/r.git", "scheme 'ssh' is not supported"),
         ("ext::sh -c touch% /tmp/pwned", "scheme 'ext' is not supported"),
         ("http://example.com/o/r.git", "refusing to send the token over plain http"),
-        ("-uhttp://x", "control characters"),
+        ("-uhttp://x", "starts with .-.: give an https://"),
         ("https://github.com/o/r.git\nx", "control characters"),
     ],
 )

@@ -155,3 +155,13 @@ def test_every_path_the_unit_binds_writable_is_made_before_the_start() -> None:
         if (fields := line.split()) and fields[0] == "d"
     }
     assert writable and writable <= made, f"not made at boot: {sorted(writable - made)}"
+
+
+def test_a_failing_systemd_step_is_an_install_error_naming_it_and_what_it_said() -> None:
+    with pytest.raises(InstallError) as caught:
+        install._run_step(["sh", "-c", "echo 'no such group gatewayd' >&2; exit 3"])
+    message = str(caught.value)
+    assert "failed (exit 3): no such group gatewayd" in message
+    assert "run gatewayd install-systemd again" in message
+    with pytest.raises(InstallError, match="systemd-sysusers-missing could not run"):
+        install._run_step(["systemd-sysusers-missing"])
