@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 import structlog
 import trio
@@ -28,7 +29,7 @@ from gatewayd.agent.workdir import sweep_leftovers
 from gatewayd.approvals import Approvals
 from gatewayd.apps.invoke import Apps
 from gatewayd.apps.ruledesk import AppRuleDesk
-from gatewayd.audit import AuditLog, open_audit_log
+from gatewayd.audit import AuditEvent, AuditLog, open_audit_log
 from gatewayd.audit.checkpointer import Checkpointer, load_checkpoint_key
 from gatewayd.audit.cosignature import CosignatureVerifier
 from gatewayd.audit.note import Signer
@@ -72,6 +73,9 @@ from gatewayd.tracing import Tracer, open_tracer
 from gatewayd.workspace.store import EXPIRY_INTERVAL_S, WorkspaceStore, audit_recorder
 
 log = structlog.get_logger("gatewayd.daemon")
+# A refusal names the log and the command that shows the divergence: a few hundred
+# characters; an audit entry is no place for more.
+MAX_CHECKPOINT_REASON_CHARS: Final = 1000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -341,9 +345,19 @@ async def _start_checkpointer(
         )
         return None
     checkpointer = Checkpointer(audit, key, fsync=config.audit_fsync)
-    await nursery.start(
-        checkpointer.run, lambda message: log.error("audit_checkpoint_failed", reason=message)
-    )
+
+    def report(message: str) -> None:
+        # Once per distinct reason (the checkpointer's own rule): the entry this writes
+        # makes the next attempt, which fails for the same reason and is not reported.
+        log.error("audit_checkpoint_failed", reason=message)
+        if not audit.failed:
+            audit.record(
+                "event",
+                event=AuditEvent.AUDIT_CHECKPOINT_FAILED,
+                detail={"reason": message[:MAX_CHECKPOINT_REASON_CHARS]},
+            )
+
+    await nursery.start(checkpointer.run, report)
     return checkpointer
 
 

@@ -37,6 +37,10 @@ class AuditEvent(enum.StrEnum):
     CONFIG_RELOADED = "config_reloaded"
     # On SIGHUP, when the configuration file no longer validates: nothing changed.
     CONFIG_RELOAD_FAILED = "config_reload_failed"
+    # The checkpointer stopped signing (the log is no extension of the latest checkpoint
+    # its key signed), or a checkpoint could not be written (detail: reason); written once
+    # per distinct reason, not per attempt.
+    AUDIT_CHECKPOINT_FAILED = "audit_checkpoint_failed"
     # A configured witness refused a checkpoint, or answered without a valid cosignature
     # (detail: witness, reason, status); written when its state changes, not per checkpoint.
     WITNESS_REFUSED = "witness_refused"

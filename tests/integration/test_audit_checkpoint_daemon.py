@@ -176,3 +176,38 @@ def test_a_key_inside_the_audit_directory_stops_the_start(
     with pytest.raises(RuntimeError, match="inside the audit directory") as caught:
         start_daemon(state)
     assert skey not in str(caught.value)
+
+
+def test_a_rewritten_history_is_refused_once_in_the_audit_log_and_calls_go_on(
+    short_tmp: Path, key: str
+) -> None:
+    from tests.unit.test_audit_checkpoints import change_detail, rewrite
+
+    (short_tmp / "ws" / "docs").mkdir(parents=True)
+    policy = write_policy(short_tmp, OPEN_POLICY)
+    state = short_tmp / "state"
+    daemon = start_daemon(state)
+    try:
+        daemon.create_run(short_tmp / "ws", policy)
+    finally:
+        daemon.stop()
+    signed = latest(daemon, key)
+    assert signed is not None
+    rewrite(daemon.audit_path, change_detail(2))  # as root would: log and head together
+    daemon = start_daemon(state)
+    try:
+        daemon.create_run(short_tmp / "ws", policy)  # calls go on
+        daemon.create_run(short_tmp / "ws", policy)
+    finally:
+        daemon.stop()
+    refusals = [
+        r.entry
+        for r in read_log(daemon.audit_path)
+        if r.entry is not None and r.entry.get("event") == "audit_checkpoint_failed"
+    ]
+    assert len(refusals) == 1, refusals  # once per reason, not per attempt
+    reason = refusals[0]["detail"]["reason"]
+    assert "refusing to sign a checkpoint" in reason
+    assert f"not an extension of checkpoint {signed.size}" in reason
+    assert "gatewayd audit verify --checkpoint" in reason
+    assert latest(daemon, key) == signed  # nothing signed over the forgery
