@@ -170,6 +170,9 @@ def _exit_now(status: int) -> NoReturn:
     current", a known crash of the SDK; measured here: 6 of 20 `agent submit` runs).
     Nothing of this command is left to tear down: its files are closed, its output is
     flushed below."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # a reader gone (`| head`), a closed stream
+            status = status or EXIT_FAILED
     os._exit(status)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -229,3 +230,29 @@ def test_the_specs_tool_ids_reach_the_hosts_task_and_none_means_every_tool() -> 
     narrowed = _task(spec(tool_ids=["fs.read", "sandbox.exec"]), RepoCredentials())
     assert narrowed.tool_ids == ("fs.read", "sandbox.exec")
     assert _task(spec(), RepoCredentials()).tool_ids == ()
+
+
+def test_a_client_command_whose_reader_is_gone_exits_1_without_a_traceback() -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "from gatewayd.cli.agent_scaleout import _exit_now\n"
+        "print('agent-run-' + 'a' * 32)\n"
+        "_exit_now(0)\n"
+    )
+    reader, writer = os.pipe()
+    os.close(reader)  # `| head -0`: nobody reads what the command prints
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            stdout=writer,
+            stderr=subprocess.PIPE,
+            timeout=60,
+            # buffered, as a shell gives it: the id is written at the exit's flush
+            env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
+        )
+    finally:
+        os.close(writer)
+    assert proc.returncode == 1
+    assert b"Traceback" not in proc.stderr, proc.stderr
