@@ -104,7 +104,7 @@ demo: setup tools
 # log, subprocesses run), so two halve the suite's time on two cores; every test makes
 # its own state directory, network namespaces and uid range, so they run side by side.
 test: setup lint tools
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --durations=25
 
 # The edit-test loop: the unit tests of the pure layers and of each module alone (no
 # sandbox, no daemon, no network namespace), under a minute.
