@@ -27,9 +27,14 @@ from pathlib import Path
 from typing import Final
 
 ROOT: Final = Path(__file__).resolve().parent.parent
-# The tool lives beside the checkout (shared/ next to the clone, also in CI);
-# SYSTEMD_BOX names another copy.
-TOOL: Final = Path(os.environ.get("SYSTEMD_BOX", ROOT.parent / "shared" / "tools" / "systemd-box"))
+# The team's tool, kept beside the checkout (shared/tools/); a clone made elsewhere (CI
+# clones main wherever it likes) uses the copy committed in tests/tools/. SYSTEMD_BOX
+# names another copy.
+_SHARED_TOOL: Final = ROOT.parent / "shared" / "tools" / "systemd-box"
+_OWN_TOOL: Final = ROOT / "tests" / "tools" / "systemd-box"
+TOOL: Final = Path(
+    os.environ.get("SYSTEMD_BOX", _SHARED_TOOL if _SHARED_TOOL.is_file() else _OWN_TOOL)
+)
 # Through bash: a copy of shared/ may lack its execute bits (CI lays it read-only).
 _TOOL_ARGV: Final = ("/bin/bash", str(TOOL))
 STATE_DIR: Final = Path("/run/systemd-box")

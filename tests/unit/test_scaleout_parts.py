@@ -58,7 +58,7 @@ def test_a_good_spec_has_no_problem() -> None:
         ({"sha": "A" * 40}, "full lowercase hex commit id"),
         ({"repo": "https://user:pw@git.example/x.git"}, "carries credentials"),
         ({"repo": "ssh://git.example/x.git"}, "scheme 'ssh' is not supported"),
-        ({"repo": "--upload-pack=evil"}, "control characters"),
+        ({"repo": "--upload-pack=evil"}, "starts with '-'"),
         ({"task_input": "  \n"}, "task_input is empty"),
         ({"model": "gpt-9"}, "model alias 'gpt-9' is not configured on this host (coder)"),
         ({"limits": {"maxTurns": 3, "cpu": 2}}, "unknown limits ['cpu']"),
