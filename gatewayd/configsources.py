@@ -78,16 +78,23 @@ def _env_number(text: str) -> Any:
         raise ValueError(f"{text!r} is not a number") from None
 
 
-def _env_mapping_list(text: str) -> Any:
+def _env_yaml(text: str, kind: type[list[Any]] | type[dict[str, Any]], example: str) -> Any:
+    """A variable holding YAML or JSON of one ``kind``. The value is never echoed: a
+    pasted key would land in the error message."""
+    what = "list" if kind is list else "mapping"
     try:
         value = strictyaml.load(text)
     except strictyaml.YamlInputError as exc:
-        raise ValueError(f"not a YAML or JSON list ({exc})") from None
-    if not isinstance(value, list):
+        raise ValueError(f"not a YAML or JSON {what} ({exc})") from None
+    if not isinstance(value, kind):
         raise ValueError(  # noqa: TRY004 - pydantic reports ValueError
-            "must be a YAML or JSON list, e.g. [{name: ..., url: ..., verifier_key: ...}]"
+            f"must be a YAML or JSON {what}, e.g. {example}"
         )
     return value
+
+
+def _env_mapping_list(text: str) -> Any:
+    return _env_yaml(text, list, "[{name: ..., url: ..., verifier_key: ...}]")
 
 
 def _env_path_list(text: str) -> Any:
@@ -106,16 +113,7 @@ def _env_uid_range(text: str) -> Any:
 
 
 def _env_mapping(text: str) -> Any:
-    # The value is never echoed: a pasted key would land in the error message.
-    try:
-        value = strictyaml.load(text)
-    except strictyaml.YamlInputError as exc:
-        raise ValueError(f"not a YAML or JSON mapping ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError(  # noqa: TRY004 - pydantic reports ValueError
-            "must be a YAML or JSON mapping, e.g. {reviewer: {provider: ...}}"
-        )
-    return value
+    return _env_yaml(text, dict, "{reviewer: {provider: ...}}")
 
 
 @dataclass(frozen=True)
