@@ -36,7 +36,7 @@ NODE_DIR := tests/mcp_node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
 .PHONY: setup system-packages node-packages venv tools demo test test-fast lint typecheck check bench clean \
-  install uninstall
+  install uninstall bench-anchors bench-anchors-install
 
 setup: system-packages venv node-packages
 
@@ -139,6 +139,7 @@ check: lint typecheck test
 bench: setup
 	$(PY) bench/gateway_rtt.py
 	$(PY) bench/cli_cold.py
+	$(PY) bench/cli_start.py
 	$(PY) bench/audit_cost.py
 	$(PY) bench/sandbox_launch.py
 	$(PY) bench/review_overhead.py
@@ -148,6 +149,25 @@ bench: setup
 	$(PY) bench/app_overhead.py
 	$(PY) bench/mcp_overhead.py
 	$(PY) bench/tool_runners.py
+	$(PY) bench/many_runs.py
+	$(PY) bench/anchors.py --prefix $(ANCHORS_PREFIX)
+
+# The anchors bench/anchors.py sets gatewayd beside: other agent sandboxes from npm, in a
+# prefix of their own outside the checkout (srt also needs socat and ripgrep).
+ANCHORS_PREFIX ?= /opt/cogni-anchors
+ANCHOR_APT_PACKAGES := socat ripgrep
+
+bench-anchors-install: system-packages
+	@missing=""; for p in $(ANCHOR_APT_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; fi
+	npm install --prefix $(ANCHORS_PREFIX) --no-audit --no-fund --loglevel=error \
+	  @openai/codex @anthropic-ai/sandbox-runtime
+
+bench-anchors: setup
+	$(PY) bench/anchors.py --prefix $(ANCHORS_PREFIX)
 
 clean:
 	rm -rf $(VENV) $(LINT_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache

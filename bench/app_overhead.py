@@ -277,9 +277,11 @@ def instrument(daemon: Daemon, recorder: Recorder) -> None:
     dispatcher = daemon.dispatcher
     handle = dispatcher.handle
 
-    async def timed_handle(run: Run, req: Request, peer: Peer) -> Response:
+    async def timed_handle(
+        run: Run, req: Request, peer: Peer, *, caller_gone: Callable[[], bool] | None = None
+    ) -> Response:
         response, span = await recorder.time(
-            "dispatch", run.run_id, handle(run, req, peer), source=req.tool
+            "dispatch", run.run_id, handle(run, req, peer, caller_gone=caller_gone), source=req.tool
         )
         path = req.args.get("path") if isinstance(req.args, dict) else None
         span.path = path if isinstance(path, str) else ""

@@ -45,17 +45,14 @@ from pydantic import (
 )
 
 from gatewayd.audit.cosignature import CosignatureVerifier
+from gatewayd.configdefaults import DEFAULT_STATE_DIR, agent_dir_for
 from gatewayd.frame_limits import DEFAULT_MAX_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from gatewayd.mcp.declaration import McpServerDeclaration, ServerName, declared_secret_names
 from gatewayd.metrics_server import parse_listen_address
 from gatewayd.policy.section import MODEL_ALIAS_RE
 from gatewayd.sandbox.daemons import DaemonShare, derived_netns_prefix, derived_uid_range
-from gatewayd.sandbox.lendable import (
-    DEFAULT_LENDABLE_ROOTS,
-    SETTING_HINT,
-    OwnDirectory,
-    real_root_problem,
-)
+from gatewayd.sandbox.lendable import SETTING_HINT, OwnDirectory
+from gatewayd.sandbox.lendroots import DEFAULT_LENDABLE_ROOTS, real_root_problem
 from gatewayd.sandbox.netns import _check_prefix
 from gatewayd.sandbox.plan import BWRAP
 from gatewayd.sandbox.uids import DEFAULT_UID_COUNT, UidRange, check_derivable_count
@@ -63,7 +60,6 @@ from gatewayd.secrets import NAME_RE as SECRET_NAME_RE
 from gatewayd.shipped import shipped_path
 from gatewayd.tracing import MAX_ENDPOINT_CHARS, check_endpoint
 
-DEFAULT_STATE_DIR: Final = Path("/var/lib/gatewayd")
 # Shipped policies: package data (the checkout's policies/ in a checkout).
 SHIPPED_POLICY_DIR: Final = shipped_path("policies")
 SHIPPED_POLICY_DIRS: Final = (SHIPPED_POLICY_DIR, SHIPPED_POLICY_DIR / "examples")
@@ -560,10 +556,3 @@ def _real_parent(path: Path) -> Path:
     """``path`` in its directory's real path (a symlink at its own name is left to the
     code that opens it, which refuses one)."""
     return _real(path.parent) / path.name
-
-
-def agent_dir_for(state_dir: Path) -> Path:
-    """Where agent runs keep their clones by default: beside the state directory."""
-    if not state_dir.name:  # "/" has no name to put a sibling beside
-        return state_dir / "gatewayd-agent"
-    return state_dir.with_name(state_dir.name + "-agent")

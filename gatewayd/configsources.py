@@ -28,13 +28,10 @@ from pydantic_core import ErrorDetails
 
 from gatewayd import strictyaml
 from gatewayd.config import ConfigError, GatewaydConfig
+from gatewayd.configdefaults import CONFIG_ENV, DEFAULT_CONFIG_PATH, ENV_PREFIX
 from gatewayd.inputfile import InputFileError, read_input_file
 from gatewayd.policy.section import model_at
 
-DEFAULT_CONFIG_PATH: Final = Path("/etc/gatewayd/gatewayd.yaml")
-# The variable naming the file; it cannot be a setting in the file it names.
-CONFIG_ENV: Final = "GATEWAYD_CONFIG"
-ENV_PREFIX: Final = "GATEWAYD_"
 # A configuration is a page of YAML; a bigger file is a wrong path, not a configuration.
 MAX_CONFIG_BYTES: Final = 1 << 20
 

@@ -206,6 +206,7 @@ async def open_daemon(
             approvals=approvals,
         )
         uid_pool = UidPool(config.resolved_sandbox_uids)
+        metrics.count_uids_with(lambda: uid_pool.in_use)
         if config.models:
             # litellm takes seconds to import: pay it now, beside the start, not in the
             # first review's time budget (model_client imports it on demand otherwise).

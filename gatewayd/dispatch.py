@@ -116,6 +116,24 @@ class RunReview:
     budget: ModelBudget | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """A call taken through every step without waiting (:meth:`Dispatcher.handle_now`):
+    its entries are recorded, and ``response`` may leave once entry ``seq`` (its
+    ``result``) is durable; :meth:`Dispatcher.release` waits for that and tallies it."""
+
+    seq: int
+    response: Response
+    run: Run
+    tool: str
+    code: ErrorCode | None
+    ran_s: float | None
+
+    @property
+    def call_id(self) -> str | None:
+        return self.response.toolCallId
+
+
 class Dispatcher:
     """Runs tool calls for any run: the single chokepoint (invariant SINGLE_CHOKEPOINT)."""
 
@@ -353,6 +371,96 @@ class Dispatcher:
             _CALL_SPAN.reset(token)
             span.end()
 
+    def handle_now(self, run: Run, req: Request, peer: Peer) -> Answered | None:
+        """Take one request through every step at once, if it needs no wait on the way:
+        the call's answer (recorded, not yet durable), or None, having done nothing
+        (then :meth:`handle` it, in a task of its own).
+
+        At once means: tools.list, a refusal before the call runs, or a tool with an
+        ``immediate`` function and no side effect (its call and result entries share
+        one flush, which :meth:`release` waits for), when no rule review applies to it,
+        the run's policy marks no call for approval, a call slot of the run is free,
+        tracing is off and answers wait for their result entries. The steps, entries
+        and answers are those of :meth:`handle`; only the task differs.
+        """
+        if self.tracer is not None or not self.reply_after_result:
+            return None
+        if not self._runs_now(run, req.tool):
+            return None
+        started = self.clock()
+        try:
+            spec, admitted = self._admit(run, req)
+            own = self._run_reviews.get(run.run_id)
+            if spec is not None and own is not None and self.reviewer is None:
+                raise _Refusal(
+                    ErrorCode.REVIEW_DENIED,
+                    f"{own.subject}'s calls are all reviewed, and this gatewayd has no reviewer",
+                )
+        except _Refusal as refusal:
+            seq, message = self._record_denial(run, req, peer, refusal, started)
+            response = error_response(req.toolCallId, refusal.code, message)
+            return Answered(seq, response, run, req.tool, refusal.code, None)
+        self._record_call(run, req, peer, None, None if spec is None else spec.audit_detail)
+        try:
+            value = (
+                self.list_tools(run)
+                if spec is None
+                else self._run_now(run, spec, admitted, req.toolCallId)
+            )
+            payload = self._payload(run, req, value)
+        except _Refusal as refusal:
+            seq, response, elapsed = self._record_failure(run, req, refusal, started)
+            return Answered(seq, response, run, req.tool, refusal.code, elapsed)
+        seq, response, elapsed = self._record_success(run, req, payload, started)
+        return Answered(seq, response, run, req.tool, None, elapsed)
+
+    async def release(self, answered: list[Answered]) -> list[Response]:
+        """The responses of calls :meth:`handle_now` answered, once every one's result
+        entry is durable (one wait for all: the log is written in order), each call
+        tallied. A log that cannot be written makes each answer ``internal``; a
+        cancelled wait still tallies them (their entries stay queued and are written)."""
+        if not answered:
+            return []
+        try:
+            await self.audit.durable(max(a.seq for a in answered))
+        except AuditWriteError:
+            return [self._audit_down(a.run, a.response.toolCallId, a.tool) for a in answered]
+        except BaseException:
+            for a in answered:
+                self._tally(a.run, a.tool, a.code, a.ran_s)
+            raise
+        for a in answered:
+            self._tally(a.run, a.tool, a.code, a.ran_s)
+        return [a.response for a in answered]
+
+    def drop(self, answered: list[Answered]) -> None:
+        """Tally calls :meth:`handle_now` answered whose answers will never be sent (the
+        connection was cancelled first); their entries stay queued and are written."""
+        for a in answered:
+            self._tally(a.run, a.tool, a.code, a.ran_s)
+
+    def _runs_now(self, run: Run, name: str) -> bool:
+        """Can a call of ``name`` be answered without a wait (see :meth:`handle_now`)?
+        Asked before any step, so it changes nothing: a call it says no to goes the
+        usual way from the start."""
+        if run.spec.policy.approvals.required:
+            return False  # whether a call is marked depends on its arguments
+        if name == TOOLS_LIST:
+            return True
+        spec = self.tool_for(run, name)
+        if spec is None:
+            return True  # refused by the steps, at once
+        if spec.immediate is None or spec.manifest.side_effects:
+            return False
+        if self.reviewer is not None:
+            try:
+                section, _ = self._review_rules(run)
+                if self.reviewer.applies(section, name):
+                    return False
+            except Exception:
+                return False  # the review step makes this a failed review, audited
+        return run.limiter.available_tokens >= 1
+
     def _audit_down(self, run: Run, tool_call_id: str | None, tool: str | None) -> Response:
         log.error("audit_unavailable", run_id=run.run_id, tool=tool)
         run.count(str(ErrorCode.INTERNAL))
@@ -421,19 +529,7 @@ class Dispatcher:
             if approved is not None:
                 approval_id, args = approved
                 detail = {**(detail or {}), "approvalId": approval_id}
-        call_seq = self.audit.record(
-            "call",
-            runId=run.run_id,
-            toolCallId=req.toolCallId,
-            tool=req.tool,
-            argsDigest=args_digest(req.args),
-            argsSummary=summarize(req.args),
-            decision="allow",
-            peer=peer,
-            review=review,
-            degraded=run.degraded,
-            detail=detail,
-        )
+        call_seq = self._record_call(run, req, peer, review, detail)
         # Write-ahead: a call that can change or reveal anything outside gatewayd runs
         # only once its entry is durable. A side-effect-free one (tools.list, reads of
         # local state) skips that flush: nothing of it leaves gatewayd but its answer,
@@ -443,39 +539,9 @@ class Dispatcher:
             if (spec is not None and spec.manifest.side_effects) or not self.reply_after_result:
                 await self.audit.durable(call_seq)
             value = await self._run(run, spec, args, req.toolCallId)
-            try:
-                payload = self._scrub_output(encode_json(value), req.tool)
-            except _Refusal:
-                raise
-            except Exception:
-                # A value gatewayd cannot encode is gatewayd's bug: the call still gets its
-                # result entry and an answer, and the connection goes on.
-                log.exception("output_unencodable", run_id=run.run_id, tool=req.tool)
-                raise _Refusal(
-                    ErrorCode.INTERNAL,
-                    f"{req.tool} failed inside gatewayd; the operator's log has details",
-                ) from None
-            limit = run.spec.policy.limits.max_output_bytes
-            if len(payload) > limit:
-                raise _Refusal(
-                    ErrorCode.TOOL_FAILED,
-                    f"output of {len(payload)} bytes is over this run's limit of {limit} "
-                    "bytes (limits.max_output_bytes); ask for less, e.g. fs.read with a "
-                    "smaller limit or an offset",
-                )
+            payload = self._payload(run, req, value)
         except _Refusal as refusal:
-            message = self.scrubber.text(refusal.message)
-            elapsed = self.clock() - started
-            seq = self.audit.record(
-                "result",
-                runId=run.run_id,
-                toolCallId=req.toolCallId,
-                tool=req.tool,
-                errorCode=str(refusal.code),
-                safeMessage=message,
-                durationMs=round(elapsed * 1000, 3),
-            )
-            response = error_response(req.toolCallId, refusal.code, message)
+            seq, response, elapsed = self._record_failure(run, req, refusal, started)
             return await self._answer(seq, response, run, req.tool, refusal.code, elapsed)
         except BaseException as exc:
             if not is_cancellation(exc):
@@ -496,6 +562,80 @@ class Dispatcher:
             self._tally(run, req.tool, ErrorCode.INTERNAL, elapsed)
             raise
 
+        seq, response, elapsed = self._record_success(run, req, payload, started)
+        return await self._answer(seq, response, run, req.tool, None, elapsed)
+
+    def _record_call(
+        self,
+        run: Run,
+        req: Request,
+        peer: Peer,
+        review: dict[str, Any] | None,
+        detail: Mapping[str, Any] | None,
+    ) -> int:
+        """Record an allowed call's ``call`` entry (never awaits); returns its seq."""
+        return self.audit.record(
+            "call",
+            runId=run.run_id,
+            toolCallId=req.toolCallId,
+            tool=req.tool,
+            argsDigest=args_digest(req.args),
+            argsSummary=summarize(req.args),
+            decision="allow",
+            peer=peer,
+            review=review,
+            degraded=run.degraded,
+            detail=detail,
+        )
+
+    def _payload(self, run: Run, req: Request, value: Any) -> bytes:
+        """Steps 10-11: the value as it leaves, scrubbed and within the run's output
+        limit. Raises _Refusal."""
+        try:
+            payload = self._scrub_output(encode_json(value), req.tool)
+        except _Refusal:
+            raise
+        except Exception:
+            # A value gatewayd cannot encode is gatewayd's bug: the call still gets its
+            # result entry and an answer, and the connection goes on.
+            log.exception("output_unencodable", run_id=run.run_id, tool=req.tool)
+            raise _Refusal(
+                ErrorCode.INTERNAL,
+                f"{req.tool} failed inside gatewayd; the operator's log has details",
+            ) from None
+        limit = run.spec.policy.limits.max_output_bytes
+        if len(payload) > limit:
+            raise _Refusal(
+                ErrorCode.TOOL_FAILED,
+                f"output of {len(payload)} bytes is over this run's limit of {limit} "
+                "bytes (limits.max_output_bytes); ask for less, e.g. fs.read with a "
+                "smaller limit or an offset",
+            )
+        return payload
+
+    def _record_failure(
+        self, run: Run, req: Request, refusal: _Refusal, started: float
+    ) -> tuple[int, Response, float]:
+        """Record the ``result`` entry of a call that ran and failed (never awaits);
+        returns its seq, the answer and how long the call took."""
+        message = self.scrubber.text(refusal.message)
+        elapsed = self.clock() - started
+        seq = self.audit.record(
+            "result",
+            runId=run.run_id,
+            toolCallId=req.toolCallId,
+            tool=req.tool,
+            errorCode=str(refusal.code),
+            safeMessage=message,
+            durationMs=round(elapsed * 1000, 3),
+        )
+        return seq, error_response(req.toolCallId, refusal.code, message), elapsed
+
+    def _record_success(
+        self, run: Run, req: Request, payload: bytes, started: float
+    ) -> tuple[int, Response, float]:
+        """Record the ``result`` entry of a call that returned ``payload`` (never
+        awaits); returns its seq, the answer and how long the call took."""
         elapsed = self.clock() - started
         seq = self.audit.record(
             "result",
@@ -507,8 +647,7 @@ class Dispatcher:
             outputBytes=len(payload),
         )
         # The value goes out as the bytes just measured and digested: encoded once.
-        response = ok_response(req.toolCallId, msgspec.Raw(payload))
-        return await self._answer(seq, response, run, req.tool, None, elapsed)
+        return seq, ok_response(req.toolCallId, msgspec.Raw(payload)), elapsed
 
     async def _answer(
         self,
@@ -699,26 +838,7 @@ class Dispatcher:
         limits = run.spec.policy.limits
         own_s = spec.manifest.limits.timeout_s
         timeout_s = limits.call_timeout_s if own_s is None else min(own_s, limits.call_timeout_s)
-        ctx = ToolContext(
-            run_id=run.run_id,
-            tool_call_id=tool_call_id,
-            grants=run.spec.grants,
-            max_output_bytes=limits.max_output_bytes,
-            resolved=resolved,
-            models=self.models,
-            model_budget=run.model_budget,
-            network=run.spec.policy.network,
-            resolve=self.resolve,
-            sandbox=run.sandbox,
-            degraded=run.degraded,
-            timeout_s=timeout_s,
-            nested=None if tool_call_id is None else self._nested_for(run, tool_call_id),
-            env=run.spec.policy.env.allow,
-            model_access=run.spec.policy.model_access.models,
-            run=run,
-            allowed_tools=lambda: allowed_tools(self.known_tools(run), run.spec.rules),
-            call_egress=self.call_egress,
-        )
+        ctx = self._context(run, resolved, timeout_s, tool_call_id)
         # The time limit covers waiting for a slot too: a saturated run fails fast.
         limiter = None if _SLOT_HELD.get() == run.run_id else run.limiter
         with trio.move_on_after(timeout_s):
@@ -752,6 +872,62 @@ class Dispatcher:
         else:
             limit = f"this run's limit of {timeout_s:g} s per call (limits.call_timeout_s)"
         raise _Refusal(ErrorCode.TIMEOUT, f"{spec.name} ran past {limit} and was stopped")
+
+    def _context(
+        self,
+        run: Run,
+        resolved: Any,
+        timeout_s: float,
+        tool_call_id: str | None,
+        *,
+        nested: bool = True,
+    ) -> ToolContext:
+        """What a runner may know about ``run`` and the call it serves (``nested``: may
+        it make calls of its own)."""
+        limits = run.spec.policy.limits
+        return ToolContext(
+            run_id=run.run_id,
+            tool_call_id=tool_call_id,
+            grants=run.spec.grants,
+            max_output_bytes=limits.max_output_bytes,
+            resolved=resolved,
+            models=self.models,
+            model_budget=run.model_budget,
+            network=run.spec.policy.network,
+            resolve=self.resolve,
+            sandbox=run.sandbox,
+            degraded=run.degraded,
+            timeout_s=timeout_s,
+            nested=None
+            if tool_call_id is None or not nested
+            else self._nested_for(run, tool_call_id),
+            env=run.spec.policy.env.allow,
+            model_access=run.spec.policy.model_access.models,
+            run=run,
+            allowed_tools=lambda: allowed_tools(self.known_tools(run), run.spec.rules),
+            call_egress=self.call_egress,
+        )
+
+    def _run_now(self, run: Run, spec: Tool[Any], admitted: Any, tool_call_id: str) -> Any:
+        """Step 9 for a tool with an ``immediate`` function (:meth:`handle_now`): called
+        at once, in no slot of the run's (nothing else runs while it does) and with no
+        time limit to arm (it does no I/O). Raises _Refusal as :meth:`_run` does."""
+        assert spec.immediate is not None
+        args, resolved = admitted
+        limits = run.spec.policy.limits
+        own_s = spec.manifest.limits.timeout_s
+        timeout_s = limits.call_timeout_s if own_s is None else min(own_s, limits.call_timeout_s)
+        try:
+            ctx = self._context(run, resolved, timeout_s, tool_call_id, nested=False)
+            return spec.immediate(args, ctx)
+        except GatewayError as exc:
+            raise _Refusal(exc.code, exc.safe_message) from None
+        except Exception:
+            log.exception("tool_crashed", run_id=run.run_id, tool=spec.name)
+            raise _Refusal(
+                ErrorCode.INTERNAL,
+                f"{spec.name} failed inside gatewayd; the operator's log has details",
+            ) from None
 
     def _nested_for(self, run: Run, parent_id: str) -> NestedCall:
         """The nested calls of call ``parent_id``: each a request of the same run, by
@@ -788,12 +964,7 @@ class Dispatcher:
         digest: str | None = None
         own = self._run_reviews.get(run.run_id)
         try:
-            if own is not None:
-                section, rules = own.rules()
-            elif self.rules is not None:
-                section, rules = self.rules.current(run.spec.policy_source, section)
-            else:
-                rules = RuleSet.from_section(section)
+            section, rules = self._review_rules(run)
             digest = rules.digest
             if not self.reviewer.applies(section, req.tool):
                 return None, digest
@@ -815,6 +986,17 @@ class Dispatcher:
                     outcome.completion_tokens or 0, 0
                 )
         return outcome, digest
+
+    def _review_rules(self, run: Run) -> tuple[ReviewSection, RuleSet]:
+        """The review rules ``run``'s calls are reviewed under now: its own (an app's
+        child run), else its policy file's as they are now, else those it loaded."""
+        own = self._run_reviews.get(run.run_id)
+        if own is not None:
+            return own.rules()
+        section = run.spec.policy.review
+        if self.rules is not None:
+            return self.rules.current(run.spec.policy_source, section)
+        return section, RuleSet.from_section(section)
 
     async def _ask_reviewer(
         self, run: Run, req: Request, args: Any, section: ReviewSection, rules: RuleSet

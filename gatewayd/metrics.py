@@ -196,6 +196,11 @@ class GatewayMetrics:
         self.runs_active = Gauge(
             "gatewayd_runs_active", "Runs in the registry now (serving or ending).", registry=r
         )
+        self.sandbox_uids_leased = Gauge(
+            "gatewayd_sandbox_uids_leased",
+            "Sandbox uids leased to runs now (0 when no run holds one).",
+            registry=r,
+        )
         self.runs_ended = Counter(
             "gatewayd_runs_ended_total", "Runs ended, by reason.", ["reason"], registry=r
         )
@@ -317,6 +322,11 @@ class GatewayMetrics:
         """Read both families' runs in progress from ``active`` when scraped."""
         self.runs_active.set_function(active)
         self.sandbox_run_active.set_function(active)
+
+    def count_uids_with(self, leased: Callable[[], float]) -> None:
+        """Read the sandbox uids leased now from ``leased`` when scraped: what shows a
+        uid lease outliving its run (bench/many_runs.py checks it after every run ended)."""
+        self.sandbox_uids_leased.set_function(leased)
 
     def run_started(self) -> None:
         self.runs_started.inc()

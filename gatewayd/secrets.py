@@ -47,11 +47,8 @@ from typing import Any, Final, Protocol
 from urllib.parse import quote
 
 import msgspec
-import structlog
 
 from gatewayd.inputfile import InputFileError, read_input_file
-
-log = structlog.get_logger("gatewayd.secrets")
 
 # A value shorter than this is not scrubbed: replacing every "hunter2" or "admin" in
 # tool output would mangle ordinary text, and no provider issues keys that short.
@@ -409,4 +406,8 @@ class Scrubber:
         if not self._warn or (name, key) in self._warned:
             return
         self._warned.add((name, key))
-        log.warning(event, name=name, **fields)
+        # Imported here, not at the top: structlog (with asyncio) would cost the readers
+        # of the audit log (`gatewayd audit verify`) more than the rest of their start.
+        import structlog
+
+        structlog.get_logger("gatewayd.secrets").warning(event, name=name, **fields)

@@ -1,9 +1,17 @@
 """trio listeners for run sockets: a thin adapter that moves bytes to and from the
 sans-IO protocol and hands requests to the dispatcher.
 
-Resource handling: every connection is owned by its run's nursery and every call by
-its connection's nursery; a handler catches its own errors and closes its stream in
-``finally``, so one bad client or one bad run never takes the daemon down.
+A call that needs no wait on its way (no I/O: ``tools.list``, ``time.now``, a refusal;
+:meth:`Dispatcher.handle_now`) is taken through the chokepoint on the connection's own
+task, and the answers of the calls of one read leave together once their shared audit
+flush is durable; any other call gets a task of its own, so it never holds up the
+calls behind it. The socket is read directly (non-blocking reads and
+``trio.lowlevel.wait_readable``): trio's stream classes cost more per read than the
+rest of the loop.
+
+Resource handling: every connection is owned by its run's nursery and every call that
+waits by its connection's nursery; a handler catches its own errors and closes its
+stream in ``finally``, so one bad client or one bad run never takes the daemon down.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import structlog
 import trio
 
 from gatewayd.audit import AuditEvent, AuditWriteError, Peer
-from gatewayd.dispatch import Dispatcher
+from gatewayd.dispatch import Answered, Dispatcher
 from gatewayd.protocol import (
     NEED_DATA,
     ErrorCode,
@@ -62,7 +70,10 @@ LINGER_S: Final = 1.0
 LINGER_MAX_BYTES: Final = 4 << 20
 # Pause after a failed accept (e.g. EMFILE) so a full fd table does not spin the loop.
 ACCEPT_RETRY_S: Final = 0.05
-LISTEN_BACKLOG: Final = 128
+# Connections the kernel queues before gatewayd accepts them (capped by the kernel's
+# net.core.somaxconn, 4096 here). The control socket sees bursts: hundreds of runs
+# created at once made a non-blocking client's connect fail with EAGAIN at 128.
+LISTEN_BACKLOG: Final = 1024
 # Refused connections of one run: one audit entry per error code per second at most (the
 # next counts those left out), and this many may linger for their client to read the
 # error, so a connect loop can neither fill the audit disk nor the descriptor table.
@@ -134,12 +145,21 @@ class Connection:
         self._slot_freed: trio.Event | None = None
         # The toolCallIds of those calls: one id is in flight once per connection.
         self._inflight_ids: set[str] = set()
+        # Calls answered on this task without a wait (Dispatcher.handle_now), counted in
+        # flight until their answers leave: after the frames of one read, one wait for
+        # the audit flush they share, then their answers.
+        self._ready: list[Answered] = []
 
     async def serve(self) -> None:
         """Read frames until EOF, a fatal frame error or a timeout; answer each."""
         try:
             async with trio.open_nursery() as calls:
-                await self._read_loop(calls)
+                try:
+                    await self._read_loop(calls)
+                finally:
+                    # Answers left unsent by a cancelled or failed loop are still counted.
+                    self.dispatcher.drop(self._ready)
+                    self._ready = []
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away; its calls were audited as they ran
         except Exception:
@@ -148,33 +168,33 @@ class Connection:
             await trio.aclose_forcefully(self.stream)
 
     async def _read_loop(self, calls: trio.Nursery) -> None:
-        # One cancel scope for the connection whose deadline moves before each receive
-        # (cheaper than a scope per receive). Anything else the loop waits for (a free
-        # call slot, an error frame's send) runs with no deadline: that is not the
-        # client idling, and the send has its own timeout.
+        # One cancel scope for the connection (cheaper than a scope per receive), whose
+        # deadline is set only while a receive waits for the client (see _receive): a
+        # read that finds data at once moves no deadline. Anything else the loop waits
+        # for (a free call slot, the answers' flush, an error frame's send) runs with
+        # no deadline: that is not the client idling, and the send has its own timeout.
         partial_since: float | None = None
         with trio.CancelScope() as idle:
             while True:
                 event = self.decoder.next_event()
                 if event is NEED_DATA:
+                    if self._ready:  # every frame read so far is taken: answer them
+                        await self._release_ready()
                     if partial_since is not None:
-                        idle.deadline = partial_since + FRAME_TIMEOUT_S
+                        deadline = partial_since + FRAME_TIMEOUT_S
                     elif self.decoder.buffered:
                         partial_since = trio.current_time()
-                        idle.deadline = partial_since + FRAME_TIMEOUT_S
+                        deadline = partial_since + FRAME_TIMEOUT_S
                     else:
-                        idle.deadline = trio.current_time() + IDLE_TIMEOUT_S
-                    try:
-                        data = await self.stream.receive_some(RECV_CHUNK)
-                    except trio.BrokenResourceError:
-                        return  # reset by the peer: like EOF, calls in flight finish
+                        deadline = trio.current_time() + IDLE_TIMEOUT_S
+                    data = await self._receive(idle, deadline)
                     if not data:
-                        return  # EOF: the nursery still waits for calls in flight
+                        return  # EOF or reset: the nursery still waits for calls in flight
                     self.decoder.receive_data(data)
                     continue
                 partial_since = None
                 if isinstance(event, FrameError):
-                    idle.deadline = math.inf
+                    await self._release_ready()
                     response = await self.dispatcher.refuse_frame(self.run, event, self.peer)
                     await self._send(response)
                     if event.fatal or response.errorCode is ErrorCode.RATE_LIMITED:
@@ -187,7 +207,6 @@ class Connection:
                 if call_id in self._inflight_ids:
                     # Two answers with one id could not be told apart: the second call
                     # is refused (and audited); the first goes on.
-                    idle.deadline = math.inf
                     duplicate = FrameError(
                         code=ErrorCode.BAD_REQUEST,
                         message=f"toolCallId {call_id!r} is already in flight on this "
@@ -201,13 +220,20 @@ class Connection:
                     await trio.lowlevel.checkpoint()
                     continue
                 if self._inflight >= MAX_INFLIGHT_PER_CONNECTION:
-                    idle.deadline = math.inf
+                    await self._release_ready()
                     while self._inflight >= MAX_INFLIGHT_PER_CONNECTION:
                         self._slot_freed = trio.Event()
                         await self._slot_freed.wait()
                 self._inflight += 1
                 self._inflight_ids.add(call_id)
-                calls.start_soon(self._call, event)
+                # A call that needs no wait is taken through every step here, saving a
+                # task per call; any other runs in a task of its own, so a slow call
+                # never holds up the calls behind it.
+                answered = self.dispatcher.handle_now(self.run, event.request, self.peer)
+                if answered is None:
+                    calls.start_soon(self._call, event)
+                else:
+                    self._ready.append(answered)
         log.info(
             "connection_timeout",
             run_id=self.run.run_id,
@@ -309,6 +335,62 @@ class Connection:
                         break
                     drained += len(data)
 
+    async def _receive(self, idle: trio.CancelScope, deadline: float) -> bytes:
+        """The next bytes from the client; b"" at EOF or when it reset the connection.
+
+        The socket is read directly, as trio's stream would, minus its layers: a read
+        that has data yields to the other tasks once (so a flooding client cannot hold
+        the event loop) without losing the data to a cancellation; one that has none
+        waits until the socket is readable, with ``idle``'s deadline at ``deadline``
+        for the wait only (back at infinity once data came). A ``deadline`` already
+        past cancels ``idle`` before any read, as a deadline set beforehand would.
+
+        Error handling: ClosedResourceError once the connection was closed here (a send
+        that timed out), BrokenResourceError for another failed read.
+        """
+        sock = self.stream.socket
+        if deadline <= trio.current_time():  # a partial frame's time ran out
+            idle.deadline = deadline
+        await trio.lowlevel.checkpoint_if_cancelled()
+        waited = False
+        while True:
+            fd = sock.fileno()
+            if fd == -1:  # closed by a send that timed out: never read a reused number
+                raise trio.ClosedResourceError("the connection was closed")
+            try:
+                data = os.read(fd, RECV_CHUNK)
+            except BlockingIOError:
+                idle.deadline = deadline
+                await trio.lowlevel.wait_readable(sock)
+                waited = True
+                continue
+            except ConnectionResetError:
+                return b""
+            except OSError as exc:
+                raise trio.BrokenResourceError(f"reading a request failed: {exc}") from exc
+            if waited:
+                idle.deadline = math.inf
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+            return data
+
+    async def _release_ready(self) -> None:
+        """Send the answers of the calls taken here without a wait, once their entries
+        are durable (one wait for all of them)."""
+        ready, self._ready = self._ready, []
+        if not ready:
+            return
+        try:
+            responses = await self.dispatcher.release(ready)
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                for response in responses:
+                    await self._send(response)
+        finally:
+            self._inflight -= len(ready)
+            for answered in ready:
+                self._inflight_ids.discard(answered.call_id)
+            self._free_slot()
+
     async def _call(self, event: RequestReceived) -> None:
         try:
             response = await self.dispatcher.handle(
@@ -319,9 +401,12 @@ class Connection:
         finally:
             self._inflight -= 1
             self._inflight_ids.discard(event.request.toolCallId)
-            if self._slot_freed is not None:
-                self._slot_freed.set()
-                self._slot_freed = None
+            self._free_slot()
+
+    def _free_slot(self) -> None:
+        if self._slot_freed is not None:
+            self._slot_freed.set()
+            self._slot_freed = None
 
     def _client_gone(self) -> bool:
         """Has the client closed its end of the connection (or has it been closed here)?

@@ -59,6 +59,27 @@ def check(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> None:
     _parse(data, max_depth)
 
 
+def nests_deeper(raw: bytes, max_depth: int = MAX_DEPTH) -> bool:
+    """Does ``raw`` nest brackets deeper than ``max_depth`` (outside strings)? The depth
+    half of :func:`check`, for a typed decoder that enforces the rest itself (see
+    :func:`keys_in`); two byte counts for a document with few brackets."""
+    return _depth_over(raw, max_depth) is not None
+
+
+def keys_in(raw: bytes) -> int:
+    """How many object keys the valid JSON document ``raw`` holds, duplicates counted:
+    its colons outside strings (in JSON a colon outside a string only ever separates a
+    key from its value).
+
+    With a decoder that keeps one value per key (msgspec), a document has no key twice
+    in an object exactly when this equals the number of keys decoded: the duplicate
+    check of :func:`check` without a second parse. Only meaningful for a document a
+    JSON decoder accepted.
+    """
+    colons = raw.count(b":")
+    return colons if colons == 0 else _STRING.sub(b"", raw).count(b":")
+
+
 def loads(data: bytes | str, *, max_depth: int = MAX_DEPTH) -> Any:
     """The value of ``data`` under the discipline (see :func:`check`); no string in it
     holds a lone surrogate escape.

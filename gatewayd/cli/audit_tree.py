@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
@@ -24,6 +23,8 @@ MAX_CHECKPOINT_BYTES: Final = 1 << 20
 
 
 def _default_key_name() -> str:
+    import socket  # here: every `gatewayd audit` command imports this module
+
     # A key name may hold no space or '+'; a host name holds neither.
     return f"{socket.gethostname() or 'localhost'}/gatewayd-audit"
 

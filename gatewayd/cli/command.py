@@ -41,6 +41,32 @@ def refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namesp
     systemd passed is not one to serve on, the metrics listener's address cannot be
     bound, a tracing endpoint in the environment is not a URL, or the audit checkpoint
     key cannot be used) is its message and EXIT_FAILED, not a traceback."""
+    try:
+        return command(args)
+    except (Exception, BaseExceptionGroup) as exc:
+        # The refusals' modules are the daemon's: loaded only once something failed,
+        # so a command that ends before its daemon starts (a usage error) loads none.
+        refusals = _refusals()
+        if isinstance(exc, refusals):
+            # AuditOpenError: the audit log is another daemon's (locked) or cannot be
+            # continued.
+            print(f"gatewayd: refused to start: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        if not isinstance(exc, BaseExceptionGroup):
+            raise
+        # Raised inside the daemon's nursery (a control socket path something else
+        # holds, ControlServer.serve): a refusal still, if that is all the group holds.
+        refused, rest = exc.split(refusals)
+        if refused is None or rest is not None:
+            raise
+        first: BaseException = refused
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        print(f"gatewayd: refused to start: {first}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+def _refusals() -> tuple[type[Exception], ...]:
     from gatewayd.approvals import ApprovalStoreError
     from gatewayd.audit import AuditOpenError
     from gatewayd.audit.checkpointer import CheckpointKeyError
@@ -50,7 +76,7 @@ def refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namesp
     from gatewayd.sdlisten import PassedSocketError
     from gatewayd.tracing import TracingError
 
-    refusals = (
+    return (
         DaemonRegistryError,
         AuditOpenError,
         ControlSocketInUse,
@@ -60,20 +86,3 @@ def refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namesp
         TracingError,
         CheckpointKeyError,
     )
-    try:
-        return command(args)
-    except refusals as exc:
-        # AuditOpenError: the audit log is another daemon's (locked) or cannot be continued.
-        print(f"gatewayd: refused to start: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except BaseExceptionGroup as group:
-        # Raised inside the daemon's nursery (a control socket path something else
-        # holds, ControlServer.serve): a refusal still, if that is all the group holds.
-        refused, rest = group.split(refusals)
-        if refused is None or rest is not None:
-            raise
-        first: BaseException = refused
-        while isinstance(first, BaseExceptionGroup):
-            first = first.exceptions[0]
-        print(f"gatewayd: refused to start: {first}", file=sys.stderr)
-        return EXIT_FAILED

@@ -1,7 +1,8 @@
 """A client of the control socket for the commands that talk to a running
 `gatewayd serve` (`gatewayd exec`, `gatewayd rules`, `gatewayd apps rules`, `gatewayd
 approvals`, `gatewayd mcp`, `gatewayd workspace`): one JSON request over HTTP/1.1 on the
-unix socket, standard library only; and how those commands report what it answered."""
+unix socket (:mod:`gatewayd.cli.unix_http`), standard library only; and how those
+commands report what it answered."""
 
 from __future__ import annotations
 
@@ -23,30 +24,18 @@ Answer = dict[str, Any]
 def control_request(
     path: Path, method: str, target: str, body: object | None = None
 ) -> tuple[int, dict[str, Any]]:
-    """One JSON request to the control socket at ``path``; (status, decoded body)."""
-    import http.client
-    import socket
+    """One JSON request to the control socket at ``path``; (status, decoded body).
+    OSError when the socket cannot be reached or answers with no HTTP response
+    (:mod:`gatewayd.cli.unix_http`, which says why it is not ``http.client``)."""
+    from gatewayd.cli.unix_http import exchange
 
-    class UnixConnection(http.client.HTTPConnection):
-        def connect(self) -> None:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.connect(os.fspath(path))
-            self.sock = sock
-
-    conn = UnixConnection("gatewayd")
-    try:
-        data = None if body is None else json.dumps(body).encode()
-        headers = {"content-type": "application/json"} if data is not None else {}
-        conn.request(method, target, body=data, headers=headers)
-        response = conn.getresponse()
-        raw = response.read()
-    finally:
-        conn.close()
+    data = None if body is None else json.dumps(body).encode()
+    status, raw = exchange(os.fspath(path), method, target, data)
     try:
         decoded = json.loads(raw)
     except ValueError:
         decoded = {"ok": False, "message": raw.decode(errors="replace")}
-    return response.status, decoded if isinstance(decoded, dict) else {"ok": False}
+    return status, decoded if isinstance(decoded, dict) else {"ok": False}
 
 
 def lacks_routes(status: int, answer: Answer) -> bool:

@@ -7,9 +7,9 @@ gatewayd/configsources.py).
 from __future__ import annotations
 
 import argparse
-import getpass
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -180,13 +180,63 @@ def control_socket_of(args: argparse.Namespace) -> Path:
     """``--control-socket``, else the configuration's (STATE_DIR/control.sock)."""
     if args.control_socket is not None:
         return Path(args.control_socket)
+    plain = _plain_control_socket(args, os.environ)
+    if plain is not None:
+        return plain
     return settings_from_options(args, warn=False).config.resolved_control_socket
+
+
+def _plain_control_socket(args: argparse.Namespace, environ: Mapping[str, str]) -> Path | None:
+    """The configuration's control socket, found without reading the configuration
+    (whose models cost a client command most of its start) when nothing but the
+    defaults and ``--state-dir`` can set it: no file (none named, none at the default
+    path), no ``GATEWAYD_`` variable, no other setting among the options. The settings
+    are then valid exactly when the checks below pass, which are the configuration's
+    own for these values: the agent directory outside the state directory, and the
+    default lendable roots outside both, on their real paths too
+    (gatewayd/config.py). None otherwise: the caller reads the whole configuration,
+    and reports what is wrong with it as it always has."""
+    from gatewayd.configdefaults import (
+        CONFIG_ENV,
+        DEFAULT_CONFIG_PATH,
+        DEFAULT_STATE_DIR,
+        ENV_PREFIX,
+        agent_dir_for,
+    )
+    from gatewayd.sandbox.lendroots import DEFAULT_LENDABLE_ROOTS, real_root_problem
+
+    if getattr(args, "config", None) is not None or environ.get(CONFIG_ENV):
+        return None
+    if any(value for name, value in environ.items() if name.startswith(ENV_PREFIX)):
+        return None
+    for option, setting, read in _SETTING_OPTIONS:
+        given = getattr(args, option.removeprefix("--").replace("-", "_"), None)
+        if setting != "state_dir" and given is not None and read(given) is not None:
+            return None
+    given_dir = getattr(args, "state_dir", None)
+    # As _SETTING_OPTIONS reads --state-dir.
+    state_dir = DEFAULT_STATE_DIR if given_dir is None else Path(given_dir).absolute()
+    if DEFAULT_CONFIG_PATH.exists():
+        return None
+    agent_dir = agent_dir_for(state_dir)
+    if agent_dir == state_dir or state_dir in agent_dir.parents:
+        return None
+    reserved = [
+        (setting, path)
+        for setting, own in (("state_dir", state_dir), ("agent_dir", agent_dir))
+        for path in (own, Path(os.path.realpath(own)))
+    ]
+    if any(real_root_problem(root, reserved) for root in DEFAULT_LENDABLE_ROOTS):
+        return None
+    return state_dir / "control.sock"
 
 
 def who_answers(args: argparse.Namespace) -> str:
     """Who approves or answers, for the record: ``--by``, else this command's user and
     its uid (which the name alone does not prove; a daemon records the control socket
     peer's uid itself, whatever is written here)."""
+    import getpass
+
     if args.by:
         return str(args.by)
     try:

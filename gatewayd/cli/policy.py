@@ -26,9 +26,9 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _policy_check(path: Path) -> int:
+    from gatewayd.builtin_tool_ids import BUILTIN_TOOL_IDS
     from gatewayd.policy import PolicyError, summarize, unmatched_patterns
     from gatewayd.policyfile import load_policy
-    from gatewayd.tools import builtin_tools
 
     try:
         policy = load_policy(path)
@@ -37,7 +37,7 @@ def _policy_check(path: Path) -> int:
         return EXIT_FAILED
     print(summarize(policy, str(path)))
     # Not an error (a later gatewayd may know the tool), but most likely a typo.
-    for pattern in unmatched_patterns(policy.tools.allow, builtin_tools()):
+    for pattern in unmatched_patterns(policy.tools.allow, BUILTIN_TOOL_IDS):
         print(
             f"warning: tools.allow entry {pattern!r} matches no tool this gatewayd has",
             file=sys.stderr,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import logging
 import os
 import shlex
 import signal
@@ -241,6 +240,15 @@ def child_environment(run: Run) -> dict[str, str]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        print("gatewayd run: give the command after --, e.g. -- python3 agent.py", file=sys.stderr)
+        return EXIT_USAGE
+    # The daemon this one-shot run opens, loaded only now: a usage error costs nothing.
+    import logging
+
     import trio
 
     from gatewayd.audit import AuditEvent, AuditWriteError
@@ -250,12 +258,6 @@ def _run(args: argparse.Namespace) -> int:
     from gatewayd.policy import PolicyError
     from gatewayd.runs.lifecycle import AUDITED_COMMAND_ARGS
 
-    cmd = list(args.cmd)
-    if cmd and cmd[0] == "--":
-        cmd = cmd[1:]
-    if not cmd:
-        print("gatewayd run: give the command after --, e.g. -- python3 agent.py", file=sys.stderr)
-        return EXIT_USAGE
     _keep_our_lines_off_stdout()
     request = _run_request(args)
     config = config_from_options(args)

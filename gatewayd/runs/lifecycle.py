@@ -864,7 +864,7 @@ class RunManager:
             self.uid_pool.release(run.sandbox.user)
         self._dispatcher.drop_run_tools(run.run_id)
         if "cleanupFailed" not in cleanup:
-            self.registry.remove(run)
+            await self.registry.drop(run)
         else:
             self.registry.forget(run)
         run.move_to(RunState.ENDED)  # from ENDING, or from FAILED

@@ -8,6 +8,7 @@ private directory holding its socket.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import stat
@@ -55,6 +56,11 @@ class RunRegistry:
         state_dir.mkdir(mode=PASS_THROUGH_DIR_MODE, parents=True, exist_ok=True)
         make_private_dir(state_dir, PASS_THROUGH_DIR_MODE)
         make_private_dir(self.runs_dir, PASS_THROUGH_DIR_MODE)
+
+    @property
+    def policies(self) -> PolicyLoader:
+        """What finds and loads the runs' policies (and keeps what it parsed)."""
+        return self._load_policy
 
     def load_policy(self, ref: str) -> tuple[Policy, str]:
         """A policy by name or by path (gatewayd's own use: a live run's source file, the
@@ -190,6 +196,15 @@ class RunRegistry:
         """Forget ``run`` and delete its directory (socket included)."""
         self._runs.pop(run.run_id, None)
         shutil.rmtree(run.directory, ignore_errors=True)
+
+    async def drop(self, run: Run) -> None:
+        """:meth:`remove`, the directory deleted in a worker thread: on a busy disk each
+        unlink and rmdir of it can take milliseconds, which the event loop (every other
+        run's calls) must not wait out. Forgotten at once, deleted before it returns."""
+        self._runs.pop(run.run_id, None)
+        await trio.to_thread.run_sync(
+            functools.partial(shutil.rmtree, run.directory, ignore_errors=True)
+        )
 
     def forget(self, run: Run) -> None:
         """Forget ``run`` but keep its directory: it holds a lease record that the next

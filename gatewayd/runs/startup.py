@@ -92,7 +92,9 @@ async def prepare_host(
                 probe_os_sandbox, config.bwrap, probe_user, config.resolved_netns_prefix
             )
         finally:
-            uid_pool.release(probe_user)
+            # Its bwrap has exited; what it started may still be dying: looked at again
+            # before the uid is lent.
+            uid_pool.release(probe_user, processes_gone=False)
         if support.available:
             support = _state_dir_reachable(config.state_dir)
     detail: dict[str, Any] = {"available": support.available, "reason": support.reason}

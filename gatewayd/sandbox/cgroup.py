@@ -79,6 +79,10 @@ MOVE_ROUNDS: Final = 5
 # How many forks the pids controller refused at pids.max (v1 and v2 alike, Linux 4.8+).
 PIDS_EVENTS_FILE: Final = "pids.events"
 PIDS_MAX_KEY: Final = "max"
+# What a command's forked child writes "0" to, to join its cgroup: v1's per-thread file
+# (see CommandCgroup.join_files for why not cgroup.procs there), v2's per-process one.
+V1_JOIN_FILE: Final = "tasks"
+V2_JOIN_FILE: Final = "cgroup.procs"
 # The counter both v1 memory.oom_control (Linux 4.13+) and v2 memory.events keep.
 OOM_KILL_KEY: Final = "oom_kill"
 
@@ -628,7 +632,7 @@ def _explain(what: str, exc: OSError) -> str:
 class CommandCgroup:
     """The cgroup(s) of one sandboxed command: one directory in v2, one per controller in
     v1. Made by :func:`create_command_cgroup`; the launcher's child joins it by writing
-    ``0`` to each of ``procs_files``; :meth:`remove` when the command is over."""
+    ``0`` to each of ``join_files``; :meth:`remove` when the command is over."""
 
     version: CgroupVersion
     memory_dir: Path
@@ -645,6 +649,25 @@ class CommandCgroup:
         """Encoded paths of the ``cgroup.procs`` files to join, ready for a forked child
         that must not allocate much."""
         return tuple(os.fsencode(directory / "cgroup.procs") for directory in self.dirs)
+
+    @property
+    def join_files(self) -> tuple[bytes, ...]:
+        """Encoded paths of the files a freshly forked, single-threaded child writes ``0``
+        to, to move itself into this cgroup before it execs.
+
+        v1: each directory's ``tasks`` file, which moves the writing *thread*. The forked
+        child has exactly one thread (fork copies only the caller's), so that thread is
+        the whole process, as ``cgroup.procs`` would move it, and every thread and process
+        it makes later is born inside. What differs is the kernel's cost: moving a whole
+        thread group takes the global ``cgroup_threadgroup_rwsem`` for writing, which
+        waits for an RCU grace period whenever no migration happened a moment before
+        (~10 ms at the median on this kind of host, the bulk of a command's start),
+        while a thread moving *itself* cannot exit or exec meanwhile, so the kernel skips
+        that lock (Linux 6.0+; older kernels take it either way, no slower than
+        ``cgroup.procs``). v2: ``cgroup.procs``; its ``cgroup.threads`` moves a thread only
+        within one threaded subtree, never into another domain cgroup."""
+        name = V1_JOIN_FILE if self.version == CgroupVersion.V1 else V2_JOIN_FILE
+        return tuple(os.fsencode(directory / name) for directory in self.dirs)
 
     def oom_killed(self) -> bool:
         """Whether the kernel OOM-killed any process in this cgroup so far.
@@ -725,6 +748,69 @@ def create_command_cgroup(
                 directory.rmdir()
         raise
     return cgroup
+
+
+class DeferredRemovals:
+    """Command cgroups removed after their command's result is on its way, not before.
+
+    Once a command's tree is reaped and its OOM and pids counters are read, nothing
+    about its cgroup can change its result; removing it (an rmdir per controller, often
+    answered EBUSY for a moment while the kernel finishes the exited pid namespace) need
+    not delay the answer. :meth:`remove_later` hands a cgroup over and returns at once;
+    the owner (a run's sandbox) awaits :meth:`wait` before it lets its run end, so no
+    cgroup outlives its run, and the daemon's stop ends every run first.
+
+    Resource handling: each removal is a trio *system* task (the caller that handed it
+    over may be cancelled or gone before it ends), under a shielded scope, so even the
+    event loop's own end waits for it (at most ``REMOVE_TIMEOUT_S``). A daemon killed
+    meanwhile leaves the cgroup empty (its command is dead), and the next start's sweep
+    (:func:`remove_empty_leftovers`) removes it with the run's other leftovers.
+
+    Error handling: a removal that fails is never raised into the event loop (a system
+    task's exception would end the daemon); :meth:`wait` returns the failures, each with
+    its :class:`CgroupError` message naming the directory, for the owner to retry once
+    the run's processes are gone and to report.
+    """
+
+    def __init__(self) -> None:
+        self._pending = 0
+        self._idle = trio.Event()
+        self._idle.set()
+        self._failed: list[tuple[CommandCgroup, str]] = []
+
+    @property
+    def pending(self) -> int:
+        """How many removals are under way."""
+        return self._pending
+
+    def remove_later(self, cgroup: CommandCgroup) -> None:
+        """Start removing ``cgroup`` in the background; call from the trio thread."""
+        if self._pending == 0:
+            self._idle = trio.Event()
+        self._pending += 1
+        trio.lowlevel.spawn_system_task(
+            self._remove, cgroup, name=f"remove cgroup {cgroup.memory_dir.name}"
+        )
+
+    async def _remove(self, cgroup: CommandCgroup) -> None:
+        try:
+            with trio.CancelScope(shield=True):
+                await cgroup.remove()
+        except CgroupError as exc:
+            self._failed.append((cgroup, str(exc)))
+        except Exception as exc:  # a bug must still not end the daemon; reported at the end
+            self._failed.append((cgroup, f"cannot remove cgroup {cgroup.memory_dir}: {exc!r}"))
+        finally:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.set()
+
+    async def wait(self) -> tuple[tuple[CommandCgroup, str], ...]:
+        """Wait until every removal handed over so far has ended; returns (and forgets)
+        those that failed, with why."""
+        await self._idle.wait()
+        failed, self._failed = tuple(self._failed), []
+        return failed
 
 
 def _write_settings(directory: Path, settings: tuple[tuple[str, str], ...]) -> None:

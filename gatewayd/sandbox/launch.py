@@ -8,8 +8,9 @@ Order of events for one command:
    ``--seccomp FD`` inserted just before the ``--`` that ends bwrap's options
    (``render_argv`` has no seccomp hook); the run's netns file is opened.
 2. In the forked child, before exec (``preexec_fn``, after ``setsid`` from
-   ``start_new_session``): join the command's cgroup (write ``0`` to its ``cgroup.procs``:
-   needs root, so before the uid changes, and first, so bwrap is counted too), join the
+   ``start_new_session``): join the command's cgroup (write ``0`` to its v1 ``tasks`` or
+   v2 ``cgroup.procs``, :attr:`~gatewayd.sandbox.cgroup.CommandCgroup.join_files`: needs
+   root, so before the uid changes, and first, so bwrap is counted too), join the
    run's netns with ``setns`` (needs CAP_SYS_ADMIN), set the rlimits (no RLIMIT_AS or
    RLIMIT_NPROC where the cgroup limits those), drop to the caller's unprivileged host
    uid/gid (``setgroups([])``,
@@ -56,6 +57,7 @@ from gatewayd.sandbox.cgroup import (
     CgroupError,
     CgroupSupport,
     CommandCgroup,
+    DeferredRemovals,
     create_command_cgroup,
 )
 from gatewayd.sandbox.limits import (
@@ -80,6 +82,11 @@ PREEXEC_ERROR_BYTES: Final = 512
 TREE_GONE_WAIT_S: Final = 2.0
 # How often the grace period checks whether the tree has gone.
 EXIT_POLL_S: Final = 0.01
+# How often a kill checks whether bwrap has stopped (SIGSTOP takes effect within
+# microseconds unless it is inside the kernel; TREE_GONE_WAIT_S bounds the wait).
+STOP_POLL_S: Final = 0.0005
+# /proc/PID/stat states in which a process runs nothing more: stopped, traced, dead.
+_STOPPED_OR_GONE: Final = frozenset({b"T", b"t", b"Z", b"X", None})
 
 # <linux/mount.h>, <fcntl.h>; the new mount API's system call numbers (x86_64)
 MS_REC: Final = 0x4000
@@ -281,6 +288,7 @@ async def run_in_sandbox(
     echo: Echo | None = None,
     pins: Sequence[tuple[int, str]] = (),
     passthrough: Passthrough | None = None,
+    removals: DeferredRemovals | None = None,
 ) -> ExecResult:
     """Run ``plan.command`` in the sandbox the plan describes, inside network namespace
     ``netns``, as ``host_user``, within ``limits``; return its :class:`ExecResult`.
@@ -302,14 +310,19 @@ async def run_in_sandbox(
     (:mod:`~gatewayd.sandbox.passthrough`): nothing is kept, no output cap applies, the
     result counts the bytes (``streamed``). After the command ends, what it wrote is
     still delivered to a slow host reader, until the command's timeout.
+    ``removals``: the command's cgroup is handed to it once the command's tree is gone
+    and its counters are read, and removed in the background (its owner waits for it
+    before the run ends); None removes it before returning.
 
     Resource handling: the memfds and the netns descriptor are closed once bwrap runs; on
     timeout the tree gets SIGTERM, then SIGKILL after ``limits.kill_grace_s``; on
     cancellation it is killed at once under a shielded scope, so no process outlives the call.
-    The command's cgroup is removed in every case, under a shielded scope.
+    The command's cgroup is removed in every case, under a shielded scope (by
+    ``removals`` when given).
 
     Error handling: ``PlanError`` if the plan does not validate, :class:`LaunchError` if the
-    command's cgroup cannot be made, read or removed (the message names the file), the
+    command's cgroup cannot be made, read or removed (the message names the file; with
+    ``removals`` a failed removal is its to report), the
     netns cannot be opened or bwrap cannot be started. Anything the command does is a
     result, never an exception. ValueError if ``passthrough`` comes with ``stdin`` or
     ``echo`` (a stream has one source and one destination).
@@ -322,7 +335,9 @@ async def run_in_sandbox(
             plan, netns, limits, host_user, stdin, bwrap, cgroup, echo, pins, passthrough
         )
     finally:
-        if cgroup is not None:
+        if cgroup is not None and removals is not None:
+            removals.remove_later(cgroup)
+        elif cgroup is not None:
             with trio.CancelScope(shield=True):
                 try:
                     await cgroup.remove()
@@ -436,7 +451,7 @@ def _child_setup(
     """The ``preexec_fn``: runs in the forked child, before exec; order matters (module doc).
     An exception here makes Popen raise in the parent, so nothing starts half-configured.
     Everything is computed here, in the parent: the child only makes system calls."""
-    procs_files = cgroup.procs_files if cgroup is not None else ()
+    join_files = cgroup.join_files if cgroup is not None else ()
     # The descriptors are inherited by the fork (still open until exec, CLOEXEC or not).
     points = tuple(os.fsencode(point) for _, point in pins)
     table = rlimits(limits, memory=_memory_mechanism(cgroup), processes=_pids_mechanism(cgroup))
@@ -444,8 +459,8 @@ def _child_setup(
     def setup() -> None:
         step = "join the command's cgroup"
         try:
-            for procs in procs_files:
-                fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+            for join in join_files:
+                fd = os.open(join, os.O_WRONLY | os.O_CLOEXEC)
                 try:
                     os.write(fd, b"0")  # "0" is the writer itself, in v1 and v2
                 finally:
@@ -579,10 +594,7 @@ async def _supervise(
         # Cancelled from outside (or a bug): nothing may outlive the call.
         with trio.CancelScope(shield=True):
             if process.poll() is None:
-                namespaces = _namespaces_of(process.pid)
-                _kill_tree(process.pid, signal.SIGKILL)
-                await trio.lowlevel.wait_readable(pidfd)
-                await _until_gone(namespaces)
+                await _kill_now(process, pidfd)
             process.wait()
             os.close(pidfd)
     try:
@@ -660,9 +672,37 @@ async def _terminate_tree(process: subprocess.Popen[bytes], pidfd: int, grace_s:
     with trio.move_on_after(grace_s):
         await trio.lowlevel.wait_readable(pidfd)
     if process.poll() is None:
-        _kill_tree(process.pid, signal.SIGKILL)
-        await trio.lowlevel.wait_readable(pidfd)
+        await _kill_now(process, pidfd)
     await _until_gone(namespaces)
+
+
+async def _kill_now(process: subprocess.Popen[bytes], pidfd: int) -> None:
+    """SIGKILL bwrap and its sandbox's init (so every process of the sandbox), and return
+    once they are gone.
+
+    bwrap is stopped first and its children listed only once it is: killed between its
+    clone() and its child's own PR_SET_PDEATHSIG (``--die-with-parent``), bwrap would
+    leave that child running as an orphan, missing from a listing made a moment before.
+    A stopped bwrap clones nothing more (a clone under way completes first, so its child
+    is listed)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGSTOP)
+    with trio.move_on_after(TREE_GONE_WAIT_S):
+        while _state(process.pid) not in _STOPPED_OR_GONE:
+            await trio.sleep(STOP_POLL_S)
+    namespaces = _namespaces_of(process.pid)
+    _kill_tree(process.pid, signal.SIGKILL)
+    await trio.lowlevel.wait_readable(pidfd)
+    await _until_gone(namespaces)
+
+
+def _state(pid: int) -> bytes | None:
+    """The state letter of ``pid`` in /proc/PID/stat (None: no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _namespaces_of(bwrap_pid: int) -> set[tuple[int, int]]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import os
 import posixpath
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -51,39 +51,18 @@ from typing import Final
 from gatewayd.errors import GatewayError
 from gatewayd.protocol import ErrorCode
 
-# Where workspaces live on a fresh host; the tests put theirs under /tmp.
-DEFAULT_LENDABLE_ROOTS: Final[tuple[Path, ...]] = (Path("/home"), Path("/tmp"), Path("/var/tmp"))
-# Trees that hold the system, root's own files or the kernel's: no lendable root may lie
-# at, above or beneath one, and no bind mount may bring one under a root.
-SYSTEM_TREES: Final[tuple[str, ...]] = (
-    "/usr",
-    "/etc",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/lib32",
-    "/lib64",
-    "/libx32",
-    "/boot",
-    "/opt",
-    "/root",
-    "/run",
-    "/proc",
-    "/sys",
-    "/dev",
-    "/var/lib",
-    "/var/cache",
-    "/var/log",
-    "/var/spool",
-    "/var/mail",
-    "/var/backups",
-    "/snap",
+# The roots' rules live apart, so a client reads them without this module's imports;
+# the names stay importable from here, where the rest of lending is.
+from gatewayd.sandbox.lendroots import (  # noqa: F401 (re-exported)
+    DEFAULT_LENDABLE_ROOTS,
+    NEVER_ROOTS,
+    SYSTEM_TREES,
+    is_clean_absolute,
+    is_within,
+    real_root_problem,
+    root_problem,
 )
-# Never a root themselves, though a root beneath them may be: / holds everything, and
-# /srv holds the data of the host's services (a web root served as root, say); an
-# operator who keeps workspaces there names the directory that holds them
-# (/srv/workspaces), never /srv.
-NEVER_ROOTS: Final[tuple[str, ...]] = ("/", "/srv")
+
 # What an own root must look like: a directory of gatewayd's own user that nobody else
 # may enter (as gatewayd makes an agent run's work directory).
 _OWN_ROOT_FORBIDDEN_BITS: Final = 0o077
@@ -98,63 +77,6 @@ class NotLendable(GatewayError):
     in disguise; nothing was lent. The caller's request, not gatewayd's fault."""
 
     code = ErrorCode.BAD_REQUEST
-
-
-# --- the roots (pure) --------------------------------------------------------------------
-
-
-def root_problem(root: str, reserved: Iterable[tuple[str, Path]] = ()) -> str | None:
-    """Why ``root`` cannot be a lendable root, or None when it can. ``reserved`` are
-    gatewayd's own directories by setting name (``state_dir``, ``agent_dir``): a root
-    at or beneath one would lend gatewayd's state."""
-    if not is_clean_absolute(root):
-        return f"{root!r} must be an absolute, normalized path (no '..', '.', '//')"
-    if root == "/":
-        return "/ holds the whole system; name the directory that holds the workspaces"
-    if root in NEVER_ROOTS:
-        return (
-            f"{root} itself holds the host's service data; name the directory beneath it that "
-            f"holds the workspaces (e.g. {root}/workspaces)"
-        )
-    for tree in SYSTEM_TREES:
-        if is_within(root, tree):
-            return f"{root} lies in the system tree {tree}, which is never lent"
-        if is_within(tree, root):
-            return f"{root} holds the system tree {tree}, which is never lent"
-    for setting, path in reserved:
-        if is_within(root, str(path)):
-            return f"{root} lies in gatewayd's own {setting} {path}, which is never lent"
-    return None
-
-
-def real_root_problem(root: Path, reserved: Iterable[tuple[str, Path]] = ()) -> str | None:
-    """:func:`root_problem` of ``root`` as written, then of its real path (symlinks and
-    ``..`` resolved as the host has them now): a root that is a symlink into a system
-    tree (``/var/run`` is ``/run``) or into gatewayd's own directories is no root either.
-    ``reserved`` must be real paths. Reads the file system."""
-    problem = root_problem(str(root), reserved)
-    if problem is not None:
-        return problem
-    real = os.path.realpath(root)
-    if real == str(root):
-        return None
-    problem = root_problem(real, reserved)
-    return None if problem is None else f"{root} is really {real}, and {problem}"
-
-
-def is_clean_absolute(path: str) -> bool:
-    """``path`` is absolute and normalized: no ``..``, ``.``, ``//`` or trailing ``/``."""
-    return (
-        path.startswith("/")
-        and not path.startswith("//")
-        and posixpath.normpath(path) == path
-        and "\0" not in path
-    )
-
-
-def is_within(path: str, tree: str) -> bool:
-    """``path`` is ``tree`` or lies beneath it (both clean absolute paths)."""
-    return tree in ("/", path) or path.startswith(tree + "/")
 
 
 # --- mounts (pure) -----------------------------------------------------------------------
@@ -211,14 +133,51 @@ def system_tree_shown(mounts: Sequence[Mount], path: str) -> str | None:
     file system), or None. ``/`` counts only when ``path`` shows all of it: a bind of
     another directory of the root file system shows none of the system."""
     device, where = locate(mounts, path)
-    root_device, root_where = locate(mounts, "/")
-    if (device, where) == (root_device, root_where):
+    places = _system_places(mounts)
+    if (device, where) == places.root:
         return "/"
-    for tree in SYSTEM_TREES:
-        tree_device, tree_where = locate(mounts, tree)
+    for tree, (tree_device, tree_where) in places.trees:
         if device == tree_device and (is_within(where, tree_where) or is_within(tree_where, where)):
             return tree
     return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _SystemPlaces:
+    """Where ``/`` and each system tree are (:func:`locate`) in one mount table."""
+
+    mounts: Sequence[Mount]
+    root: tuple[str, str]
+    trees: tuple[tuple[str, tuple[str, str]], ...]
+
+
+class _MountMemo:
+    """The last mount table read (its text and its parse: an unchanged table is the same
+    tuple) and the places of the system trees in it. A run's start judges its trees
+    against one table several times (each lendable root, each mount crossed), and
+    locating the 22 system trees again each time took most of a start's time in the
+    event loop once the host had a few dozen mounts (every live run adds some). Each
+    attribute is replaced whole, so threads judging at once see one or the other."""
+
+    table: tuple[str, tuple[Mount, ...]] | None = None
+    places: _SystemPlaces | None = None
+
+
+_MEMO: Final = _MountMemo()
+
+
+def _system_places(mounts: Sequence[Mount]) -> _SystemPlaces:
+    last = _MEMO.places
+    if last is not None and last.mounts is mounts:
+        return last
+    places = _SystemPlaces(
+        mounts=mounts,
+        root=locate(mounts, "/"),
+        trees=tuple((tree, locate(mounts, tree)) for tree in SYSTEM_TREES),
+    )
+    if isinstance(mounts, tuple):  # a tuple only: it cannot change in place
+        _MEMO.places = places
+    return places
 
 
 def mounts_crossed(mounts: Sequence[Mount], root: str, tree: str) -> list[str]:
@@ -398,14 +357,21 @@ def open_tree(tree: Path, label: str) -> int:
 
 
 def _read_mounts(shown: str) -> tuple[Mount, ...]:
+    """The mount table as it is now (read every time; parsed again only if it changed)."""
     try:
         with open(PROC_SELF_MOUNTINFO, encoding="utf-8", errors="surrogateescape") as info:
-            return parse_mountinfo(info.read())
+            text = info.read()
     except OSError as exc:  # no way to tell a bind mount of /usr: fail closed
         raise NotLendable(
             f"{shown} cannot be checked for bind mounts of system trees: "
             f"{PROC_SELF_MOUNTINFO}: {exc.strerror}"
         ) from exc
+    last = _MEMO.table
+    if last is not None and last[0] == text:
+        return last[1]
+    mounts = parse_mountinfo(text)
+    _MEMO.table = (text, mounts)
+    return mounts
 
 
 def _refuse_system_identity(shown: str, root: Path, real: Path) -> None:

@@ -9,13 +9,26 @@ iproute2 convention, so ``ip netns list`` shows them and ``nsenter --net=PATH`` 
 The name becomes a path, so run ids and prefixes are validated before anything touches
 the system.
 
-Blocking: every function here is synchronous (pyroute2 is; it also forks a short-lived
-child to create a namespace and to open a netlink socket inside one). The daemon calls
-them through ``trio.to_thread.run_sync``; they hold no shared state, so concurrent calls
-for different runs are safe.
+How a namespace is made, without forking the daemon: one long-lived thread of
+gatewayd's (:class:`_NamespaceThread`) unshares a new network namespace for itself alone
+(``unshare(CLONE_NEWNET)`` changes only the calling thread's), bind-mounts its
+``/proc/thread-self/ns/net`` onto the pinned file, opens a netlink socket there to bring
+``lo`` up and verify it (:mod:`gatewayd.sandbox.rtnetlink`), and joins the daemon's own
+namespace again (``setns`` on a descriptor of it kept open). Nothing else ever runs in
+that thread, so no other work of the daemon can find itself in a run's namespace; a
+thread that cannot get back is retired, and the next creation starts a fresh one. The
+steps and their order are iproute2's ``ip netns add`` (and were pyroute2's
+``netns.create``, which forked a child to run them): ``/run/netns`` made a shared mount
+point of its own first, so the pin propagates to mount namespaces made from the
+daemon's, then an empty file with mode 0 to mount the namespace on. Removal is
+``umount2(MNT_DETACH)`` and ``unlink``, in the calling thread.
 
-Error handling: every failure of the system (OSError, netlink errors, pyroute2's helper
-process dying) is raised as :class:`NetnsError`, whose message names the namespace, the
+Blocking: every function here is synchronous. The daemon calls them through
+``trio.to_thread.run_sync``; they hold no state but the namespace thread, which takes one
+creation at a time, so concurrent calls for different runs are safe.
+
+Error handling: every failure of the system (OSError, the kernel's netlink errors) is
+raised as :class:`NetnsError`, whose message names the namespace, the
 step that failed and, where the errno says it, what the operator can do. Invalid input is
 a ``ValueError`` (a caller bug, never the system's fault).
 """
@@ -23,15 +36,20 @@ a ``ValueError`` (a caller bug, never the system's fault).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import os
+import queue
 import re
-import signal
 import socket
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final
+
+from gatewayd.files import LIBC
+from gatewayd.sandbox.seccomp import CLONE_NEWNET
 
 # Where iproute2 and pyroute2 pin named namespaces (pyroute2 says /var/run/netns, a
 # symlink to /run on Debian). We always hand pyroute2 the full path, so both agree.
@@ -117,30 +135,15 @@ def create_run_netns(run_id: str, *, prefix: str = NETNS_PREFIX) -> NetnsHandle:
 
     Refuses (``NetnsError``) when the namespace already exists: a run id is fresh, so an
     existing one is a leftover the caller must remove first. On any later failure the
-    half-made namespace is removed before the error is raised. Blocking: call it through
+    half-made namespace is removed before the error is raised. Made by the namespace
+    thread (see the module's doc), never by a forked process. Blocking: call it through
     ``trio.to_thread.run_sync``.
     """
     name = netns_name(run_id, prefix=prefix)
     path = NETNS_RUN_DIR / name
     if os.path.lexists(path):
         raise _leftover(name, path)
-    from pyroute2 import netns as pyroute2_netns
-
-    try:
-        with _handled_signals_blocked():
-            pyroute2_netns.create(str(path))
-    except FileExistsError as exc:
-        # Someone pinned it between our check and the create: still a leftover, not ours.
-        raise _leftover(name, path) from exc
-    except _system_errors() as exc:
-        error = NetnsError(name, _explain(f"cannot create network namespace {name!r}", exc))
-        _discard(name, error)  # a failed create can leave the mount-point file behind
-        raise error from exc
-    try:
-        _bring_up_loopback(name, path)
-    except NetnsError as error:
-        _discard(name, error)
-        raise
+    _NAMESPACE_THREAD.run(lambda home: _make(name, path, home))
     return NetnsHandle(run_id=run_id, name=name, path=path)
 
 
@@ -154,13 +157,19 @@ def remove_run_netns(name: str) -> bool:
     path = netns_path(name)
     if not os.path.lexists(path):
         return False
-    from pyroute2 import netns as pyroute2_netns
-
     try:
-        pyroute2_netns.remove(str(path))  # umount2(MNT_DETACH), then unlink
+        _unmount(path)
     except FileNotFoundError:
         return False  # removed by someone else in between
-    except _system_errors() as exc:
+    except OSError as exc:
+        raise NetnsError(
+            name, _explain(f"cannot unmount network namespace {name!r} at {path}", exc)
+        ) from exc
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
         raise NetnsError(
             name, _explain(f"cannot remove network namespace {name!r} at {path}", exc)
         ) from exc
@@ -261,11 +270,11 @@ def _check_run_netns_name(name: str) -> None:
 
 
 def _system_errors() -> tuple[type[Exception], ...]:
-    """What pyroute2 raises when the system refuses: OSError from syscalls, NetlinkError
-    from the kernel's netlink answers, RuntimeError when its helper child dies."""
+    """What the system raises when it refuses: OSError from syscalls and sockets,
+    pyroute2's NetlinkError from the kernel's netlink answers."""
     from pyroute2.netlink.exceptions import NetlinkError
 
-    return (OSError, NetlinkError, RuntimeError)
+    return (OSError, NetlinkError)
 
 
 def _explain(what: str, exc: BaseException) -> str:
@@ -294,44 +303,219 @@ def _discard(name: str, error: NetnsError) -> None:
         error.add_note(f"cleanup also failed, the namespace may be left behind: {cleanup}")
 
 
-# The signals gatewayd handles in Python (trio's handlers: stop, reload). pyroute2 forks
-# a child that runs Python without exec (to create a namespace, to open a netlink socket
-# inside one) and sends it SIGTERM once it has answered. A Python handler inherited from
-# gatewayd runs there, and one that waits on a lock another of gatewayd's threads held
-# at the fork (trio's run_sync_soon does) waits forever, with gatewayd in waitpid for the
-# child: a run stuck for good in its namespace's creation (seen in a `gatewayd worker`
-# under load). Blocked in the forking thread, they stay blocked in the child, which exits
-# on its own right after answering (a pending signal dies with it); pyroute2's SIGKILL
-# after its timeout still ends a child that hangs. gatewayd's other threads take them.
-_HANDLED_SIGNALS: Final = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP})
+# Where a thread finds its own network namespace (/proc/self would name the main
+# thread's): the namespace thread checks it is at home again by it after each creation.
+_THREAD_NETNS: Final = "/proc/thread-self/ns/net"
+# What the namespace thread bind-mounts onto the pinned file: its own namespace, the new
+# one (a name of its own so a test can make the mount fail).
+_BIND_SOURCE = _THREAD_NETNS
+# The daemon's own network namespace: the main thread's, which nothing of gatewayd moves.
+_DAEMON_NETNS: Final = "/proc/self/ns/net"
+_NAMESPACE_THREAD_NAME: Final = "gatewayd-netns"
+_RUN_DIR_MODE: Final = 0o755  # iproute2's for /run/netns: everyone may join a namespace
+# <sys/mount.h>
+_MS_BIND: Final = 0x1000
+_MS_REC: Final = 0x4000
+_MS_SHARED: Final = 1 << 20
+_MNT_DETACH: Final = 0x2
 
 
-@contextlib.contextmanager
-def _handled_signals_blocked() -> Iterator[None]:
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED_SIGNALS)
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """One creation handed to the namespace thread; ``step`` gets the descriptor of the
+    daemon's namespace, the thread's home."""
+
+    step: Callable[[int], None]
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class _NamespaceThread:
+    """The thread that makes every namespace (see the module's doc). Started on first
+    use; runs one creation at a time; retired when it finds itself outside the daemon's
+    namespace after one (the next creation starts another)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: queue.SimpleQueue[_Job] | None = None
+        # How many namespace threads have retired so far (the tests look at it).
+        self.retired = 0
+
+    def run(self, step: Callable[[int], None]) -> None:
+        """Run ``step`` in the namespace thread and wait for it; re-raises its error."""
+        job = _Job(step)
+        self._dispatch(job)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+
+    def _dispatch(self, job: _Job) -> None:
+        with self._lock:
+            if self._jobs is None:
+                self._jobs = queue.SimpleQueue()
+                threading.Thread(
+                    target=self._serve, args=(self._jobs,), name=_NAMESPACE_THREAD_NAME, daemon=True
+                ).start()
+            self._jobs.put(job)
+
+    def _serve(self, jobs: queue.SimpleQueue[_Job]) -> None:
+        try:
+            home = os.open(_DAEMON_NETNS, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            self._retire(jobs, exc)
+            return
+        try:
+            home_id = _identity(os.fstat(home))
+            while True:
+                job = jobs.get()
+                try:
+                    job.step(home)
+                except BaseException as exc:  # handed to the caller, who re-raises it
+                    job.error = exc
+                finally:
+                    job.done.set()
+                if not _at(home_id):
+                    return
+        finally:
+            # However it ends (not at home, or an error of its own): no job waits on
+            # its queue for nobody.
+            self._retire(jobs, None)
+            os.close(home)
+
+    def _retire(self, jobs: queue.SimpleQueue[_Job], error: OSError | None) -> None:
+        """Stop taking jobs; those queued already go to a new thread (or fail with
+        ``error``, the reason no thread can serve them)."""
+        with self._lock:
+            if self._jobs is jobs:
+                self._jobs = None
+            self.retired += 1
+        while True:
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                return
+            if error is None:
+                self._dispatch(job)
+            else:
+                job.error = NetnsError(
+                    "",
+                    _explain(
+                        f"cannot open gatewayd's own network namespace {_DAEMON_NETNS}", error
+                    ),
+                )
+                job.done.set()
+
+
+_NAMESPACE_THREAD: Final = _NamespaceThread()
+
+
+def _make(name: str, path: Path, home: int) -> None:
+    """In the namespace thread: ``ip netns add``'s steps (see the module's doc), then lo
+    up and verified. On failure nothing is left: no file, no mount, and the thread is
+    back in the daemon's namespace (``home``) or raises saying it is not."""
+    step = f"make {NETNS_RUN_DIR} a shared mount point of its own"
     try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        _share_run_dir()
+        step = "create its mount point"
+        os.close(os.open(path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0))
+    except FileExistsError as exc:
+        # Someone pinned it between our check and the create: still a leftover, not ours.
+        raise _leftover(name, path) from exc
+    except OSError as exc:
+        raise NetnsError(
+            name, _explain(f"cannot create network namespace {name!r} ({step})", exc)
+        ) from exc
+    try:
+        step = "unshare a new network namespace"
+        _check(LIBC.unshare(CLONE_NEWNET), path)
+        try:
+            step = f"bind-mount {_BIND_SOURCE} onto its mount point"
+            _check(
+                LIBC.mount(os.fsencode(_BIND_SOURCE), os.fsencode(path), b"none", _MS_BIND, None),
+                path,
+            )
+            _bring_up_loopback(name)
+        finally:
+            if LIBC.setns(home, CLONE_NEWNET) != 0:
+                # The thread retires (it is not at home: _NamespaceThread._serve sees it).
+                step = "return the thread that made it to gatewayd's own network namespace"
+                _check(-1, _DAEMON_NETNS)
+    except BaseException as exc:
+        error = (
+            exc
+            if isinstance(exc, NetnsError)
+            else NetnsError(
+                name, _explain(f"cannot create network namespace {name!r} ({step})", exc)
+            )
+        )
+        _discard(name, error)
+        if error is exc:
+            raise
+        raise error from exc
 
 
-def _bring_up_loopback(name: str, path: Path) -> None:
-    from pyroute2 import IPRoute
+def _share_run_dir() -> None:
+    """``/run/netns`` exists and is a shared mount point of its own, as iproute2 makes it:
+    the namespaces pinned there then show in every mount namespace made from ours."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(NETNS_RUN_DIR, _RUN_DIR_MODE)
+    target = os.fsencode(NETNS_RUN_DIR)
+    if LIBC.mount(b"", target, b"none", _MS_SHARED | _MS_REC, None) == 0:
+        return
+    if ctypes.get_errno() != errno.EINVAL:
+        _check(-1, NETNS_RUN_DIR)
+    # Not a mount point yet (EINVAL): make it one, bound onto itself, then share it.
+    _check(LIBC.mount(target, target, b"none", _MS_BIND | _MS_REC, None), NETNS_RUN_DIR)
+    _check(LIBC.mount(b"", target, b"none", _MS_SHARED | _MS_REC, None), NETNS_RUN_DIR)
+
+
+def _unmount(path: Path) -> None:
+    """Detach the namespace mounted at ``path``; a file with nothing mounted on it (a
+    failed creation's) is left for the caller to unlink. ``OSError`` otherwise."""
+    if LIBC.umount2(os.fsencode(path), _MNT_DETACH) != 0 and ctypes.get_errno() != errno.EINVAL:
+        _check(-1, path)
+
+
+def _check(result: int, path: Path | str) -> None:
+    """Raise the ``OSError`` of a libc call that returned ``result`` (-1: it failed)."""
+    if result != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(path))
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return (st.st_dev, st.st_ino)
+
+
+def _at(home_id: tuple[int, int]) -> bool:
+    """Is the calling thread in the namespace ``home_id``? False also when it cannot
+    tell (the thread then retires all the same)."""
+    try:
+        return _identity(os.stat(_THREAD_NETNS)) == home_id
+    except OSError:
+        return False
+
+
+def _bring_up_loopback(name: str) -> None:
+    """In the new namespace (the calling thread's): lo up, then verified alone."""
+    from gatewayd.sandbox.rtnetlink import RouteSocket
 
     step = "open a netlink socket inside it"
     try:
-        # flags=0: open the namespace we just made, never create one implicitly.
-        # groups=0: we only ask questions, so subscribe to no event stream.
-        with _handled_signals_blocked(), IPRoute(netns=str(path), flags=0, groups=0) as ipr:
+        with RouteSocket() as route:
             step = "find lo"
-            indexes = ipr.link_lookup(ifname=LOOPBACK)
+            indexes = [
+                int(link["index"])
+                for link in route.links()
+                if link.get_attr("IFLA_IFNAME") == LOOPBACK
+            ]
             if len(indexes) != 1:
                 raise NetnsError(name, f"network namespace {name!r} has no {LOOPBACK!r} interface")
             step = "bring lo up"
-            ipr.link("set", index=indexes[0], state="up")
+            route.set_up(indexes[0])
             step = "list its interfaces and addresses"
-            links = tuple(ipr.get_links())
-            addresses = tuple(ipr.get_addr())
+            links = route.links()
+            addresses = route.addresses()
     except _system_errors() as exc:
         raise NetnsError(name, _explain(f"network namespace {name!r}: cannot {step}", exc)) from exc
     _verify_loopback_only(name, links, addresses)

@@ -48,7 +48,7 @@ from gatewayd.sandbox.appsfolder import (
     remove_leftover_folder,
     remove_made_folder,
 )
-from gatewayd.sandbox.cgroup import CgroupSupport
+from gatewayd.sandbox.cgroup import CgroupError, CgroupSupport, DeferredRemovals
 from gatewayd.sandbox.daemons import DaemonRegistryError, sandbox_uid_ranges
 from gatewayd.sandbox.image import ImageError, require_image
 from gatewayd.sandbox.launch import Echo, ExecResult, run_in_sandbox
@@ -265,6 +265,11 @@ class CommandNetwork:
     egress_socket: Path | None = None
 
 
+# What a plan is made from besides the run's own fixed inputs and its command: the
+# variables' values, the cwd and the network (RunSandbox.plan).
+_PlanKey = tuple[frozenset[tuple[str, str]], str | None, CommandNetwork | None]
+
+
 @dataclass(eq=False, kw_only=True)
 class RunSandbox:
     """The OS sandbox of one live run."""
@@ -298,6 +303,10 @@ class RunSandbox:
     after_command: Callable[[], Awaitable[None]] | None = None
     _running: set[trio.CancelScope] = field(default_factory=set)
     _idle: trio.Event = field(default_factory=trio.Event)
+    # The commands' cgroups, removed after their results are returned; close() waits.
+    _cgroup_removals: DeferredRemovals = field(default_factory=DeferredRemovals)
+    # The last plan made by plan(), by what it was made from besides its command.
+    _last_plan: tuple[_PlanKey, SandboxPlan] | None = field(default=None, init=False)
     _closed: bool = False
     # The next free number for a call's own mount points (beside the run's pins, which
     # take 0..len(pins)-1): each narrowed command attaches its binds at fresh ones.
@@ -503,7 +512,30 @@ class RunSandbox:
         network: CommandNetwork | None = None,
     ) -> SandboxPlan:
         """The bwrap plan for ``command`` in this run (validated); ``cwd`` and
-        ``network`` as :meth:`exec` takes them."""
+        ``network`` as :meth:`exec` takes them.
+
+        A plan depends on its command only through ``SandboxPlan.command`` (which
+        ``build_plan`` checks only for being non-empty and ``validate`` not at all), and
+        on nothing else that changes while the run lives but these arguments: so the
+        last plan made, for the same variables, cwd and network, is reused with the new
+        command instead of being built and validated again (render_argv validates it
+        once more before each start all the same).
+        """
+        key: _PlanKey = (frozenset(env_values.items()), cwd, network)
+        if command and self._last_plan is not None and self._last_plan[0] == key:
+            return replace(self._last_plan[1], command=tuple(command))
+        plan = self._build_plan(command, env_values, cwd=cwd, network=network)
+        self._last_plan = (key, plan)
+        return plan
+
+    def _build_plan(
+        self,
+        command: Sequence[str],
+        env_values: Mapping[str, str],
+        *,
+        cwd: str | None,
+        network: CommandNetwork | None,
+    ) -> SandboxPlan:
         egress = None if network is None else network.egress_socket
         return _plan(
             run_id=self.run_id,
@@ -669,6 +701,10 @@ class RunSandbox:
         passthrough: Passthrough | None = None,
     ) -> ExecResult:
         with trio.CancelScope() as scope:
+            if not self._running:
+                # A fresh event per busy spell: one set by an earlier command's end would
+                # let close() go on while this one is still being stopped.
+                self._idle = trio.Event()
             self._running.add(scope)
             try:
                 return await run_in_sandbox(
@@ -682,6 +718,7 @@ class RunSandbox:
                     echo=echo,
                     pins=pins,
                     passthrough=passthrough,
+                    removals=self._cgroup_removals,
                 )
             finally:
                 self._running.discard(scope)
@@ -708,15 +745,33 @@ class RunSandbox:
             return False  # gone already, or not visible: not ours to serve
         return (info.st_dev, info.st_ino) == self.netns_id
 
-    async def close(self) -> dict[str, int]:
-        """Stop every command, give back the lease, remove the namespace; idempotent.
-        Returns what was cleaned, for the audit."""
+    async def close(self) -> dict[str, int | list[str]]:
+        """Stop every command, wait for their cgroups' removal, give back the lease,
+        remove the namespace; idempotent. Returns what was cleaned, for the audit: with
+        ``cgroupsLeft`` (each naming its directory and why) when a command's cgroup
+        could not be removed even once the run's processes were killed."""
         self._closed = True
         for scope in list(self._running):
             scope.cancel()
         if self._running:
             await self._idle.wait()
-        return await trio.to_thread.run_sync(self._release)
+        failed = await self._cgroup_removals.wait()
+        cleanup: dict[str, int | list[str]] = {**await trio.to_thread.run_sync(self._release)}
+        # A removal can fail only while something of the run was still inside (stuck in
+        # the kernel past REMOVE_TIMEOUT_S); every process of the uid is gone now.
+        left = []
+        for cgroup, first in failed:
+            with trio.CancelScope(shield=True):
+                try:
+                    await cgroup.remove()
+                except CgroupError as exc:
+                    log.error(
+                        "command_cgroup_left", run_id=self.run_id, first=first, error=str(exc)
+                    )
+                    left.append(str(exc))
+        if left:
+            cleanup["cgroupsLeft"] = left
+        return cleanup
 
     def _release(self) -> dict[str, int]:
         try:

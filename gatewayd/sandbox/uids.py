@@ -16,6 +16,7 @@ whose range overlaps a live one's, whatever the settings.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
@@ -28,6 +29,9 @@ _MIN_UID_BASE: Final = 1000  # below: system users (Debian's policy, /etc/adduse
 # systemd's range for container uids (systemd.io/UIDS-GIDS): derived ranges lie in it.
 CONTAINER_UID_FIRST: Final = 0x0008_0000  # 524288
 CONTAINER_UID_LAST: Final = 0x6FFF_FFFF  # 1879048191
+# /proc/PID/status is about 1.5 KiB; its Uid: and Gid: lines are within the first 1 KiB
+# (they follow Name, Umask, State, Tgid, Ngid, Pid, PPid and TracerPid).
+_STATUS_READ_BYTES: Final = 4096
 
 
 class UidPoolExhausted(GatewayError):
@@ -74,39 +78,100 @@ def check_derivable_count(count: int) -> None:
 
 class UidPool:
     """Hands out uids of a :class:`UidRange`, never one in use by a live run or by any
-    process still running on the host (a leftover of a crashed daemon)."""
+    process still running on the host (a leftover of a crashed daemon).
+
+    The pool keeps its own records instead of scanning ``/proc`` at every start: the
+    uids it lent (``in use`` until released) and the uids some process held when the
+    pool was made (a crashed daemon's leftovers, or another program's). A uid is given
+    back (:meth:`release`) only once no process of it is left: a run's end kills every
+    process of its uid and sees none left before it releases it (``RunSandbox.close``),
+    and after the lease is given back no file of the run's uid is left from which a
+    process could gain it again. So a uid the pool lent and got back is free without a
+    scan; those held at the last look are looked at again (one scan for all of them) only
+    when no other uid is free. What the records cannot see, and the old scan at every start
+    only narrowed: a program other than gatewayd starting to use a uid of the range
+    after the pool was made (a range shared with another program is a configuration
+    error; the derived ranges lie in systemd's container range, which no user is given).
+
+    Thread-safe: one lock around the records (the scan runs outside it).
+    """
 
     def __init__(self, uids: UidRange) -> None:
         self.range = uids
-        self._taken: set[int] = set()
+        self._lock = threading.Lock()
+        # Each lent uid with the very lease it was lent as: a release must bring back
+        # that lease, so a second release of an old one (after the uid was lent again)
+        # cannot free the live run's.
+        self._taken: dict[int, HostUser] = {}
         self._next = uids.base
+        # Uids some process held when last looked at: not lent until a scan finds
+        # them free. At start: a crashed daemon's leftovers (its start-up sweep kills
+        # them just after) or another program's processes.
+        self._held = {uid for uid in uids_with_processes() if uid in uids}
+        # Scans made since the pool was made (the start-up one not counted).
+        self.scans = 0
 
     def acquire(self) -> HostUser:
         """A free uid as a :class:`HostUser` (gid = uid).
 
         Error handling: :class:`UidPoolExhausted` naming the range when none is free.
         """
-        busy = uids_with_processes()
+        with self._lock:
+            user = self._take()
+            looked_at = frozenset(self._held)
+        if user is None and looked_at:
+            # Every uid lent or held at the last look: look again, once.
+            busy = uids_with_processes()
+            with self._lock:
+                self.scans += 1
+                # Only those held before the scan began are cleared by it: one a
+                # release(processes_gone=False) added meanwhile was not looked at.
+                self._held -= looked_at - busy
+                user = self._take()
+        if user is None:
+            raise UidPoolExhausted(
+                f"all {self.range.count} sandbox uids ({self.range.base}.."
+                f"{self.range.base + self.range.count - 1}) are in use by live runs or their "
+                "processes; end a run or configure a larger range"
+            )
+        return user
+
+    def _take(self) -> HostUser | None:
+        """The next uid neither lent nor held, from the cursor on, lent. Lock held."""
         for _ in range(self.range.count):
             uid = self._next
             self._next = (
                 uid + 1 if uid + 1 < self.range.base + self.range.count else self.range.base
             )
-            if uid not in self._taken and uid not in busy:
-                self._taken.add(uid)
-                return HostUser(uid=uid, gid=uid)
-        raise UidPoolExhausted(
-            f"all {self.range.count} sandbox uids ({self.range.base}.."
-            f"{self.range.base + self.range.count - 1}) are in use by live runs or their "
-            "processes; end a run or configure a larger range"
-        )
+            if uid not in self._taken and uid not in self._held:
+                user = self._taken[uid] = HostUser(uid=uid, gid=uid)
+                return user
+        return None
 
-    def release(self, user: HostUser) -> None:
-        self._taken.discard(user.uid)
+    def release(self, user: HostUser, *, processes_gone: bool = True) -> None:
+        """Take ``user``'s uid back. ``processes_gone``: the caller made sure no process
+        of the uid is left (a run's end: it killed them and saw none left; a run that
+        never started one); False: some may be (a probe's process that just exited):
+        the uid is then scanned again before it is lent again.
+
+        Only the lease :meth:`acquire` returned counts: releasing one already given back
+        changes nothing, even when its uid has been lent again since (two owners each
+        giving it back once on a failed start must not free a third's live run)."""
+        with self._lock:
+            if self._taken.get(user.uid) is not user:
+                return
+            del self._taken[user.uid]
+            if not processes_gone:
+                self._held.add(user.uid)
 
     @property
     def in_use(self) -> int:
         return len(self._taken)
+
+    @property
+    def held(self) -> frozenset[int]:
+        """Uids of the range a process held at the last look, not lent until free."""
+        return frozenset(self._held)
 
 
 def uids_with_processes() -> frozenset[int]:
@@ -126,22 +191,46 @@ def pids_of_uid(uid: int) -> list[int]:
 
 
 def _process_ids() -> Iterator[tuple[int, frozenset[int]]]:
+    """(pid, its user and group ids) of every live process but zombies.
+
+    Read with one ``os.read`` of each ``/proc/PID/status`` and byte searches: the scan
+    runs at every run's end, and the kernel's formatting of the file is most of its
+    cost; a line-by-line Python parse doubled it.
+    """
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/status", "rb") as status:
-                ids: set[int] = set()
-                zombie = False
-                for line in status:
-                    if line.startswith(b"State:"):
-                        # A zombie runs nothing and holds no resource but a pid.
-                        zombie = line.split()[1] == b"Z"
-                    elif line.startswith((b"Uid:", b"Gid:")):
-                        ids.update(int(field) for field in line.split()[1:5])
-                        if line.startswith(b"Gid:"):
-                            break
-        except (OSError, ValueError):
+            fd = os.open(f"/proc/{entry}/status", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                status = os.read(fd, _STATUS_READ_BYTES)
+            finally:
+                os.close(fd)
+        except OSError:
             continue  # it ended while we looked
-        if not zombie:
-            yield int(entry), frozenset(ids)
+        ids = _ids_of(status)
+        if ids is not None:
+            yield int(entry), ids
+
+
+def _ids_of(status: bytes) -> frozenset[int] | None:
+    """The uids and gids in a ``/proc/PID/status``; None for a zombie (it runs nothing
+    and holds no resource but a pid) or a file cut short (the process was ending)."""
+    state = status.find(b"\nState:")
+    if state < 0 or status[state + 8 : state + 10].strip()[:1] == b"Z":
+        return None
+    uid_line = status.find(b"\nUid:")
+    gid_line = status.find(b"\nGid:", uid_line + 1)
+    end = status.find(b"\n", gid_line + 1)
+    if uid_line < 0 or gid_line < 0 or end < 0:
+        return None
+    try:
+        return frozenset(
+            int(field)
+            for field in (
+                *status[uid_line + 5 : gid_line].split(),
+                *status[gid_line + 5 : end].split(),
+            )
+        )
+    except ValueError:
+        return None

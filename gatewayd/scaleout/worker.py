@@ -149,7 +149,9 @@ async def _probe(daemon: Daemon) -> SandboxSupport:
             probe_os_sandbox, config.bwrap, user, config.resolved_netns_prefix
         )
     finally:
-        daemon.runs.uid_pool.release(user)
+        # Its bwrap has exited; what it started may still be dying: looked at again
+        # before the uid is lent.
+        daemon.runs.uid_pool.release(user, processes_gone=False)
 
 
 async def serve_worker(

@@ -76,10 +76,13 @@ def builtin_tool(
     capabilities: Capabilities = NO_CAPABILITIES,
     side_effects: bool = True,
     limits: ToolLimits = NO_LIMITS,
+    immediate: Callable[[A, ToolContext], Any] | None = None,
 ) -> Tool[A]:
     """A built-in tool: ``run`` awaited with the validated ``args_type`` and the call's
     context, after the policy step allowed what ``requests`` says the call uses (within
-    ``capabilities``). ``side_effects``: see :class:`~gatewayd.tools.manifest.ToolManifest`."""
+    ``capabilities``). ``side_effects``: see :class:`~gatewayd.tools.manifest.ToolManifest`.
+    ``immediate``: the same as ``run`` for a tool that does no I/O, as a plain function
+    (see :attr:`~gatewayd.tools.registry.Tool.immediate`)."""
     manifest = ToolManifest(
         name=name,
         version=BUILTIN_VERSION,
@@ -95,4 +98,5 @@ def builtin_tool(
         decode=StructDecoder(args_type),
         requests=requests,
         runner=BuiltinRunner(run),
+        immediate=immediate,
     )

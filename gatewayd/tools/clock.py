@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -20,8 +19,8 @@ def iso_utc(epoch_ns: int) -> str:
     """``2026-01-02T03:04:05.678Z``: ISO 8601 in UTC, milliseconds, rounded down."""
     seconds, millis = divmod(epoch_ns // 1_000_000, 1000)
     # Integer seconds: a float timestamp could round .9995 s up into the next second.
-    moment = datetime.fromtimestamp(seconds, tz=UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{millis:03d}Z"
+    # time.gmtime, not datetime: the same fields at a fraction of the cost per call.
+    return time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds)) + f"{millis:03d}Z"
 
 
 def now_value(epoch_ns: int) -> dict[str, Any]:
@@ -29,9 +28,14 @@ def now_value(epoch_ns: int) -> dict[str, Any]:
     return {"iso": iso_utc(epoch_ns), "epochMs": epoch_ns // 1_000_000, "timezone": "UTC"}
 
 
-async def run_now(_args: NowArgs, _ctx: ToolContext) -> dict[str, Any]:
+def now_at_once(_args: NowArgs, _ctx: ToolContext) -> dict[str, Any]:
     """``{"iso": "2026-01-02T03:04:05.678Z", "epochMs": ..., "timezone": "UTC"}``."""
     return now_value(time.time_ns())
+
+
+async def run_now(args: NowArgs, ctx: ToolContext) -> dict[str, Any]:
+    """:func:`now_at_once`, awaited (the runner's way of calling it)."""
+    return now_at_once(args, ctx)
 
 
 TIME_NOW: Tool[NowArgs] = builtin_tool(
@@ -40,4 +44,5 @@ TIME_NOW: Tool[NowArgs] = builtin_tool(
     args_type=NowArgs,
     run=run_now,
     side_effects=False,
+    immediate=now_at_once,
 )

@@ -139,6 +139,11 @@ class Tool(Generic[A]):
     # ``detail`` (an MCP tool: its server, its name there, the pin's digest); None:
     # nothing (the built-in tools).
     audit_detail: Mapping[str, Any] | None = None
+    # The same call as ``runner.run``, answered at once: a plain function that does no
+    # I/O and never blocks (reads the clock, formats a value). Dispatch may call it on
+    # the connection's own task instead of giving the call a task of its own; None:
+    # every call is awaited through ``runner``.
+    immediate: Callable[[A, ToolContext], Any] | None = None
 
     @property
     def name(self) -> str:

@@ -98,6 +98,7 @@ def test_metrics_parse_and_move_by_exactly_the_calls_and_runs_made(
     assert content_type == "text/plain; version=0.0.4; charset=utf-8"
     before = samples(text)
     assert value(before, "gatewayd_runs_active") == 0
+    assert value(before, "gatewayd_sandbox_uids_leased") == 0
 
     run = live.create_run(base / "ws", base / "policy.yaml")
     with Client(run["socket"], run["runId"]) as client:
@@ -156,6 +157,7 @@ def test_metrics_parse_and_move_by_exactly_the_calls_and_runs_made(
         if name in ("gatewayd_calls_total", "gatewayd_denials_total") and key not in expected:
             assert after.get(key, 0) == before.get(key, 0), key
     assert value(after, "gatewayd_runs_active") == 0
+    assert value(after, "gatewayd_sandbox_uids_leased") == 0  # no OS sandbox: no uid lent
     # 8 calls make 16 entries, plus run_created/run_ended/run_refused events.
     assert moved(before, after, "gatewayd_audit_entries_total") >= 19
     assert moved(before, after, "gatewayd_audit_fsync_duration_seconds_count") >= 1

@@ -31,6 +31,7 @@ import trio
 from gatewayd.config import GatewaydConfig, SandboxUids
 from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.errors import AuthzDenied, PolicyViolation
+from gatewayd.metrics import METRICS
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
 from gatewayd.sandbox.launch import ExecResult
 from gatewayd.sandbox.lendable import NotLendable
@@ -192,6 +193,23 @@ async def test_two_runs_get_different_uids_and_namespaces(sb: Sandboxed) -> None
     assert a.sandbox is not None and b.sandbox is not None
     assert a.sandbox.user.uid != b.sandbox.user.uid
     assert a.sandbox.netns_id != b.sandbox.netns_id
+
+
+def uids_leased() -> float:
+    """The daemon's gatewayd_sandbox_uids_leased, as a scrape reads it."""
+    lines = METRICS.render().splitlines()
+    return float(next(x for x in lines if x.startswith("gatewayd_sandbox_uids_leased ")).split()[1])
+
+
+async def test_the_uid_leases_metric_counts_each_runs_uid_until_it_ends(sb: Sandboxed) -> None:
+    before = uids_leased()
+    a = await sb.run(workspace=sb.workspace("a"))
+    b = await sb.run(workspace=sb.workspace("b"))
+    assert uids_leased() == before + 2
+    await sb.daemon.runs.end(a.run_id)
+    assert uids_leased() == before + 1
+    await sb.daemon.runs.end(b.run_id)
+    assert uids_leased() == before
 
 
 async def test_run_directory_and_socket_are_open_to_the_runs_group_only(sb: Sandboxed) -> None:

@@ -23,6 +23,7 @@ from gatewayd.sandbox.cgroup import (
     CgroupSupport,
     CgroupVersion,
     CommandCgroup,
+    DeferredRemovals,
     create_command_cgroup,
     probe_cgroups,
 )
@@ -47,11 +48,13 @@ def cgroup() -> Iterator[CommandCgroup]:
             trio.run(made.remove)  # sync teardown: the test's own trio run is over
 
 
-def joining(cgroup: CommandCgroup) -> Callable[[], None]:
-    """A preexec_fn that moves the child into ``cgroup``, as the launcher's does."""
+def joining(cgroup: CommandCgroup, *, whole_process: bool = True) -> Callable[[], None]:
+    """A preexec_fn that moves the child into ``cgroup``: by ``cgroup.procs``, or as the
+    launcher's does (``join_files``)."""
+    files = cgroup.procs_files if whole_process else cgroup.join_files
 
     def join() -> None:
-        for procs in cgroup.procs_files:
+        for procs in files:
             fd = os.open(procs, os.O_WRONLY)
             os.write(fd, b"0")
             os.close(fd)
@@ -157,6 +160,120 @@ async def test_remove_of_a_cgroup_already_gone_is_quiet(cgroup: CommandCgroup) -
     await cgroup.remove()
     await cgroup.remove()
     assert not cgroup.memory_dir.exists()
+
+
+# A child that starts threads, says so, then waits: every thread must be in its cgroup.
+THREADS = 3
+THREADED = (
+    "import sys, threading, time\n"
+    f"for _ in range({THREADS}): threading.Thread(target=time.sleep, args=(30,), daemon=True)"
+    ".start()\n"
+    "print('ready', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+
+
+def thread_cgroups(pid: int) -> set[str]:
+    """Every cgroup line of every thread of ``pid``, as the host sees them."""
+    lines: set[str] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        lines.update(Path(f"/proc/{pid}/task/{tid}/cgroup").read_text().splitlines())
+    return lines
+
+
+async def test_joining_as_the_launcher_moves_the_whole_child_and_its_later_threads(
+    cgroup: CommandCgroup,
+) -> None:
+    # The launcher's child writes its join files (v1: tasks, its one thread): the process,
+    # and every thread it starts after, belongs to the command cgroup of each controller.
+    child = subprocess.Popen(
+        [sys.executable, "-I", "-c", THREADED],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        preexec_fn=joining(cgroup, whole_process=False),  # noqa: PLW1509
+    )
+    assert child.stdin is not None and child.stdout is not None
+    try:
+        assert await trio.to_thread.run_sync(child.stdout.readline) == b"ready\n"
+        for directory in cgroup.dirs:
+            assert (directory / "cgroup.procs").read_text().split() == [str(child.pid)]
+        if cgroup.version == CgroupVersion.V1:
+            assert len((cgroup.memory_dir / "tasks").read_text().split()) == THREADS + 1
+        if cgroup.pids_dir is not None:  # the pids controller counts every thread
+            assert (cgroup.pids_dir / "pids.current").read_text() == f"{THREADS + 1}\n"
+        # Each thread's memory (and pids) line names the command cgroup, none the parent.
+        v2 = cgroup.version == CgroupVersion.V2
+        for controller in ("memory", "pids") if cgroup.pids_dir is not None else ("memory",):
+            lines = {
+                line
+                for line in thread_cgroups(child.pid)
+                if controller in line.split(":")[1].split(",") or (v2 and line.startswith("0::"))
+            }
+            assert lines and all(line.endswith(f"/{cgroup.memory_dir.name}") for line in lines)
+    finally:
+        child.stdin.close()
+        child.wait()
+
+
+async def test_a_memory_bomb_joined_as_the_launcher_is_oom_killed_and_counted(
+    cgroup: CommandCgroup,
+) -> None:
+    # Memory is charged to the cgroup the mm's owner is in: the moved thread's.
+    bomb = subprocess.Popen(
+        [sys.executable, "-I", "-c", BOMB],
+        stderr=subprocess.DEVNULL,
+        preexec_fn=joining(cgroup, whole_process=False),  # noqa: PLW1509
+    )
+    returncode = await trio.to_thread.run_sync(bomb.wait)
+    assert returncode == -9
+    assert cgroup.oom_killed()
+
+
+# --- removal after the result ------------------------------------------------------------
+
+
+async def test_a_deferred_removal_returns_at_once_and_wait_sees_it_done(
+    cgroup: CommandCgroup,
+) -> None:
+    sleeper = subprocess.Popen(
+        ["/bin/sleep", "100"],
+        preexec_fn=joining(cgroup, whole_process=False),  # noqa: PLW1509
+    )
+    try:
+        removals = DeferredRemovals()
+        removals.remove_later(cgroup)
+        # Handed over, not done: the caller goes on (its result is on its way) ...
+        assert removals.pending == 1 and cgroup.memory_dir.exists()
+        with trio.fail_after(5):
+            assert await removals.wait() == ()
+        # ... and the owner's wait returns once the leftover is killed and every
+        # directory is gone.
+        assert removals.pending == 0
+        assert [d for d in cgroup.dirs if d.exists()] == []
+    finally:
+        sleeper.kill()
+    assert sleeper.wait() == -9
+
+
+async def test_a_deferred_removal_that_fails_is_returned_by_wait_with_its_reason(
+    tmp_path: Path,
+) -> None:
+    # A plain directory with a file in it stands in for a cgroup the kernel will not
+    # remove: the failure must reach the owner, never the event loop.
+    (tmp_path / "stray").write_text("")
+    odd = CommandCgroup(version=CgroupVersion.V1, memory_dir=tmp_path, pids_dir=None)
+    removals = DeferredRemovals()
+    removals.remove_later(odd)
+    with trio.fail_after(5):
+        failed = await removals.wait()
+    assert [cgroup for cgroup, _ in failed] == [odd]
+    assert f"cannot remove cgroup {tmp_path}: Directory not empty" in failed[0][1]
+    assert await removals.wait() == ()  # reported once
+
+
+async def test_an_idle_owner_waits_for_nothing() -> None:
+    with trio.fail_after(1):
+        assert await DeferredRemovals().wait() == ()
 
 
 # --- errors ---------------------------------------------------------------------------------

@@ -10,10 +10,12 @@ keeps today's rlimits, so the rlimit tests stay meaningful on a host with cgroup
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import secrets
 import shutil
+import signal
 import socket
 import tempfile
 from collections.abc import Iterator
@@ -437,6 +439,39 @@ async def test_cancelling_the_caller_kills_the_sandbox_at_once(
         await launch(setup, "/bin/sleep", marker)
     assert appeared  # it was running when the caller gave up ...
     assert host_pids_with_cmdline(marker) == []  # ... and nothing outlived the call
+
+
+# Cancellations made as soon as bwrap itself shows: enough that one lands between its
+# clone() and its child's PR_SET_PDEATHSIG (3 in 25 did before bwrap was stopped first).
+EARLY_CANCELS = 25
+EARLY_CANCEL_BOUND_S = 60.0
+
+
+async def test_cancelling_as_soon_as_bwrap_shows_leaves_no_orphan(
+    setup: dict[str, object],
+) -> None:
+    survivors: list[int] = []
+    for _ in range(EARLY_CANCELS):
+        marker = f"{secrets.randbelow(10**6) + 10**6}.25"
+        # A bound, so a watcher that never sees bwrap fails the test instead of hanging it
+        # (the sleep is long: only the cancellation ends the launch).
+        with trio.fail_after(EARLY_CANCEL_BOUND_S):
+            async with trio.open_nursery() as nursery:
+
+                async def cancel_once_bwrap_shows(marker: str, scope: trio.CancelScope) -> None:
+                    # bwrap's own command line names the marker too: this fires at bwrap.
+                    while not host_pids_with_cmdline(marker):
+                        await trio.sleep(0.001)
+                    scope.cancel()
+
+                nursery.start_soon(cancel_once_bwrap_shows, marker, nursery.cancel_scope)
+                await launch(setup, "/bin/sleep", marker)
+        left = host_pids_with_cmdline(marker)
+        for pid in left:  # never leave one behind, whatever the outcome
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        survivors.extend(left)
+    assert survivors == []
 
 
 # --- cgroups: memory and process count per command -----------------------------------------

@@ -111,9 +111,11 @@ def test_gauge_and_counter_function_are_read_when_rendered() -> None:
     m = GatewayMetrics()
     live = [3]
     m.count_runs_with(lambda: live[0])
+    m.count_uids_with(lambda: live[0] - 1)
     m.audit_entries.function = lambda: 10 + live[0]
     live[0] = 5
     families = parsed(m.render())
+    assert families["gatewayd_sandbox_uids_leased"] == [("gatewayd_sandbox_uids_leased", {}, 4.0)]
     assert families["gatewayd_runs_active"] == [("gatewayd_runs_active", {}, 5.0)]
     assert families["sandbox_run_active"] == [("sandbox_run_active", {}, 5.0)]
     assert families["gatewayd_audit_entries"] == [("gatewayd_audit_entries_total", {}, 15.0)]

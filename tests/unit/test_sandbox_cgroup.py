@@ -368,3 +368,22 @@ def test_pids_limit_hit_reads_the_max_counter_and_never_fails(
     cgroup = CommandCgroup(version=V1, memory_dir=tmp_path / "memory", pids_dir=tmp_path)
     assert cgroup.pids_limit_hit() is hit
     assert CommandCgroup(version=V1, memory_dir=tmp_path, pids_dir=None).pids_limit_hit() is None
+
+
+def test_a_forked_child_joins_by_tasks_in_v1_and_by_cgroup_procs_in_v2(tmp_path: Path) -> None:
+    # v1: the per-thread file (the child's only thread is the whole process, and the
+    # kernel moves it without the global lock a whole thread group's move takes).
+    v1 = CommandCgroup(version=V1, memory_dir=tmp_path / "m", pids_dir=tmp_path / "p")
+    assert v1.join_files == (
+        str(tmp_path / "m" / "tasks").encode(),
+        str(tmp_path / "p" / "tasks").encode(),
+    )
+    assert v1.procs_files == (
+        str(tmp_path / "m" / "cgroup.procs").encode(),
+        str(tmp_path / "p" / "cgroup.procs").encode(),
+    )
+    # v2: one directory for both controllers, and cgroup.threads cannot cross domains.
+    v2 = CommandCgroup(version=V2, memory_dir=tmp_path / "c", pids_dir=tmp_path / "c")
+    assert v2.join_files == (str(tmp_path / "c" / "cgroup.procs").encode(),)
+    without_pids = CommandCgroup(version=V1, memory_dir=tmp_path / "m", pids_dir=None)
+    assert without_pids.join_files == (str(tmp_path / "m" / "tasks").encode(),)

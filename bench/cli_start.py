@@ -1,0 +1,277 @@
+"""Start-up of gatewayd's client commands, beside a bare interpreter start of the same
+interpreter, in the same run:
+
+    .venv/bin/python bench/cli_start.py [--runs 30] [--warmup 3]
+
+Each row is one fresh process of the `gatewayd` console script (the virtualenv's, as an
+operator runs it), run ``--runs`` times; every round runs every row once, in a freshly
+shuffled order, so drift and load hit all rows alike. Wall time (median, p90) is what a
+user waits; CPU time (user + system of the process, from wait4) is what the start costs
+when other work shares the machine, the figure to compare under load.
+
+- ``python3 -I -S -c pass`` and ``python3 -c pass`` (the virtualenv's python, which the
+  console script runs): the floor, and the floor with the virtualenv's site-packages
+  (its .pth files) on;
+- ``gatewayd exec RUN -- /bin/true`` against a live sandboxed ``gatewayd serve`` (its
+  answer includes the command's own run in the sandbox), and the same for a run id the
+  daemon does not know (start-up, imports and one control request), and to a state
+  directory no daemon serves (start-up and a failed connect);
+- ``gatewayd rules pending`` against the live daemon;
+- ``gatewayd audit show`` and ``audit verify`` of a small log made by the writer;
+- ``gatewayd policy check`` of a shipped example policy;
+- ``gatewayd run`` refused for its usage (no command: everything before the daemon), and
+  the imports ``gatewayd run`` makes before it asks for the sandbox (the daemon, trio,
+  the audit log, the policy models) in one ``python3 -c``.
+
+The live rows need root and /usr/bin/bwrap (the daemon's own prefix and uid range keep
+it apart from other daemons); without them they are skipped, with a line saying so.
+Target: each client command at most 100 ms wall at the median. Never asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import secrets
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import trio
+
+from gatewayd.audit import AuditEvent, open_audit_log
+from gatewayd.cli.control_client import control_request
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+GATEWAYD = str(BIN / "gatewayd")
+TARGET_MS = 100.0
+UNKNOWN_RUN = "0123456789abcdef" * 2
+POLICY = ROOT / "policies" / "examples" / "workspace-rw.yaml"
+# How long a `gatewayd serve` may take to answer /v1/health.
+SERVE_START_S = 30.0
+# What `gatewayd run` imports before it asks the daemon for the sandbox (gatewayd/cli/run.py).
+RUN_IMPORTS = (
+    "import trio, gatewayd.audit.writer, gatewayd.daemon, gatewayd.errors, gatewayd.logs, "
+    "gatewayd.policy, gatewayd.runs.lifecycle; from gatewayd.cli import build_parser; "
+    "build_parser('run')"
+)
+# The environment of every row: this one without gatewayd's variables (a setting there
+# would send the commands to the whole configuration, which is not the case measured).
+ENV = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAYD_")}
+
+
+def sandbox_available() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, a uid per run)"
+    if not Path("/usr/bin/bwrap").exists():
+        return "needs bubblewrap at /usr/bin/bwrap"
+    return None
+
+
+@contextlib.contextmanager
+def bench_dir() -> Iterator[Path]:
+    base = Path(tempfile.mkdtemp(prefix="cg-cli-start-", dir="/tmp"))
+    base.chmod(0o711)  # a run's uid passes through to its workspace
+    try:
+        yield base
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def small_audit_log(path: Path) -> None:
+    """A log of a few entries, written by gatewayd's own writer."""
+
+    async def write() -> None:
+        async with open_audit_log(path, fsync=False) as log:
+            log.record("event", event=AuditEvent.RUN_CREATED, runId=UNKNOWN_RUN)
+            log.record("event", event=AuditEvent.RUN_ENDED, runId=UNKNOWN_RUN)
+
+    trio.run(write)
+
+
+@contextlib.contextmanager
+def live_daemon(base: Path) -> Iterator[tuple[Path, str]]:
+    """A sandboxed `gatewayd serve` with one run of the deny-all policy; (state, run id)."""
+    state = base / "state"
+    workspace = base / "ws"
+    workspace.mkdir()
+    uid_base = 1_710_000_000 + secrets.randbelow(50_000) * 1024
+    log_path = base / "gatewayd.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                *(GATEWAYD, "serve", "--state-dir", str(state)),
+                *("--netns-prefix", f"cgcs{secrets.token_hex(3)}-"),
+                *("--sandbox-uids", f"{uid_base}+16"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+        )
+    try:
+        control = state / "control.sock"
+        deadline = time.monotonic() + SERVE_START_S
+        while True:  # the socket file appears just before it listens
+            with contextlib.suppress(OSError):
+                if control_request(control, "GET", "/v1/health")[0] == 200:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"gatewayd serve did not start:\n{log_path.read_text()}")
+            time.sleep(0.02)
+        status, answer = control_request(
+            control,
+            "POST",
+            "/v1/runs",
+            {
+                "workspacePath": str(workspace),
+                "policy": "default",
+                "actorId": "bench",
+                "tenantId": "bench",
+                "grant": {"allowSandbox": True},
+            },
+        )
+        if status != 201:
+            raise RuntimeError(f"run creation failed: {status} {answer}")
+        yield state, answer["run"]["runId"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # never left running over its removed state
+            proc.kill()
+            proc.wait()
+
+
+def measure(cmd: list[str], expected: int) -> tuple[float, float]:
+    """(wall s, CPU s) of one run of ``cmd``, which must exit ``expected``: the process
+    is waited for with wait4, which reports its own CPU time."""
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env=ENV,
+    )
+    assert proc.stderr is not None
+    err = proc.stderr.read()  # to its end: the process has closed it (or exited)
+    proc.stderr.close()
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - started
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != expected:
+        raise RuntimeError(f"{cmd} exited {proc.returncode}, not {expected}: {err[-2000:]!r}")
+    return wall, usage.ru_utime + usage.ru_stime
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--runs", type=int, default=30, help="runs of each row (default 30)")
+    ap.add_argument("--warmup", type=int, default=3, help="rounds not counted (default 3)")
+    args = ap.parse_args()
+    # SIGTERM ends the bench as Ctrl-C does, through the finally blocks: the live daemon
+    # stopped, the bench's directory removed (the default action would leave both).
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+    # The virtualenv's python, which the console script runs: with -S and -I a bare start
+    # of the same binary; without, the start with the virtualenv's site-packages (.pth).
+    python = sys.executable
+    with bench_dir() as base, contextlib.ExitStack() as stack:
+        log = base / "audit" / "audit.jsonl"
+        small_audit_log(log)
+        policy = base / "policy.yaml"
+        shutil.copyfile(POLICY, policy)
+        nobody = base / "no-daemon"
+        rows: dict[str, tuple[list[str], int, bool]] = {
+            # name: (argv, expected exit status, a client command held to the target)
+            "python3 -I -S -c pass": ([python, "-I", "-S", "-c", "pass"], 0, False),
+            "python3 -c pass": ([python, "-c", "pass"], 0, False),
+            "exec RUN (no daemon at the state dir)": (
+                [GATEWAYD, "exec", "--state-dir", str(nobody), UNKNOWN_RUN, "--", "/bin/true"],
+                1,
+                True,
+            ),
+            "audit show (small log)": ([GATEWAYD, "audit", "show", str(log)], 0, True),
+            "audit verify (small log)": ([GATEWAYD, "audit", "verify", str(log)], 0, True),
+            "policy check": ([GATEWAYD, "policy", "check", str(policy)], 0, True),
+            "run (usage refused: before the daemon)": (
+                [GATEWAYD, "run", "--state-dir", str(nobody)],
+                2,
+                True,
+            ),
+            "run's imports up to the sandbox start": ([python, "-c", RUN_IMPORTS], 0, False),
+        }
+        skipped = sandbox_available()
+        if skipped is None:
+            state, run_id = stack.enter_context(live_daemon(base))
+            exec_argv = [GATEWAYD, "exec", "--state-dir", str(state)]
+            rows["exec RUN -- /bin/true (live run)"] = (
+                [*exec_argv, run_id, "--", "/bin/true"],
+                0,
+                True,
+            )
+            rows["exec RUN (unknown to a live daemon)"] = (
+                [*exec_argv, UNKNOWN_RUN, "--", "/bin/true"],
+                1,
+                True,
+            )
+            rows["rules pending (live daemon)"] = (
+                [GATEWAYD, "rules", "pending", "--state-dir", str(state)],
+                0,
+                True,
+            )
+        walls: dict[str, list[float]] = {name: [] for name in rows}
+        cpus: dict[str, list[float]] = {name: [] for name in rows}
+        rng = random.Random(21)
+        for round_ in range(args.warmup + args.runs):
+            order = list(rows)
+            rng.shuffle(order)
+            for name in order:
+                cmd, expected, _ = rows[name]
+                wall, cpu = measure(cmd, expected)
+                if round_ >= args.warmup:
+                    walls[name].append(wall)
+                    cpus[name].append(cpu)
+    print(
+        f"cli_start: {python}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; "
+        f"{args.runs} runs of each row in shuffled rounds (+{args.warmup} warm-up rounds)"
+    )
+    print(f"  command: {' '.join([sys.executable, *sys.argv])}")
+    if skipped is not None:
+        print(f"  live rows skipped: {skipped}")
+    header = f"  {'gatewayd ...':<44}{'wall med':>10}{'p90':>9}{'cpu med':>10}  (ms)"
+    print(header)
+    failed = []
+    for name, (_, _, held) in rows.items():
+        wall_med = statistics.median(walls[name]) * 1000
+        verdict = ""
+        if held:
+            verdict = "ok" if wall_med <= TARGET_MS else f"over {TARGET_MS:.0f} ms"
+            if wall_med > TARGET_MS:
+                failed.append(name)
+        print(
+            f"  {name:<44}{wall_med:10.1f}{percentile(walls[name], 90) * 1000:9.1f}"
+            f"{statistics.median(cpus[name]) * 1000:10.1f}  {verdict}"
+        )
+    print(
+        f"verdict: every client command at most {TARGET_MS:.0f} ms wall at the median: "
+        + ("yes" if not failed else f"no ({', '.join(failed)})")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

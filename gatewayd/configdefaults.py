@@ -1,0 +1,25 @@
+"""Where gatewayd's configuration is and what it defaults to, for what a client command
+needs without the configuration's models (pydantic and every setting's checks, gatewayd/
+config.py): the file, the variables' prefix, the state directory and the agent
+directory beside it. gatewayd/config.py and gatewayd/configsources.py take them from
+here; gatewayd/cli/options.py finds the control socket with them when nothing but the
+defaults and ``--state-dir`` could set it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Final
+
+DEFAULT_CONFIG_PATH: Final = Path("/etc/gatewayd/gatewayd.yaml")
+# The variable naming the file; it cannot be a setting in the file it names.
+CONFIG_ENV: Final = "GATEWAYD_CONFIG"
+ENV_PREFIX: Final = "GATEWAYD_"
+DEFAULT_STATE_DIR: Final = Path("/var/lib/gatewayd")
+
+
+def agent_dir_for(state_dir: Path) -> Path:
+    """Where agent runs keep their clones by default: beside the state directory."""
+    if not state_dir.name:  # "/" has no name to put a sibling beside
+        return state_dir / "gatewayd-agent"
+    return state_dir.with_name(state_dir.name + "-agent")

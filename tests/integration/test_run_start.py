@@ -1,0 +1,186 @@
+"""A run's start and end in a real daemon with the OS sandbox: nothing forks the daemon,
+the network namespace made by the namespace thread is loopback only from inside a real
+sandbox, and the uid pool's records stay right while runs start and end at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import tempfile
+import textwrap
+import threading
+import traceback
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from gatewayd.config import GatewaydConfig, SandboxUids
+from gatewayd.daemon import Daemon, open_daemon
+from gatewayd.runs import Grant, Run, RunRequest
+from gatewayd.sandbox.netns import NETNS_RUN_DIR
+from gatewayd.sandbox.uids import UidPoolExhausted
+from tests.integration.test_run_sandbox import OUTSIDE_V4, POLICY, PY, _unavailable
+
+pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+
+# Every fork of this process, with the stack that made it.
+_FORK_STACKS: list[list[str]] = []
+os.register_at_fork(
+    before=lambda: _FORK_STACKS.append([frame.filename for frame in traceback.extract_stack()])
+)
+# A command's launcher (and a spare one made ahead of a run's next command) forks bwrap:
+# that is a command starting, not the run's start or end.
+_LAUNCHER = os.path.join("gatewayd", "sandbox", "launch.py")
+
+UID_COUNT = 3
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cg-rs-", dir="/tmp"))
+    path.chmod(0o711)  # the sandbox's uid passes through to its workspace and socket
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def daemon(base: Path) -> AsyncIterator[Daemon]:
+    (base / "sandboxed.yaml").write_text(textwrap.dedent(POLICY))
+    config = GatewaydConfig(
+        state_dir=base / "state",
+        policy_dirs=(base,),
+        workspace_mode="host",
+        netns_prefix=f"cgrs{secrets.token_hex(4)}-",
+        sandbox_uids=SandboxUids(
+            base=1_720_000_000 + secrets.randbelow(50_000) * 1024, count=UID_COUNT
+        ),
+    )
+    async with open_daemon(config) as started:
+        assert started.runs.support.available, started.runs.support.reason
+        yield started
+
+
+async def start(daemon: Daemon, base: Path, name: str) -> Run:
+    workspace = base / name
+    workspace.mkdir(exist_ok=True)
+    return await daemon.runs.start(
+        RunRequest(
+            workspacePath=str(workspace),
+            policy="sandboxed",
+            actorId="tester",
+            tenantId="t1",
+            grant=Grant(allowSandbox=True),
+        )
+    )
+
+
+def forks_outside_the_launcher(since: int) -> list[list[str]]:
+    return [stack for stack in _FORK_STACKS[since:] if not any(_LAUNCHER in f for f in stack)]
+
+
+async def test_a_run_starts_and_ends_without_a_fork_and_its_namespace_is_loopback_only(
+    daemon: Daemon, base: Path
+) -> None:
+    forks = len(_FORK_STACKS)
+    run = await start(daemon, base, "ws")
+    assert run.sandbox is not None
+    assert forks_outside_the_launcher(forks) == []
+    # From inside a real sandbox of the run: lo alone, up (its own loopback answers), no
+    # route anywhere, the outside unreachable.
+    probe = await daemon.runs.exec(
+        run.run_id,
+        [
+            PY,
+            "-I",
+            "-c",
+            textwrap.dedent(
+                f"""
+                import json, socket
+                out = {{"interfaces": socket.if_nameindex()}}
+                with socket.create_server(("127.0.0.1", 0)) as server:
+                    socket.create_connection(server.getsockname(), timeout=5).close()
+                    out["loopback"] = "answers"
+                out["routes"] = open("/proc/net/route").read().splitlines()[1:]
+                out["routes6"] = [
+                    line for line in open("/proc/net/ipv6_route").read().splitlines()
+                    if not line.split()[-1] == "lo"
+                ]
+                s = socket.socket()
+                s.settimeout(5)
+                try:
+                    s.connect(({OUTSIDE_V4!r}, 80))
+                    out["outside"] = "connected"
+                except OSError as e:
+                    out["outside"] = e.errno
+                print(json.dumps(out))
+                """
+            ),
+        ],
+    )
+    assert probe.exitCode == 0, probe.stderr
+    seen = json.loads(probe.stdout)
+    assert seen == {
+        "interfaces": [[1, "lo"]],
+        "loopback": "answers",
+        "routes": [],
+        "routes6": [],
+        "outside": 101,  # ENETUNREACH
+    }
+    # The namespace thread is back in the daemon's namespace; so is every thread.
+    home = os.stat("/proc/self/ns/net")
+    for thread in threading.enumerate():
+        if thread.native_id is not None:
+            st = os.stat(f"/proc/self/task/{thread.native_id}/ns/net")
+            assert (st.st_dev, st.st_ino) == (home.st_dev, home.st_ino), thread.name
+    path = run.sandbox.netns.path
+    forks = len(_FORK_STACKS)
+    await daemon.runs.end(run.run_id)
+    assert forks_outside_the_launcher(forks) == []
+    assert not os.path.lexists(path)
+    with open("/proc/self/mountinfo", encoding="utf-8") as info:
+        assert not [line for line in info if line.split(" ")[4] == str(path)]
+    assert not list(NETNS_RUN_DIR.glob(f"{daemon.config.resolved_netns_prefix}*"))
+
+
+async def start_or_refused(
+    daemon: Daemon, base: Path, name: str, runs: list[Run], refused: list[str]
+) -> None:
+    try:
+        runs.append(await start(daemon, base, name))
+    except UidPoolExhausted as exc:
+        refused.append(str(exc))
+
+
+async def test_the_uid_pools_records_stay_right_while_runs_start_and_end_at_once(
+    daemon: Daemon, base: Path
+) -> None:
+    pool = daemon.runs.uid_pool
+    scans: list[int] = []
+    for round_ in range(3):
+        runs: list[Run] = []
+        refused: list[str] = []
+        async with trio.open_nursery() as nursery:
+            for i in range(UID_COUNT + 2):
+                name = f"ws-{round_}-{i}"
+                nursery.start_soon(start_or_refused, daemon, base, name, runs, refused)
+        # Every uid lent once, to one live run; the runs past the pool's size refused.
+        assert len(runs) == UID_COUNT and len(refused) == 2, refused
+        assert all("end a run or configure a larger range" in message for message in refused)
+        uids = {run.sandbox.user.uid for run in runs if run.sandbox is not None}
+        assert len(uids) == UID_COUNT and pool.in_use == UID_COUNT
+        async with trio.open_nursery() as nursery:
+            for run in runs:
+                nursery.start_soon(daemon.runs.end, run.run_id)
+        assert pool.in_use == 0
+        # The start-up probe's uid is looked at again (one scan, the first time the
+        # pool runs out); uids back from ended runs are lent again without a look.
+        assert pool.held == frozenset()
+        scans.append(pool.scans)
+    assert scans[0] <= 1 and scans[1:] == [scans[0]] * 2

@@ -1,0 +1,308 @@
+"""The client commands' import footprint: `gatewayd exec`, `rules`, `audit show|verify`,
+`policy check` and a `run` refused for its usage load none of the heavy libraries.
+
+A command's start is mostly imports (docs/performance.md, "CLI start"): trio, the
+metrics, structlog, pydantic, cryptography... each costs milliseconds to tens of them.
+Each test runs one command in a fresh interpreter against real state (an audit log made
+by the writer, a shipped policy file, a state directory no daemon serves, a real
+sandboxed daemon with a live run) through the command line's own ``main``, then lists
+what the interpreter imported; the positive control shows the same listing does catch
+the heavy modules when they load.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import pytest
+import trio
+
+from gatewayd.audit import AuditEvent, open_audit_log
+from gatewayd.builtin_tool_ids import BUILTIN_TOOL_IDS
+from gatewayd.configdefaults import DEFAULT_CONFIG_PATH, ENV_PREFIX
+from gatewayd.tools import builtin_tools
+
+REPO_ROOT: Final = Path(__file__).resolve().parents[2]
+# A policy with a tools.allow list (policy check), and the deny-all one (the live run).
+SHIPPED_POLICY: Final = REPO_ROOT / "policies" / "examples" / "workspace-rw.yaml"
+DENY_ALL: Final = REPO_ROOT / "policies" / "default.yaml"
+UNKNOWN_RUN: Final = "0123456789abcdef" * 2
+
+# Runs the command line's main in this interpreter, then writes the names of the modules
+# it imported to argv[1]; exits with the command's status.
+WRAPPER: Final = """
+import sys
+out, words = sys.argv[1], sys.argv[2:]
+try:
+    from gatewayd.cli import main
+    code = main(words)
+except SystemExit as stop:
+    code = stop.code
+with open(out, "w") as listing:
+    listing.write("\\n".join(sorted(sys.modules)))
+sys.exit(code)
+"""
+
+# Heavy for every client command: each is the daemon's, or a library only some daemon
+# path needs. A name stands for the package and its submodules.
+HEAVY: Final = frozenset(
+    {
+        "litellm",
+        "prometheus_client",
+        "gatewayd.metrics",
+        "gatewayd.daemon",
+        "trio",
+        "structlog",
+        "rich",
+        "cryptography",
+        "temporalio",
+        "opentelemetry",
+        "pyroute2",
+        "wasmtime",
+        "mcp",
+        "httpx",
+        "h11",
+        "asyncio",
+        "ssl",
+        "http",
+        "email",
+    }
+)
+# Also kept out of the commands that only talk to the control socket or only read the
+# audit log: the configuration's models and what reads YAML.
+MODELS: Final = frozenset({"pydantic", "pydantic_core", "yaml", "gatewayd.config"})
+# And out of those that talk to the control socket: they decode no audit line.
+CODECS: Final = frozenset({"msgspec", "logging"})
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without gatewayd's variables (a setting there would send the
+    control-socket commands to the whole configuration, as it should)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)}
+
+
+def run_cli(tmp: Path, *words: str) -> tuple[subprocess.CompletedProcess[str], set[str]]:
+    """``gatewayd words...`` in a fresh interpreter; its result and imported modules."""
+    listing = tmp / f"modules-{len(list(tmp.glob('modules-*')))}.txt"
+    done = subprocess.run(
+        [sys.executable, "-c", WRAPPER, str(listing), *words],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=tmp,
+        timeout=120,
+        check=False,
+    )
+    assert listing.exists(), done.stderr[-3000:]
+    return done, set(listing.read_text().split())
+
+
+def loaded(modules: set[str], heavy: frozenset[str]) -> list[str]:
+    """The members of ``heavy`` (or their submodules) among ``modules``."""
+    return sorted(m for m in modules if m in heavy or m.split(".")[0] in heavy)
+
+
+def assert_light(modules: set[str], heavy: frozenset[str]) -> None:
+    found = loaded(modules, heavy)
+    assert not found, f"heavy modules imported: {found}"
+
+
+@pytest.fixture(scope="module")
+def audit_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small real audit log, written by the writer."""
+    path = tmp_path_factory.mktemp("audit") / "audit.jsonl"
+
+    async def write() -> None:
+        async with open_audit_log(path, fsync=False) as log:
+            log.record("event", event=AuditEvent.RUN_CREATED, runId=UNKNOWN_RUN)
+            log.record("event", event=AuditEvent.RUN_ENDED, runId=UNKNOWN_RUN)
+
+    trio.run(write)
+    return path
+
+
+def test_the_positive_control_sees_the_heavy_modules_load(tmp_path: Path) -> None:
+    # The same listing, after what a daemon imports: the test can fail.
+    listing = tmp_path / "modules.txt"
+    code = WRAPPER.replace("from gatewayd.cli import main", "import gatewayd.daemon; main = len")
+    subprocess.run(
+        [sys.executable, "-c", code, str(listing)], env=clean_env(), timeout=120, check=True
+    )
+    modules = set(listing.read_text().split())
+    expected = {"trio", "structlog", "prometheus_client", "pydantic", "gatewayd.metrics"}
+    assert set(loaded(modules, HEAVY | MODELS)) >= expected
+
+
+def test_exec_to_a_state_dir_no_daemon_serves_fails_cleanly_and_loads_nothing_heavy(
+    tmp_path: Path,
+) -> None:
+    if DEFAULT_CONFIG_PATH.exists():
+        pytest.skip(f"{DEFAULT_CONFIG_PATH} exists: the command reads it, as it should")
+    state = tmp_path / "state"
+    done, modules = run_cli(tmp_path, "exec", "--state-dir", str(state), UNKNOWN_RUN, "--", "true")
+    assert done.returncode == 1, done
+    assert done.stderr == (
+        f"gatewayd exec: cannot reach gatewayd at {state}/control.sock: "
+        "[Errno 2] No such file or directory\n"
+    )
+    assert_light(modules, HEAVY | MODELS | CODECS)
+
+
+def test_exec_to_a_named_control_socket_loads_no_configuration(tmp_path: Path) -> None:
+    sock = tmp_path / "control.sock"
+    done, modules = run_cli(
+        tmp_path, "exec", "--control-socket", str(sock), UNKNOWN_RUN, "--", "true"
+    )
+    assert done.returncode == 1 and "cannot reach gatewayd" in done.stderr, done
+    assert_light(modules, HEAVY | MODELS | CODECS)
+
+
+def test_audit_show_and_verify_on_a_small_log_load_nothing_heavy(
+    tmp_path: Path, audit_log: Path
+) -> None:
+    done, modules = run_cli(tmp_path, "audit", "verify", str(audit_log))
+    assert done.returncode == 0, done
+    assert done.stdout.startswith("OK: 4 entries, chain intact"), done.stdout
+    assert_light(modules, HEAVY | MODELS)
+    done, modules = run_cli(tmp_path, "audit", "show", str(audit_log))
+    assert done.returncode == 0, done
+    assert "run_ended" in done.stdout, done.stdout
+    assert_light(modules, HEAVY | MODELS)
+
+
+def test_policy_check_loads_the_policy_models_but_no_tool(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    shutil.copyfile(SHIPPED_POLICY, policy)
+    done, modules = run_cli(tmp_path, "policy", "check", str(policy))
+    assert done.returncode == 0, done
+    assert done.stdout.startswith("policy "), done.stdout
+    # email: pydantic's plugin loader reads the installed packages' entry points
+    # (importlib.metadata) when the first model is made.
+    assert_light(modules, (HEAVY - {"email"}) | {"gatewayd.tools", "gatewayd.config"})
+
+
+def test_policy_check_still_warns_of_an_allow_entry_that_matches_no_tool(tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    text = SHIPPED_POLICY.read_text()
+    assert "  allow: [" in text
+    policy.write_text(text.replace("  allow: [", "  allow: [fs.raed, ", 1))
+    done, _ = run_cli(tmp_path, "policy", "check", str(policy))
+    assert done.returncode == 0, done
+    assert "warning: tools.allow entry 'fs.raed' matches no tool this gatewayd has" in done.stderr
+
+
+def test_the_spelt_out_builtin_tool_ids_are_the_registered_ones() -> None:
+    assert tuple(builtin_tools()) == BUILTIN_TOOL_IDS
+
+
+def test_a_run_refused_for_its_usage_loads_no_daemon(tmp_path: Path) -> None:
+    done, modules = run_cli(tmp_path, "run", "--state-dir", str(tmp_path / "state"))
+    assert done.returncode == 2, done
+    assert "give the command after --" in done.stderr
+    assert_light(modules, HEAVY | MODELS | CODECS)
+
+
+# --- against a real daemon with a live run --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
+    """A sandboxed `gatewayd serve` and a live run of it: (state dir, run id)."""
+    from tests.integration.test_run_sandbox import _unavailable
+    from tests.livedaemon import start_daemon
+
+    if (reason := _unavailable()) is not None:
+        pytest.skip(reason)
+    if DEFAULT_CONFIG_PATH.exists():
+        pytest.skip(f"{DEFAULT_CONFIG_PATH} exists: the command reads it, as it should")
+    base = Path(tempfile.mkdtemp(prefix="cg-cli-", dir="/tmp"))
+    base.chmod(0o711)  # the run's uid passes through to its workspace
+    workspace = base / "ws"
+    workspace.mkdir()
+    daemon = start_daemon(base / "state", sandbox=True)
+    try:
+        run = daemon.create_run(workspace, DENY_ALL)
+        yield daemon.state, run["runId"]
+    finally:
+        daemon.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_exec_in_a_live_run_prints_its_output_and_loads_nothing_heavy(
+    tmp_path: Path, live: tuple[Path, str]
+) -> None:
+    state, run_id = live
+    done, modules = run_cli(
+        tmp_path,
+        "exec",
+        "--state-dir",
+        str(state),
+        run_id,
+        "--",
+        "sh",
+        "-c",
+        "echo out; echo err >&2",
+    )
+    assert (done.returncode, done.stdout, done.stderr) == (0, "out\n", "err\n"), done
+    assert_light(modules, HEAVY | MODELS | CODECS)
+
+
+def test_exec_of_an_unknown_run_of_a_live_daemon_says_so_and_loads_nothing_heavy(
+    tmp_path: Path, live: tuple[Path, str]
+) -> None:
+    state, _ = live
+    done, modules = run_cli(tmp_path, "exec", "--state-dir", str(state), UNKNOWN_RUN, "--", "true")
+    assert done.returncode == 1, done
+    assert done.stderr == f"gatewayd exec: bad_request: no such run {UNKNOWN_RUN}\n", done
+    assert_light(modules, HEAVY | MODELS | CODECS)
+
+
+def test_rules_pending_of_a_live_daemon_loads_nothing_heavy(
+    tmp_path: Path, live: tuple[Path, str]
+) -> None:
+    state, _ = live
+    done, modules = run_cli(tmp_path, "rules", "pending", "--state-dir", str(state))
+    assert done.returncode == 0, done
+    assert_light(modules, HEAVY | MODELS | CODECS)
+
+
+# --- the parser of one command --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["exec", "--help"],
+        ["exec"],
+        ["exec", "-x", UNKNOWN_RUN, "--", "true"],
+        ["exec", "--timeout", "soon", UNKNOWN_RUN, "--", "true"],
+        ["audit"],
+        ["audit", "bogus"],
+        ["audit", "verify", "--help"],
+        ["audit", "show", "--since", "not a time", "audit.jsonl"],
+        ["audit", "stats", "--top", "-1", "audit.jsonl"],
+        ["policy", "check"],
+        ["rules", "show", "--help"],
+        ["run", "--max-runtime", "long", "--", "true"],
+        ["serve", "--sandbox-uids", "1000"],
+    ],
+)
+def test_a_command_line_parsed_by_its_command_s_parsers_alone_says_what_the_whole_one_says(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gatewayd.cli import build_parser, main
+
+    with pytest.raises(SystemExit) as whole:
+        build_parser().parse_args(argv)
+    said = capsys.readouterr()
+    with pytest.raises(SystemExit) as alone:
+        main(argv)
+    assert (alone.value.code, capsys.readouterr()) == (whole.value.code, said)
+    assert said.out or said.err.startswith("usage: gatewayd ")

@@ -1,0 +1,174 @@
+"""The uid pool's own records: no /proc scan per acquire or release, uids held by a
+process at start skipped until a scan finds them free, a uid given back unchecked
+looked at again before it is lent, and the records right under concurrent use."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+
+import pytest
+
+from gatewayd.sandbox import uids as uids_module
+from gatewayd.sandbox.limits import HostUser
+from gatewayd.sandbox.uids import UidPool, UidPoolExhausted, UidRange, pids_of_uid
+
+BASE = 1_690_500_000
+
+
+class FakeScan:
+    """Stands in for the /proc scan: reports ``busy``, counts its calls."""
+
+    def __init__(self) -> None:
+        self.busy: set[int] = set()
+        self.count = 0
+
+    def __call__(self) -> frozenset[int]:
+        self.count += 1
+        return frozenset(self.busy)
+
+
+@pytest.fixture
+def scans(monkeypatch: pytest.MonkeyPatch) -> FakeScan:
+    fake = FakeScan()
+    monkeypatch.setattr(uids_module, "uids_with_processes", fake)
+    return fake
+
+
+def test_acquire_and_release_scan_nothing_after_the_start_up_scan(
+    scans: FakeScan,
+) -> None:
+    pool = UidPool(UidRange(BASE, 4))
+    assert scans.count == 1  # the start-up scan
+    for _ in range(100):
+        pool.release(pool.acquire())
+    users = [pool.acquire() for _ in range(4)]
+    assert sorted(u.uid for u in users) == [BASE, BASE + 1, BASE + 2, BASE + 3]
+    assert pool.in_use == 4
+    for user in users:
+        pool.release(user)
+    assert scans.count == 1
+    assert pool.scans == 0 and pool.in_use == 0
+
+
+def test_uids_held_at_start_are_skipped_and_scanned_again_only_when_none_else_is_free(
+    scans: FakeScan,
+) -> None:
+    scans.busy = {BASE, BASE + 2, 0}  # a crashed daemon's leftovers (and root)
+    pool = UidPool(UidRange(BASE, 3))
+    assert pool.held == {BASE, BASE + 2}
+    only = pool.acquire()
+    assert only.uid == BASE + 1 and pool.scans == 0
+    # The leftover of BASE is gone by now (the start-up sweep killed it); BASE + 2's not.
+    scans.busy = {BASE + 2}
+    assert pool.acquire().uid == BASE  # the one scan, made once nothing else was free
+    assert pool.scans == 1 and pool.held == {BASE + 2}
+    with pytest.raises(UidPoolExhausted, match=rf"all 3 sandbox uids \({BASE}..{BASE + 2}\)"):
+        pool.acquire()
+    assert pool.scans == 2
+
+
+def test_a_uid_given_back_unchecked_is_looked_at_before_it_is_lent_again(
+    scans: FakeScan,
+) -> None:
+    pool = UidPool(UidRange(BASE, 1))
+    probe = pool.acquire()
+    pool.release(probe, processes_gone=False)  # its bwrap just exited
+    scans.busy = {BASE}  # something of it is still dying
+    with pytest.raises(UidPoolExhausted, match="in use by live runs or their processes"):
+        pool.acquire()
+    scans.busy = set()
+    assert pool.acquire().uid == BASE
+    assert pool.scans == 2
+
+
+def test_a_lease_given_back_twice_never_frees_the_uid_lent_again_in_between(
+    scans: FakeScan,
+) -> None:
+    # A failed start where two owners each give the uid back (the run manager as it
+    # closes the sandbox, the agent loop in its own cleanup), with a third run taking the
+    # uid between the two: the second release must not free the third's live lease.
+    pool = UidPool(UidRange(BASE, 1))
+    first = pool.acquire()
+    pool.release(first)
+    live = pool.acquire()
+    assert live.uid == first.uid and live is not first
+    pool.release(first)  # the stale second release
+    assert pool.in_use == 1
+    with pytest.raises(UidPoolExhausted):  # not lent to a second live run
+        pool.acquire()
+    # An equal but different object is not the lease either.
+    pool.release(HostUser(uid=live.uid, gid=live.gid))
+    assert pool.in_use == 1
+    pool.release(live)
+    assert pool.in_use == 0
+
+
+def test_the_records_stay_right_under_concurrent_acquires_and_releases(
+    scans: FakeScan,
+) -> None:
+    pool = UidPool(UidRange(BASE, 16))
+    lent: set[int] = set()
+    guard = threading.Lock()
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        mine: list[HostUser] = []
+        for _ in range(2000):
+            if mine and (rng.random() < 0.5 or len(mine) > 3):
+                user = mine.pop(rng.randrange(len(mine)))
+                with guard:
+                    lent.discard(user.uid)
+                pool.release(user)
+                continue
+            try:
+                user = pool.acquire()
+            except UidPoolExhausted:
+                continue
+            with guard:
+                if user.uid in lent:
+                    errors.append(f"uid {user.uid} lent twice")
+                lent.add(user.uid)
+            mine.append(user)
+        for user in mine:
+            with guard:
+                lent.discard(user.uid)
+            pool.release(user)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert pool.in_use == 0 and lent == set()
+    assert scans.count == 1  # nothing held: exhaustion never needed a scan
+
+
+def test_the_scan_finds_this_process_by_each_of_its_ids() -> None:
+    # The real /proc: this process holds root (uid and gid 0); a uid nobody holds is empty.
+    assert os.getpid() in pids_of_uid(os.getuid())
+    assert os.getpid() in pids_of_uid(os.getgid())
+    assert pids_of_uid(BASE + 12_345) == []
+    assert 0 in uids_module.uids_with_processes()
+
+
+@pytest.mark.parametrize(
+    ("status", "expected"),
+    [
+        (
+            b"Name:\tx\nState:\tS (sleeping)\nUid:\t1\t2\t3\t4\nGid:\t5\t6\t7\t8\nFDSize:\t64\n",
+            {1, 2, 3, 4, 5, 6, 7, 8},
+        ),
+        (b"Name:\tx\nState:\tZ (zombie)\nUid:\t1\t1\t1\t1\nGid:\t1\t1\t1\t1\n", None),
+        (b"Name:\tx\nState:\tR (running)\nUid:\t1\t1\t1\t1\n", None),  # cut short: ending
+        (b"Name:\tx\nState:\tS (sleeping)\nUid:\tx\t1\t1\t1\nGid:\t1\t1\t1\t1\n", None),
+    ],
+)
+def test_a_status_file_is_read_for_its_ids_and_zombies_left_out(
+    status: bytes, expected: set[int] | None
+) -> None:
+    got = uids_module._ids_of(status)
+    assert (None if got is None else set(got)) == expected
