@@ -9,7 +9,6 @@ the daemon's nursery it is given, and a run ends by cancelling its scope; its en
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
@@ -772,19 +771,25 @@ class RunManager:
                     "the run's processes could not all be stopped; the session stays live "
                     "and its base lent until the next start recovers them"
                 )
-            await trio.to_thread.run_sync(handle.seal)
-            detail["baseEntriesReturned"] = await trio.to_thread.run_sync(
-                give_back_base, handle.directory
-            )
-            returned = True
             interrupted = (
                 None
                 if run.end_reason in FINISHED_END_REASONS
                 else f"the run ended before its work did ({run.end_reason})"
             )
-            run.workspace_fate = await trio.to_thread.run_sync(
-                functools.partial(store.end_of_run, run.run_id, interrupted=interrupted)
-            )
+            given_back = False
+
+            def seal_give_back_end() -> str:
+                # The three steps in order in one worker thread: one hand-off, not three.
+                nonlocal given_back
+                handle.seal()
+                detail["baseEntriesReturned"] = give_back_base(handle.directory)
+                given_back = True
+                return store.end_of_run(run.run_id, interrupted=interrupted)
+
+            try:
+                run.workspace_fate = await trio.to_thread.run_sync(seal_give_back_end)
+            finally:
+                returned = given_back
             detail["action"] = run.workspace_fate
         except Exception as exc:
             log.exception("workspace_end_failed", run_id=run.run_id)
@@ -811,12 +816,14 @@ class RunManager:
             return
         store = self.workspaces
         try:
-            await trio.to_thread.run_sync(handle.seal)
-            await trio.to_thread.run_sync(give_back_base, handle.directory)
-            # Whatever its on-end says: nothing ran, nothing is committed.
-            await trio.to_thread.run_sync(
-                functools.partial(store.end_of_run, run.run_id, on_end="discard")
-            )
+
+            def seal_give_back_discard() -> None:
+                handle.seal()
+                give_back_base(handle.directory)
+                # Whatever its on-end says: nothing ran, nothing is committed.
+                store.end_of_run(run.run_id, on_end="discard")
+
+            await trio.to_thread.run_sync(seal_give_back_discard)
         except Exception:
             log.exception("workspace_drop_failed", run_id=run.run_id)
             if handle.mode in BASE_LENDING_MODES:

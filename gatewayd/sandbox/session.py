@@ -428,18 +428,20 @@ class RunSandbox:
                 # would copy every file of it into the session's delta.
                 writable = [p for p in rw_paths if not p.is_relative_to(workspace)]
             workspace_fd = pins[0][0]
-            try:
-                apps = await trio.to_thread.run_sync(
-                    lambda: prepare_apps_folder(workspace_fd, workspace, run_dir)
-                )
+            devices = {os.fstat(fd).st_dev for fd, _ in pins}
+
+            def check_apps_folders() -> AppsFolder:
+                # Both checks in one worker thread (one hand-off); ``apps`` is set as soon
+                # as the folder is made, so a refusal after it still removes it (below).
+                nonlocal apps
+                apps = prepare_apps_folder(workspace_fd, workspace, run_dir)
                 # Other workspaces' apps folders: no file of one may have a name the run
                 # sees (the run's creation refused roots holding one).
-                devices = {os.fstat(fd).st_dev for fd, _ in pins}
-                await trio.to_thread.run_sync(
-                    lambda: refuse_linked_folders(
-                        other_apps_folders(settings.state_dir, workspace), devices
-                    )
-                )
+                refuse_linked_folders(other_apps_folders(settings.state_dir, workspace), devices)
+                return apps
+
+            try:
+                apps_checked = await trio.to_thread.run_sync(check_apps_folders)
             except AppsFolderRefused as exc:
                 raise UnsafeMounts(f"run refused: {exc}") from exc
             netns = await trio.to_thread.run_sync(
@@ -450,8 +452,8 @@ class RunSandbox:
             # An apps folder there before the run stays its owner's with everything in
             # it: the run's uid owns nothing there, whatever names reach it. One made for
             # the run is empty and goes with the workspace, like a directory the run made.
-            if apps.made is None:
-                read_only.add(apps.identity)
+            if apps_checked.made is None:
+                read_only.add(apps_checked.identity)
             lease = await trio.to_thread.run_sync(
                 lambda: lend(
                     writable,
@@ -498,7 +500,7 @@ class RunSandbox:
             services=services or Services(),
             pins=tuple(pins),
             pinned=pinned,
-            apps_folder=apps,
+            apps_folder=apps_checked,
             view=view,
             unlent=(workspace,) if view.workspace_read_only and not caller_holds else (),
         )

@@ -269,9 +269,12 @@ async def test_a_hard_link_to_another_workspace_s_app_file_refuses_the_run(
     notes = ws_a / "apps" / "note-taker" / "data" / "notes.md"
     policy = with_path("shared", team / "shared", "ro", "/data/shared")
     os.link(notes, (ws_b if where == "workspace" else team / "shared") / "linked.md")
+    had_apps_folder = (ws_b / "apps").exists()
     with pytest.raises(UnsafeMounts) as caught:
         await sb.run(policy, workspace=ws_b)
     assert caught.value.code == "bad_request"
+    # The apps folder made for the refused run (before this check ran) is gone again.
+    assert (ws_b / "apps").exists() == had_apps_folder
     assert str(caught.value) == (
         f"run refused: the apps folder {ws_a / 'apps'} of another workspace holds {notes}, "
         "a file with 2 names of which 1 lie in the folder: another name of it on the file "

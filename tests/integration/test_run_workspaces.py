@@ -420,6 +420,38 @@ async def test_a_lent_base_is_busy_for_other_runs_and_free_after(
     assert {os.stat(p).st_uid for p in ws.rglob("*")} == {os.stat(ws).st_uid}
 
 
+async def test_an_end_that_fails_after_the_give_back_leaves_the_base_free(
+    daemon: Daemon, base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Seal, give-back and on-end run as one worker-thread step: a failure in its last
+    # part still knows the base was given back (no other run is kept from it).
+    ws = make_workspace(base)
+    run = await start(daemon, base, ws)
+    store = daemon.runs.workspaces
+
+    def failing_end(run_id: str, **_: Any) -> str:
+        raise OSError(5, "Input/output error (injected)")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(store, "end_of_run", failing_end)
+        await daemon.runs.end(run.run_id)
+    assert run.workspace_fate == "kept (its end failed: see the audit log)"
+    entries = [
+        json.loads(line)
+        for line in daemon.config.resolved_audit_path.read_text().splitlines()
+        if line
+    ]
+    ended = next(
+        e for e in entries if e.get("event") == "workspace_ended" and e.get("runId") == run.run_id
+    )
+    assert "injected" in ended["detail"]["error"]
+    assert ended["detail"]["action"] == "kept (its end failed; see error)"
+    assert isinstance(ended["detail"]["baseEntriesReturned"], int)
+    assert {os.stat(p).st_uid for p in ws.rglob("*")} == {os.stat(ws).st_uid}
+    again = await start(daemon, base, ws)  # not stuck: the base was given back
+    await daemon.runs.end(again.run_id)
+
+
 async def test_a_mount_that_fails_refuses_the_run_naming_the_mode_and_the_fix(
     daemon: Daemon, base: Path
 ) -> None:
