@@ -4,8 +4,9 @@
 A command's start is mostly imports (docs/performance.md, "CLI start"): trio, the
 metrics, structlog, pydantic, cryptography... each costs milliseconds to tens of them.
 Each test runs one command in a fresh interpreter against real state (an audit log made
-by the writer, a shipped policy file, a state directory no daemon serves, a real
-sandboxed daemon with a live run) through the command line's own ``main``, then lists
+by the writer, a shipped policy file, a state directory no daemon serves; the commands
+that talk to a live sandboxed daemon are in tests/integration/test_cli_imports_live.py)
+through the command line's own ``main``, then lists
 what the interpreter imported; the positive control shows the same listing does catch
 the heavy modules when they load.
 """
@@ -16,8 +17,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
@@ -210,67 +209,6 @@ def test_a_run_refused_for_its_usage_loads_no_daemon(tmp_path: Path) -> None:
 
 
 # --- against a real daemon with a live run --------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]:
-    """A sandboxed `gatewayd serve` and a live run of it: (state dir, run id)."""
-    from tests.integration.test_run_sandbox import _unavailable
-    from tests.livedaemon import start_daemon
-
-    if (reason := _unavailable()) is not None:
-        pytest.skip(reason)
-    if DEFAULT_CONFIG_PATH.exists():
-        pytest.skip(f"{DEFAULT_CONFIG_PATH} exists: the command reads it, as it should")
-    base = Path(tempfile.mkdtemp(prefix="cg-cli-", dir="/tmp"))
-    base.chmod(0o711)  # the run's uid passes through to its workspace
-    workspace = base / "ws"
-    workspace.mkdir()
-    daemon = start_daemon(base / "state", sandbox=True)
-    try:
-        run = daemon.create_run(workspace, DENY_ALL)
-        yield daemon.state, run["runId"]
-    finally:
-        daemon.stop()
-        shutil.rmtree(base, ignore_errors=True)
-
-
-def test_exec_in_a_live_run_prints_its_output_and_loads_nothing_heavy(
-    tmp_path: Path, live: tuple[Path, str]
-) -> None:
-    state, run_id = live
-    done, modules = run_cli(
-        tmp_path,
-        "exec",
-        "--state-dir",
-        str(state),
-        run_id,
-        "--",
-        "sh",
-        "-c",
-        "echo out; echo err >&2",
-    )
-    assert (done.returncode, done.stdout, done.stderr) == (0, "out\n", "err\n"), done
-    assert_light(modules, HEAVY | MODELS | CODECS)
-
-
-def test_exec_of_an_unknown_run_of_a_live_daemon_says_so_and_loads_nothing_heavy(
-    tmp_path: Path, live: tuple[Path, str]
-) -> None:
-    state, _ = live
-    done, modules = run_cli(tmp_path, "exec", "--state-dir", str(state), UNKNOWN_RUN, "--", "true")
-    assert done.returncode == 1, done
-    assert done.stderr == f"gatewayd exec: bad_request: no such run {UNKNOWN_RUN}\n", done
-    assert_light(modules, HEAVY | MODELS | CODECS)
-
-
-def test_rules_pending_of_a_live_daemon_loads_nothing_heavy(
-    tmp_path: Path, live: tuple[Path, str]
-) -> None:
-    state, _ = live
-    done, modules = run_cli(tmp_path, "rules", "pending", "--state-dir", str(state))
-    assert done.returncode == 0, done
-    assert_light(modules, HEAVY | MODELS | CODECS)
 
 
 # --- the parser of one command --------------------------------------------------------
