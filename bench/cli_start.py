@@ -46,6 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import trio
+from harness import stop_serving, wait_until_serving
 
 from gatewayd.audit import AuditEvent, open_audit_log
 from gatewayd.cli.control_client import control_request
@@ -119,14 +120,7 @@ def live_daemon(base: Path) -> Iterator[tuple[Path, str]]:
         )
     try:
         control = state / "control.sock"
-        deadline = time.monotonic() + SERVE_START_S
-        while True:  # the socket file appears just before it listens
-            with contextlib.suppress(OSError):
-                if control_request(control, "GET", "/v1/health")[0] == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gatewayd serve did not start:\n{log_path.read_text()}")
-            time.sleep(0.02)
+        wait_until_serving(proc, control, log_path, SERVE_START_S)
         status, answer = control_request(
             control,
             "POST",
@@ -143,12 +137,7 @@ def live_daemon(base: Path) -> Iterator[tuple[Path, str]]:
             raise RuntimeError(f"run creation failed: {status} {answer}")
         yield state, answer["run"]["runId"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # never left running over its removed state
-            proc.kill()
-            proc.wait()
+        stop_serving(proc)  # never left running over its removed state
 
 
 def measure(cmd: list[str], expected: int) -> tuple[float, float]:

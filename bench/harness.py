@@ -41,6 +41,36 @@ def control(path: Path, method: str, target: str, body: Any = None) -> tuple[int
     return resp.status, data
 
 
+def wait_until_serving(
+    proc: subprocess.Popen[bytes], control_socket: Path, log_path: Path, timeout: float
+) -> None:
+    """Return once the ``gatewayd serve`` in ``proc`` answers /v1/health on its control
+    socket; RuntimeError with its log when it exits or does not answer in ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:  # the socket file appears just before it listens
+        try:
+            if control(control_socket, "GET", "/v1/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"gatewayd serve did not start:\n{log_path.read_text()}")
+        time.sleep(0.02)
+
+
+def stop_serving(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM the daemon and wait for its clean stop; kill it if that takes longer than
+    ``timeout``, so it never outlives the bench (nor runs over a state it removes)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_for(path: Path, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():

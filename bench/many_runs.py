@@ -63,7 +63,14 @@ from typing import Any, Final
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BIN, UnixHTTPConnection, env_info, percentile
+from harness import (
+    BIN,
+    UnixHTTPConnection,
+    env_info,
+    percentile,
+    stop_serving,
+    wait_until_serving,
+)
 
 TRUE: Final = "/bin/true"
 BWRAP: Final = "/usr/bin/bwrap"
@@ -554,23 +561,10 @@ def daemon(site: Site) -> Iterator[subprocess.Popen[bytes]]:
             env=SUBPROCESS_ENV,
         )
     try:
-        deadline = time.monotonic() + SERVE_START_S
-        while True:  # the socket file appears just before it listens
-            with contextlib.suppress(OSError):
-                if control(site.control, "GET", "/v1/health")[0] == 200:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gatewayd serve did not start:\n{log_path.read_text()}")
-            time.sleep(0.02)
+        wait_until_serving(proc, site.control, log_path, SERVE_START_S)
         yield proc
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=SERVE_START_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_serving(proc, SERVE_START_S)
 
 
 def exit_on_sigterm() -> None:

@@ -70,7 +70,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BIN, control, env_info, percentile
+from harness import BIN, control, env_info, percentile, stop_serving, wait_until_serving
 
 from gatewayd.audit import AuditEvent
 from gatewayd.config import GatewaydConfig, SandboxUids
@@ -662,14 +662,7 @@ def live_daemon() -> Iterator[tuple[Path, str]]:
                 env=SUBPROCESS_ENV,
             )
         try:
-            deadline = time.monotonic() + SERVE_START_S
-            while True:  # the socket file appears just before it listens
-                with contextlib.suppress(OSError):
-                    if control(state / "control.sock", "GET", "/v1/health")[0] == 200:
-                        break
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gatewayd serve did not start:\n{log_path.read_text()}")
-                time.sleep(0.02)
+            wait_until_serving(proc, state / "control.sock", log_path, SERVE_START_S)
             status, data = control(
                 state / "control.sock",
                 "POST",
@@ -686,8 +679,7 @@ def live_daemon() -> Iterator[tuple[Path, str]]:
                 raise RuntimeError(f"run creation failed: {status} {data}")
             yield state, data["run"]["runId"]
         finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+            stop_serving(proc)
 
 
 def cli_path(warmup: int, iterations: int) -> dict[str, list[float]]:
