@@ -506,7 +506,9 @@ async def measure(args: argparse.Namespace, ports: tuple[int, int], base: Path) 
     recorder = Recorder()
     peer = Peer(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
     out: dict[str, Any] = {"miss": [], "hit": [], "plain": [], "plain_after_model": []}
-    async with open_daemon(bench_config(base, *ports, fsync=not args.no_fsync)) as daemon:
+    async with open_daemon(
+        bench_config(base, *ports, fsync=not args.no_fsync), preload=True
+    ) as daemon:
         if not daemon.runs.support.available:
             raise RuntimeError(f"no OS sandbox here: {daemon.runs.support.reason}")
         await trio.to_thread.run_sync(model_client.preload)  # as at daemon start

@@ -99,7 +99,7 @@ async def measure(variant: Variant, tool: str, calls: int, seconds: float) -> Fi
             audit_reply_after_result=variant.reply_after_result,
             os_sandbox=False,
         )
-        async with open_daemon(config) as daemon:
+        async with open_daemon(config, preload=True) as daemon:
             run = await daemon.runs.start(
                 RunRequest(
                     workspacePath=str(base / "ws"),

@@ -21,7 +21,13 @@ when other work shares the machine, the figure to compare under load.
 - ``gatewayd policy check`` of a shipped example policy;
 - ``gatewayd run`` refused for its usage (no command: everything before the daemon), and
   the imports ``gatewayd run`` makes before it asks for the sandbox (the daemon, trio,
-  the audit log, the policy models) in one ``python3 -c``.
+  the audit log, the policy models) in one ``python3 -c``;
+- two floors, each a ``python3 -c`` of what any command doing the same on the design's
+  chosen libraries (DESIGN.md) must pay: for ``policy check``, importing pydantic and
+  yaml, building one trivial pydantic model and validating a one-key YAML document with
+  it; for ``run``'s imports, that and trio, msgspec and structlog (the event loop, the
+  wire's codec, the logs). After the table, each command's figure over its floor says
+  how much of it is gatewayd's own.
 
 The live rows need root and /usr/bin/bwrap (the daemon's own prefix and uid range keep
 it apart from other daemons); without them they are skipped, with a line saying so.
@@ -64,6 +70,23 @@ RUN_IMPORTS = (
     "import trio, gatewayd.audit.writer, gatewayd.daemon, gatewayd.errors, gatewayd.logs, "
     "gatewayd.policy, gatewayd.runs.lifecycle; from gatewayd.cli import build_parser; "
     "build_parser('run')"
+)
+# The floor of `policy check`: a fresh interpreter on the design's libraries for policy
+# files (pydantic v2, YAML) validating the smallest document with the smallest model.
+POLICY_FLOOR = (
+    "import pydantic, yaml\n"
+    "class Floor(pydantic.BaseModel):\n"
+    "    model_config = pydantic.ConfigDict(extra='forbid', frozen=True)\n"
+    "    name: str\n"
+    "Floor.model_validate(yaml.safe_load('name: floor\\n'))\n"
+)
+# The floor of `run`'s imports: that, and the event loop, the wire's codec and the logs
+# (trio, msgspec, structlog: DESIGN.md's choices a daemon serving one run cannot skip).
+RUN_FLOOR = "import trio, msgspec, structlog\n" + POLICY_FLOOR
+# Each command measured against its floor: (command's row, floor's row).
+OVER_FLOOR = (
+    ("policy check", "floor of policy check (pydantic + yaml)"),
+    ("run's imports up to the sandbox start", "floor of run's imports (+ trio ...)"),
 )
 # The environment of every row: this one without gatewayd's variables (a setting there
 # would send the commands to the whole configuration, which is not the case measured).
@@ -202,6 +225,8 @@ def main() -> int:
                 True,
             ),
             "run's imports up to the sandbox start": ([python, "-c", RUN_IMPORTS], 0, False),
+            "floor of policy check (pydantic + yaml)": ([python, "-c", POLICY_FLOOR], 0, False),
+            "floor of run's imports (+ trio ...)": ([python, "-c", RUN_FLOOR], 0, False),
         }
         skipped = sandbox_available()
         if skipped is None:
@@ -254,6 +279,13 @@ def main() -> int:
         print(
             f"  {name:<44}{wall_med:10.1f}{percentile(walls[name], 90) * 1000:9.1f}"
             f"{statistics.median(cpus[name]) * 1000:10.1f}  {verdict}"
+        )
+    for command, floor in OVER_FLOOR:
+        wall = (statistics.median(walls[command]) - statistics.median(walls[floor])) * 1000
+        cpu = (statistics.median(cpus[command]) - statistics.median(cpus[floor])) * 1000
+        print(
+            f"  {command} over its floor: {wall:+.1f} ms wall, {cpu:+.1f} ms CPU at the "
+            "median (gatewayd's own share)"
         )
     print(
         f"verdict: every client command at most {TARGET_MS:.0f} ms wall at the median: "

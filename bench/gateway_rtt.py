@@ -17,6 +17,16 @@ ratio to the echo baseline. Beside them, measured in the same run:
   flusher, mostly). CPU per call means something even on a busy machine, where
   calls/s does not.
 
+- calls per audit flush in each phase (the daemon's fdatasync count, from its metrics):
+  CPU per call falls as a flush carries more calls, and a slow disk makes flushes
+  wider, so compare CPU figures at like widths;
+- the *floor* (bench/call_floor.py): a minimal trio server on the same raw-socket
+  loop that decodes the same request with msgspec, seals the call's two entries with
+  the audit's own chain (the same encoder and hash), has a flusher thread write and
+  fdatasync them with group commit, and replies; no policy, no metrics, no tools.
+  Its CPU per call is what Python, trio and a thread flusher cost; gatewayd's CPU
+  above it is what gatewayd adds.
+
 Targets: p50 <= that target; >= 8,000 calls/s at 8 connections and >= 10,000 at 64;
 the gateway's own CPU per call <= 100 µs.
 """
@@ -29,8 +39,10 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Final
 
@@ -39,10 +51,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (
     LOAD,
     ROOT,
+    UnixHTTPConnection,
     echo_server,
     env_info,
     gatewayd_run,
     percentile,
+    wait_for,
 )
 
 # The issue's allowance on top of the echo and the flush a side-effect-free call waits for.
@@ -75,6 +89,26 @@ def time_fdatasyncs(directory: Path, count: int) -> list[float]:
     return took
 
 
+FLOOR_SERVER: Final = Path(__file__).resolve().parent / "call_floor.py"
+
+
+@contextmanager
+def floor_server() -> Iterator[tuple[str, int]]:
+    """The floor (bench/call_floor.py) on a fresh socket, its audit file beside it;
+    yields (socket path, pid). The scratch directory is on the same filesystem as the
+    daemon's state (both under the temporary directory), so its syncs cost the same."""
+    base = Path(tempfile.mkdtemp(prefix="cogni-floor-"))
+    path = base / "floor.sock"
+    proc = subprocess.Popen([sys.executable, str(FLOOR_SERVER), str(path), str(base / "audit")])
+    try:
+        wait_for(path)
+        yield str(path), proc.pid
+    finally:
+        proc.kill()
+        proc.wait()
+        subprocess.run(["rm", "-rf", str(base)], check=False)
+
+
 def state_dir_of(socket_path: str) -> Path:
     """The daemon's state directory: the nearest parent of the run's socket that holds
     the audit log."""
@@ -97,6 +131,23 @@ def daemon_pid(state: Path) -> int:
         if b"serve" in argv and wanted in argv:
             return int(entry.name)
     raise RuntimeError(f"no gatewayd serve process for {state}")
+
+
+FLUSHES_METRIC: Final = "gatewayd_audit_fsync_duration_seconds_count"
+
+
+def flushes(control_socket: Path) -> float:
+    """The daemon's audit flushes (fdatasyncs) so far, from its control socket's metrics."""
+    conn = UnixHTTPConnection(str(control_socket))
+    try:
+        conn.request("GET", "/v1/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    for line in text.splitlines():
+        if line.startswith(FLUSHES_METRIC + " "):
+            return float(line.split()[1])
+    raise RuntimeError(f"{FLUSHES_METRIC} is not in the daemon's metrics")
 
 
 def thread_cpu(pid: int) -> tuple[float, float]:
@@ -174,9 +225,15 @@ def phases(
 
 
 def _cpu(figures: dict[str, float], phase: str, before: object, after: object, calls: int) -> None:
+    """CPU per call from two readings: (main, other) CPU seconds, or (main, other,
+    flushes, main, other) with the CPU read before and after the flush count (so the
+    scrape of the daemon's metrics is left out of both ends of the phase)."""
     if isinstance(before, tuple) and isinstance(after, tuple) and calls:
-        figures[f"cpu_main_{phase}"] = (after[0] - before[0]) / calls
-        figures[f"cpu_other_{phase}"] = (after[1] - before[1]) / calls
+        start, end = before[-2:], after[:2]
+        figures[f"cpu_main_{phase}"] = (end[0] - start[0]) / calls
+        figures[f"cpu_other_{phase}"] = (end[1] - start[1]) / calls
+        if len(before) == 5 and len(after) == 5 and after[2] > before[2]:
+            figures[f"per_flush_{phase}"] = calls / (after[2] - before[2])
 
 
 def main() -> int:
@@ -189,6 +246,16 @@ def main() -> int:
 
     with echo_server() as echo_path:
         e = phases(echo_path, "x", "echo", args.calls, args.seconds, lambda: None, lambda: None)
+    with floor_server() as (floor_path, floor_pid):
+        f = phases(
+            floor_path,
+            "x",
+            "gateway",
+            args.calls,
+            args.seconds,
+            lambda: thread_cpu(floor_pid),
+            lambda: None,
+        )
     with gatewayd_run(ROOT / "bench" / "policy.yaml") as (sock, run_id):
         state = state_dir_of(sock)
         pid = daemon_pid(state)
@@ -201,13 +268,13 @@ def main() -> int:
             "gateway",
             args.calls,
             args.seconds,
-            lambda: thread_cpu(pid),
+            lambda: (*thread_cpu(pid), flushes(state / "control.sock"), *thread_cpu(pid)),
             lambda: settle(pid, idle),
         )
         syncs += time_fdatasyncs(state / "audit", args.syncs - len(syncs))
         sync_s = statistics.median(syncs)
 
-    print(f"{'metric':<28}{'gatewayd':>14}{'echo baseline':>16}{'ratio':>10}")
+    print(f"{'metric':<28}{'gatewayd':>14}{'floor':>14}{'echo baseline':>16}{'ratio':>10}")
     for key, label, unit, scale in (
         ("p50", "round trip p50", "us", 1e6),
         ("p99", "round trip p99", "us", 1e6),
@@ -216,7 +283,8 @@ def main() -> int:
         ("rps64", "calls/s, 64 connections", "/s", 1),
     ):
         print(
-            f"{label:<28}{g[key] * scale:>12.0f}{unit}{e[key] * scale:>14.0f}{unit}"
+            f"{label:<28}{g[key] * scale:>12.0f}{unit}{f[key] * scale:>12.0f}{unit}"
+            f"{e[key] * scale:>14.0f}{unit}"
             f"{g[key] / e[key]:>9.2f}x"
         )
     target = e["p50"] + sync_s + OWN_ALLOWANCE_S
@@ -225,18 +293,27 @@ def main() -> int:
         f"p50 target = echo p50 {e['p50'] * 1e6:.0f} us + one fdatasync {sync_s * 1e6:.0f} us "
         f"+ {OWN_ALLOWANCE_S * 1e6:.0f} us = {target * 1e6:.0f} us; measured {g['p50'] * 1e6:.0f} us"
     )
-    print("gatewayd CPU per call (user+system, /proc): trio thread + other threads = total")
+    print(
+        "CPU per call (user+system, /proc): trio thread + other threads = total, "
+        "gatewayd | floor | gatewayd above the floor"
+    )
     worst = 0.0
     for phase, label in (
         ("lat", "sequential, 1 connection"),
         *((f"rps{c}", f"load, {c} connection{'s' if c > 1 else ''}") for c in CONNECTIONS),
     ):
         main_s, other_s = g[f"cpu_main_{phase}"], g[f"cpu_other_{phase}"]
+        floor_main, floor_other = f[f"cpu_main_{phase}"], f[f"cpu_other_{phase}"]
         if phase != "lat":
             worst = max(worst, main_s + other_s)
+        per_flush = g.get(f"per_flush_{phase}")
         print(
-            f"  {label:<26}{main_s * 1e6:>8.1f} + {other_s * 1e6:>6.1f} = "
-            f"{(main_s + other_s) * 1e6:>7.1f} us"
+            f"  {label:<26}{main_s * 1e6:>7.1f} + {other_s * 1e6:>6.1f} = "
+            f"{(main_s + other_s) * 1e6:>6.1f} | {floor_main * 1e6:>6.1f} + "
+            f"{floor_other * 1e6:>6.1f} = {(floor_main + floor_other) * 1e6:>6.1f} | "
+            f"{(main_s - floor_main) * 1e6:>6.1f} + {(other_s - floor_other) * 1e6:>6.1f} = "
+            f"{(main_s + other_s - floor_main - floor_other) * 1e6:>6.1f} us"
+            + ("" if per_flush is None else f"  ({per_flush:.1f} calls per gatewayd flush)")
         )
     met = {True: "met", False: "NOT met"}
     print(

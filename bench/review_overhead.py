@@ -558,7 +558,7 @@ async def measure(args: argparse.Namespace, port: int) -> dict[str, Any]:
     round_p50: dict[str, list[float]] = {v: [] for v in VARIANTS}
     rps: dict[str, list[float]] = {v: [] for v in VARIANTS}
     try:
-        async with open_daemon(config) as daemon:
+        async with open_daemon(config, preload=True) as daemon:
             await trio.to_thread.run_sync(model_client.preload)  # as at daemon start
             runs = await start_runs(daemon, base)
             for name in VARIANTS:  # warm-up; the hit run's first call fills the cache

@@ -579,7 +579,7 @@ async def in_process(warmup: int, iterations: int) -> tuple[Samples, str]:
             sandbox_uids=SandboxUids(base=uids.base, count=uids.count),
         )
         try:
-            async with open_daemon(config) as daemon:
+            async with open_daemon(config, preload=True) as daemon:
                 if not daemon.runs.support.available or daemon.runs.sandbox_settings is None:
                     raise RuntimeError(f"no OS sandbox here: {daemon.runs.support.reason}")
                 cgroups = daemon.runs.sandbox_settings.cgroups
@@ -899,14 +899,42 @@ def run_start_as_before(daemon: Daemon) -> Iterator[None]:
         yield
 
 
+class SyncCounter:
+    """How many fsync and fdatasync calls this process made (each a wait for the disk):
+    os.fsync and os.fdatasync wrapped while the run-start rounds run."""
+
+    def __init__(self) -> None:
+        self.fsync = 0
+        self.fdatasync = 0
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        fsync, fdatasync = os.fsync, os.fdatasync
+
+        def counted_fsync(fd: int) -> None:
+            self.fsync += 1
+            fsync(fd)
+
+        def counted_fdatasync(fd: int) -> None:
+            self.fdatasync += 1
+            fdatasync(fd)
+
+        with (
+            mock.patch.object(os, "fsync", counted_fsync),
+            mock.patch.object(os, "fdatasync", counted_fdatasync),
+        ):
+            yield
+
+
 class RunStart:
     """The run-start variants: each does one round's worth and returns named times."""
 
-    def __init__(self, daemon: Daemon, base: Path, policy: Path) -> None:
+    def __init__(self, daemon: Daemon, base: Path, policy: Path, syncs: SyncCounter) -> None:
         self.daemon = daemon
         self.policy = policy
         self.workspace = make_workspace(base / "ws-start")
         self.forks = 0
+        self.syncs = syncs
         os.register_at_fork(before=self._forked)
 
     def _forked(self) -> None:
@@ -934,6 +962,9 @@ class RunStart:
 
     async def timed_start_end(self, key: str) -> Durations:
         forks = self.forks
+        # Counted in this process: the daemon's audit flusher and worker threads too
+        # (nothing else runs during one start + end in these rounds).
+        fsyncs, fdatasyncs = self.syncs.fsync, self.syncs.fdatasync
         started = time.perf_counter()
         cpu = time.process_time()
         run = await self.daemon.runs.start(self.request(), policy_paths=True)
@@ -946,6 +977,8 @@ class RunStart:
             f"{key}_end": ended - created,
             f"{key}_cpu": time.process_time() - cpu,
             f"{key}_forks": float(self.forks - forks),
+            f"{key}_fsyncs": float(self.syncs.fsync - fsyncs),
+            f"{key}_fdatasyncs": float(self.syncs.fdatasync - fdatasyncs),
         }
 
     async def start_end(self) -> Durations:
@@ -1019,14 +1052,18 @@ async def run_start(warmup: int, iterations: int, workspace_mode: WorkspaceModeN
             workspace_mode=workspace_mode,
         )
         try:
-            async with open_daemon(config) as daemon:
+            async with open_daemon(config, preload=True) as daemon:
                 if daemon.runs.sandbox_settings is None:
                     raise RuntimeError(f"no OS sandbox here: {daemon.runs.support.reason}")
                 # A policy file written this instant is parsed at every use until it is
                 # older than the cache's racy window (gatewayd/policyfile.py): as a
                 # daemon's policy files are, it is older when the rounds start.
                 await trio.sleep(RACY_WINDOW_NS / 1e9)
-                return await rounds(RunStart(daemon, base, policy).variants(), warmup, iterations)
+                syncs = SyncCounter()
+                with syncs.counting():
+                    return await rounds(
+                        RunStart(daemon, base, policy, syncs).variants(), warmup, iterations
+                    )
         finally:
             remove_stale_netns(prefix)
 
@@ -1062,6 +1099,11 @@ def report_run_start(samples: Samples) -> None:
         f"  forks of the daemon per run start + end: {forks_now:.1f} now, "
         f"{forks_before:.1f} before; {statistics.median(s['processes']):.0f} processes on the "
         "host (each scan reads each one's status)"
+    )
+    print(
+        f"  fsync + fdatasync calls per run start + end (the process, all threads): "
+        f"{statistics.mean(s['now_fsyncs']):.1f} + {statistics.mean(s['now_fdatasyncs']):.1f}"
+        " (the records crash recovery reads, and the audit log's flushes)"
     )
     median = ms(s["now"], 50)
     print(

@@ -40,7 +40,13 @@ def sha256_digest(data: bytes) -> str:
 
 def args_digest(args: Any) -> str:
     """The digest recorded as ``argsDigest``."""
+    if type(args) is dict and not args:
+        # The arguments of most calls without any (time.now, tools.list): hashed once.
+        return _EMPTY_ARGS_DIGEST
     return sha256_digest(canonical_json(args))
+
+
+_EMPTY_ARGS_DIGEST: Final = sha256_digest(canonical_json({}))
 
 
 def summarize(value: Any, depth: int = 0) -> Any:

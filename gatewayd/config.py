@@ -44,11 +44,9 @@ from pydantic import (
     model_validator,
 )
 
-from gatewayd.audit.cosignature import CosignatureVerifier
 from gatewayd.configdefaults import DEFAULT_STATE_DIR, agent_dir_for
 from gatewayd.frame_limits import DEFAULT_MAX_FRAME_BYTES, MAX_FRAME_BYTES, MIN_FRAME_BYTES
 from gatewayd.mcp.declaration import McpServerDeclaration, ServerName, declared_secret_names
-from gatewayd.metrics_server import parse_listen_address
 from gatewayd.policy.section import MODEL_ALIAS_RE
 from gatewayd.sandbox.daemons import DaemonShare, derived_netns_prefix, derived_uid_range
 from gatewayd.sandbox.lendable import SETTING_HINT, OwnDirectory
@@ -216,6 +214,9 @@ _LENDABLE_ROOTS_HINT: Final = (
 
 
 def _check_listen(text: str) -> str:
+    # The metrics server (with its HTTP library) loads only where one is configured.
+    from gatewayd.metrics_server import parse_listen_address
+
     parse_listen_address(text)  # MetricsListenError is a ValueError: pydantic reports it
     return text
 
@@ -251,6 +252,9 @@ class AuditWitness(_Strict):
 
     @model_validator(mode="after")
     def _key_is_the_witness(self) -> AuditWitness:
+        # cryptography loads only where a witness is configured.
+        from gatewayd.audit.cosignature import CosignatureVerifier
+
         key = CosignatureVerifier.from_string(self.verifier_key)  # CosignatureError: ValueError
         if key.name != self.name:
             raise ValueError(

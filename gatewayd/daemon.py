@@ -19,23 +19,21 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import structlog
 import trio
 
-from gatewayd import model_client
+from gatewayd import libraries
 from gatewayd.agent.workdir import sweep_leftovers
 from gatewayd.approvals import Approvals
+from gatewayd.apps.admintools import APP_RULES_TOOL, INSTALL_APP_TOOL
 from gatewayd.apps.invoke import Apps
 from gatewayd.apps.ruledesk import AppRuleDesk
 from gatewayd.audit import AuditEvent, AuditLog, open_audit_log
 from gatewayd.audit.checkpointer import Checkpointer, load_checkpoint_key
-from gatewayd.audit.cosignature import CosignatureVerifier
 from gatewayd.audit.note import Signer
-from gatewayd.audit.witnessing import WitnessClient, WitnessEndpoint
 from gatewayd.config import GatewaydConfig
-from gatewayd.control import ControlServer
 from gatewayd.dialer import Resolver, resolve_host
 from gatewayd.dispatch import Dispatcher
 from gatewayd.mcp.approval import Approval
@@ -43,7 +41,7 @@ from gatewayd.mcp.pins import PinStore
 from gatewayd.mcp.servers import McpServers
 from gatewayd.mcp.tools import McpTools
 from gatewayd.metrics import METRICS, GatewayMetrics
-from gatewayd.metrics_server import parse_listen_address, serve_metrics
+from gatewayd.policy import tool_allowed
 from gatewayd.policyfile import PolicyLoader
 from gatewayd.review.reviewer import Reviewer
 from gatewayd.review.rulebook import RuleBook
@@ -57,14 +55,12 @@ from gatewayd.runners.folders import (
 from gatewayd.runners.manifest import MIB, Problem
 from gatewayd.runners.spec import FolderTool
 from gatewayd.runners.tools import ToolUnavailable, folder_tool
-from gatewayd.runners.wasm import WasmEngine
 from gatewayd.runs import Run, RunRegistry
 from gatewayd.runs.lifecycle import RunManager
 from gatewayd.runs.services import CallEgressProxies
 from gatewayd.runs.startup import prepare_host, raise_open_file_limit
 from gatewayd.sandbox.daemons import DaemonShare, Registration, register_daemon
 from gatewayd.sandbox.uids import UidPool
-from gatewayd.scaleout.submission import TemporalTarget
 from gatewayd.secrets import Scrubber
 from gatewayd.tools import builtin_tools
 from gatewayd.tools.manifest import RunnerKind
@@ -72,10 +68,29 @@ from gatewayd.tools.registry import CallEgress, DuplicateToolError, ToolRegistry
 from gatewayd.tracing import Tracer, open_tracer
 from gatewayd.workspace.store import EXPIRY_INTERVAL_S, WorkspaceStore, audit_recorder
 
+if TYPE_CHECKING:
+    # What only some daemons use is imported where it is used: the control server and
+    # the metrics server (`gatewayd serve`), the witnesses' client, the Temporal
+    # submission, and wasmtime, through the engine of a daemon with a wasm tool.
+    from gatewayd.control import ControlServer
+    from gatewayd.runners.wasm import WasmEngine
+    from gatewayd.scaleout.submission import TemporalTarget
+
 log = structlog.get_logger("gatewayd.daemon")
 # A refusal names the log and the command that shows the divergence: a few hundred
 # characters; an audit entry is no place for more.
 MAX_CHECKPOINT_REASON_CHARS: Final = 1000
+# What a run reaches the network with, http.fetch and its egress proxy (one of a process
+# tool's call too), loads at its first use: the HTTP libraries and the proxy itself.
+NETWORK_LIBRARIES: Final = (*libraries.HTTP, "gatewayd.egress")
+# The tools that load a library at their first call, by name: http.fetch (the HTTP
+# libraries and its pinned connection backend; the egress proxy is a run's network's,
+# NETWORK_LIBRARIES), and the app tools, which read an app's manifest.
+TOOL_LIBRARIES: Final = {
+    "http.fetch": (*libraries.HTTP, "gatewayd.pinned_backend"),
+    APP_RULES_TOOL: libraries.MARKDOWN,
+    INSTALL_APP_TOOL: libraries.MARKDOWN,
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True, eq=False)
@@ -121,6 +136,7 @@ class Daemon:
 async def open_daemon(
     config: GatewaydConfig,
     *,
+    preload: bool,
     control_socket: Path | None = None,
     control_listener: socket.socket | None = None,
     tools: ToolRegistry | None = None,
@@ -144,6 +160,15 @@ async def open_daemon(
     built-in tool registry (tests add deliberately slow or failing tools to reach the
     timeout and internal paths). ``resolver``: how http.fetch and the egress proxy
     resolve names (tests map names to loopback); None: the host's resolver.
+    ``preload`` (no default: each caller chooses): True for a daemon that serves calls
+    (`gatewayd serve`, `gatewayd agent run`, the worker): load the libraries its tools
+    and runs may need (gatewayd.libraries) in a worker thread beside the start, and wait
+    for them before any run can start, so no call imports one on the event loop, and
+    import the model client (litellm) in one when models are configured. False for a
+    one-shot command (`gatewayd run`, `gatewayd tools run`, a client command answered
+    in this process): nothing is loaded at the start; the caller loads what its run can
+    reach with :func:`load_for_run` before the run's first call, and the model client is
+    imported in a worker thread by the first call or review that needs it.
     """
     raise_open_file_limit()
     config = config.with_real_dirs()
@@ -178,6 +203,11 @@ async def open_daemon(
             ),
         ) as (folders, wasm),
     ):
+        libraries_loaded = trio.Event()
+        if preload:
+            nursery.start_soon(_load_libraries, _libraries_of(config), libraries_loaded)
+        else:
+            libraries_loaded.set()
         policies = PolicyLoader(config.policy_dirs)
         registry = RunRegistry(config.state_dir, policy_loader=policies)
         metrics = METRICS  # process-wide: see gatewayd/metrics.py
@@ -207,9 +237,11 @@ async def open_daemon(
         )
         uid_pool = UidPool(config.resolved_sandbox_uids)
         metrics.count_uids_with(lambda: uid_pool.in_use)
-        if config.models:
-            # litellm takes seconds to import: pay it now, beside the start, not in the
-            # first review's time budget (model_client imports it on demand otherwise).
+        if config.models and preload:
+            # litellm takes seconds to import: a serving daemon pays it now, beside the
+            # start, not in the first review's time budget. A one-shot one does not (its
+            # run may ask no model, and its exit would wait for the import): the reviewer
+            # and model_client.complete import it in a worker thread at the first use.
             nursery.start_soon(_preload_models)
         host = await prepare_host(
             config,
@@ -267,11 +299,15 @@ async def open_daemon(
         runs.run_ending = mcp_servers.end_run
         dispatcher.tracer = runs.tracer = tracer
         rule_desk = RuleDesk(rules, policies=policies, audit=audit)
+        # No run starts (no control request, no caller's) before they are in.
+        await libraries_loaded.wait()
         # The control server stops before the runs end: no request starts a run then.
         control = trio.CancelScope()
         control_stopped = trio.Event()
         try:
             if control_socket is not None:
+                from gatewayd.control import ControlServer
+
                 server = ControlServer(
                     runs=runs,
                     rules=rule_desk,
@@ -299,6 +335,8 @@ async def open_daemon(
                 # Beside the control socket, for `gatewayd serve` only: a one-run
                 # `gatewayd run` would take a serving daemon's port. Started once the
                 # control server has (a failure here stops that one the usual way).
+                from gatewayd.metrics_server import parse_listen_address, serve_metrics
+
                 await nursery.start(
                     serve_metrics, parse_listen_address(config.metrics_listen), metrics
                 )
@@ -329,6 +367,45 @@ async def open_daemon(
                 await mcp_servers.aclose()
                 await runs.end_all()
             nursery.cancel_scope.cancel()
+
+
+def _libraries_of(config: GatewaydConfig) -> tuple[str, ...]:
+    """What a daemon's tools and runs may load (gatewayd.libraries): the network's
+    (http.fetch is a built-in of every daemon), markdown-it (a workspace's apps, the app
+    tools), the schemas' library when MCP servers or tool folders are configured, and
+    the MCP client with its SDK when MCP servers are (a server starts at its first call,
+    on the event loop; a wasm tool's engine is loaded where it is made, in
+    :func:`_folder_tools`)."""
+    names = [*NETWORK_LIBRARIES, *libraries.MARKDOWN]
+    if config.mcp_servers or config.tool_dirs:
+        names += libraries.JSON_SCHEMA
+    if config.mcp_servers:
+        names += libraries.MCP
+    return tuple(names)
+
+
+async def _load_libraries(names: tuple[str, ...], done: trio.Event) -> None:
+    await libraries.load_off_loop(names)
+    done.set()
+
+
+async def load_for_run(run: Run) -> None:
+    """Load, off the event loop, the libraries of what ``run`` can reach (for a daemon
+    opened with ``preload=False``; a no-op for what is loaded): the network's when its
+    policy lets it reach a host (its egress proxy, a process tool's call), the HTTP
+    libraries when it allows http.fetch, markdown-it when it allows an app tool. Call it
+    before the run's first call (`gatewayd run`: before its command starts;
+    `gatewayd tools run`: before its one call). What a run's apps and tool folders need
+    is loaded when they are read, at the daemon's or the run's start; an MCP server's
+    client where the server first starts.
+    """
+    names: list[str] = []
+    if run.spec.policy.network.reachable_domains:
+        names += NETWORK_LIBRARIES
+    for tool, needed in TOOL_LIBRARIES.items():
+        if tool_allowed(tool, run.spec.rules):
+            names += needed
+    await libraries.load_off_loop(names)
 
 
 async def _start_checkpointer(
@@ -375,6 +452,10 @@ def _start_witnesses(
     if checkpointer is None:
         log.error("audit_witnesses_off", reason="no checkpoints are signed, so none is witnessed")
         return
+    # The witness client (and its HTTP library): loaded only by a daemon that has one.
+    from gatewayd.audit.cosignature import CosignatureVerifier
+    from gatewayd.audit.witnessing import WitnessClient, WitnessEndpoint
+
     client = WitnessClient(
         [
             WitnessEndpoint(w.name, w.url, CosignatureVerifier.from_string(w.verifier_key))
@@ -410,8 +491,18 @@ async def _folder_tools(
             taken=frozenset(registry),
         )
     )
+    # Their schemas' library, and a wasm tool's engine, in a worker thread: each tool's
+    # validator (and runner) is made below, on the event loop.
+    has_wasm = any(tool.runner is RunnerKind.WASM for tool in folders.tools)
+    await libraries.load_off_loop(
+        (*libraries.JSON_SCHEMA, *libraries.WASM, "gatewayd.runners.wasm")
+        if has_wasm
+        else libraries.JSON_SCHEMA
+    )
     wasm = None
-    if any(tool.runner is RunnerKind.WASM for tool in folders.tools):
+    if has_wasm:
+        from gatewayd.runners.wasm import WasmEngine
+
         wasm = WasmEngine(
             config.resolved_tool_cache_dir, default_memory_bytes=config.tool_memory_mb * MIB
         )
@@ -488,6 +579,8 @@ async def _serve_control(
 def _temporal_target(config: GatewaydConfig) -> TemporalTarget | None:
     if config.temporal_address is None:
         return None
+    from gatewayd.scaleout.submission import TemporalTarget
+
     return TemporalTarget(
         address=config.temporal_address,
         namespace=config.temporal_namespace,
@@ -511,9 +604,16 @@ async def _expire_workspaces(workspaces: WorkspaceStore) -> None:
             log.info("workspace_expired", run_id=run_id)
 
 
+def _load_model_client() -> None:
+    """litellm and gatewayd's model client, imported in this (worker) thread."""
+    from gatewayd import model_client
+
+    model_client.preload()
+
+
 async def _preload_models() -> None:
     try:
-        await trio.to_thread.run_sync(model_client.preload)
+        await trio.to_thread.run_sync(_load_model_client)
     except Exception:  # the first call will say what is wrong
         log.exception("model_client_preload_failed")
 

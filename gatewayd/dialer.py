@@ -6,9 +6,11 @@ Threat model: a name that resolves to a public address when checked can resolve 
 private one a moment later (DNS rebinding). So a host is looked up once
 (:func:`resolve_checked`), every address passes the SSRF guard
 (:func:`gatewayd.policy.network.guard_addresses`), and the connection then goes to those
-addresses only: a pinned httpcore network backend (:class:`PinnedBackend`, httpx's own
-transport layer) maps the host to them, so no second lookup can answer differently,
-while TLS still sends the name as SNI and verifies the certificate against it.
+addresses only: a pinned httpcore network backend
+(:class:`gatewayd.pinned_backend.PinnedBackend`, httpx's own transport layer, in a module
+of its own so that what only resolves does not load httpcore) maps the host to them, so
+no second lookup can answer differently, while TLS still sends the name as SNI and
+verifies the certificate against it.
 """
 
 from __future__ import annotations
@@ -16,10 +18,9 @@ from __future__ import annotations
 import functools
 import ipaddress
 import socket
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Final
 
-import httpcore
 import trio
 
 from gatewayd.errors import ToolFailed
@@ -85,36 +86,3 @@ async def resolve_checked(
         raise ToolFailed(f"{host!r} resolves to no address")
     guard_addresses(host, addresses, net)
     return addresses
-
-
-class PinnedBackend(httpcore.AsyncNetworkBackend):
-    """Connects to ``host`` only, and only at the addresses already checked for it
-    (:func:`resolve_checked`): no second DNS lookup can answer differently."""
-
-    def __init__(self, host: str, addresses: tuple[IpAddress, ...]) -> None:
-        self._host = host
-        self._addresses = addresses
-        self._inner = httpcore.TrioBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        if host.rstrip(".") != self._host:
-            raise httpcore.ConnectError(f"{host} is not the checked host {self._host}")
-        last: Exception = httpcore.ConnectError(f"{host} has no address")
-        for address in self._addresses:  # in resolver order, like a normal client
-            try:
-                return await self._inner.connect_tcp(
-                    str(address), port, timeout, local_address, socket_options
-                )
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
-                last = exc
-        raise last
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)

@@ -54,7 +54,7 @@ import structlog
 import trio
 
 from gatewayd.audit import AuditEvent, AuditLog, AuditWriteError, Peer
-from gatewayd.dialer import PinnedBackend, Resolver, resolve_checked, resolve_host
+from gatewayd.dialer import Resolver, resolve_checked, resolve_host
 from gatewayd.egress_framing import (
     CONNECTED,
     Refused,
@@ -66,6 +66,7 @@ from gatewayd.egress_framing import (
 from gatewayd.egress_relay import RECV_CHUNK, Exchange, Meter, Outcome, pump_down, pump_up
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation
 from gatewayd.metrics import DENIED, METRICS
+from gatewayd.pinned_backend import PinnedBackend
 from gatewayd.policy.model import NetworkSection
 from gatewayd.policy.network import IpAddress, check_destination, check_method
 from gatewayd.policy.rate import TokenBucket

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from gatewayd.protocol import ErrorCode
+from gatewayd.error_codes import ErrorCode
 
 
 class GatewayError(Exception):

@@ -88,10 +88,14 @@ def fsync_dir_fd(dir_fd: int) -> None:
         os.close(fd)
 
 
-def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
+def write_atomically(path: Path, data: bytes, mode: int = 0o600, *, sync_dir: bool = True) -> None:
     """Make ``path`` hold ``data`` (with ``mode`` if it is new), durably and atomically:
     a temporary file beside it, fsync, rename over it, fsync of the directory, so a crash
     leaves either the old content or the new, never a mix.
+
+    ``sync_dir=False`` leaves the directory's fsync to the caller (one for several files
+    of one directory, or none where losing the name to a power cut is harmless): the
+    content is still whole whenever the name is there.
 
     Error handling: OSError as the system reports it; the old file is then untouched
     (a stale temporary file may stay beside it and is replaced by the next write).
@@ -104,7 +108,8 @@ def write_atomically(path: Path, data: bytes, mode: int = 0o600) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    if sync_dir:
+        fsync_dir(path.parent)
 
 
 def write_atomically_at(dir_fd: int, name: str, data: bytes, mode: int) -> None:

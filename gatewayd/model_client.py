@@ -7,7 +7,9 @@ The rule reviewer uses it now and the ``model.chat`` tool will later. A
 normalized here, whatever the provider sent.
 
 litellm is imported lazily (:func:`preload` pays for it once at daemon start), and every
-reply is read under the alias's ``max_reply_bytes``: both in :mod:`gatewayd.model_transport`.
+reply is read under the alias's ``max_reply_bytes``: both in :mod:`gatewayd.model_transport`,
+which (with httpx) is itself imported with litellm, in a worker thread, so that a daemon
+or a command that calls no model does not load it.
 
 Secrets: the key is read at each call from the environment variable ``alias.api_key_env``,
 else from the systemd credential of that name (gatewayd/secrets.py), handed to litellm for
@@ -31,13 +33,11 @@ from dataclasses import dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
 import trio
 
 from gatewayd import strictjson
 from gatewayd.config import ModelAlias
 from gatewayd.errors import GatewayError
-from gatewayd.model_transport import LITELLM, ReplyTooLarge, completion_without_success_logging
 from gatewayd.protocol import ErrorCode
 from gatewayd.secrets import MIN_SCRUB_CHARS, REDACTION_PREFIX, SecretError, read_secret, redact
 
@@ -144,18 +144,26 @@ class ToolCall:
     arguments: str
 
 
+# litellm once :func:`preload` has imported it (empty: not yet).
+_LITELLM: Final[list[Any]] = []
+
+
 def is_loaded() -> bool:
     """Whether litellm is imported already (then :func:`preload` is a no-op)."""
-    return LITELLM.loaded is not None
+    return bool(_LITELLM)
 
 
-def preload() -> None:
-    """Import and configure litellm now (seconds, once per process).
+def preload() -> Any:
+    """Import and configure litellm now (seconds, once per process), with
+    :mod:`gatewayd.model_transport` and httpx; returns it.
 
     Blocking: run it in a thread at daemon start (``trio.to_thread.run_sync(preload)``)
     so the first review does not pay for the import. :func:`complete` works without it.
     """
-    LITELLM.get()
+    from gatewayd.model_transport import LITELLM
+
+    _LITELLM[:] = [LITELLM.get()]  # the same module, whichever thread asked first
+    return _LITELLM[0]
 
 
 async def complete(
@@ -217,7 +225,9 @@ async def complete(
         # functions, and gatewayd is no proxy.
         request["_skip_mcp_handler"] = True
 
-    litellm = LITELLM.loaded or await trio.to_thread.run_sync(LITELLM.get)
+    litellm = _LITELLM[0] if _LITELLM else await trio.to_thread.run_sync(preload)
+    from gatewayd.model_transport import completion_without_success_logging  # loaded: preload
+
     started = time.perf_counter()
     try:
         with trio.fail_after(limit_s + TIMEOUT_GRACE_S):
@@ -485,6 +495,10 @@ def _classify(litellm: Any, exc: Exception) -> tuple[ModelCallKind, int | None, 
     happened: a reply over the cap or in a coding gatewayd cannot read, a timeout, an HTTP
     status, a broken transport, an unparsable body - in that order.
     """
+    import httpx  # loaded with litellm, as the model transport is
+
+    from gatewayd.model_transport import ReplyTooLarge
+
     openai: Any = importlib.import_module("openai")
     links = _cause_chain(exc)
     # First: the SDK and litellm wrap it as a connection error, which it is not.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -23,6 +24,14 @@ from gatewayd.tools.registry import ToolRegistry
 
 ROOT = Path(__file__).resolve().parent.parent
 HEADER = struct.Struct(">I")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything collection loaded (the modules, the tests, their parameters) lives to
+    the end of the session: out of the collector's sight, its full collections no longer
+    walk it again and again (they took a sixth to a quarter of the fast lane's CPU)."""
+    gc.freeze()
+
 
 OPEN_POLICY = """
 version: 1
@@ -128,7 +137,7 @@ def make_gateway(base: Path, tools: ToolRegistry | None = None, **settings: Any)
         config = GatewaydConfig(
             state_dir=base / "state", policy_dirs=(policies,), os_sandbox=False, **settings
         )
-        async with open_daemon(config, tools=tools or builtin_tools()) as daemon:
+        async with open_daemon(config, preload=True, tools=tools or builtin_tools()) as daemon:
             yield Gateway(daemon, policies)
 
     return cm()

@@ -4,13 +4,16 @@ holds nothing a reader would not see. Pure."""
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-import regex
+if TYPE_CHECKING:
+    import regex
+
 
 # Refused anywhere (but tab and newline): the categories control (Cc), format (Cf:
 # zero-width, bidi overrides, tag characters), surrogates (Cs), private use (Co), line and
@@ -22,9 +25,17 @@ import regex
 # U+2800 BRAILLE PATTERN BLANK is not ignorable but draws as blank space, so a name or
 # path can end in it unseen. The ``regex`` library knows the property (the standard
 # library's ``re`` and ``unicodedata`` do not), from a newer Unicode than Python's own.
-_INVISIBLE_RE: Final = regex.compile(
-    r"(?![\t\n])[\p{Cc}\p{Cf}\p{Cs}\p{Co}\p{Zl}\p{Zp}\p{Default_Ignorable_Code_Point}\u2800]"
-)
+# Compiled at the first text that is not plain ASCII: what only imports this module (the
+# configuration's MCP declarations, every daemon) does not load ``regex``.
+@functools.cache
+def _invisible_re() -> regex.Pattern[str]:
+    import regex
+
+    return regex.compile(
+        r"(?![\t\n])[\p{Cc}\p{Cf}\p{Cs}\p{Co}\p{Zl}\p{Zp}\p{Default_Ignorable_Code_Point}\u2800]"
+    )
+
+
 # Printable ASCII, tab and newline are never refused, and most of a manifest is just
 # that: the standard library finds the first other character, ten times faster.
 _CANDIDATE_RE: Final = re.compile(r"[^\t\n\x20-\x7e]")
@@ -82,7 +93,7 @@ def invisible_character(text: str) -> tuple[int, str] | None:
     use, line and paragraph separators, default-ignorable code points (variation
     selectors, the combining grapheme joiner, Hangul fillers) and the braille blank."""
     candidate = _CANDIDATE_RE.search(text)
-    match = None if candidate is None else _INVISIBLE_RE.search(text, candidate.start())
+    match = None if candidate is None else _invisible_re().search(text, candidate.start())
     if match is None:
         return None
     char = match.group()

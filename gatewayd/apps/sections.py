@@ -28,16 +28,18 @@ renders to. Pure.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Final
-
-from markdown_it import MarkdownIt
-from markdown_it.token import Token
+from typing import TYPE_CHECKING, Final
 
 from gatewayd.apps.problems import ManifestProblem, invisible_character, invisible_reason
 from gatewayd.policy.review_section import MAX_RULES
+
+if TYPE_CHECKING:
+    from markdown_it import MarkdownIt
+    from markdown_it.token import Token
 
 SYSTEM_PROMPT_HEADING: Final = "System Prompt"
 RULES_HEADING: Final = "Rules"
@@ -54,12 +56,20 @@ _ADDED_BY_COMMENT_RE: Final = re.compile(r"<!--\s*addedBy:\s*(.*?)\s*-->", re.DO
 # A heading's text quoted in a message: enough to recognise it.
 _MAX_SHOWN_HEADING_CHARS: Final = 80
 
+
 # The CommonMark preset: strict CommonMark, raw HTML recognised as HTML tokens (which
 # the refusal of HTML in rules needs), no typographic replacements or link guessing.
 # ``inline_definitions``: a link reference definition becomes a ``definition`` token
 # with its lines, instead of vanishing into the parser's environment, so it can be
-# refused where it stands.
-_MARKDOWN: Final = MarkdownIt("commonmark", {"inline_definitions": True})
+# refused where it stands. Made at the first manifest read: what only names this module's
+# headings (the run registry, every daemon) does not load markdown-it (gatewayd.libraries).
+@functools.cache
+def _markdown() -> MarkdownIt:
+    from markdown_it import MarkdownIt
+
+    return MarkdownIt("commonmark", {"inline_definitions": True})
+
+
 # A line that may open a top-level bullet list item: at most three spaces, then '-', '+'
 # or '*' and a space, a tab or the line's end. Every list item at the document's top
 # level starts such a line (a deeper one may not, but is never a rule).
@@ -145,7 +155,7 @@ def read_body(text: str, offset: int) -> Body:
     """The body's sections (``offset``: the file's 0-based line where the body starts)."""
     body = Body()
     source_lines = text.split("\n")
-    tokens = _MARKDOWN.parse(text)
+    tokens = _markdown().parse(text)
     _check_entities(tokens, offset, body.problems)
     # Top-level h1/h2 headings split the body into sections.
     spans: list[_Span] = []

@@ -30,11 +30,15 @@ import re
 import unicodedata
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+if TYPE_CHECKING:
+    # cryptography is imported where a key is made or used: a daemon with no checkpoint
+    # key (and `gatewayd run`) never loads it.
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
 
 EM_DASH: Final = "\u2014"
 SIGNATURE_PREFIX: Final = EM_DASH + " "
@@ -130,6 +134,8 @@ class Verifier:
 
     @property
     def typed_key(self) -> bytes:
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
         return bytes([ALG_ED25519]) + self.public_key.public_bytes(Encoding.Raw, PublicFormat.Raw)
 
     @property
@@ -137,6 +143,8 @@ class Verifier:
         return key_id(self.name, self.typed_key)
 
     def verify(self, text: bytes, signature: bytes) -> bool:
+        from cryptography.exceptions import InvalidSignature
+
         try:
             self.public_key.verify(signature, text)
         except InvalidSignature:
@@ -159,6 +167,8 @@ class Verifier:
         claimed, typed = _parse_key_fields(name, hex_id, material, "verifier key")
         if key_id(name, typed) != claimed:
             raise NoteError(f"verifier key: the key id {hex_id} does not match its name and key")
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
         return cls(name, Ed25519PublicKey.from_public_bytes(typed[1:]))
 
 
@@ -203,6 +213,8 @@ class Signer:
             text.removeprefix(PRIVATE_KEY_PREFIX), 3, "signer key (PRIVATE+KEY+name+id+key)"
         )
         claimed, typed = _parse_key_fields(name, hex_id, material, "signer key")
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         signer = cls(name, Ed25519PrivateKey.from_private_bytes(typed[1:]))
         if signer.key_id != claimed:
             raise NoteError(f"signer key: the key id {hex_id} does not match its name and key")
@@ -214,6 +226,8 @@ def generate_key(name: str) -> tuple[str, str]:
 
     Error handling: NoteError for a name that is empty or holds a space or ``+``.
     """
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     signer = Signer(name, Ed25519PrivateKey.generate())
     return signer.to_string(), signer.verifier.to_string()
 

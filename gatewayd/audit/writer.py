@@ -22,9 +22,14 @@ sealed ``(line, digest)`` pairs and the wanted seq cross to the flusher, under o
 ``threading.Lock``. The trio side wakes the flusher with a *doorbell* (a second lock,
 released to ring), not a ``threading.Condition``: ringing is one futex wake, half
 the cost of a notify measured here, and it is paid on the trio thread, the daemon's
-bottleneck. The file offsets and line count (for the head record) are the flusher's
-alone. The durable seq, the failure and the waiters' event are trio's, changed only
-by callbacks the flusher schedules.
+bottleneck. The doorbell is rung by the *ringer*, a task of the log's that trio runs
+after every task runnable when a waiter asked (see ``_run_ringer``): the calls of one
+pass of trio's scheduler share one flush, one ring and one hand-off back to trio,
+instead of the first call's entries leaving alone at the trio thread's next system
+call. The file offsets and line count (for the head record) are the flusher's alone.
+The durable seq, the failure and the waiters' events are trio's, changed only by
+callbacks the flusher schedules; a flush wakes only the waiters whose entries it
+made durable (one event per seq waited for), not those the next flush will release.
 
 Rotation (``max_bytes``): when an entry would take the active file past the limit,
 ``record()`` seals a ``segment_open`` event first and queues a *rotate* marker before
@@ -42,7 +47,9 @@ ending a torn tail) is :mod:`gatewayd.audit.opening`'s; the writer goes on from 
 
 The Merkle tree (:mod:`gatewayd.audit.treestore`): once a batch is written and synced,
 the flusher appends its lines (without their newlines) to the tree as leaves, off the
-trio thread; rotation changes nothing for the tree (leaf index = seq - 1). The tree is
+trio thread; under load, when the next flush is already wanted, the leaves of several
+batches go in one append (``TREE_BATCH_LEAVES``); rotation changes nothing for the tree
+(leaf index = seq - 1). The tree is
 derived from the log, so a tree that cannot be opened or written is switched off
 (``tree_failure`` says why) and the log goes on: no call is refused for it, and the
 next open rebuilds the tree from the log.
@@ -50,7 +57,8 @@ next open rebuilds the tree from the log.
 Resource handling: ``open_audit_log`` owns two file descriptors (the log, opened
 O_APPEND, and its head file), an exclusive flock on both (the log's inode changes at
 each rotation; the head file's does not), so a second gatewayd cannot interleave its
-own chain, and the flusher thread. They are released when the
+own chain, the flusher thread and the ringer (a trio system task, cancelled at close,
+which rings at once for whoever asked before). They are released when the
 context exits, after an ``audit_close`` entry is durable: the flusher is stopped and
 joined before the descriptors are closed.
 
@@ -64,6 +72,7 @@ reported queued).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import functools
@@ -106,6 +115,17 @@ from gatewayd.secrets import Scrubber
 # own.
 RESULT_SYNC_DELAY_S: Final = 0.002
 
+# Under load (the next flush already wanted), the flusher appends the leaves of several
+# flushes to the Merkle tree at once, up to this many: each append is a write per tree
+# level (five or so per flush at 8 connections), and the tree may lag the log (it is
+# derived; a checkpoint waits for it, bounded). 256 leaves is about 128 calls, 8 KiB of
+# hashes held.
+TREE_BATCH_LEAVES: Final = 256
+# ...and holds no leaf longer than this: with few callers each flush carries one or two
+# entries, and on a slow disk 256 of them would keep the tree seconds behind the log,
+# past a run-end checkpoint's wait for it (checkpointer.py).
+TREE_HOLD_S: Final = 0.02
+
 _SAFE_WRITE_MESSAGE: Final = (
     "the audit log cannot be written, so no call can run; the operator must fix the "
     "audit log and restart gatewayd"
@@ -124,6 +144,10 @@ class AuditWriteError(GatewayError):
     def __init__(self, detail: str) -> None:
         super().__init__(_SAFE_WRITE_MESSAGE)
         self.detail = detail
+
+
+def _wait_seq(wait: tuple[int, trio.Event]) -> int:
+    return wait[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,7 +201,11 @@ class AuditLog:
         # -- trio's: changed on the trio thread only --
         self._durable_seq = opened.chain_end.position.seq
         self._queued_seq = self._durable_seq  # last seq handed to the flusher
-        self._flushed = trio.Event()  # set (and replaced) after each flush or failure
+        # The waiters, by the seq each waits for, in ascending order: one event per seq
+        # waited for, set by the first flush that makes it durable (or a failure), so
+        # a flush wakes only the tasks it released, not those whose entries the next
+        # flush takes (under load, about half of them).
+        self._waits: list[tuple[int, trio.Event]] = []
         self._failure: str | None = None
         self._closing = False
         self._closed = False
@@ -194,11 +222,18 @@ class AuditLog:
         # with a Condition (notify under the lock, then the woken thread waits for it).
         self._doorbell = threading.Lock()
         self._doorbell.acquire()
+        # The ringer task, parked until a ring is due (None: not running, ring at once),
+        # and whether it has been woken to ring (trio's; see _run_ringer).
+        self._ringer: trio.lowlevel.Task | None = None
+        self._ring_scheduled = False
+        self._ringer_scope: trio.CancelScope | None = None
         # -- the flusher's alone once it runs (aclose reads them after joining it): the
         # file's size and line count (we are its only writer, the flock, so we can
         # count them), the last seq written, and why writing stopped --
         self._written_seq = self._durable_seq
         self._write_failure: str | None = None
+        self._leaves: list[bytes] = []  # leaf hashes of written lines not in the tree yet
+        self._held_since = 0.0  # monotonic time the oldest held leaf was written
         torn = opened.chain_end.torn + (b"\n" if opened.torn_terminated else b"")
         self._end = opened.chain_end.end + len(torn)
         self._lines = opened.lines + torn.count(b"\n")
@@ -240,13 +275,18 @@ class AuditLog:
         event = fields.get("event")
         if event is not None and (not isinstance(event, str) or event not in REGISTERED_EVENTS):
             raise ValueError(f"invalid audit entry: event {event!r} is not an AuditEvent")
-        before = self._chain.position
+        # Where the chain was, kept only when rotation may have to seal in its place.
+        before = self._chain.position if self._max_bytes else None
         seq, digest, line = self._chain.append(kind, fields)
         if self._failure is not None or self._closing:
             return seq
         if event == AuditEvent.RUN_ENDED and self.on_run_ended is not None:
             self.on_run_ended(seq)
-        if self._max_bytes and self._queued_end and self._queued_end + len(line) > self._max_bytes:
+        if (
+            before is not None
+            and self._queued_end
+            and self._queued_end + len(line) > self._max_bytes
+        ):
             # It would overflow the active segment: seal segment_open in its place,
             # queue the rotation before it, then seal the entry again after it. The
             # first sealing was never queued, so nothing outside saw it.
@@ -282,7 +322,7 @@ class AuditLog:
             self._queued_seq = seq
             self._queued_end += len(item[0]) if isinstance(item, tuple) else 0
         if ring:
-            self._ring()
+            self._ring_soon()
 
     async def durable(self, seq: int) -> None:
         """Return once every entry up to ``seq`` is written and synced.
@@ -309,8 +349,8 @@ class AuditLog:
                 if ring:
                     self._wanted_seq = seq
             if ring:
-                self._ring()
-            await self._flushed.wait()
+                self._ring_soon()
+            await self._wait_for(seq).wait()
 
     async def append(self, kind: str, **fields: Unpack[EntryFields]) -> int:
         """``record`` then ``durable``: returns the seq once the entry is durable."""
@@ -318,13 +358,67 @@ class AuditLog:
         await self.durable(seq)
         return seq
 
+    # -- the doorbell ------------------------------------------------------------------
+
+    @trio.lowlevel.enable_ki_protection
+    def _ring_soon(self) -> None:
+        """Trio thread: ring the doorbell once every task runnable now has run (the
+        ringer's turn comes after them), or at once when there is no ringer."""
+        if self._ring_scheduled:
+            return
+        ringer = self._ringer
+        if ringer is None:
+            self._ring()
+            return
+        self._ringer = None
+        self._ring_scheduled = True
+        trio.lowlevel.reschedule(ringer)
+
+    async def _run_ringer(self) -> None:
+        """The ringer (a system task, from open until close): rings the doorbell for
+        the waiters and queued entries of one pass of trio's scheduler together.
+
+        Why: a woken flusher takes its batch as soon as the trio thread lets go of the
+        interpreter, at its next system call, which is often the next call's read or
+        reply; rung at once by the first waiter, it would flush that call's entries
+        alone and the next calls' at the next fdatasync. Rung after every task runnable
+        now has run, it takes all their entries in one batch (group commit as wide as
+        the load): one flush, one hand-off to trio, fewer wakes per call.
+        """
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._ringer = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        if self._closing:  # closed before this task's first turn
+            return
+        with trio.CancelScope() as self._ringer_scope:
+            try:
+                while True:
+                    self._ringer = trio.lowlevel.current_task()
+                    await trio.lowlevel.wait_task_rescheduled(abort)
+                    self._ring_scheduled = False
+                    self._ring()
+            finally:
+                self._ringer = None
+                if self._ring_scheduled:  # cancelled after a waiter asked: ring now
+                    self._ring_scheduled = False
+                    self._ring()
+
     # -- the flusher thread ----------------------------------------------------------
 
     def _ring(self) -> None:
-        with contextlib.suppress(RuntimeError):  # already rung, not yet answered
+        # try/except, not contextlib.suppress: this is on every call's path, and a try
+        # costs nothing when nothing is raised.
+        try:  # noqa: SIM105 (see above)
             self._doorbell.release()
+        except RuntimeError:  # already rung, not yet answered
+            pass
 
     def _start_flusher(self) -> None:
+        # A system task: it outlives no log (aclose cancels it) and a nursery here
+        # would wrap the errors of every `async with open_audit_log()` body in a group.
+        trio.lowlevel.spawn_system_task(self._run_ringer, name=f"audit-ringer {self.path}")
         token = trio.lowlevel.current_trio_token()
         self._thread = threading.Thread(
             target=self._flush_loop, args=(token,), name=f"audit-flusher {self.path}", daemon=True
@@ -341,12 +435,30 @@ class AuditLog:
                 batch, head, taken = work
                 self._write_batch(batch, head)
                 self._end, self._lines, self._written_seq = head.end, head.lines, head.seq
+                # Asked before trio hears of this flush: so not by a waiter this flush
+                # releases, nor by anything that waiter does next.
+                with self._lock:
+                    busy = self._wanted_seq > self._taken_seq
                 token.run_sync_soon(self._on_flushed, head.seq, self._fsync)
-                self._grow_tree(taken)
+                if not self._leaves:
+                    self._held_since = time.monotonic()
+                self._leaves.extend(leaf_hash(line[:-1]) for line, _ in taken)
+                if (
+                    not busy
+                    or len(self._leaves) >= TREE_BATCH_LEAVES
+                    or time.monotonic() - self._held_since >= TREE_HOLD_S
+                ):
+                    self._grow_tree()
         except OSError as exc:
             self._write_failure = f"writing the audit log {self.path} failed: {exc}"
         except BaseException as exc:  # a bug must fail the log, not hang its waiters
             self._write_failure = f"writing the audit log {self.path} was interrupted: {exc!r}"
+        # Stopped or failed: the held leaves are of durable lines, so they join the tree
+        # either way, before close's hooks (the last checkpoint) read it.
+        try:
+            self._grow_tree()
+        except BaseException as exc:  # a bug must fail the log, not hang its waiters
+            self._write_failure = self._write_failure or f"growing the tree failed: {exc!r}"
         if self._write_failure is not None:
             with contextlib.suppress(trio.RunFinishedError):  # nobody is left to tell
                 token.run_sync_soon(self._on_failed, self._write_failure)
@@ -416,18 +528,24 @@ class AuditLog:
         # is not synced itself: after a power cut it may lag, which is safe.
         os.pwrite(self._head_fd, encode_head(head), 0)
 
-    def _grow_tree(self, taken: list[tuple[bytes, str]]) -> None:
-        """Flusher thread: the written lines become the tree's next leaves.
+    def _grow_tree(self) -> None:
+        """Flusher thread: the leaves of the lines written so far join the tree.
 
-        After the batch is durable (the tree never holds an entry the log may lose),
-        and after trio was told (the waiters do not wait for the tree). A failure
-        switches the tree off; the log goes on.
+        After their batches are durable (the tree never holds an entry the log may
+        lose), and after trio was told (the waiters do not wait for the tree). Called
+        after each flush, except while the next flush is already wanted then: under
+        load the leaves of several flushes are appended together, up to
+        TREE_BATCH_LEAVES (a write per tree level each time). A flush nobody was
+        waiting behind appends at once, so a tree write's failure is seen before the
+        next flush's waiters are released. A failure switches the tree off; the log
+        goes on.
         """
+        leaves, self._leaves = self._leaves, []
         tree = self.tree
-        if tree is None:
+        if tree is None or not leaves:
             return
         try:
-            tree.append([leaf_hash(line[:-1]) for line, _ in taken])
+            tree.append(leaves)
         except (OSError, TreeError) as exc:
             self.tree = None
             self.tree_failure = f"writing the Merkle tree {tree.directory} failed: {exc}"
@@ -477,14 +595,36 @@ class AuditLog:
 
     # -- what the flusher tells trio (run on the trio thread) -------------------------
 
-    def _wake_waiters(self) -> None:
-        self._flushed.set()
-        self._flushed = trio.Event()
+    def _wait_for(self, seq: int) -> trio.Event:
+        """Trio thread: the event set once ``seq`` is durable (or the log failed)."""
+        waits = self._waits
+        if not waits or waits[-1][0] < seq:  # the usual case: the latest entry
+            event = trio.Event()
+            waits.append((seq, event))
+            return event
+        at = bisect.bisect_left(waits, seq, key=_wait_seq)
+        if waits[at][0] == seq:
+            return waits[at][1]
+        event = trio.Event()
+        waits.insert(at, (seq, event))
+        return event
+
+    def _wake_waiters(self, durable_seq: int | None = None) -> None:
+        """Wake the waiters for entries up to ``durable_seq`` (None: every waiter)."""
+        waits = self._waits
+        upto = (
+            len(waits)
+            if durable_seq is None
+            else bisect.bisect_right(waits, durable_seq, key=_wait_seq)
+        )
+        for _, event in waits[:upto]:
+            event.set()
+        del waits[:upto]
 
     def _on_flushed(self, seq: int, synced: bool) -> None:
         self._durable_seq = seq
         self.fsync_count += synced
-        self._wake_waiters()
+        self._wake_waiters(seq)
 
     def _on_failed(self, reason: str) -> None:
         if self._failure is None:
@@ -529,6 +669,8 @@ class AuditLog:
             finally:
                 self._closed = True
                 self._closing = True
+                if self._ringer_scope is not None:
+                    self._ringer_scope.cancel()
                 os.close(self._fd)
                 os.close(self._head_fd)
                 if self.tree is not None:

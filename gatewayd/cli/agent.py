@@ -239,7 +239,7 @@ def _agent_run(args: argparse.Namespace) -> int:
         print(f"gatewayd agent: {line}", file=sys.stderr, flush=True)
 
     async def go() -> None:
-        async with open_daemon(config) as daemon:
+        async with open_daemon(config, preload=True) as daemon:
             result = await run_agent(
                 daemon.runs,
                 daemon.dispatcher,

@@ -33,7 +33,8 @@ def answer_in_process(
 
     async def once() -> None:
         nonlocal answer
-        async with open_daemon(config) as daemon:
+        # One command's: it serves no call, so it loads no tool's library at its start.
+        async with open_daemon(config, preload=False) as daemon:
             answer = await ask(daemon)
 
     trio.run(once)

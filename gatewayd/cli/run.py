@@ -252,7 +252,7 @@ def _run(args: argparse.Namespace) -> int:
     import trio
 
     from gatewayd.audit import AuditEvent, AuditWriteError
-    from gatewayd.daemon import open_daemon
+    from gatewayd.daemon import load_for_run, open_daemon
     from gatewayd.errors import GatewayError
     from gatewayd.logs import configure_logging
     from gatewayd.policy import PolicyError
@@ -282,6 +282,9 @@ def _run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         max_runtime = run.spec.request.limits.maxRuntimeSec
+        # What the run's policy can reach (the HTTP libraries, ...), loaded off the event
+        # loop before its command can make a call; nothing when it reaches none of it.
+        await load_for_run(run)
         if run.sandbox is not None:
             status = await _run_in_sandbox(daemon, run, cmd, max_runtime, args)
             return
@@ -343,7 +346,8 @@ def _run(args: argparse.Namespace) -> int:
     async def one_shot() -> None:
         nonlocal status
         stopped_by: list[int] = []
-        async with open_daemon(config) as daemon:
+        # This one run's own: the libraries its policy can reach, not every tool's.
+        async with open_daemon(config, preload=False) as daemon:
             # A stop signal ends the run the way a daemon's stop does (command stopped,
             # overlay unmounted, base given back, the session kept): without this the
             # default action would kill gatewayd with its base still lent.

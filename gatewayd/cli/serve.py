@@ -63,7 +63,7 @@ def _serve(args: argparse.Namespace) -> int:
         # Registered and served by the daemon: a second daemon that would bind it (or a
         # file of this one's audit log) is refused before it touches anything.
         async with open_daemon(
-            config, control_socket=control_path, control_listener=passed
+            config, control_socket=control_path, control_listener=passed, preload=True
         ) as daemon:
             structlog.get_logger("gatewayd.serve").info(
                 "serving",
@@ -91,13 +91,16 @@ async def _reload(daemon: Daemon, args: argparse.Namespace) -> None:
     """SIGHUP: re-read gatewayd's configuration and every live run's policy. A bad file
     changes nothing (logged and audited); live runs and their connections go on."""
     import structlog
+    import trio
 
     from gatewayd.audit import AuditEvent
     from gatewayd.runs.reload import reload_config, reload_policies
 
     log = structlog.get_logger("gatewayd.reload")
     try:
-        config = config_from_options(args)
+        # Off the event loop: it reads files, and validating them may import (the
+        # witnesses' keys load cryptography); live runs' calls go on meanwhile.
+        config = await trio.to_thread.run_sync(config_from_options, args)
     except SystemExit as exc:  # config_from_options' way of saying the file is bad
         log.error("config_reload_failed", error=str(exc.code))
         await daemon.audit.append(

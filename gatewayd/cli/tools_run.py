@@ -204,7 +204,9 @@ def _run_tool(args: argparse.Namespace) -> int:
         nonlocal status
         from gatewayd.daemon import open_daemon
 
-        async with open_daemon(config) as daemon:
+        # This one call's own: the libraries its run can reach (_call_once), not every
+        # tool's.
+        async with open_daemon(config, preload=False) as daemon:
             status = await _call_once(daemon, args, arguments, workspace, mode)
 
     trio.run(one_shot)
@@ -222,6 +224,7 @@ async def _call_once(
     import trio
 
     from cogni_tool.client import WIRE_EXIT_CODES
+    from gatewayd.daemon import load_for_run
     from gatewayd.errors import GatewayError
     from gatewayd.policy import PolicyError
     from gatewayd.runners.spec import FOLDER_RUNNERS
@@ -293,6 +296,9 @@ async def _call_once(
             + f"); calling {manifest.name} ({manifest.runner}, {manifest.version})"
         )
         try:
+            # What the run can reach (its egress proxy's HTTP libraries, say), off the
+            # loop, before its one call.
+            await load_for_run(run)
             response = await _call(daemon, run, manifest.name, arguments)
         finally:
             with trio.CancelScope(shield=True):

@@ -18,6 +18,11 @@ compiled size is known to be bounded (:func:`pattern_weight`). The one other key
 that matches patterns, ``unevaluatedProperties`` (through the ``patternProperties`` of
 the schemas it looks into), is not rewritten: a schema using both is refused
 (:class:`SchemaRefused`); MCP tools' schemas do not combine them in practice.
+
+jsonschema, referencing and regex are imported where a validator is built or applied:
+what only refers to this module's errors or budget (the configuration's MCP declarations,
+a client command) does not load them, and a daemon with schemas to check loads them
+first, off its event loop (:mod:`gatewayd.libraries`).
 """
 
 from __future__ import annotations
@@ -30,16 +35,14 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Final
-
-import jsonschema.exceptions
-import jsonschema.protocols
-import jsonschema.validators
-import regex
-from jsonschema.exceptions import SchemaError, ValidationError
-from referencing import Registry
+from typing import TYPE_CHECKING, Any, Final
 
 from gatewayd.errors import ArgumentsRejected
+
+if TYPE_CHECKING:
+    import jsonschema.protocols
+    from jsonschema.exceptions import ValidationError
+    from referencing import Registry
 
 # The time every regular-expression match of one check may take together: real
 # patterns (a slug, a date, an identifier) match a call's arguments in microseconds; this
@@ -53,8 +56,6 @@ REGEX_BUDGET_S: Final = 0.25
 MAX_PATTERN_WEIGHT: Final = 1000
 # How much of a pattern a message quotes (a pattern may be long; its start names it).
 MAX_QUOTED_PATTERN_CHARS: Final = 80
-# The validator for a schema that names no $schema: the draft MCP specifies.
-DEFAULT_VALIDATOR: Final = jsonschema.Draft202012Validator
 # How much of one complaint about a call's arguments the caller reads: jsonschema quotes
 # the offending value, which may be a whole argument.
 MAX_COMPLAINT_CHARS: Final = 300
@@ -110,6 +111,8 @@ def search(pattern: str, text: str) -> bool:
 
     Error handling: RegexTooSlow once the budget is spent; regex.error for a pattern that
     :func:`check_patterns` would have refused."""
+    import regex  # loaded: a validator was made (check_patterns)
+
     budget = _budget.get() or _Budget(REGEX_BUDGET_S)
     now = time.monotonic()
     if budget.ends is None:
@@ -127,6 +130,8 @@ def search(pattern: str, text: str) -> bool:
 
 
 def _pattern(validator: Any, pattern: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    from jsonschema.exceptions import ValidationError  # loaded: the validator is jsonschema's
+
     if validator.is_type(instance, "string") and not search(pattern, instance):
         yield ValidationError(f"{instance!r} does not match {pattern!r}")
 
@@ -145,6 +150,8 @@ def _pattern_properties(
 def _additional_properties(
     validator: Any, additional: Any, instance: Any, schema: Any
 ) -> Iterator[ValidationError]:
+    from jsonschema.exceptions import ValidationError  # loaded: the validator is jsonschema's
+
     if not validator.is_type(instance, "object"):
         return
     properties = schema.get("properties", {})
@@ -182,6 +189,8 @@ def bounded_class(
     cls: type[jsonschema.protocols.Validator],
 ) -> type[jsonschema.protocols.Validator]:
     """``cls`` with its pattern-matching keywords bounded (one class per draft)."""
+    import jsonschema.validators
+
     # (jsonschema's extend is untyped; its result is a validator class like cls.)
     extended: type[jsonschema.protocols.Validator] = jsonschema.validators.extend(  # type: ignore[no-untyped-call]
         cls, _BOUNDED_KEYWORDS
@@ -192,14 +201,19 @@ def bounded_class(
 def bounded_validator(
     schema: dict[str, Any],
     *,
-    default: type[jsonschema.protocols.Validator] = DEFAULT_VALIDATOR,
+    default: type[jsonschema.protocols.Validator] | None = None,
     registry: Registry[Any] | None = None,
 ) -> jsonschema.protocols.Validator:
-    """A validator of ``schema`` (its own ``$schema`` draft, else ``default``) whose
-    regular expressions are bounded; ``registry``: where its ``$ref`` may resolve (None:
-    jsonschema's default, which fetches nothing).
+    """A validator of ``schema`` (its own ``$schema`` draft, else ``default``; None: the
+    draft MCP specifies, 2020-12) whose regular expressions are bounded; ``registry``:
+    where its ``$ref`` may resolve (None: jsonschema's default, which fetches nothing).
 
     Error handling: SchemaRefused saying what is wrong with the schema."""
+    import jsonschema.validators
+    from jsonschema.exceptions import SchemaError
+
+    if default is None:
+        default = jsonschema.validators.Draft202012Validator
     cls = jsonschema.validators.validator_for(schema, default=default)
     try:
         cls.check_schema(schema)
@@ -217,6 +231,8 @@ def check_patterns(schema: Any) -> None:
     patterns through ``unevaluatedProperties`` (module doc).
 
     Error handling: SchemaRefused naming the pattern or the combination."""
+    import regex
+
     keywords: set[str] = set()
     for key, value in _keyword_values(schema):
         keywords.add(key)
@@ -320,6 +336,8 @@ def arguments_decoder(
     jsonschema judges most relevant (and how many there were), or saying the budget ran
     out; a schema that cannot be applied to them (a ``$ref`` outside it) raises what
     ``unusable`` makes of jsonschema's exception: the caller says whose fault it is."""
+    # Bound now, where the validator is made: a call's check imports nothing.
+    from jsonschema.exceptions import best_match
 
     def decode(args: Mapping[str, Any]) -> dict[str, Any]:
         value = dict(args)
@@ -330,7 +348,7 @@ def arguments_decoder(
             raise ArgumentsRejected(str(exc)) from None
         except Exception as exc:  # jsonschema's referencing errors, a bad pattern
             raise unusable(exc) from None
-        best = jsonschema.exceptions.best_match(errors)
+        best = best_match(errors)
         if best is not None:
             more = f" ({len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
             message = best.message

@@ -32,10 +32,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
-import jsonschema
-import jsonschema.protocols
 import structlog
 import trio
 
@@ -58,6 +56,9 @@ from gatewayd.runs import Run
 from gatewayd.tools.manifest import MAX_SUMMARY_CHARS, RunnerKind, ToolLimits, ToolManifest
 from gatewayd.tools.registry import Tool, ToolContext, ToolRegistry
 
+if TYPE_CHECKING:
+    import jsonschema.protocols
+
 log = structlog.get_logger("gatewayd.mcp")
 
 # The run manager's source name for these tools (Dispatcher.set_run_tools).
@@ -73,8 +74,6 @@ MIN_CALL_TIMEOUT_S: Final = 0.1
 # How much of an error answer's text the caller reads (an error is a sentence or two;
 # more is output, and output goes in a normal answer).
 MAX_ERROR_TEXT_CHARS: Final = 2000
-# The validator for a schema that names no $schema: the draft MCP specifies.
-_DEFAULT_VALIDATOR: Final = jsonschema.Draft202012Validator
 
 
 class McpServerSource(Protocol):
@@ -102,7 +101,7 @@ def schema_validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
 
     Error handling: SchemaRefused saying what is wrong with the schema.
     """
-    return bounded_validator(schema, default=_DEFAULT_VALIDATOR)
+    return bounded_validator(schema)  # no $schema: 2020-12, the draft MCP specifies
 
 
 def decoder(

@@ -29,16 +29,19 @@ Only the models and the pure matching live here; the waiting is :mod:`gatewayd.a
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final
 
-import msgspec
 from pydantic import Field
 
 from gatewayd.policy.review_section import ArgName, Pattern, ToolGlob, tool_glob_matches
 from gatewayd.policy.section import Section, StrictStr
+
+if TYPE_CHECKING:
+    import msgspec
 
 # A person answers in minutes; five of them leave time to read the call without letting
 # an agent sit blocked for long when nobody is there.
@@ -53,7 +56,14 @@ MAX_ARG_PATTERNS: Final = 16
 # What the operator is shown as the entry's reason (a sentence).
 MAX_APPROVAL_REASON_CHARS: Final = 500
 
-_canonical: Final = msgspec.json.Encoder(order="sorted")
+
+@functools.cache
+def _canonical() -> msgspec.json.Encoder:
+    """The encoder of a non-text argument, made at its first use: a daemon has msgspec
+    (the wire's codec) loaded by then, and `gatewayd policy check` never gets here."""
+    import msgspec
+
+    return msgspec.json.Encoder(order="sorted")
 
 
 class ApprovalRule(Section):
@@ -102,7 +112,7 @@ def argument_text(value: Any) -> str | None:
         return value
     if isinstance(value, list | tuple) and all(isinstance(item, str) for item in value):
         return " ".join(value)
-    return _canonical.encode(value).decode()
+    return _canonical().encode(value).decode()
 
 
 def required_approval(

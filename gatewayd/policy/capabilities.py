@@ -26,6 +26,7 @@ from typing import Final, Protocol
 
 import msgspec
 
+from gatewayd.error_codes import ErrorCode
 from gatewayd.errors import GatewayError
 from gatewayd.policy.decide import (
     Allow,
@@ -38,7 +39,6 @@ from gatewayd.policy.decide import (
 from gatewayd.policy.model import NetworkSection
 from gatewayd.policy.network import check_any_host_allowed, check_host, domain_matches
 from gatewayd.policy.paths import PathAccess, PathGrant, PathMode, shown
-from gatewayd.protocol import ErrorCode
 
 # In a declaration: whatever the run's policy grants (a built-in tool whose reach is the
 # run's own: fs.read may read any path the run's grants allow).

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from gatewayd.error_codes import ErrorCode
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation
 from gatewayd.policy.appsfolder import apps_folder_message, in_apps_folder
 from gatewayd.policy.paths import (
@@ -28,7 +29,6 @@ from gatewayd.policy.paths import (
     shown,
 )
 from gatewayd.policy.section import tool_pattern_matches
-from gatewayd.protocol import ErrorCode
 
 _WORKSPACE_PARTS: Final = WORKSPACE_VISIBLE_ROOT.parts[1:]
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Final
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from gatewayd.protocol import MAX_ID_CHARS
+from gatewayd.frame_limits import MAX_ID_CHARS
 
 # A tool name: lowercase segments, dotted ("fs.read", "app_note_taker").
 _TOOL_NAME: Final = r"[a-z][a-z0-9_]*(\.[a-z][a-z0-9_]*)*"

@@ -18,20 +18,20 @@ Two passes, like the other files gatewayd reads from operators:
    (:mod:`gatewayd.mcp.schemas`).
 
 Pure: data in, data out; the folder's files are read by :mod:`gatewayd.runners.folders`.
+jsonschema is imported when the first manifest is checked, so that what only names this
+module's limits and problems (the daemon, whether it has tool folders or not) does not
+load it (:mod:`gatewayd.libraries`).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
-from typing import Any, Final, cast
-
-import jsonschema
-import jsonschema.exceptions
-import jsonschema.validators
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from gatewayd.apps.manifest import TOOL_NAME_PREFIX as APP_TOOL_PREFIX
 from gatewayd.mcp.pinset import GATEWAY_PREFIX as MCP_PREFIX
@@ -49,6 +49,10 @@ from gatewayd.tools.manifest import (
     ToolLimits,
     ToolManifest,
 )
+
+if TYPE_CHECKING:
+    import jsonschema.exceptions
+    import jsonschema.protocols
 
 MIB: Final = 1 << 20
 # A tool's own time limit, in seconds: an hour is longer than any call should hold a
@@ -154,7 +158,14 @@ MANIFEST_SCHEMA: Final[dict[str, Any]] = {
         },
     },
 }
-_MANIFEST_VALIDATOR: Final = jsonschema.Draft202012Validator(MANIFEST_SCHEMA)
+
+
+@functools.cache
+def _manifest_validator() -> jsonschema.protocols.Validator:
+    """The validator of :data:`MANIFEST_SCHEMA`, made once, at the first manifest."""
+    import jsonschema.validators
+
+    return jsonschema.validators.Draft202012Validator(MANIFEST_SCHEMA)
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +257,7 @@ def _shape_problems(data: Any, file: str) -> list[Problem]:
     problems: list[Problem] = []
     # jsonschema finds errors lazily: a list of 60,000 bad items stops here, not after
     # every item was checked.
-    for error in itertools.islice(_MANIFEST_VALIDATOR.iter_errors(data), MAX_PROBLEMS):
+    for error in itertools.islice(_manifest_validator().iter_errors(data), MAX_PROBLEMS):
         problems.extend(_explained(error, file))
     problems.sort(key=lambda p: p.field)
     return problems[:MAX_PROBLEMS]
@@ -434,6 +445,8 @@ class _Reader:
                 ["input_schema", "type"],
                 'the arguments are a JSON object, so the schema says "type": "object"',
             )
+        import jsonschema.validators
+
         dialect = schema.get("$schema")
         if "$schema" in schema and (
             not isinstance(dialect, str)

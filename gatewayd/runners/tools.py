@@ -12,19 +12,22 @@ decoder the MCP tools use too (:func:`gatewayd.mcp.schemas.arguments_decoder`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
-
-import jsonschema.protocols
-from referencing import Registry
+from typing import TYPE_CHECKING, Any
 
 from gatewayd.errors import GatewayError
 from gatewayd.mcp.schemas import arguments_decoder, bounded_validator
 from gatewayd.runners.process import ProcessToolRunner
 from gatewayd.runners.rights import required_request
 from gatewayd.runners.spec import FolderTool
-from gatewayd.runners.wasm import WasmEngine, WasmToolRunner
 from gatewayd.tools.manifest import RunnerKind
 from gatewayd.tools.registry import CallEgress, Tool, ToolRunner
+
+if TYPE_CHECKING:
+    import jsonschema.protocols
+
+    # wasmtime (through the wasm runner) is loaded only by a daemon that has a wasm
+    # tool: it made the engine, and a wasm tool's runner is made from it.
+    from gatewayd.runners.wasm import WasmEngine
 
 
 class ToolUnavailable(ValueError):
@@ -51,6 +54,10 @@ def folder_tool(
     Error handling: ToolUnavailable for a wasm tool without an engine, or a process
     tool when ``process_ok`` is False (no OS sandbox to run it in).
     """
+    # The schema's library (jsonschema, referencing) is loaded only by a daemon with a
+    # folder tool, when it builds them (in a worker thread at its start: open_daemon).
+    from referencing import Registry
+
     if runner is None:
         runner = _runner_for(tool, wasm, process_ok=process_ok, call_egress=call_egress)
     request = required_request(tool)
@@ -75,6 +82,8 @@ def _runner_for(
     if tool.runner is RunnerKind.WASM:
         if wasm is None:
             raise ToolUnavailable(f"{tool.name}: a wasm tool, and this gatewayd has no wasm engine")
+        from gatewayd.runners.wasm import WasmToolRunner  # its engine has loaded it
+
         return WasmToolRunner(tool, wasm)
     if not process_ok:
         raise ToolUnavailable(

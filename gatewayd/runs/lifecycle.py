@@ -50,6 +50,7 @@ from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.passthrough import Passthrough
 from gatewayd.sandbox.session import (
     CommandLimits,
+    NamespaceAhead,
     RunSandbox,
     SandboxUnavailable,
     SandboxView,
@@ -216,11 +217,15 @@ class RunManager:
         try:
             # Once its sandbox is made, whatever stops the start (a cancelled caller, the
             # audit log, its tools) ends the run the usual way: nothing of it is left.
-            with trio.CancelScope(shield=True):
-                await self._audit_created(run)
-                await self._audit_workspace_opened(run)
+            # Both entries durable in one flush (the later one's wait covers the earlier:
+            # the log is written in order), which runs while the run's tools are made,
+            # and before the run serves.
+            opened = self._record_created(run)
+            opened = self._record_workspace_opened(run) or opened
             if self.run_tools is not None:
                 await self.run_tools(run)
+            with trio.CancelScope(shield=True):
+                await self.audit.durable(opened)
         except BaseException:
             run.end_reason = "start_failed"
             with trio.CancelScope(shield=True):
@@ -291,6 +296,11 @@ class RunManager:
         )
 
     async def _audit_created(self, run: Run) -> None:
+        """``run_created``, durable when this returns."""
+        await self.audit.durable(self._record_created(run))
+
+    def _record_created(self, run: Run) -> int:
+        """Record ``run_created`` (not waiting for it); returns its seq."""
         request = run.spec.request
         detail: dict[str, Any] = {
             "actorId": request.actorId,
@@ -304,16 +314,18 @@ class RunManager:
         if run.spec.made_for is not None:
             detail["parentRunId"] = run.spec.parent_run_id
             detail.update(run.spec.made_for.label())
-        await self.audit.append(
+        return self.audit.record(
             "event", event=AuditEvent.RUN_CREATED, runId=run.run_id, detail=detail
         )
 
-    async def _audit_workspace_opened(self, run: Run) -> None:
+    def _record_workspace_opened(self, run: Run) -> int | None:
+        """Record ``workspace_opened`` (not waiting for it); returns its seq, None for a
+        run without a session of the store."""
         handle = run.workspace
         if handle is None:
-            return
+            return None
         info = handle.info
-        await self.audit.append(
+        return self.audit.record(
             "event",
             event=AuditEvent.WORKSPACE_OPENED,
             runId=run.run_id,
@@ -392,6 +404,37 @@ class RunManager:
             return
         limits = policy.sandbox
         image = run.spec.request.sandboxImage
+        # The namespace is made in its own thread meanwhile (the session's open waits
+        # for the disk most of its time); RunSandbox.open takes it at its step.
+        ahead = NamespaceAhead(run.run_id, self.sandbox_settings.netns_prefix)
+        try:
+            self._nursery.start_soon(ahead.make)
+        except RuntimeError:  # the daemon's nursery takes no new task (it closes)
+            await ahead.make()
+        try:
+            await self._isolate_sandboxed(
+                run, roots, user, lend_workspace, view, plan, limits, image, ahead
+            )
+        finally:
+            with trio.CancelScope(shield=True):
+                await ahead.drop_untaken()
+        if run.workspace is not None and run.sandbox is not None:
+            run.sandbox.after_command = _syncer(run.workspace.session)
+
+    async def _isolate_sandboxed(
+        self,
+        run: Run,
+        roots: LendableRoots,
+        user: HostUser | None,
+        lend_workspace: bool,
+        view: SandboxView | None,
+        plan: WorkspacePlan | None,
+        limits: SandboxSection,
+        image: str | None,
+        ahead: NamespaceAhead,
+    ) -> None:
+        """:meth:`_isolate`'s sandboxed part: the session (its uid first), then the
+        sandbox, one start at a time."""
         async with self._isolating:
             taken = False
             if plan is not None:
@@ -411,7 +454,9 @@ class RunManager:
                     # workspace, beneath the session's own directory.
                     roots = dataclasses.replace(roots, own=(*roots.own, run.workspace.directory))
             try:
-                await self._open_sandbox(run, limits, image, user, lend_workspace, roots, view)
+                await self._open_sandbox(
+                    run, limits, image, user, lend_workspace, roots, view, ahead
+                )
             except BaseException:
                 if taken and user is not None:
                     # The base goes back before its uid returns to the pool.
@@ -419,8 +464,6 @@ class RunManager:
                         await self._drop_workspace(run)
                     self.uid_pool.release(user)
                 raise
-        if run.workspace is not None and run.sandbox is not None:
-            run.sandbox.after_command = _syncer(run.workspace.session)
 
     async def _open_workspace(
         self, run: Run, plan: WorkspacePlan, user: HostUser | None, roots: LendableRoots
@@ -499,6 +542,7 @@ class RunManager:
         lend_workspace: bool,
         roots: LendableRoots,
         view: SandboxView | None = None,
+        netns_ahead: NamespaceAhead | None = None,
     ) -> None:
         settings = self.sandbox_settings
         if settings is None:  # _isolate makes a degraded run instead
@@ -530,6 +574,7 @@ class RunManager:
             lend_workspace=lend_workspace,
             roots=roots,
             view=view,
+            netns_ahead=netns_ahead,
         )
 
     def _secret_env_names(self) -> set[str]:
@@ -751,16 +796,18 @@ class RunManager:
         finally:
             services.cancel()
 
-    async def _end_workspace(self, run: Run, sandbox_gone: bool) -> bool:
+    async def _end_workspace(self, run: Run, sandbox_gone: bool) -> tuple[bool, int | None]:
         """The run's session at its end: sealed (its view unmounted), the base lent for
         it given back, its ``on_end`` applied (the store's ``end_of_run``), audited as
         ``workspace_ended``. ``sandbox_gone``: every process of the run is dead; if not,
         the session is left live (the store's recovery keeps it at the next start) and
-        the base stays lent. Returns whether nothing stays lent. Never raises: a step
-        that fails is logged and audited, and what it left is the store's recovery's."""
+        the base stays lent. Returns whether nothing stays lent, and the seq of the
+        ``workspace_ended`` entry (None: no session), recorded, not waited for: the
+        caller's ``run_ended`` flush makes both durable. Never raises: a step that
+        fails is logged and audited, and what it left is the store's recovery's."""
         handle = run.workspace
         if handle is None:
-            return True
+            return True, None
         detail: dict[str, Any] = {"mode": handle.mode, "base": str(handle.base)}
         returned = False
         store = self.workspaces
@@ -779,12 +826,19 @@ class RunManager:
             given_back = False
 
             def seal_give_back_end() -> str:
-                # The three steps in order in one worker thread: one hand-off, not three.
+                # The three steps in order in one worker thread (one hand-off, not three),
+                # the session's record written once for the seal and the on-end (a step
+                # that fails between them records it sealed, as the seal did before). A
+                # seal that fails leaves the session live and held, its base lent.
                 nonlocal given_back
-                handle.seal()
-                detail["baseEntriesReturned"] = give_back_base(handle.directory)
-                given_back = True
-                return store.end_of_run(run.run_id, interrupted=interrupted)
+                handle.seal(record_state=False)
+                try:
+                    detail["baseEntriesReturned"] = give_back_base(handle.directory)
+                    given_back = True
+                    return store.end_of_run(run.run_id, interrupted=interrupted)
+                except BaseException:
+                    handle.keep_sealed_record()
+                    raise
 
             try:
                 run.workspace_fate = await trio.to_thread.run_sync(seal_give_back_end)
@@ -800,13 +854,10 @@ class RunManager:
             if returned:
                 run.workspace_fate = "kept (its end failed: see the audit log)"
         detail.update(handle.info.counts)
-        try:
-            await self.audit.append(
-                "event", event=AuditEvent.WORKSPACE_ENDED, runId=run.run_id, detail=detail
-            )
-        except AuditWriteError:
-            log.error("workspace_end_not_audited", run_id=run.run_id)
-        return returned or handle.mode not in BASE_LENDING_MODES
+        seq = self.audit.record(
+            "event", event=AuditEvent.WORKSPACE_ENDED, runId=run.run_id, detail=detail
+        )
+        return returned or handle.mode not in BASE_LENDING_MODES, seq
 
     async def _drop_workspace(self, run: Run) -> None:
         """A run refused after its session was opened: nothing of the run ever ran in
@@ -818,10 +869,14 @@ class RunManager:
         try:
 
             def seal_give_back_discard() -> None:
-                handle.seal()
-                give_back_base(handle.directory)
-                # Whatever its on-end says: nothing ran, nothing is committed.
-                store.end_of_run(run.run_id, on_end="discard")
+                handle.seal(record_state=False)
+                try:
+                    give_back_base(handle.directory)
+                    # Whatever its on-end says: nothing ran, nothing is committed.
+                    store.end_of_run(run.run_id, on_end="discard")
+                except BaseException:
+                    handle.keep_sealed_record()
+                    raise
 
             await trio.to_thread.run_sync(seal_give_back_discard)
         except Exception:
@@ -865,24 +920,46 @@ class RunManager:
                 log.exception("sandbox_cleanup_failed", run_id=run.run_id)
                 cleanup = {"cleanupFailed": str(exc)}
                 self._stuck_trees.extend(run.sandbox.trees)
+        # Its directory (socket, records, mount points) is read no more once the sandbox
+        # is closed: deleted in a worker thread while the session ends; the run stays
+        # known (its trees busy for other runs) until that is done too.
+        deleted = trio.Event()
+        if "cleanupFailed" not in cleanup:
+            try:
+                self._nursery.start_soon(self._delete_directory, run, deleted)
+            except RuntimeError:  # the daemon's nursery takes no new task (it closes)
+                await self._delete_directory(run, deleted)
+        else:
+            deleted.set()
         # The uid goes back to the pool only once the base lent for the session is back.
-        base_returned = await self._end_workspace(run, "cleanupFailed" not in cleanup)
+        base_returned, workspace_ended = await self._end_workspace(
+            run, "cleanupFailed" not in cleanup
+        )
         if run.sandbox is not None and "cleanupFailed" not in cleanup and base_returned:
             self.uid_pool.release(run.sandbox.user)
         self._dispatcher.drop_run_tools(run.run_id)
-        if "cleanupFailed" not in cleanup:
-            await self.registry.drop(run)
-        else:
-            self.registry.forget(run)
-        run.move_to(RunState.ENDED)  # from ENDING, or from FAILED
         try:
-            await self.audit.append(
-                "event",
-                event=AuditEvent.RUN_ENDED,
-                runId=run.run_id,
-                detail={"reason": run.end_reason, **_counts(run), **cleanup},
-            )
+            try:
+                # Recorded before the wait for the directory's deletion: its flush (the
+                # session's workspace_ended rides along) runs in the audit's flusher
+                # thread meanwhile.
+                ended = self.audit.record(
+                    "event",
+                    event=AuditEvent.RUN_ENDED,
+                    runId=run.run_id,
+                    detail={"reason": run.end_reason, **_counts(run), **cleanup},
+                )
+            finally:
+                await deleted.wait()
+                if "cleanupFailed" not in cleanup:
+                    self.registry.discard(run)
+                else:
+                    self.registry.forget(run)
+                run.move_to(RunState.ENDED)  # from ENDING, or from FAILED
+            await self.audit.durable(ended)
         except AuditWriteError:
+            if workspace_ended is not None:
+                log.error("workspace_end_not_audited", run_id=run.run_id)
             log.error("run_end_not_audited", run_id=run.run_id, reason=run.end_reason)
         finally:
             run.finished.set()
@@ -893,6 +970,13 @@ class RunManager:
             if self.tracer is not None:
                 self.tracer.run_ended(run.run_id, run.end_reason, run_error_code(run.end_reason))
             log.info("run_ended", run_id=run.run_id, reason=run.end_reason)
+
+    async def _delete_directory(self, run: Run, deleted: trio.Event) -> None:
+        """:meth:`RunRegistry.delete_directory`, as a task; ``deleted`` set when done."""
+        try:
+            await self.registry.delete_directory(run)
+        finally:
+            deleted.set()
 
 
 def _syncer(session: WorkspaceSession) -> Callable[[], Awaitable[None]]:
@@ -916,13 +1000,16 @@ def _sandbox_detail(run: Run) -> dict[str, Any]:
 def _require_lendable(run: Run, roots: LendableRoots) -> None:
     """The run's workspace and every rw policy path may be lent (NotLendable if not)."""
     roots.require(run.spec.workspace, what="workspace")
-    _require_lendable_grants(run, roots)
+    # A rw grant of the workspace itself (``root: .``) was judged just now, on the same
+    # path; the lease judges again what it lends, on the descriptor it then chowns.
+    _require_lendable_grants(run, roots, judged=run.spec.workspace)
 
 
-def _require_lendable_grants(run: Run, roots: LendableRoots) -> None:
-    """Every rw policy path of the run may be lent (NotLendable if not)."""
+def _require_lendable_grants(run: Run, roots: LendableRoots, judged: Path | None = None) -> None:
+    """Every rw policy path of the run may be lent (NotLendable if not); ``judged``: a
+    path the caller has just judged, not judged again."""
     for grant in run.spec.grants:
-        if grant.mode is PathMode.RW:
+        if grant.mode is PathMode.RW and grant.host_root != judged:
             roots.require(grant.host_root, what=f"policy path {grant.name!r} (rw)")
 
 

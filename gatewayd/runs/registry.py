@@ -197,14 +197,21 @@ class RunRegistry:
         self._runs.pop(run.run_id, None)
         shutil.rmtree(run.directory, ignore_errors=True)
 
-    async def drop(self, run: Run) -> None:
-        """:meth:`remove`, the directory deleted in a worker thread: on a busy disk each
-        unlink and rmdir of it can take milliseconds, which the event loop (every other
-        run's calls) must not wait out. Forgotten at once, deleted before it returns."""
+    async def delete_directory(self, run: Run) -> None:
+        """Delete the run's directory (its socket, records and mount points) in a worker
+        thread (on a busy disk each unlink and rmdir can take milliseconds, which the
+        event loop must not wait out), the run still known: once its sandbox is closed
+        nothing there is read again, so the rest of its end need not wait for it.
+        Shielded: a directory half deleted by a cancelled end would be the next start's
+        leftover."""
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(
+                functools.partial(shutil.rmtree, run.directory, ignore_errors=True)
+            )
+
+    def discard(self, run: Run) -> None:
+        """Forget ``run``, whose directory :meth:`delete_directory` deleted."""
         self._runs.pop(run.run_id, None)
-        await trio.to_thread.run_sync(
-            functools.partial(shutil.rmtree, run.directory, ignore_errors=True)
-        )
 
     def forget(self, run: Run) -> None:
         """Forget ``run`` but keep its directory: it holds a lease record that the next

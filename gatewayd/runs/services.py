@@ -24,7 +24,6 @@ import trio
 from gatewayd.apps.manifest import TOOL_NAME_PREFIX
 from gatewayd.audit import AuditEvent, AuditLog
 from gatewayd.dialer import Resolver
-from gatewayd.egress import EgressProxy, serve_egress
 from gatewayd.policy import RunRules, tool_allowed
 from gatewayd.policy.model import NetworkSection
 from gatewayd.runs.model import Run
@@ -106,6 +105,10 @@ async def start_services(
     services = sandbox.services
     command = [f"{SANDBOX_COGNI_TOOL}", "serve"]
     if services.egress_proxy:
+        # The proxy and its HTTP libraries load with the first run that has one (a
+        # serving daemon loads them at its start: gatewayd.libraries).
+        from gatewayd.egress import EgressProxy, serve_egress
+
         proxy = EgressProxy(
             run_id=run.run_id,
             network=run.spec.policy.network,
@@ -266,6 +269,8 @@ class CallEgressProxies:
         """One command's own proxy for run ``run_id``, whoever asked for it (a tool's
         call, or an operator's exec on the control socket): ``tags`` name them in
         every audit entry of its connections."""
+        from gatewayd.egress import EgressProxy, serve_egress  # loaded: see start_services
+
         proxy = EgressProxy(
             run_id=run_id,
             network=network,

@@ -67,8 +67,8 @@ from gatewayd.sandbox.lendable import (
     PROC_SELF_MOUNTINFO,
     TREE_FLAGS,
     LendableRoots,
+    mounts_of,
     open_tree,
-    parse_mountinfo,
 )
 from gatewayd.sandbox.limits import HostUser
 
@@ -224,7 +224,12 @@ def lend(
                 )
             )
         lease = Lease(uid=user.uid, gid=user.gid, trees=tuple(lent))
-        write_atomically(record_dir / LEASE_FILE, lease.to_json().encode())
+        # A lease of no tree records only the run's uid, whose processes the next start
+        # kills after a crash of gatewayd (the page cache keeps the name); a power cut
+        # leaves no process, so its name need not be durable: no directory fsync.
+        write_atomically(
+            record_dir / LEASE_FILE, lease.to_json().encode(), sync_dir=bool(lease.trees)
+        )
         try:
             for tree in lease.trees:
                 _rechown(
@@ -476,7 +481,7 @@ def mount_points_under(root: Path) -> set[str]:
     prefix = str(root).rstrip("/") + "/"
     try:
         with open(PROC_SELF_MOUNTINFO, encoding="utf-8", errors="surrogateescape") as info:
-            mounts = parse_mountinfo(info.read())
+            mounts = mounts_of(info.read())
     except OSError as exc:
         raise LeaseError(
             f"cannot tell the mounts inside {root} ({PROC_SELF_MOUNTINFO}: {exc.strerror}); "

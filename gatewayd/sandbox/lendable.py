@@ -117,15 +117,47 @@ def unescape(field: str) -> str:
 
 def locate(mounts: Sequence[Mount], path: str) -> tuple[str, str]:
     """Where ``path`` is: (device, its path within that file system), through the mount
-    that holds it (the deepest mount point at or above it, the last one mounted there)."""
+    that holds it (the deepest mount point at or above it, the last one mounted there).
+
+    An absolute path is looked up directory by directory, from itself up to ``/``, in
+    the table's mount points (:func:`_shown_at`): a lookup per level of the path instead
+    of a comparison with every mount (a start judges a few dozen paths against a table
+    that grows with every live run's mounts)."""
     best: Mount | None = None
-    for mount in mounts:
-        if is_within(path, mount.point) and (best is None or len(mount.point) >= len(best.point)):
-            best = mount
+    shown = _shown_at(mounts) if is_clean_absolute(path) else None
+    if shown is not None:
+        # Every mount point at or above a clean path is one of its directories.
+        probe = path
+        while (best := shown.get(probe)) is None and probe != "/":
+            probe = posixpath.dirname(probe)
+    else:
+        for mount in mounts:
+            if is_within(path, mount.point) and (
+                best is None or len(mount.point) >= len(best.point)
+            ):
+                best = mount
     if best is None:
         return ("", path)
     rest = posixpath.relpath(path, best.point)
     return (best.device, posixpath.normpath(posixpath.join(best.root, rest)))
+
+
+def _shown_at(mounts: Sequence[Mount]) -> dict[str, Mount] | None:
+    """Each mount point of ``mounts`` and the mount it shows (the last one mounted there),
+    kept for the table (a changed table, parsed again, is a new tuple); None when a
+    point is not a clean absolute path (then only a comparison with each mount says
+    which ones hold a path)."""
+    last = _MEMO.points
+    if last is not None and last[0] is mounts:
+        return last[1]
+    points: dict[str, Mount] = {}
+    for mount in mounts:
+        points[mount.point] = mount  # a later mount at a point replaces an earlier one
+    clean = all(is_clean_absolute(point) for point in points)
+    shown = points if clean else None
+    if isinstance(mounts, tuple):  # a tuple only: it cannot change in place
+        _MEMO.points = (mounts, shown)
+    return shown
 
 
 def system_tree_shown(mounts: Sequence[Mount], path: str) -> str | None:
@@ -161,9 +193,18 @@ class _MountMemo:
 
     table: tuple[str, tuple[Mount, ...]] | None = None
     places: _SystemPlaces | None = None
+    # Each mount point of that table and what it shows (:func:`_shown_at`).
+    points: tuple[Sequence[Mount], dict[str, Mount] | None] | None = None
+    # Each configured root's verdict (:func:`_root_verdict`) in that table, by its real
+    # path and gatewayd's private directories: every judge asks it again of each root.
+    verdicts: tuple[Sequence[Mount], dict[tuple[str, _Reserved], str | None]] | None = None
 
 
 _MEMO: Final = _MountMemo()
+# The verdicts kept for one mount table: a daemon asks of its few configured roots under
+# its one set of private directories, so more means something asks of ever new paths;
+# the memo then starts afresh rather than grow.
+_MAX_VERDICTS: Final = 256
 
 
 def _system_places(mounts: Sequence[Mount]) -> _SystemPlaces:
@@ -178,6 +219,30 @@ def _system_places(mounts: Sequence[Mount]) -> _SystemPlaces:
     if isinstance(mounts, tuple):  # a tuple only: it cannot change in place
         _MEMO.places = places
     return places
+
+
+_Reserved = tuple[tuple[str, Path], ...]  # gatewayd's private directories, by setting
+
+
+def _root_verdict(mounts: Sequence[Mount], real: str, private: _Reserved) -> str | None:
+    """Why the configured root at ``real`` is no root in the mount table ``mounts``
+    (:func:`root_problem`, then a system tree it shows), or None. Both are pure in
+    their arguments, so the verdict is kept for the table (a changed table, parsed
+    again, is a new tuple: every verdict is made again); the root's real path is the
+    caller's to find each time (a symlink may change it without a mount)."""
+    memo = _MEMO.verdicts
+    if memo is None or memo[0] is not mounts or len(memo[1]) >= _MAX_VERDICTS:
+        memo = (mounts, {})
+        if isinstance(mounts, tuple):  # a tuple only: it cannot change in place
+            _MEMO.verdicts = memo
+    key = (real, private)
+    if key in memo[1]:
+        return memo[1][key]
+    problem = root_problem(real, private)
+    if problem is None and (system := system_tree_shown(mounts, real)) is not None:
+        problem = f"it shows the system tree {system} (a mount)"
+    memo[1][key] = problem
+    return problem
 
 
 def mounts_crossed(mounts: Sequence[Mount], root: str, tree: str) -> list[str]:
@@ -308,12 +373,10 @@ class LendableRoots:
         tree; an own root must be a directory of gatewayd's user nobody else may enter."""
         usable: list[str] = []
         unusable: list[str] = []
-        private = [(d.setting, d.path) for d in self.reserved if d.private]
+        private = tuple((d.setting, d.path) for d in self.reserved if d.private)
         for root in self.configured:
             real = os.path.realpath(root)
-            problem = root_problem(real, private)
-            if problem is None and (system := system_tree_shown(mounts, real)) is not None:
-                problem = f"it shows the system tree {system} (a mount)"
+            problem = _root_verdict(mounts, real, private)
             if problem is None:
                 usable.append(real)
             else:
@@ -366,6 +429,13 @@ def _read_mounts(shown: str) -> tuple[Mount, ...]:
             f"{shown} cannot be checked for bind mounts of system trees: "
             f"{PROC_SELF_MOUNTINFO}: {exc.strerror}"
         ) from exc
+    return mounts_of(text)
+
+
+def mounts_of(text: str) -> tuple[Mount, ...]:
+    """:func:`parse_mountinfo` of a mountinfo text read just now, parsed again only when
+    it differs from the last one: the same text gives the same tuple, which keeps what
+    was worked out from it (:class:`_MountMemo`)."""
     last = _MEMO.table
     if last is not None and last[0] == text:
         return last[1]

@@ -80,7 +80,7 @@ from gatewayd.sandbox.plan import (
     build_plan,
     validate,
 )
-from gatewayd.sandbox.uids import UidPool, pids_of_uid
+from gatewayd.sandbox.uids import UidPool, UidRange, pids_of_uid
 
 log = structlog.get_logger("gatewayd.sandbox")
 
@@ -335,6 +335,7 @@ class RunSandbox:
         user: HostUser | None = None,
         lend_workspace: bool = True,
         view: SandboxView | None = None,
+        netns_ahead: NamespaceAhead | None = None,
     ) -> RunSandbox:
         """Make the run's sandbox resources; on any failure, undo what was made.
         ``roots``: what the writable trees must lie beneath (the lease checks them).
@@ -352,6 +353,8 @@ class RunSandbox:
         A ``ro`` grant on the workspace itself makes it read-only as well
         (:func:`sandbox_view`): bound so and not lent, but held all the same (gatewayd
         makes and removes its apps folder for the run); its rw policy paths are lent.
+        ``netns_ahead``: the run's namespace being made already (:class:`NamespaceAhead`),
+        taken instead of making one; the open then owns it (removed if it fails).
 
         Error handling: :class:`SandboxUnavailable` naming the step and the cause
         (:class:`UnsafeMounts` for a workspace whose apps folder cannot be hidden);
@@ -444,8 +447,12 @@ class RunSandbox:
                 apps_checked = await trio.to_thread.run_sync(check_apps_folders)
             except AppsFolderRefused as exc:
                 raise UnsafeMounts(f"run refused: {exc}") from exc
-            netns = await trio.to_thread.run_sync(
-                lambda: create_run_netns(run_id, prefix=settings.netns_prefix)
+            netns = await (
+                netns_ahead.take(run_id)
+                if netns_ahead is not None
+                else trio.to_thread.run_sync(
+                    lambda: create_run_netns(run_id, prefix=settings.netns_prefix)
+                )
             )
             info = os.stat(netns.path)
             read_only = {bound[Path(m.host)] for m in mounts if m.mode is PathMode.RO}
@@ -806,6 +813,72 @@ class RunSandbox:
             log.warning("apps_folder_not_removed", run_id=self.run_id, error=str(exc))
 
 
+class NamespaceAhead:
+    """A run's network namespace, made in a worker thread while the run's start does
+    other work (its workspace session opens meanwhile: most of that time is spent
+    waiting for the disk), and taken by :meth:`RunSandbox.open` at the step where it
+    would make one itself. So every refusal before that step is raised as before, and a
+    creation that failed raises there, as it did.
+
+    Resource handling: :meth:`make` runs as a task of the caller's nursery; the caller
+    awaits :meth:`drop_untaken` (shielded) once the sandbox is open or refused, which
+    waits for the creation and removes a namespace nobody took: none outlives a start
+    that did not end in a sandbox holding it."""
+
+    def __init__(self, run_id: str, prefix: str) -> None:
+        self._run_id = run_id
+        self._prefix = prefix
+        self._done = trio.Event()
+        self._handle: NetnsHandle | None = None
+        self._error: Exception | None = None
+        self._taken = False
+
+    async def make(self) -> None:
+        """The creation (a nursery task). Error handling: kept for :meth:`take`."""
+        try:
+            # Shielded: a creation is a few milliseconds, and one cut short could not
+            # say whether it left a namespace behind.
+            with trio.CancelScope(shield=True):
+                self._handle = await trio.to_thread.run_sync(
+                    lambda: create_run_netns(self._run_id, prefix=self._prefix)
+                )
+        except Exception as exc:  # NetnsError, ValueError: raised where it is taken
+            self._error = exc
+        finally:
+            self._done.set()
+
+    async def take(self, run_id: str) -> NetnsHandle:
+        """The namespace of run ``run_id``, once made; the caller owns it from now on.
+
+        Error handling: ValueError for another run's namespace (it stays with its
+        maker, which removes it); the creation's own error
+        (:class:`~gatewayd.sandbox.netns.NetnsError`...)."""
+        if run_id != self._run_id:
+            raise ValueError(
+                f"run {run_id} was handed run {self._run_id}'s network namespace; "
+                "each run's sandbox must have a namespace of its own"
+            )
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._handle is None or self._taken:
+            raise RuntimeError(f"run {self._run_id}'s namespace was taken already")
+        self._taken = True
+        return self._handle
+
+    async def drop_untaken(self) -> None:
+        """Wait for the creation; remove the namespace if nobody took it. Never raises
+        (a removal that fails is logged; the next daemon start sweeps it)."""
+        await self._done.wait()
+        if self._handle is None or self._taken:
+            return
+        name = self._handle.name
+        try:
+            await trio.to_thread.run_sync(remove_run_netns, name)
+        except (NetnsError, ValueError) as exc:
+            log.error("netns_not_removed", run_id=self._run_id, netns=name, error=str(exc))
+
+
 def _plan(
     *,
     run_id: str,
@@ -919,9 +992,16 @@ def _kill_uid(uid: int) -> int:
 
 def _sandbox_owned(pool: UidPool) -> Callable[[int], bool]:
     """Whether a uid is a sandbox's: of this daemon's pool, or of any live daemon's on
-    this host (another daemon's live run holds the tree). Blocking (reads the registry)."""
-    ranges = [pool.range, *sandbox_uid_ranges()]
-    return lambda uid: any(uid in uids for uids in ranges)
+    this host (another daemon's live run holds the tree). Blocking (reads the registry,
+    at the first uid asked about: a lease with no tree asks about none)."""
+    ranges: list[UidRange] = []
+
+    def owned(uid: int) -> bool:
+        if not ranges:
+            ranges.extend([pool.range, *sandbox_uid_ranges()])
+        return any(uid in uids for uids in ranges)
+
+    return owned
 
 
 def sandbox_view(grants: Sequence[PathGrant], workspace: Path, view: SandboxView) -> SandboxView:

@@ -163,7 +163,7 @@ async def serve_worker(
     """Run this host's worker until SIGTERM/SIGINT. ``say``: one line per state change
     (polling, paused and why, stopping), for the operator."""
     tell = say or (lambda line: print(f"gatewayd worker: {line}", file=sys.stderr, flush=True))
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         loop_ready = threading.Event()
         holder: dict[str, _Gate] = {}
         pool = concurrent.futures.ThreadPoolExecutor(

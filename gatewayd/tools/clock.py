@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from functools import lru_cache
 from typing import Any
 
 import msgspec
@@ -18,9 +19,16 @@ class NowArgs(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 def iso_utc(epoch_ns: int) -> str:
     """``2026-01-02T03:04:05.678Z``: ISO 8601 in UTC, milliseconds, rounded down."""
     seconds, millis = divmod(epoch_ns // 1_000_000, 1000)
+    return f"{_second_prefix(seconds)}{millis:03d}Z"
+
+
+# Calls within one second share their date and time up to the second: formatted once
+# (a few seconds kept, for a clock that steps back), not at every call.
+@lru_cache(maxsize=4)
+def _second_prefix(seconds: int) -> str:
     # Integer seconds: a float timestamp could round .9995 s up into the next second.
-    # time.gmtime, not datetime: the same fields at a fraction of the cost per call.
-    return time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds)) + f"{millis:03d}Z"
+    # time.gmtime, not datetime: the same fields at a fraction of the cost.
+    return time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds))
 
 
 def now_value(epoch_ns: int) -> dict[str, Any]:

@@ -7,6 +7,10 @@ The destination checks (scheme, method, host, port, the SSRF guard) are
 both paths out of the sandbox enforce one policy one way. What is this tool's own: the
 argument schema, the request headers an agent may set, following redirects (each hop
 checked again, credentials dropped when it leaves the origin) and the capped answer.
+
+httpx (the URL parser) and httpcore (the connection) are imported where they are used: a
+daemon whose runs can reach this tool loads them first, off its event loop
+(:mod:`gatewayd.libraries`), and one whose runs cannot never pays for them.
 """
 
 from __future__ import annotations
@@ -15,14 +19,12 @@ import base64
 import re
 import ssl
 from dataclasses import dataclass
-from typing import Annotated, Any, Final
+from typing import TYPE_CHECKING, Annotated, Any, Final
 
-import httpcore
-import httpx
 import msgspec
 import trio
 
-from gatewayd.dialer import PinnedBackend, Resolver, resolve_checked, resolve_host
+from gatewayd.dialer import Resolver, resolve_checked, resolve_host
 from gatewayd.errors import InvalidArguments, PolicyViolation, ToolFailed
 from gatewayd.policy.capabilities import ANY, NO_REQUEST, Capabilities, CapabilityRequest
 from gatewayd.policy.model import HttpMethod, NetworkSection
@@ -37,6 +39,10 @@ from gatewayd.policy.network import (
 )
 from gatewayd.tools.builtin import builtin_tool
 from gatewayd.tools.registry import Tool, ToolContext
+
+if TYPE_CHECKING:
+    import httpcore
+    import httpx
 
 # Longer than any real URL; a longer one is data smuggled out in a URL.
 MAX_URL_CHARS: Final = 8192
@@ -115,6 +121,10 @@ async def _send(
     net: NetworkSection,
 ) -> _Answer:
     """One request to the pinned addresses; the body read up to the policy's cap."""
+    import httpcore
+
+    from gatewayd.pinned_backend import PinnedBackend
+
     # The host's CA store; httpcore's default would be certifi's.
     context = ssl.create_default_context() if url.scheme == "https" else None
     backend = PinnedBackend(host, addresses)
@@ -181,6 +191,8 @@ def _value(answer: _Answer, url: httpx.URL, redirects: list[str]) -> dict[str, A
 
 
 def _parse_url(text: str) -> httpx.URL:
+    import httpx
+
     try:
         url = httpx.URL(text)
     except httpx.InvalidURL as exc:
@@ -200,6 +212,8 @@ async def fetch(
     for network errors, an oversize response, too many redirects or ``net.timeout_s``
     passing.
     """
+    import httpx
+
     check_any_host_allowed(net)
     headers = _check_headers(args.headers)
     body = None if args.body is None else args.body.encode("utf-8")
@@ -242,6 +256,8 @@ def fetch_request(args: FetchArgs) -> CapabilityRequest:
     ``network`` section. A URL that does not parse, or has no host, asks for nothing:
     the runner refuses it as ``invalid_args`` (and checks every hop again, redirects
     included, before a byte is sent)."""
+    import httpx
+
     try:
         url = httpx.URL(args.url)
     except httpx.InvalidURL:

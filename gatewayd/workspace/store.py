@@ -532,6 +532,8 @@ class RunWorkspace:
         self.root = session.root
         self._lock_fd: int | None = lock_fd
         self._guard = threading.Lock()
+        # Sealed with meta.json left live (seal(record_state=False)).
+        self._state_unrecorded = False
 
     @property
     def info(self) -> SessionInfo:
@@ -542,16 +544,32 @@ class RunWorkspace:
     def sealed(self) -> bool:
         return self.session.is_sealed
 
-    def seal(self) -> None:
+    def seal(self, *, record_state: bool = True) -> None:
         """The run's sandbox is gone: unmount the view (the overlay keeps its upper
         directory), final sync (agentfs), record the diff's counts and the base's
         signature of every path the delta touches (the commit's conflict check); state
-        ``kept``. Idempotent."""
+        ``kept``. Idempotent. ``record_state`` False: only for a caller that calls
+        :meth:`WorkspaceStore.end_of_run` next, which writes ``meta.json`` once for
+        both (a crash in between leaves it live: recovery seals it again and keeps it)."""
         with self._guard:
             if self.session.is_sealed or not self.session.is_open:
                 return
             self.session.seal()
-            self._info = self._store._record_seal(self.directory, self._info, self.session)
+            self._info = self._store._record_seal(
+                self.directory, self._info, self.session, record_state=record_state
+            )
+            # meta.json still says live: WorkspaceStore.end_of_run writes it once, with
+            # the state its on-end leads to (or, if that fails, as the seal would have).
+            self._state_unrecorded = not record_state
+
+    def keep_sealed_record(self) -> None:
+        """After a step that failed between :meth:`seal` with ``record_state=False`` and
+        the write of the session's next state: ``meta.json`` says kept, as the seal
+        would have recorded it (nothing if a state was written since). Blocking."""
+        with self._guard:
+            if self._state_unrecorded and self._store._still_live(self.directory):
+                _write_info(self.directory, self._info)
+            self._state_unrecorded = False
 
     def _release(self) -> None:
         with self._guard:
@@ -788,43 +806,67 @@ class WorkspaceStore:
         overrides the session's own (a run refused before anything ran: discard).
         ``interrupted``: why the run ended before its work did (its time ran out, the
         daemon stopped); a commit is then not made, the session is kept with that note,
-        as a crash keeps it: half-done work never reaches the base on its own. Releases
-        the session's lock. Error handling: WorkspaceNotFound when no live session of
-        ``run_id`` is in this store; a discard that fails raises (the session stays
-        kept, and recover() or a later discard finishes it)."""
+        as a crash keeps it: half-done work never reaches the base on its own.
+        Writes the session's record once for the seal (if the caller did not record
+        it: :meth:`RunWorkspace.seal`) and the on-end. Releases the session's lock.
+        Error handling: WorkspaceNotFound when no live session of ``run_id`` is in
+        this store; a discard that fails raises (the session stays kept, and recover()
+        or a later discard finishes it)."""
         with self._live_lock:
             handle = self._live.pop(check_run_id(run_id), None)
         if handle is None:
             raise WorkspaceNotFound(f"run {run_id} has no live workspace session here")
         try:
-            handle.seal()
-            info = handle.info
-            action = on_end or info.on_end
-            if action == "commit" and interrupted is not None:
-                note = f"commit skipped: {interrupted}"
-                kept = self._keep(handle.directory, info, note=note)
-                return f"kept until {iso_time(kept)} ({note})"
-            if action == "discard":
-                try:
-                    self._discard_locked(handle.directory, info, handle.session, wait=True)
-                    return "discarded"
-                except WorkspaceBusy as exc:
-                    # A host session over a base another run is live on: restored later.
-                    kept = self._keep(handle.directory, info, note=f"discard refused: {exc}")
-                    return f"kept until {iso_time(kept)} (discard refused: {exc})"
-            if action == "commit":
-                try:
-                    done = self._commit_locked(handle.directory, info, handle.session, wait=True)
-                    summary = commit_summary(done)
-                    return f"committed ({summary})" if summary else "committed"
-                except (WorkspaceConflict, DeltaTooLarge, WorkspaceBusy) as exc:
-                    # Refused before anything was written: the session is kept as it was.
-                    kept = self._keep(handle.directory, handle.info, note=f"commit refused: {exc}")
-                    return f"kept until {iso_time(kept)} (commit refused: {exc})"
-            kept = self._keep(handle.directory, info, note=None)
-            return f"kept until {iso_time(kept)}"
+            # Sealed with meta.json left live: the on-end below writes it once (kept,
+            # committing or discarding) instead of once for the seal and once more for
+            # the on-end. A crash between the two leaves it live, which recovery seals
+            # and keeps, as it keeps a sealed one: never committed, the base given back.
+            handle.seal(record_state=False)
+            try:
+                return self._apply_on_end(handle, on_end, interrupted)
+            except BaseException:
+                handle.keep_sealed_record()
+                raise
         finally:
             handle._release()
+
+    def _still_live(self, directory: Path) -> bool:
+        """Does the session's record still say live (nothing written since the seal)?"""
+        try:
+            return self._read_info(directory).state == "live"
+        except WorkspaceError:
+            return False  # damaged or gone: nothing to write over
+
+    def _apply_on_end(
+        self, handle: RunWorkspace, on_end: OnEnd | None, interrupted: str | None
+    ) -> str:
+        """:meth:`end_of_run`'s on-end of the sealed ``handle``: each way writes the
+        session's record once."""
+        info = handle.info
+        action = on_end or info.on_end
+        if action == "commit" and interrupted is not None:
+            note = f"commit skipped: {interrupted}"
+            kept = self._keep(handle.directory, info, note=note)
+            return f"kept until {iso_time(kept)} ({note})"
+        if action == "discard":
+            try:
+                self._discard_locked(handle.directory, info, handle.session, wait=True)
+                return "discarded"
+            except WorkspaceBusy as exc:
+                # A host session over a base another run is live on: restored later.
+                kept = self._keep(handle.directory, info, note=f"discard refused: {exc}")
+                return f"kept until {iso_time(kept)} (discard refused: {exc})"
+        if action == "commit":
+            try:
+                done = self._commit_locked(handle.directory, info, handle.session, wait=True)
+                summary = commit_summary(done)
+                return f"committed ({summary})" if summary else "committed"
+            except (WorkspaceConflict, DeltaTooLarge, WorkspaceBusy) as exc:
+                # Refused before anything was written: the session is kept as it was.
+                kept = self._keep(handle.directory, handle.info, note=f"commit refused: {exc}")
+                return f"kept until {iso_time(kept)} (commit refused: {exc})"
+        kept = self._keep(handle.directory, info, note=None)
+        return f"kept until {iso_time(kept)}"
 
     def _keep(self, directory: Path, info: SessionInfo, *, note: str | None) -> float:
         until = time.time() + info.keep_for_s
@@ -832,25 +874,38 @@ class WorkspaceStore:
         return until
 
     def _record_seal(
-        self, directory: Path, info: SessionInfo, session: WorkspaceSession
+        self,
+        directory: Path,
+        info: SessionInfo,
+        session: WorkspaceSession,
+        *,
+        record_state: bool = True,
+        signed_at_run_end: bool = False,
     ) -> SessionInfo:
-        """What seal records (seal.json) and the session's new record (state kept)."""
+        """What seal records (seal.json, durable before any record says kept) and the
+        session's new record (state kept): written to meta.json unless ``record_state``
+        is False (the caller writes it with the state that follows).
+        ``signed_at_run_end``: the run's own seal wrote seal.json before its daemon died
+        (meta.json still live): its signatures, taken when the run ended, stay, so a base
+        edited after that is a conflict for the commit as it would have been."""
         diff = session.diff()
         # Host: what the run wrote into the base; the others: what their commit would
         # copy into it, sparse files at full size (their own limit counts blocks).
         delta_bytes = (
             _bytes_written(session.root, diff) if session.writes_base else session.committed_bytes()
         )
-        signatures: dict[str, dict[str, Any]] = {}
-        if not session.writes_base:
-            # Host mode has nothing to check: its commit writes nothing to the base.
-            for rel, whole in _touched_with_depth(session).items():
-                signature = base_signature(info.base, rel, whole=whole)
-                signatures[rel] = {"whole": whole, "signature": signature}
-        record = {"signatures": signatures, "sealed": time.time()}
-        write_atomically(directory / SEAL_NAME, json.dumps(record).encode(), RECORD_MODE)
+        if not signed_at_run_end:
+            signatures: dict[str, dict[str, Any]] = {}
+            if not session.writes_base:
+                # Host mode has nothing to check: its commit writes nothing to the base.
+                for rel, whole in _touched_with_depth(session).items():
+                    signature = base_signature(info.base, rel, whole=whole)
+                    signatures[rel] = {"whole": whole, "signature": signature}
+            record = {"signatures": signatures, "sealed": time.time()}
+            write_atomically(directory / SEAL_NAME, json.dumps(record).encode(), RECORD_MODE)
         sealed = replace(info, state="kept", counts=diff_counts(diff), delta_bytes=delta_bytes)
-        _write_info(directory, sealed)
+        if record_state:
+            _write_info(directory, sealed)
         return sealed
 
     # --- any session, by run id --------------------------------------------------
@@ -1256,7 +1311,9 @@ class WorkspaceStore:
             until = self._keep(directory, info, note="a commit was interrupted before it began")
             return f"run {info.run_id}: the commit never began; kept until {iso_time(until)}"
         if info.state == "live":
-            sealed = self._record_seal(directory, info, session)
+            # A seal.json there is the run's own (written whole, atomically, at its end).
+            signed = (directory / SEAL_NAME).is_file()
+            sealed = self._record_seal(directory, info, session, signed_at_run_end=signed)
             until = self._keep(directory, sealed, note="its daemon ended during the run")
             return (
                 f"run {info.run_id}: its daemon ended during the run; kept until {iso_time(until)}"

@@ -121,7 +121,7 @@ async def daemon(base: Path, provider: FakeProvider) -> AsyncIterator[Daemon]:
     os.environ[TOKEN_ENV] = DEFAULT_TOKEN
     os.environ[MODEL_KEY_ENV] = MODEL_KEY
     try:
-        async with open_daemon(agent_config(base, provider)) as d:
+        async with open_daemon(agent_config(base, provider), preload=True) as d:
             yield d
     finally:
         os.environ.pop(TOKEN_ENV, None)
@@ -556,7 +556,7 @@ async def test_what_a_crashed_agent_run_left_is_unmounted_and_removed_at_start(
     assert os.path.ismount(session.root)
     # gatewayd dies here: no close, no discard. The next daemon on this state directory:
     try:
-        async with open_daemon(config) as d:
+        async with open_daemon(config, preload=True) as d:
             assert not os.path.ismount(session.root)
             assert sorted(config.resolved_agent_dir.iterdir()) == [live, foreign]
             await d.audit.durable(d.audit.last_seq)
@@ -647,7 +647,7 @@ async def test_an_agent_dir_others_may_write_is_refused_and_left_as_it_is(
     shared = base / "shared"
     shared.mkdir()
     shared.chmod(mode)
-    async with open_daemon(agent_config(base, provider, agent_dir=shared)) as d:
+    async with open_daemon(agent_config(base, provider, agent_dir=shared), preload=True) as d:
         result = await run_agent(d.runs, d.dispatcher, task(server.url_for("calc.git"), "a" * 40))
         await d.audit.durable(d.audit.last_seq)
         lines = d.config.resolved_audit_path.read_text().splitlines()
@@ -672,7 +672,7 @@ async def test_without_the_os_sandbox_no_agent_run_starts(
     )
     os.environ[TOKEN_ENV] = DEFAULT_TOKEN
     try:
-        async with open_daemon(agent_config(base, provider, os_sandbox=False)) as d:
+        async with open_daemon(agent_config(base, provider, os_sandbox=False), preload=True) as d:
             # The shipped policy requires the sandbox: the run is refused at its start.
             strict = await run_agent(d.runs, d.dispatcher, task(server.url_for("calc.git"), sha))
             # A policy that would let the run go on without one: still no agent run.
@@ -881,7 +881,7 @@ async def test_an_agent_run_prompts_an_app_of_its_checkout_and_the_patch_leaves_
         os.environ[TOKEN_ENV] = DEFAULT_TOKEN
         os.environ[MODEL_KEY_ENV] = MODEL_KEY
         try:
-            async with open_daemon(config) as daemon:
+            async with open_daemon(config, preload=True) as daemon:
                 provider.script(
                     # The agent prompts the app; the app (same provider) writes a note.
                     Text(

@@ -347,7 +347,7 @@ calls = json.loads(sys.argv[1])
 async def sb(short_tmp: Path) -> AsyncIterator[Sandboxed]:
     base = short_tmp
     base.chmod(0o711)  # the sandbox's uid passes through to its workspace and socket
-    async with open_daemon(sandbox_config(base)) as daemon:
+    async with open_daemon(sandbox_config(base), preload=True) as daemon:
         assert daemon.runs.support.available, daemon.runs.support.reason
         yield Sandboxed(daemon, base)
 
@@ -407,7 +407,9 @@ async def served(short_tmp: Path) -> AsyncIterator[tuple[Daemon, Path]]:
         state_dir=short_tmp / "state", policy_dirs=(policies,), os_sandbox=False
     )
     socket_path = short_tmp / "control.sock"
-    async with open_daemon(config, control_socket=socket_path, tools=builtin_tools()) as daemon:
+    async with open_daemon(
+        config, preload=True, control_socket=socket_path, tools=builtin_tools()
+    ) as daemon:
         yield daemon, socket_path
 
 

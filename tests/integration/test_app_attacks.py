@@ -270,7 +270,7 @@ async def sb(base: Path, model: FakeProvider, reviewer: FakeProvider) -> AsyncIt
     os.environ[HOST_SECRET_ENV] = "sk-host-only-" + secrets.token_hex(8)
     try:
         config = app_config(base, model, reviewer, more={OTHER_MODEL: model})
-        async with open_daemon(config) as daemon:
+        async with open_daemon(config, preload=True) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             yield Sandboxed(daemon, base)
     finally:

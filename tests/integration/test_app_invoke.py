@@ -124,7 +124,7 @@ def app_config(
 async def sb(base: Path, model: FakeProvider, reviewer: FakeProvider) -> AsyncIterator[Sandboxed]:
     os.environ[KEY_ENV] = "sk-test-" + secrets.token_hex(8)
     try:
-        async with open_daemon(app_config(base, model, reviewer)) as daemon:
+        async with open_daemon(app_config(base, model, reviewer), preload=True) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             yield Sandboxed(daemon, base)
     finally:

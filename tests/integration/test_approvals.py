@@ -95,7 +95,7 @@ async def harness(short_tmp: Path) -> AsyncIterator[Harness]:
         workspace_mode="host",
     )
     control = short_tmp / "control.sock"
-    async with open_daemon(config, control_socket=control) as daemon:
+    async with open_daemon(config, preload=True, control_socket=control) as daemon:
         yield Harness(Gateway(daemon, policies), control)
 
 
@@ -512,7 +512,7 @@ async def test_records_a_crash_left_are_denied_at_start_even_when_unreadable(
     (records / f"{'c' * 32}.json").write_text(json.dumps({"runId": 5, "peer": "x"}))
     (records / f".{'d' * 32}.json.123.tmp").write_text("half")  # a write never renamed
     config = GatewaydConfig(state_dir=state, policy_dirs=(short_tmp,), os_sandbox=False)
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         entries = [
             json.loads(line)
             for line in daemon.config.resolved_audit_path.read_text().splitlines()
@@ -537,7 +537,7 @@ async def test_a_link_in_place_of_the_approvals_folder_stops_the_start(short_tmp
     (state / "approvals").symlink_to(short_tmp)
     config = GatewaydConfig(state_dir=state, policy_dirs=(short_tmp,), os_sandbox=False)
     with pytest.raises(BaseException) as info:  # raised inside the daemon's nursery
-        async with open_daemon(config):
+        async with open_daemon(config, preload=True):
             pass
     refused = info.value
     while isinstance(refused, BaseExceptionGroup):

@@ -85,7 +85,7 @@ def base() -> Iterator[Path]:
 async def sb(base: Path) -> AsyncIterator[Sandboxed]:
     # Host mode: the test reads each call's effect (or its absence) in the workspace itself.
     config = sandbox_config(base).changed(workspace_mode="host")
-    async with open_daemon(config, control_socket=base / "control.sock") as daemon:
+    async with open_daemon(config, preload=True, control_socket=base / "control.sock") as daemon:
         assert daemon.runs.support.available, daemon.runs.support.reason
         yield Sandboxed(daemon, base)
 

@@ -94,7 +94,7 @@ def base() -> Iterator[Path]:
 
 @pytest.fixture
 async def sb(base: Path) -> AsyncIterator[Sandboxed]:
-    async with open_daemon(sandbox_config(base)) as daemon:
+    async with open_daemon(sandbox_config(base), preload=True) as daemon:
         assert daemon.runs.support.available, daemon.runs.support.reason
         yield Sandboxed(daemon, base)
 

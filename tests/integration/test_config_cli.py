@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import OPEN_POLICY, write_policy
+from tests.unit.test_config import write
 
 GATEWAYD = str(Path(sys.executable).parent / "gatewayd")
 
@@ -128,3 +129,29 @@ def test_config_show_and_check_as_commands(base: Path) -> None:
     done = gw("config", "check", str(config), env=env)
     assert done.returncode == 1 and "did you mean 'netns_prefix'?" in done.stderr
     assert gw("config", "check", env=env).returncode == 2
+
+
+# A bad file refused by `gatewayd run` (tests/unit/test_config.py: the same file refused
+# by the loader itself).
+def test_the_cli_refuses_a_bad_config_with_the_problem(tmp_path: Path) -> None:
+    path = write(tmp_path, "models: {r: {provider: openai}}")
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "gatewayd"),
+            "run",
+            "--config",
+            str(path),
+            "--state-dir",
+            str(tmp_path / "state"),
+            "--policy",
+            "demo",
+            "--workspace",
+            str(tmp_path),
+            "--",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode != 0
+    assert "gatewayd: bad configuration:" in done.stderr and "models.r.model" in done.stderr

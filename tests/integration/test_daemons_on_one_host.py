@@ -473,16 +473,16 @@ async def test_an_in_process_daemon_on_a_live_ones_state_dir_raises_before_openi
     second = GatewaydConfig(
         state_dir=base / "state", audit_path=other_audit, policy_dirs=(base,), os_sandbox=False
     )
-    async with open_daemon(first) as daemon:
+    async with open_daemon(first, preload=True) as daemon:
         with pytest.raises(DaemonClash) as refused:
-            async with open_daemon(second):
+            async with open_daemon(second, preload=True):
                 pass
         assert refused.value.other.pid == os.getpid()
         assert "--state-dir (state_dir)" in str(refused.value)
         assert not other_audit.exists()
         assert daemon.config.state_dir.is_dir()
     # Once the first has ended, the same state directory is free.
-    async with open_daemon(second):
+    async with open_daemon(second, preload=True):
         assert other_audit.exists()
 
 
@@ -855,7 +855,9 @@ async def test_a_control_socket_replaced_under_a_daemon_is_not_removed_at_its_st
     """A stop removes the path only while it is still the socket this daemon bound."""
     config = GatewaydConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
     path = base / "control.sock"
-    async with open_daemon(config, control_socket=path):  # serves it, as `gatewayd serve`
+    async with open_daemon(
+        config, preload=True, control_socket=path
+    ):  # serves it, as `gatewayd serve`
         path.rename(base / "moved.sock")
         path.write_text("put here since\n")
     assert path.read_text() == "put here since\n"

@@ -209,7 +209,7 @@ async def harness(base: Path, origin: int) -> AsyncIterator[Harness]:
     )
     os.environ[OTHER_ENV] = "gatewayd's own value"
     try:
-        async with open_daemon(config, resolver=resolve) as daemon:
+        async with open_daemon(config, preload=True, resolver=resolve) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             yield Harness(daemon, base, origin)
     finally:

@@ -164,7 +164,7 @@ def base() -> Iterator[Path]:
 
 @pytest.fixture
 async def daemon(base: Path) -> AsyncIterator[Daemon]:
-    async with open_daemon(config(base)) as daemon:
+    async with open_daemon(config(base), preload=True) as daemon:
         assert daemon.runs.sandbox_settings is not None
         assert daemon.runs.sandbox_settings.cgroups is not None
         yield daemon
@@ -290,7 +290,7 @@ async def test_the_daemons_stop_right_after_a_result_leaves_no_command_cgroup(
     base: Path, gate: Gate
 ) -> None:
     async with trio.open_nursery() as nursery:
-        async with open_daemon(config(base)) as daemon:
+        async with open_daemon(config(base), preload=True) as daemon:
             run = await start_run(daemon, base)
             gate.close()
             result = await daemon.runs.exec(run.run_id, ["true"])

@@ -59,7 +59,7 @@ async def test_an_agent_run_offers_its_allowed_folder_tools_and_their_writes_mak
         os.environ[TOKEN_ENV] = DEFAULT_TOKEN
         os.environ[MODEL_KEY_ENV] = MODEL_KEY
         try:
-            async with open_daemon(config) as daemon:
+            async with open_daemon(config, preload=True) as daemon:
                 provider.script(
                     Text(
                         content=None,

@@ -89,7 +89,7 @@ async def gw(short_tmp: Path) -> AsyncIterator[Gateway]:
     config = GatewaydConfig(
         state_dir=short_tmp / "state", policy_dirs=(policies,), os_sandbox=False
     )
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         yield Gateway(daemon, policies)
 
 

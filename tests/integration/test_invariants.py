@@ -140,7 +140,7 @@ async def test_no_effect_happens_when_the_audit_entry_cannot_be_made_durable(
             # The effect that must not happen is looked for in the workspace itself.
             workspace_mode="host",
         )
-        async with open_daemon(config) as daemon:
+        async with open_daemon(config, preload=True) as daemon:
             gw = Gateway(daemon, policies)
             run = await gw.create_run(workspace)
             filler = small / "filler"

@@ -260,7 +260,7 @@ async def daemon(base: Path) -> AsyncIterator[Daemon]:
         workspace_mode="host",
     )
     (base / "homes").mkdir()
-    async with open_daemon(config) as live:
+    async with open_daemon(config, preload=True) as live:
         assert live.runs.support.available, live.runs.support.reason
         yield live
 

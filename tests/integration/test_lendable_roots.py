@@ -484,7 +484,7 @@ async def lending(base: Path) -> AsyncIterator[Lending]:
         netns_prefix=f"cgt{secrets.token_hex(4)}-",
         sandbox_uids=SandboxUids(base=1_700_000_000 + secrets.randbelow(50_000) * 1024, count=64),
     )
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         assert daemon.runs.support.available, daemon.runs.support.reason
         yield Lending(daemon, base)
 
@@ -794,7 +794,7 @@ async def test_a_tree_holding_or_in_gatewayds_own_directories_is_refused_on_its_
         **case.config,
     )
     # Served where the case names one, as `gatewayd serve` serves its setting's.
-    async with open_daemon(config, control_socket=config.control_socket) as daemon:
+    async with open_daemon(config, preload=True, control_socket=config.control_socket) as daemon:
         before = _owners_beneath(case.own)
         log = daemon.config.resolved_audit_path
         request = RunRequest(

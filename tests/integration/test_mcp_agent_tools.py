@@ -71,7 +71,7 @@ async def test_an_agent_run_offers_and_calls_its_allowed_pinned_mcp_tools(
         os.environ[TOKEN_ENV] = DEFAULT_TOKEN
         os.environ[MODEL_KEY_ENV] = MODEL_KEY
         try:
-            async with open_daemon(config) as daemon:
+            async with open_daemon(config, preload=True) as daemon:
                 await Approval(daemon.mcp_tools).pin("misc", tools=("echo", "env"), by="ops")
                 provider.script(
                     Text(

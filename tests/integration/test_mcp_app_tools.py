@@ -70,7 +70,7 @@ async def sb(base: Path, model: FakeProvider, reviewer: FakeProvider) -> AsyncIt
     )
     os.environ[KEY_ENV] = "sk-test-" + secrets.token_hex(8)
     try:
-        async with open_daemon(config) as daemon:
+        async with open_daemon(config, preload=True) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             yield Sandboxed(daemon, base)
     finally:

@@ -125,7 +125,7 @@ async def sb(base: Path) -> AsyncIterator[Sandboxed]:
     os.environ[KEY_ENV] = "sk-host-only-" + secrets.token_hex(8)
     try:
         config = sandbox_config(base).changed(models={"assistant": alias})
-        async with open_daemon(config) as daemon:
+        async with open_daemon(config, preload=True) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             yield Sandboxed(daemon, base)
     finally:

@@ -129,7 +129,7 @@ class Pinned:
 @asynccontextmanager
 async def gateway(base: Path, **options: Any) -> AsyncIterator[Pinned]:
     config = GatewaydConfig.model_validate(settings(base))
-    async with open_daemon(config, **options) as daemon:
+    async with open_daemon(config, preload=True, **options) as daemon:
         assert daemon.runs.support.available, daemon.runs.support.reason
         yield Pinned(daemon, base)
     report = verify_file(config.resolved_audit_path)

@@ -138,7 +138,7 @@ def gateway(base: Path, servers: dict[str, Any], resolver: Resolver | None = Non
 
     @asynccontextmanager
     async def cm() -> AsyncIterator[Mcp]:
-        async with open_daemon(config(base, servers), resolver=resolver) as daemon:
+        async with open_daemon(config(base, servers), preload=True, resolver=resolver) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             yield Mcp(daemon, base)
 

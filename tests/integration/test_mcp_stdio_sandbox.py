@@ -146,7 +146,7 @@ def base() -> Iterator[Path]:
 async def sb(base: Path) -> AsyncIterator[Sandboxed]:
     os.environ[SECRET_NAME] = "sk-host-only-" + secrets.token_hex(8)
     try:
-        async with open_daemon(sandbox_config(base)) as daemon:
+        async with open_daemon(sandbox_config(base), preload=True) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             yield Sandboxed(daemon, base)
     finally:

@@ -413,7 +413,7 @@ async def test_an_agent_run_whose_model_reply_is_too_large_ends_internal(
     ):
         provider.script(Text(content=None, calls=(edit,)), reply)
         sha = make_bare_repo(server.root, "calc.git", REPO_FILES)
-        async with open_daemon(agent_config(base, provider)) as daemon:
+        async with open_daemon(agent_config(base, provider), preload=True) as daemon:
             result = await run_agent(
                 daemon.runs, daemon.dispatcher, task(server.url_for("calc.git"), sha)
             )

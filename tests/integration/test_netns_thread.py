@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 
 from gatewayd.files import LIBC
 from gatewayd.sandbox import netns as netns_module
@@ -30,6 +31,7 @@ from gatewayd.sandbox.netns import (
     remove_run_netns,
     stale_netns,
 )
+from gatewayd.sandbox.session import NamespaceAhead
 from tests.integration.test_netns import _REASON, ip_netns_list
 
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=_REASON or "")
@@ -188,3 +190,32 @@ def test_removing_a_file_a_failed_creation_left_unmounted_still_removes_it(prefi
     assert remove_run_netns(name) is True
     assert not os.path.lexists(path)
     assert remove_run_netns(name) is False
+
+
+def test_a_namespace_made_ahead_goes_to_its_own_run_only_and_is_removed_untaken(
+    prefix: str,
+) -> None:
+    run_id, other = secrets.token_hex(16), secrets.token_hex(16)
+    name = netns_name(run_id, prefix=prefix)
+
+    async def main() -> None:
+        ahead = NamespaceAhead(run_id, prefix)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ahead.make)
+        with pytest.raises(ValueError, match=f"run {other} was handed run {run_id}'s network"):
+            await ahead.take(other)
+        # Refused to another run, it is still its maker's to remove.
+        assert name in ip_netns_list()
+        await ahead.drop_untaken()
+        assert name not in ip_netns_list()
+        taken = NamespaceAhead(run_id, prefix)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(taken.make)
+        handle = await taken.take(run_id)
+        with pytest.raises(RuntimeError, match="taken already"):
+            await taken.take(run_id)
+        await taken.drop_untaken()  # taken: the owner removes it, not drop_untaken
+        assert handle.name in ip_netns_list()
+        remove_run_netns(handle.name)
+
+    trio.run(main)

@@ -355,7 +355,7 @@ async def harness(base: Path) -> AsyncIterator[Harness]:
     os.environ[GRANTED_NAME] = "granted-value"
     os.environ[UNALLOWED_NAME] = "declared-but-not-allowed"
     try:
-        async with open_daemon(config, tools=registry) as daemon:
+        async with open_daemon(config, preload=True, tools=registry) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             harness = Harness(daemon, base)
             harness.run = await harness.start(POLICY.format(extra=extra, granted=GRANTED_NAME), ws)
@@ -539,7 +539,7 @@ async def test_a_degraded_run_is_refused_by_the_policy_step(base: Path) -> None:
     config = GatewaydConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
     ws = base / "ws-degraded"
     ws.mkdir()
-    async with open_daemon(config, tools=registry) as daemon:
+    async with open_daemon(config, preload=True, tools=registry) as daemon:
         run = await daemon.runs.start(
             RunRequest(
                 workspacePath=str(ws),

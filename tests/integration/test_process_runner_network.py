@@ -258,7 +258,7 @@ async def harness(base: Path, origin: int) -> AsyncIterator[Harness]:
     policy_file.write_text(textwrap.dedent(policy(origin)))
     os.environ[KEY_ENV] = "sk-host-only-" + secrets.token_hex(8)
     try:
-        async with open_daemon(config, resolver=resolve) as daemon:
+        async with open_daemon(config, preload=True, resolver=resolve) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             run = await daemon.runs.start(
                 RunRequest(

@@ -3,6 +3,7 @@ client keeps calling: real daemon process, real run socket, real signals."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import subprocess
@@ -212,3 +213,29 @@ def test_sighup_rereads_model_aliases_and_says_what_needs_a_restart(base: Path) 
 
 def _events(daemon: LiveDaemon, event: str) -> list[dict[str, Any]]:
     return [e for e in entries(daemon.audit_path) if e.get("event") == event]
+
+
+async def test_a_reload_reads_the_configuration_off_the_event_loop(
+    short_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reading and validating the files may import (a witness's key loads cryptography):
+    # never on the loop that serves the live runs' calls. A bad file still changes
+    # nothing but the log and the audit.
+    from gatewayd.cli import serve
+    from tests.conftest import make_gateway
+
+    read_by: list[int] = []
+
+    def unreadable(_args: argparse.Namespace) -> None:
+        read_by.append(threading.get_ident())
+        raise SystemExit("gatewayd: the configuration file is broken")
+
+    monkeypatch.setattr(serve, "config_from_options", unreadable)
+    async with make_gateway(short_tmp) as gw:
+        await serve._reload(gw.daemon, argparse.Namespace())
+        entries = await gw.audit_entries()
+    assert len(read_by) == 1 and read_by[0] != threading.get_ident()
+    failed = [e for e in entries if e.get("event") == "config_reload_failed"]
+    assert [e.get("safeMessage") for e in failed] == [
+        "gatewayd: the configuration file is broken"
+    ], entries[-3:]

@@ -530,7 +530,7 @@ async def control_socket_daemon(
     ws.mkdir()
     policy = write_policy(base, SANDBOX_POLICY, "exec.yaml")
     control = base / "control.sock"
-    async with open_daemon(config, control_socket=control) as daemon:
+    async with open_daemon(config, preload=True, control_socket=control) as daemon:
         assert daemon.runs.support.available, daemon.runs.support.reason
         run = await daemon.runs.start(
             RunRequest(

@@ -142,7 +142,7 @@ def base() -> Iterator[Path]:
 async def sb(base: Path) -> AsyncIterator[Sandboxed]:
     os.environ[SECRET_NAME] = "sk-host-only-" + secrets.token_hex(8)
     try:
-        async with open_daemon(sandbox_config(base)) as daemon:
+        async with open_daemon(sandbox_config(base), preload=True) as daemon:
             assert daemon.runs.support.available, daemon.runs.support.reason
             yield Sandboxed(daemon, base)
     finally:
@@ -832,7 +832,7 @@ async def test_without_an_os_sandbox_a_requiring_policy_is_refused_and_a_lenient
     config = GatewaydConfig(state_dir=base / "state", policy_dirs=(base,), os_sandbox=False)
     ws = base / "ws"
     ws.mkdir()
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         gw = Sandboxed(daemon, base)
         with pytest.raises(PolicyViolation, match="require_os_sandbox: false"):
             await gw.run(workspace=ws)
@@ -866,7 +866,7 @@ async def test_a_state_dir_the_sandbox_cannot_pass_makes_the_sandbox_unavailable
     locked = base / "locked"
     locked.mkdir(mode=0o700)
     config = sandbox_config(locked)
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         assert not daemon.runs.support.available
         assert f"chmod o+x {locked}" in daemon.runs.support.reason
 

@@ -1,6 +1,10 @@
 """A run's start and end in a real daemon with the OS sandbox: nothing forks the daemon,
 the network namespace made by the namespace thread is loopback only from inside a real
-sandbox, and the uid pool's records stay right while runs start and end at once.
+sandbox, and the uid pool's records stay right while runs start and end at once. The
+namespace made while the run's session opens: removed when the start is then refused,
+its failure raised at the sandbox's step, and a daemon killed with both made leaves
+nothing after its next start. A start's and an end's audit entries are durable, in
+order, when each returns.
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import textwrap
 import threading
@@ -22,7 +28,8 @@ import trio
 from gatewayd.config import GatewaydConfig, SandboxUids
 from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.runs import Grant, Run, RunRequest
-from gatewayd.sandbox.netns import NETNS_RUN_DIR
+from gatewayd.sandbox.netns import NETNS_RUN_DIR, NetnsError
+from gatewayd.sandbox.session import ImageRefused, WorkspaceInUse
 from gatewayd.sandbox.uids import UidPoolExhausted
 from tests.integration.test_run_sandbox import OUTSIDE_V4, POLICY, PY, _unavailable
 
@@ -62,7 +69,7 @@ async def daemon(base: Path) -> AsyncIterator[Daemon]:
             base=1_720_000_000 + secrets.randbelow(50_000) * 1024, count=UID_COUNT
         ),
     )
-    async with open_daemon(config) as started:
+    async with open_daemon(config, preload=True) as started:
         assert started.runs.support.available, started.runs.support.reason
         yield started
 
@@ -184,3 +191,162 @@ async def test_the_uid_pools_records_stay_right_while_runs_start_and_end_at_once
         assert pool.held == frozenset()
         scans.append(pool.scans)
     assert scans[0] <= 1 and scans[1:] == [scans[0]] * 2
+
+
+# --- the namespace made while the session opens ----------------------------------------
+
+
+def _namespaces(daemon: Daemon) -> set[str]:
+    return {p.name for p in NETNS_RUN_DIR.glob(f"{daemon.config.resolved_netns_prefix}*")}
+
+
+async def test_a_start_refused_after_its_namespace_was_made_ahead_leaves_none(
+    daemon: Daemon, base: Path
+) -> None:
+    holder = await start(daemon, base, "held")
+    assert _namespaces(daemon) == {f"{daemon.config.resolved_netns_prefix}{holder.run_id}"}
+    # The sandbox refuses the second run on the workspace the first holds: a step after
+    # the namespace began to be made, before the sandbox takes it.
+    with pytest.raises(WorkspaceInUse, match="one workspace"):
+        await start(daemon, base, "held")
+    (base / "other").mkdir()
+    with pytest.raises(ImageRefused) as image_refused:
+        await daemon.runs.start(
+            RunRequest(
+                workspacePath=str(base / "other"),
+                policy="sandboxed",
+                actorId="tester",
+                tenantId="t1",
+                grant=Grant(allowSandbox=True),
+                sandboxImage=str(base / "no-such-image"),
+            )
+        )
+    assert str(base / "no-such-image") in str(image_refused.value)
+    assert _namespaces(daemon) == {f"{daemon.config.resolved_netns_prefix}{holder.run_id}"}
+    assert daemon.runs.uid_pool.in_use == 1
+    await daemon.runs.end(holder.run_id)
+    assert _namespaces(daemon) == set()
+
+
+async def test_a_namespace_that_cannot_be_made_refuses_the_start_at_its_step(
+    daemon: Daemon, base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gatewayd.sandbox import netns as netns_module
+
+    # No interface of that index in a new namespace: the creation fails, and the start
+    # raises it where the sandbox takes the namespace, leaving nothing.
+    monkeypatch.setattr(netns_module, "_LOOPBACK_INDEX", 999)
+    (base / "ws").mkdir()
+    with pytest.raises(NetnsError, match=r"has no 'lo' interface") as refused:
+        await start(daemon, base, "ws")
+    assert "network namespace" in str(refused.value)
+    assert _namespaces(daemon) == set()
+    assert daemon.runs.uid_pool.in_use == 0
+    assert os.stat(base / "ws").st_uid == 0, "nothing stays lent"
+
+
+CRASHING_START = """
+import os, sys, time
+from pathlib import Path
+import trio
+from gatewayd.config import GatewaydConfig, SandboxUids
+from gatewayd.daemon import open_daemon
+from gatewayd.runs import Grant, RunRequest
+from gatewayd.sandbox.netns import NETNS_RUN_DIR
+from gatewayd.workspace import store as store_module
+
+base, prefix, uid_base = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+real_open = store_module.WorkspaceStore.open_session
+
+def open_then_die(self, run_id, *args, **kwargs):
+    real_open(self, run_id, *args, **kwargs)  # the base lent, the overlay mounted
+    deadline = time.monotonic() + 10
+    while not (NETNS_RUN_DIR / f"{prefix}{run_id}").exists():  # made meanwhile
+        if time.monotonic() > deadline:
+            os._exit(3)
+        time.sleep(0.001)
+    os._exit(9)  # a crash between the two: no cleanup at all
+
+store_module.WorkspaceStore.open_session = open_then_die
+
+async def main():
+    config = GatewaydConfig(
+        state_dir=base / "state", policy_dirs=(base,), netns_prefix=prefix,
+        sandbox_uids=SandboxUids(base=uid_base, count=3), workspace_mode="overlay",
+    )
+    async with open_daemon(config, preload=True) as daemon:
+        await daemon.runs.start(
+            RunRequest(workspacePath=str(base / "ws"), policy="sandboxed", actorId="tester",
+                       tenantId="t1", grant=Grant(allowSandbox=True)),
+        )
+
+trio.run(main)
+"""
+
+
+async def test_a_daemon_killed_while_the_namespace_and_the_session_are_made_leaves_nothing(
+    base: Path,
+) -> None:
+    """The namespace is made while the workspace session opens: a crash with both made
+    (the base lent, the overlay mounted, the namespace pinned) is cleaned by the next
+    start as before: namespace removed, base given back, the session kept."""
+    (base / "sandboxed.yaml").write_text(textwrap.dedent(POLICY))
+    ws = base / "ws"
+    ws.mkdir()
+    (ws / "notes.md").write_text("hello\n")
+    prefix = f"cgrc{secrets.token_hex(4)}-"
+    uid_base = 1_720_000_000 + secrets.randbelow(50_000) * 1024
+    child = subprocess.run(
+        [sys.executable, "-c", CRASHING_START, str(base), prefix, str(uid_base)],
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        capture_output=True,
+        check=False,
+        timeout=120,
+    )
+    assert child.returncode == 9, child.stderr.decode()[-3000:]
+    [netns] = NETNS_RUN_DIR.glob(f"{prefix}*")
+    run_id = netns.name.removeprefix(prefix)
+    assert os.stat(ws / "notes.md").st_uid != 0, "lent before the crash"
+    assert str(base) in Path("/proc/self/mountinfo").read_text(), "the view still mounted"
+    config = GatewaydConfig(
+        state_dir=base / "state",
+        policy_dirs=(base,),
+        netns_prefix=prefix,
+        sandbox_uids=SandboxUids(base=uid_base, count=3),
+        workspace_mode="overlay",
+    )
+    async with open_daemon(config, preload=True) as restarted:
+        assert not list(NETNS_RUN_DIR.glob(f"{prefix}*"))
+        assert os.stat(ws / "notes.md").st_uid == 0 and os.stat(ws).st_uid == 0
+        info = restarted.runs.workspaces.info(run_id)
+        assert info.state == "kept" and info.note == "its daemon ended during the run"
+        mounts = Path("/proc/self/mountinfo").read_text()
+        assert str(base) not in mounts
+        assert list((base / "state" / "runs").iterdir()) == []
+
+
+# --- the audit entries of a start and an end: one flush each ----------------------------
+
+
+def _events_of(daemon: Daemon, run_id: str) -> list[str]:
+    """The events of ``run_id`` on disk, in the log's order; each one durable (its seq at
+    or below the log's durable one)."""
+    lines = daemon.audit.path.read_text().splitlines()
+    entries = [e for e in map(json.loads, lines) if e.get("runId") == run_id]
+    assert all(e["seq"] <= daemon.audit.durable_seq for e in entries)
+    return [e["event"] for e in entries]
+
+
+async def test_a_start_and_an_end_return_once_their_entries_are_durable_in_order(
+    daemon: Daemon, base: Path
+) -> None:
+    run = await start(daemon, base, "audited")
+    # run_created rides workspace_opened's flush: both on disk, in order, once it returns.
+    assert _events_of(daemon, run.run_id) == ["run_created", "workspace_opened"]
+    await daemon.runs.end(run.run_id)
+    assert _events_of(daemon, run.run_id) == [
+        "run_created",
+        "workspace_opened",
+        "workspace_ended",
+        "run_ended",
+    ]

@@ -295,7 +295,7 @@ async def daemon(base: Path) -> AsyncIterator[Daemon]:
     (base / "policies").mkdir()
     (base / "policies" / "virtual.yaml").write_text(textwrap.dedent(POLICY))
     config = sandbox_config(base)
-    async with open_daemon(config, control_socket=base / "control.sock") as running:
+    async with open_daemon(config, preload=True, control_socket=base / "control.sock") as running:
         assert running.runs.support.available, running.runs.support.reason
         yield running
 

@@ -115,7 +115,7 @@ async def sb(base: Path, key: str, fake: FakeProvider) -> AsyncIterator[Sandboxe
         provider="openai", model="fake-chat", api_base=fake.api_base, api_key_env=KEY_ENV
     )
     config = sandbox_config(base).changed(models={"assistant": alias}, secret_env=(FORGE_ENV,))
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         assert daemon.runs.support.available, daemon.runs.support.reason
         yield Sandboxed(daemon, base)
 
@@ -512,7 +512,7 @@ async def proxied(base: Path) -> AsyncIterator[Sandboxed]:
             return (ipaddress.ip_address("127.0.0.1"),)
         raise OSError(f"no such host {host}")
 
-    async with open_daemon(sandbox_config(base), resolver=resolve) as daemon:
+    async with open_daemon(sandbox_config(base), preload=True, resolver=resolve) as daemon:
         assert daemon.runs.support.available, daemon.runs.support.reason
         yield Sandboxed(daemon, base)
 

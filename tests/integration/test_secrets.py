@@ -127,7 +127,7 @@ async def gw(
     short_tmp: Path, fake: FakeProvider, env: pytest.MonkeyPatch
 ) -> AsyncIterator[Gateway]:
     config = daemon_config(short_tmp, fake)
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         yield Gateway(daemon, short_tmp / "policies")
 
 
@@ -221,7 +221,7 @@ async def test_keys_come_from_systemd_credentials_when_the_variables_are_unset(
     (creds / FORGE_ENV).write_text(FORGE)
     echoing(fake, lambda text: Text(content=text), [FORGE])
 
-    async with open_daemon(daemon_config(short_tmp, fake)) as daemon:
+    async with open_daemon(daemon_config(short_tmp, fake), preload=True) as daemon:
         gw = Gateway(daemon, short_tmp / "policies")
         run = await gw.create_run(workspace, POLICY)
         answer = await call(run, "model.chat", chat())
@@ -349,7 +349,7 @@ async def test_a_value_too_short_to_scrub_is_warned_about_and_left_in_text(
     env.setenv(FORGE_ENV, short)
     fake.script(Text(content=f"the token is {short}"))
     with capture_logs() as logs:
-        async with open_daemon(daemon_config(short_tmp, fake)) as daemon:
+        async with open_daemon(daemon_config(short_tmp, fake), preload=True) as daemon:
             gw = Gateway(daemon, short_tmp / "policies")
             run = await gw.create_run(workspace, POLICY)
             answer = await call(run, "model.chat", chat())

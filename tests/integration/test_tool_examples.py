@@ -151,7 +151,7 @@ async def ex(base: Path, fake: FakeProvider) -> AsyncIterator[Examples]:
             )
         },
     )
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         assert daemon.runs.support.available, daemon.runs.support.reason
         for name in TOOL_NAMES.values():
             assert name in daemon.dispatcher.tools, (name, daemon.tool_folders)

@@ -20,6 +20,7 @@ import pytest
 
 from tests.exampletools import copy_examples
 from tests.fakeprovider import FakeProvider, Text, provider_with_key
+from tests.unit.test_cli_imports import WRAPPER, assert_light, clean_env
 
 BIN = Path(sys.executable).parent
 GATEWAYD = str(BIN / "gatewayd")
@@ -96,6 +97,28 @@ def test_the_answer_is_printed_as_json_and_the_call_is_audited(base: Path) -> No
     calls = [e for e in entries if e.get("kind") == "call" and e.get("tool") == "text.wordcount"]
     assert len(calls) == 1 and calls[0]["detail"]["entryDigest"].startswith("sha256:")
     assert f"audit log {base / 'state/audit/audit.jsonl'}" in done.stderr
+
+
+def test_a_call_loads_only_the_libraries_its_run_can_reach(base: Path) -> None:
+    # A one-shot daemon: the wasm tool's engine and its schema's library (a tool folder's),
+    # not every tool's (http.fetch's HTTP libraries, the apps' markdown-it).
+    listing = base / "modules.txt"
+    config = write_config(base)
+    argv = ["tools", "run", "text.wordcount", '{"text": "a b"}', "--workspace", str(base / "ws")]
+    done = subprocess.run(
+        [sys.executable, "-c", WRAPPER, str(listing), *argv, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env={**clean_env(), "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+        stdin=subprocess.DEVNULL,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["words"] == 2
+    modules = set(listing.read_text().split())
+    assert {"wasmtime", "jsonschema"} <= modules
+    assert_light(modules, frozenset({"httpx", "httpcore", "h11", "markdown_it", "litellm"}))
 
 
 def test_an_overlay_shows_the_tools_changes_and_drops_them(base: Path) -> None:

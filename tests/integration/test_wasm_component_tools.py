@@ -66,7 +66,7 @@ async def ex(base: Path, request: pytest.FixtureRequest) -> AsyncIterator[Exampl
         # What the components write is looked for in the workspace itself.
         workspace_mode="host",
     )
-    async with open_daemon(config) as daemon:
+    async with open_daemon(config, preload=True) as daemon:
         policy = base / "policy.yaml"
         policy.write_text(POLICY)
         run = await daemon.runs.start(

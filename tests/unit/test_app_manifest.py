@@ -918,19 +918,26 @@ def test_a_file_over_the_cap_is_refused_before_it_is_parsed() -> None:
     assert f"larger than {MAX_MANIFEST_BYTES} bytes" in refused(wide).reason
 
 
-@pytest.mark.parametrize(
-    "filler",
-    [
-        pytest.param("[" * 200_000, id="brackets"),
-        pytest.param("*a " * 80_000, id="emphasis"),
-        pytest.param("> " * 100_000, id="deep-quotes"),
-        pytest.param("- " * 100_000, id="deep-lists"),
-        pytest.param("`" * 200_000, id="backticks"),
-        pytest.param("<!--" * 50_000, id="comments"),
-    ],
-)
-def test_hostile_markdown_at_the_cap_ends_in_an_answer(filler: str) -> None:
-    text = edited("You keep notes.", filler[: MAX_MANIFEST_BYTES - len(VALID)])
+# Markdown that makes a parser nest, backtrack or rescan, each pattern repeated past the
+# size cap. At the cap (tests/integration/test_app_manifest_caps.py) the parse must end;
+# here, cut to SMALL_HOSTILE_CHARS, every pattern must end in a manifest or a
+# ManifestError.
+HOSTILE_FILLERS = [
+    pytest.param("[" * 200_000, id="brackets"),
+    pytest.param("*a " * 80_000, id="emphasis"),
+    pytest.param("> " * 100_000, id="deep-quotes"),
+    pytest.param("- " * 100_000, id="deep-lists"),
+    pytest.param("`" * 200_000, id="backticks"),
+    pytest.param("<!--" * 50_000, id="comments"),
+]
+# Each pattern a thousand times over: milliseconds to parse, where the cap's 256 KiB of
+# brackets take seconds (about 10 µs a character).
+SMALL_HOSTILE_CHARS = 4096
+
+
+def assert_hostile_markdown_ends_in_an_answer(filler: str, size: int) -> None:
+    """The system prompt replaced by ``size`` characters' worth of ``filler``."""
+    text = edited("You keep notes.", filler[: size - len(VALID)])
     try:
         parse_manifest(text, SOURCE)
     except ManifestError as exc:
@@ -938,6 +945,11 @@ def test_hostile_markdown_at_the_cap_ends_in_an_answer(filler: str) -> None:
     else:
         return
     assert problems
+
+
+@pytest.mark.parametrize("filler", HOSTILE_FILLERS)
+def test_hostile_markdown_ends_in_an_answer(filler: str) -> None:
+    assert_hostile_markdown_ends_in_an_answer(filler, SMALL_HOSTILE_CHARS)
 
 
 # --- the cap on rules, before the work -------------------------------------------------
@@ -979,9 +991,16 @@ def test_the_bullet_line_bound_never_refuses_a_valid_manifest() -> None:
     assert len(manifest.rules.allow) == len(manifest.rules.deny) == MAX_RULES
 
 
-@pytest.mark.parametrize("side", ["Allow", "Deny"])
-def test_rules_past_the_cap_are_counted_not_read(side: str) -> None:
-    over = MAX_BULLET_LINES - 1  # as many as get past the first bound
+# A bullet-line bound just past both full lists: the items past MAX_RULES still reach the
+# body reader, a few hundred of them instead of the real bound's 16,399 (that case:
+# tests/integration/test_app_manifest_caps.py).
+SMALL_BULLET_BOUND = 2 * MAX_RULES + 10
+
+
+def assert_rules_past_the_cap_are_counted_not_read(side: str, bullet_bound: int) -> None:
+    """As many one-character rules under '### {side}' as get past ``bullet_bound`` (the
+    bullet-line bound in force)."""
+    over = bullet_bound - 1  # as many as get past the first bound
     items = "- a\n" * over
     lists = f"### Allow\n{items}### Deny\n" if side == "Allow" else f"### Allow\n### Deny\n{items}"
     text = RULES_HEAD + lists
@@ -995,6 +1014,14 @@ def test_rules_past_the_cap_are_counted_not_read(side: str) -> None:
     body = read_body(f"## System Prompt\nx\n## Rules\n{lists}", 0)
     assert len(body.allow) + len(body.deny) == MAX_RULES
     assert body.items[side.lower()] == over
+
+
+@pytest.mark.parametrize("side", ["Allow", "Deny"])
+def test_rules_past_the_cap_are_counted_not_read_below_a_small_bullet_bound(
+    side: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(manifest_module, "MAX_BULLET_LINES", SMALL_BULLET_BOUND)
+    assert_rules_past_the_cap_are_counted_not_read(side, SMALL_BULLET_BOUND)
 
 
 def test_exactly_the_cap_of_rules_parses() -> None:

@@ -10,6 +10,8 @@ from gatewayd.apps.manifest import (
     MAX_ADDED_BY_CHARS,
     MAX_MANIFEST_BYTES,
     AppManifest,
+    AppRule,
+    AppRules,
     app_id_problem,
     parse_manifest,
 )
@@ -60,6 +62,19 @@ def manifest() -> AppManifest:
 def texts(manifest: AppManifest, side: str) -> list[str]:
     rules = manifest.rules.allow if side == "allow" else manifest.rules.deny
     return [rule.text for rule in rules]
+
+
+def with_rules_added(
+    manifest: AppManifest, *, allow: tuple[str, ...] = (), deny: tuple[str, ...] = ()
+) -> AppManifest:
+    """``manifest`` with these rules (no addedBy) after those of each side: what adding
+    them one change at a time makes, in one step. A change validates every rule of the
+    manifest again, so filling a side one change at a time takes seconds."""
+    rules = AppRules(
+        allow=(*manifest.rules.allow, *(AppRule(text=text) for text in allow)),
+        deny=(*manifest.rules.deny, *(AppRule(text=text) for text in deny)),
+    )
+    return manifest.model_copy(update={"rules": rules})
 
 
 # --- each action ------------------------------------------------------------------------
@@ -185,9 +200,10 @@ def test_a_long_listing_is_cut_and_says_how_many_more(manifest: AppManifest) -> 
 
 
 def test_a_side_holds_at_most_max_rules(manifest: AppManifest) -> None:
-    full = manifest
-    for number in range(MAX_RULES - 1):
-        full = apply_rule_change(full, RuleAction.ADD_DENY, f"Rule {number}", None)
+    # One rule short of the cap, then the change that fills the side.
+    last = MAX_RULES - 2
+    full = with_rules_added(manifest, deny=tuple(f"Rule {number}" for number in range(last)))
+    full = apply_rule_change(full, RuleAction.ADD_DENY, f"Rule {last}", None)
     assert len(full.rules.deny) == MAX_RULES
     with pytest.raises(AppRuleChangeError) as caught:
         apply_rule_change(full, RuleAction.ADD_DENY, "One more", None)
@@ -226,11 +242,16 @@ def test_an_added_by_the_marker_cannot_hold_is_refused(manifest: AppManifest) ->
 
 
 def test_a_change_that_makes_app_md_too_large_is_refused(manifest: AppManifest) -> None:
-    big = manifest
-    for number in range(MAX_MANIFEST_BYTES // MAX_RULE_CHARS):
-        rule = f"{number:04d} " + "y" * (MAX_RULE_CHARS - 5)
-        side = RuleAction.ADD_DENY if number % 2 else RuleAction.ADD_ALLOW
-        big = apply_rule_change(big, side, rule, None)  # within MAX_RULES per side
+    rules = [
+        f"{number:04d} " + "y" * (MAX_RULE_CHARS - 5)
+        for number in range(MAX_MANIFEST_BYTES // MAX_RULE_CHARS)
+    ]
+    # Every rule but the last in one step, alternately allow and deny (within MAX_RULES
+    # per side), then the change that makes APP.md too large.
+    *first, last = rules
+    big = with_rules_added(manifest, allow=tuple(first[0::2]), deny=tuple(first[1::2]))
+    side = RuleAction.ADD_DENY if len(first) % 2 else RuleAction.ADD_ALLOW
+    big = apply_rule_change(big, side, last, None)
     with pytest.raises(AppRuleChangeError) as caught:
         render_changed(big)
     message = str(caught.value)

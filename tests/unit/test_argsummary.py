@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from gatewayd.argsummary import MAX_SUMMARY_KEYS, args_digest, summarize
 
 
@@ -24,3 +26,11 @@ def test_long_values_and_many_keys_are_capped() -> None:
 def test_the_digest_covers_everything_and_ignores_key_order() -> None:
     assert args_digest({"a": 1, "b": "x"}) == args_digest({"b": "x", "a": 1})
     assert args_digest({"content": "one"}) != args_digest({"content": "two"})
+
+
+def test_no_arguments_have_the_digest_of_their_canonical_json() -> None:
+    # Empty arguments take a digest computed once; it must be the one hashing gives.
+    empty = "sha256:" + hashlib.sha256(b"{}").hexdigest()
+    assert args_digest({}) == empty
+    assert args_digest([]) == "sha256:" + hashlib.sha256(b"[]").hexdigest()
+    assert args_digest({"a": None}) != empty

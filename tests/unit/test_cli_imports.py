@@ -79,6 +79,35 @@ HEAVY: Final = frozenset(
 MODELS: Final = frozenset({"pydantic", "pydantic_core", "yaml", "gatewayd.config"})
 # And out of those that talk to the control socket: they decode no audit line.
 CODECS: Final = frozenset({"msgspec", "logging"})
+# The libraries only some tools use (gatewayd.libraries): `gatewayd run` loads one only
+# when its run's policy can reach such a tool, never up to the sandbox's start.
+TOOL_LIBRARIES: Final = frozenset(
+    {
+        *("wasmtime", "httpx", "httpcore", "h11", "h2"),
+        *("jsonschema", "referencing", "regex", "markdown_it"),
+    }
+)
+# What only some daemons use, which a one-shot run's daemon does not load either: the
+# control and metrics servers (`gatewayd serve`), the witnesses' client, the Temporal
+# submission, and cryptography (a checkpoint key, a witness).
+SOME_DAEMONS_ONLY: Final = frozenset(
+    {
+        "cryptography",
+        "gatewayd.control",
+        "gatewayd.metrics_server",
+        "gatewayd.audit.witnessing",
+        "gatewayd.scaleout.submission",
+    }
+)
+# What `gatewayd run` imports before it asks its daemon for the sandbox
+# (gatewayd/cli/run.py's _run; bench/cli_start.py measures the same).
+RUN_IMPORTS: Final = (
+    "import trio, gatewayd.audit.writer, gatewayd.daemon, gatewayd.errors, gatewayd.logs, "
+    "gatewayd.policy, gatewayd.runs.lifecycle; from gatewayd.cli import build_parser; "
+    "build_parser('run')"
+)
+# Lists the modules a piece of code imported, one per line.
+LISTING: Final = "\nimport sys; print('\\n'.join(sorted(sys.modules)))"
 
 
 def clean_env() -> dict[str, str]:
@@ -139,6 +168,48 @@ def test_the_positive_control_sees_the_heavy_modules_load(tmp_path: Path) -> Non
     assert set(loaded(modules, HEAVY | MODELS)) >= expected
 
 
+def imported_by(code: str) -> set[str]:
+    """The modules ``code`` imports in a fresh interpreter."""
+    done = subprocess.run(
+        [sys.executable, "-c", code + LISTING],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return set(done.stdout.split())
+
+
+def test_run_s_imports_up_to_the_sandbox_start_load_no_tool_library() -> None:
+    assert_light(imported_by(RUN_IMPORTS), TOOL_LIBRARIES)
+
+
+def test_run_s_imports_up_to_the_sandbox_start_load_nothing_only_some_daemons_use() -> None:
+    assert_light(imported_by(RUN_IMPORTS), SOME_DAEMONS_ONLY)
+
+
+def test_the_positive_control_sees_what_only_some_daemons_use() -> None:
+    modules = imported_by(
+        RUN_IMPORTS + "; import gatewayd.control, gatewayd.metrics_server, "
+        "gatewayd.audit.witnessing, gatewayd.scaleout.submission; "
+        "from gatewayd.audit.note import generate_key; generate_key('k')"
+    )
+    assert set(loaded(modules, SOME_DAEMONS_ONLY)) >= SOME_DAEMONS_ONLY
+
+
+def test_the_positive_control_sees_a_tool_library_that_run_s_imports_would_load() -> None:
+    # What a run that reaches them loads (an egress proxy, a wasm tool, a schema, an
+    # app's manifest), after the same imports: the listing sees each library.
+    modules = imported_by(
+        RUN_IMPORTS + "; import gatewayd.egress, gatewayd.runners.wasm; "
+        "from gatewayd.mcp.schemas import bounded_validator; bounded_validator({}); "
+        "from gatewayd.apps.sections import read_body; read_body('# Rules', 0)"
+    )
+    assert {name.split(".")[0] for name in loaded(modules, TOOL_LIBRARIES)} == TOOL_LIBRARIES
+
+
 def test_exec_to_a_state_dir_no_daemon_serves_fails_cleanly_and_loads_nothing_heavy(
     tmp_path: Path,
 ) -> None:
@@ -185,6 +256,21 @@ def test_policy_check_loads_the_policy_models_but_no_tool(tmp_path: Path) -> Non
     # email: pydantic's plugin loader reads the installed packages' entry points
     # (importlib.metadata) when the first model is made.
     assert_light(modules, (HEAVY - {"email"}) | {"gatewayd.tools", "gatewayd.config"})
+
+
+def test_policy_check_loads_no_wire_codec(tmp_path: Path) -> None:
+    # The errors' codes and the bound of an id come from modules free of msgspec
+    # (gatewayd.error_codes, gatewayd.frame_limits): a policy speaks no wire.
+    policy = tmp_path / "policy.yaml"
+    shutil.copyfile(SHIPPED_POLICY, policy)
+    done, modules = run_cli(tmp_path, "policy", "check", str(policy))
+    assert done.returncode == 0, done
+    assert_light(modules, frozenset({"msgspec", "gatewayd.protocol"}))
+
+
+def test_the_positive_control_sees_the_wire_codec_when_the_protocol_loads() -> None:
+    modules = imported_by("import gatewayd.policy, gatewayd.protocol")
+    assert loaded(modules, frozenset({"msgspec", "gatewayd.protocol"}))
 
 
 def test_policy_check_still_warns_of_an_allow_entry_that_matches_no_tool(tmp_path: Path) -> None:

@@ -52,3 +52,22 @@ def test_time_now_takes_no_arguments() -> None:
     assert msgspec.convert({}, NowArgs) == NowArgs()
     with pytest.raises(msgspec.ValidationError, match="unknown field"):
         msgspec.convert({"tz": "Europe/Paris"}, NowArgs)
+
+
+def test_calls_in_one_second_and_across_seconds_format_as_each_moment_alone() -> None:
+    # The date up to the second is formatted once per second and kept: every moment,
+    # in order, back in time (a clock that steps back) and across a day and a year,
+    # still reads as the uncached formula says.
+    moments = [
+        1_767_323_045_000_000_000,
+        1_767_323_045_999_999_999,
+        1_767_323_046_000_000_000,
+        1_767_323_044_500_000_000,
+        1_767_225_599_999_000_000,  # 2025-12-31T23:59:59.999
+        1_767_225_600_000_000_000,  # 2026-01-01T00:00:00.000
+        *(1_767_323_045_000_000_000 + i * 250_000_000 for i in range(12)),
+    ]
+    for ns in moments:
+        seconds, millis = divmod(ns // 1_000_000, 1000)
+        expected = time.strftime("%Y-%m-%dT%H:%M:%S.", time.gmtime(seconds)) + f"{millis:03d}Z"
+        assert iso_utc(ns) == expected

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -70,27 +68,3 @@ def test_a_bad_file_names_the_file_and_the_field(tmp_path: Path, text: str, says
 def test_a_missing_file_is_refused_with_its_path(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read the configuration: No such file"):
         load_config(tmp_path / "absent.yaml")
-
-
-def test_the_cli_refuses_a_bad_config_with_the_problem(tmp_path: Path) -> None:
-    path = write(tmp_path, "models: {r: {provider: openai}}")
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).parent / "gatewayd"),
-            "run",
-            "--config",
-            str(path),
-            "--state-dir",
-            str(tmp_path / "state"),
-            "--policy",
-            "demo",
-            "--workspace",
-            str(tmp_path),
-            "--",
-            "true",
-        ],
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode != 0
-    assert "gatewayd: bad configuration:" in done.stderr and "models.r.model" in done.stderr

@@ -113,3 +113,14 @@ def test_a_refused_run_start_gets_the_http_status_of_its_fault(
 
 def test_every_fault_has_an_http_status() -> None:
     assert set(_STATUS) == set(Fault)
+
+
+def test_the_protocol_s_codes_are_the_msgspec_free_module_s_own() -> None:
+    # gatewayd.error_codes holds them (the errors and the policy import no codec); the
+    # protocol names the very same objects, so a code compares and hashes as ever.
+    from gatewayd import error_codes, frame_limits, protocol
+
+    assert protocol.ErrorCode is error_codes.ErrorCode
+    assert protocol.Fault is error_codes.Fault
+    assert protocol.FAULT_OF is error_codes.FAULT_OF
+    assert protocol.MAX_ID_CHARS == frame_limits.MAX_ID_CHARS == 128

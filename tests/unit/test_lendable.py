@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections.abc import Callable
 from pathlib import Path
 
 import pydantic
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gatewayd.config import ConfigError, GatewaydConfig
 from gatewayd.configsources import resolve_settings
@@ -20,6 +23,8 @@ from gatewayd.sandbox.lendable import (
     NEVER_ROOTS,
     SYSTEM_TREES,
     Mount,
+    is_within,
+    locate,
     mounts_crossed,
     parse_mountinfo,
     real_root_problem,
@@ -214,6 +219,83 @@ def test_subvolumes_of_one_file_system_are_told_apart_by_their_path_within_it() 
     assert system_tree_shown(mounts, "/home") is None
     assert system_tree_shown(mounts, "/home/me/ws") is None
     assert system_tree_shown(mounts, "/home/me/x") == "/usr"
+
+
+def test_a_roots_verdict_is_kept_for_one_mount_table_and_made_again_for_another() -> None:
+    from gatewayd.sandbox import lendable
+
+    plain = _mounts()
+    private = (("state_dir", Path("/var/lib/gatewayd")),)
+    assert lendable._root_verdict(plain, "/tmp", private) is None
+    assert lendable._root_verdict(plain, "/tmp", private) is None  # kept
+    # A bind mount of /usr onto the root: a new table, so the verdict is made again.
+    bound = _mounts(_line(30, "8:1", "/usr", "/tmp"))
+    assert lendable._root_verdict(bound, "/tmp", private) == (
+        "it shows the system tree /usr (a mount)"
+    )
+    # And the old table's verdict, asked again, is the old table's.
+    assert lendable._root_verdict(plain, "/tmp", private) is None
+    # Each root and each set of private directories has a verdict of its own.
+    assert lendable._root_verdict(plain, "/usr/x", private) == root_problem("/usr/x")
+    assert lendable._root_verdict(plain, "/var/lib/gatewayd/x", private) == (
+        "/var/lib/gatewayd/x lies in the system tree /var/lib, which is never lent"
+    )
+    near = (("agent_dir", Path("/tmp/agents")),)
+    assert lendable._root_verdict(plain, "/tmp/agents/w", near) == (
+        "/tmp/agents/w lies in gatewayd's own agent_dir /tmp/agents, which is never lent"
+    )
+    assert lendable._root_verdict(plain, "/tmp/agents/w", private) is None
+
+
+def test_the_verdicts_of_one_table_start_afresh_past_their_bound() -> None:
+    from gatewayd.sandbox import lendable
+
+    mounts = _mounts()
+    for n in range(lendable._MAX_VERDICTS + 5):
+        assert lendable._root_verdict(mounts, f"/tmp/r{n}", ()) is None
+    memo = lendable._MEMO.verdicts
+    assert memo is not None and len(memo[1]) <= lendable._MAX_VERDICTS
+
+
+def _locate_by_scan(mounts: tuple[Mount, ...], path: str) -> tuple[str, str]:
+    """locate as its doc defines it: every mount compared, the deepest point at or above
+    ``path`` wins, the last mounted at a point."""
+    best = None
+    for mount in mounts:
+        if is_within(path, mount.point) and (best is None or len(mount.point) >= len(best.point)):
+            best = mount
+    if best is None:
+        return ("", path)
+    rest = posixpath.relpath(path, best.point)
+    return (best.device, posixpath.normpath(posixpath.join(best.root, rest)))
+
+
+_PARTS = st.sampled_from(["tmp", "x", "usr", "a b", "lib", "ws", "..", "."])
+_PATHS = st.lists(_PARTS, max_size=4).map(lambda parts: "/" + "/".join(parts))
+_POINTS = st.one_of(_PATHS, st.sampled_from(["", "/tmp/", "//tmp", "/tmp//x", "tmp"]))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    points=st.lists(st.tuples(_POINTS, st.sampled_from(["8:1", "0:5"]), _PATHS), max_size=8),
+    path=st.one_of(_PATHS, _POINTS),
+)
+def test_locate_finds_what_a_comparison_with_every_mount_finds(
+    points: list[tuple[str, str, str]], path: str
+) -> None:
+    # Clean or not (a malformed point or path takes the comparison with every mount);
+    # the same answer, or the same error (an empty path has no relative path).
+    mounts = tuple(Mount(device=dev, root=root, point=point) for point, dev, root in points)
+
+    def outcome(find: Callable[[tuple[Mount, ...], str], tuple[str, str]]) -> object:
+        try:
+            return find(mounts, path)
+        except ValueError as exc:
+            return ("raised", str(exc))
+
+    assert outcome(locate) == outcome(_locate_by_scan)
+    mounts = (*mounts,)  # a fresh table: its own index
+    assert outcome(locate) == outcome(_locate_by_scan)
 
 
 def test_only_mounts_strictly_beneath_the_root_and_at_or_above_the_tree_are_crossed() -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
+from trio.testing import MockClock
 
 from gatewayd.mcp import client as client_module
 from gatewayd.mcp.client import (
@@ -321,8 +322,10 @@ def nested(depth: int) -> bytes:
     ],
 )
 async def test_lines_that_are_no_json_rpc_answer_are_counted_then_fail_the_session(
-    line: bytes,
+    line: bytes, autojump_clock: MockClock
 ) -> None:
+    # Virtual time (the session is all trio, over memory streams): the call's timeout
+    # passes once every task waits, that is once the session has read the line.
     async with ready() as (session, server, nursery):
         outcome = await in_background(nursery, lambda: session.call("echo", {}, timeout_s=0.2))
         request = await server.receive()

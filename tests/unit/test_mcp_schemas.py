@@ -12,6 +12,7 @@ from typing import Any, Final
 import pytest
 import regex
 
+from gatewayd import libraries
 from gatewayd.errors import ArgumentsRejected
 from gatewayd.mcp.schemas import (
     REGEX_BUDGET_S,
@@ -30,6 +31,10 @@ CATASTROPHIC: Final = "^(a|aa)+$"
 HOSTILE: Final = "a" * 38 + "!"
 # Time a refusal may take: the budget, and the slack of a loaded 2-core machine.
 BOUND_S: Final = REGEX_BUDGET_S + 1.0
+
+# Loaded as a daemon with schemas loads it at its start: the timed checks below are a
+# call's, not the first import of jsonschema.
+libraries.load(libraries.JSON_SCHEMA)
 
 
 def decode(schema: dict[str, Any], args: dict[str, Any]) -> dict[str, Any]:

@@ -1,12 +1,10 @@
 """Where traces go (gatewayd/tracing.py): the setting over the standard variables, what
-turns them off, what is refused; and that deciding so loads no OpenTelemetry module.
-The spans themselves, exported to a loopback receiver by a real daemon, are
+turns them off, what is refused. That deciding so loads no OpenTelemetry module, in a
+fresh interpreter, is tests/integration/test_tracing_imports.py's; the spans themselves,
+exported to a loopback receiver by a real daemon, are
 tests/integration/test_observability.py's."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 
@@ -78,22 +76,6 @@ def test_an_endpoint_that_is_no_http_url_is_refused_naming_its_source(
     with pytest.raises(TracingError) as caught:
         traces_endpoint(configured, environ)
     assert says in str(caught.value)
-
-
-def test_not_configured_loads_no_opentelemetry_module() -> None:
-    # A fresh interpreter: this one has the SDK loaded by other tests.
-    code = (
-        "import sys\n"
-        "from gatewayd.tracing import open_tracer\n"
-        "import gatewayd.dispatch, gatewayd.daemon\n"
-        "assert open_tracer(None, {}) is None\n"
-        "assert open_tracer('http://c:4318', {'OTEL_SDK_DISABLED': 'true'}) is None\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry.sdk', "
-        "'opentelemetry.exporter'))))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[]"
 
 
 def test_configured_by_the_standard_variable_exports_to_it() -> None:

@@ -778,6 +778,155 @@ def test_recover_gives_back_the_base_a_dead_run_borrowed(where: Path) -> None:
     assert store.commit(RUN).added == ["new.txt"]
 
 
+# --- a run's end writes its record once ---------------------------------------------
+
+
+def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the records the store writes from now on (each one a durable write:
+    two fsyncs)."""
+    from gatewayd.workspace import store as store_module
+
+    written: list[str] = []
+    real = store_module.write_atomically
+
+    def counting(path: Path, data: bytes, mode: int = 0o600) -> None:
+        written.append(path.name)
+        real(path, data, mode)
+
+    monkeypatch.setattr(store_module, "write_atomically", counting)
+    return written
+
+
+@pytest.mark.parametrize(
+    ("on_end", "records"),
+    [
+        ("keep", ["seal.json", "meta.json"]),  # kept, with its counts and keep time
+        ("commit", ["seal.json", "meta.json", "meta.json"]),  # committing, committed
+        ("discard", ["seal.json", "meta.json", "meta.json"]),  # discarding, discarded
+    ],
+)
+def test_a_runs_end_records_the_seal_and_the_on_end_in_one_write(
+    where: Path, monkeypatch: pytest.MonkeyPatch, on_end: str, records: list[str]
+) -> None:
+    base = make_base(where)
+    store = WorkspaceStore(where / "state")
+    handle = open_run(store, base, "overlay", on_end=on_end)
+    (handle.root / "new.txt").write_text("n\n")
+    written = _count_writes(monkeypatch)
+    # As a run's end does: sealed, its record left for the on-end; the base given back
+    # in between (none lent here).
+    handle.seal(record_state=False)
+    assert WorkspaceStore(where / "state").info(RUN).state == "live"
+    outcome = store.end_of_run(RUN)
+    assert written == records
+    if on_end == "keep":
+        info = WorkspaceStore(where / "state").info(RUN)
+        assert outcome.startswith("kept until ") and info.state == "kept"
+        assert info.counts["added"] == 1 and info.keep_until is not None
+    else:
+        assert outcome.startswith("committed" if on_end == "commit" else "discarded")
+        assert (base / "new.txt").exists() is (on_end == "commit")
+
+
+def test_a_failed_step_after_the_seal_leaves_the_session_recorded_sealed(
+    where: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = make_base(where)
+    state = where / "state"
+    store = WorkspaceStore(state)
+    handle = open_run(store, base, "overlay", on_end="commit")
+    (handle.root / "new.txt").write_text("n\n")
+    handle.seal(record_state=False)
+    # A give-back that fails (the caller's step between the seal and the on-end).
+    handle.keep_sealed_record()
+    # As a seal records it: kept, with its counts, never committed.
+    info = WorkspaceStore(state).info(RUN)
+    assert info.state == "kept" and info.counts["added"] == 1 and info.keep_until is None
+    assert not (base / "new.txt").exists()
+    assert (handle.directory / "seal.json").is_file()
+    # An on-end that fails before it writes a state records the seal the same way.
+    from gatewayd.workspace import store as store_module
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise OSError(5, "the on-end failed")
+
+    other = open_run(store, make_base(where / "other"), "overlay", run_id=OTHER_RUN)
+    monkeypatch.setattr(store_module.WorkspaceStore, "_apply_on_end", failing)
+    with pytest.raises(OSError, match="the on-end failed"):
+        store.end_of_run(OTHER_RUN)
+    monkeypatch.undo()
+    assert WorkspaceStore(state).info(OTHER_RUN).state == "kept"
+    assert other.info.state == "kept"
+    # The failed end released its lock (the first session's, never ended here, is let
+    # go as its daemon's death would): another process finds both kept, gives each its
+    # keep time, and can discard them.
+    handle._release()
+    lines = WorkspaceStore(state).recover()
+    assert len(lines) == 2 and all(": kept until " in line for line in lines), lines
+    for run_id in (RUN, OTHER_RUN):
+        WorkspaceStore(state).discard(run_id)
+
+
+@pytest.mark.parametrize("dies", ["before the give-back", "after the give-back"])
+def test_a_daemon_killed_between_the_seal_and_the_on_end_is_recovered(
+    where: Path, dies: str
+) -> None:
+    """The seal's record (seal.json) is durable, meta.json still says live (the on-end
+    writes it once): recovery keeps the session, never commits it, and gives the base
+    back, as it kept a session recorded sealed before; the signatures the run's seal
+    took stay, so the operator's edit after the crash is a conflict as it was."""
+    base = make_base(where)
+    before = tree(base)
+    state = where / "state"
+    borrower = 4_000_013
+    give_back = (
+        "from gatewayd.runs.workspaces import give_back_base\ngive_back_base(h.directory)\n"
+        if dies == "after the give-back"
+        else ""
+    )
+    child = run_child(
+        "from gatewayd.sandbox.lease import lend\n"
+        "from gatewayd.sandbox.lendable import LendableRoots\n"
+        "from gatewayd.sandbox.limits import HostUser\n"
+        f"user = HostUser(uid={borrower}, gid={borrower})\n"
+        f"base = Path({str(base)!r})\n"
+        "def lend_base(directory):\n"
+        "    lend([base], user, directory, roots=LendableRoots())\n"
+        f"store = WorkspaceStore(Path({str(state)!r}))\n"
+        f"h = store.open_session({RUN!r}, base, 'overlay', on_end='commit', "
+        "keep_for_s=3600, max_delta_bytes=None, before_mount=lend_base)\n"
+        "(h.root / 'new.txt').write_text('n\\n')\n"
+        # As a run's end does: sealed, its record left for the on-end's one write.
+        "h.seal(record_state=False)\n"
+        f"{give_back}"
+        "os._exit(9)\n"
+    )
+    assert child.returncode == 9
+    store = WorkspaceStore(state)
+    assert store.info(RUN).state == "live"
+    assert (store.root / RUN / "seal.json").is_file()
+    lent = os.stat(base / "src" / "main.py").st_uid
+    assert lent == (borrower if dies == "before the give-back" else 0)
+    sealed = (store.root / RUN / "seal.json").read_bytes()
+    # The operator makes the file the run added, before the next start recovers it.
+    (base / "new.txt").write_text("the operator's\n")
+    [line] = store.recover()
+    assert "its daemon ended during the run; kept until" in line
+    info = store.info(RUN)
+    # Counted against the base as recovery finds it (the operator's file: modified).
+    assert info.state == "kept" and info.counts["modified"] == 1
+    assert (store.root / RUN / "seal.json").read_bytes() == sealed, "the run's own seal"
+    (base / "new.txt").unlink()
+    assert tree(base) == before, "given back, nothing committed"
+    assert not (store.root / RUN / "lease.json").exists()
+    assert _mounts_under(state) == []
+    (base / "new.txt").write_text("the operator's\n")
+    with pytest.raises(WorkspaceConflict, match=r"new\.txt"):
+        store.commit(RUN)
+    (base / "new.txt").unlink()
+    assert store.commit(RUN).added == ["new.txt"]
+
+
 @pytest.mark.parametrize(
     ("dies_in", "outcome"),
     [

@@ -1,4 +1,5 @@
-"""gatewayd lifts its own descriptor limit at start (systemd's soft default is 1024)."""
+"""gatewayd lifts its own descriptor limit at start (systemd's soft default is 1024), in a
+fresh interpreter (the test process keeps its own limits)."""
 
 from __future__ import annotations
 
