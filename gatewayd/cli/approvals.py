@@ -55,6 +55,8 @@ def add_parsers(sub: Subparsers) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from urllib.parse import quote
+
     control = control_socket_of(args)
     command: str = args.approvals_command
     try:
@@ -62,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
             status, answer = control_request(control, "GET", "/v1/approvals")
         else:
             body = {"by": who_answers(args), "reason": args.reason}
-            target = f"/v1/approvals/{args.approval_id}/{command}"
+            target = f"/v1/approvals/{quote(args.approval_id, safe='')}/{command}"
             status, answer = control_request(control, "POST", target, body)
     except OSError as exc:
         if exc.errno in _NO_DAEMON:

@@ -222,6 +222,8 @@ def _install(source: Path, workspace: Path, *, replace: bool, state_dir: Path) -
 
 def _rules(args: argparse.Namespace) -> int:
     """`gatewayd apps rules ...`: one request to the control socket, its answer in words."""
+    from urllib.parse import quote
+
     from gatewayd.cli.control_client import control_request
     from gatewayd.cli.options import control_socket_of
 
@@ -231,10 +233,10 @@ def _rules(args: argparse.Namespace) -> int:
         if command == "pending":
             status, answer = control_request(control, "GET", "/v1/apps/rules/pending")
         elif command == "confirm":
-            target = f"/v1/apps/rules/pending/{args.confirmation_id}/confirm"
+            target = f"/v1/apps/rules/pending/{quote(args.confirmation_id, safe='')}/confirm"
             status, answer = control_request(control, "POST", target, {"by": args.by})
         elif command == "cancel":
-            target = f"/v1/apps/rules/pending/{args.confirmation_id}"
+            target = f"/v1/apps/rules/pending/{quote(args.confirmation_id, safe='')}"
             status, answer = control_request(control, "DELETE", target)
         else:
             body = {

@@ -61,10 +61,10 @@ def _rules(args: argparse.Namespace) -> int:
         elif command == "pending":
             status, answer = control_request(control, "GET", "/v1/rules/pending")
         elif command == "confirm":
-            target = f"/v1/rules/pending/{args.confirmation_id}/confirm"
+            target = f"/v1/rules/pending/{quote(args.confirmation_id, safe='')}/confirm"
             status, answer = control_request(control, "POST", target, {})
         elif command == "cancel":
-            target = f"/v1/rules/pending/{args.confirmation_id}"
+            target = f"/v1/rules/pending/{quote(args.confirmation_id, safe='')}"
             status, answer = control_request(control, "DELETE", target)
         else:
             body = {

@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import functools
 import os
+import re
 import shlex
 import signal
 import sys
@@ -49,6 +50,9 @@ MAX_SPEC_BYTES: Final = 1 << 20
 # spelt here so the parser does not import the policy models).
 WORKSPACE_MODES: Final = ("overlay", "agentfs", "host")
 ON_END_CHOICES: Final = ("keep", "commit", "discard")
+# A run id, as the run registry makes them (tests/unit/test_workspace_store.py holds it
+# to the store's RUN_ID_PATTERN); checked here so a mistyped id is named before any request.
+_RUN_ID: Final = re.compile(r"[0-9a-f]{32}")
 # Daemon options a later `gatewayd workspace ...` needs to find the same sessions.
 _STORE_OPTIONS: Final = (("config", "--config"), ("state_dir", "--state-dir"))
 
@@ -546,6 +550,7 @@ def _exec(args: argparse.Namespace) -> int:
     """`gatewayd exec RUN -- CMD`: POST the command to the control socket, print its
     output, exit with its status."""
     import base64
+    from urllib.parse import quote
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
@@ -553,6 +558,13 @@ def _exec(args: argparse.Namespace) -> int:
     if not cmd:
         print("gatewayd exec: give the command after --, e.g. RUN -- make test", file=sys.stderr)
         return EXIT_USAGE
+    if _RUN_ID.fullmatch(args.run_id) is None:
+        print(
+            f"gatewayd exec: bad_request: {args.run_id[:80]!r} is not a run id "
+            "(32 lowercase hex characters, as `gatewayd run` and GET /v1/runs show them)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     body: dict[str, object] = {"command": cmd}
     if args.timeout is not None:
         body["timeoutSec"] = args.timeout
@@ -564,8 +576,11 @@ def _exec(args: argparse.Namespace) -> int:
         print(f"gatewayd exec: {exc}", file=sys.stderr)
         return EXIT_USAGE
     control = control_socket_of(args)
+    # Quoted whole: whatever the id holds is one path segment, which the daemon refuses
+    # by name when it names no run (a space, "/", "..", non-ASCII included).
+    target = f"/v1/runs/{quote(args.run_id, safe='')}/exec"
     try:
-        status, payload = control_request(control, "POST", f"/v1/runs/{args.run_id}/exec", body)
+        status, payload = control_request(control, "POST", target, body)
     except OSError as exc:
         print(f"gatewayd exec: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
         return EXIT_FAILED

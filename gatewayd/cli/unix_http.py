@@ -52,7 +52,10 @@ def exchange(
     Error handling: OSError when the socket cannot be reached or fails;
     :class:`HttpAnswerError` (an OSError) when the server closes without answering or
     answers with something this client does not read; ValueError for a ``method`` or
-    ``target`` that cannot go on a request line (a space, a control character).
+    ``target`` that cannot go on a request line (a space, a control character, a
+    character that is not ASCII). The caller quotes what it puts in ``target``: a
+    user-given path segment as ``urllib.parse.quote(segment, safe="")``, so that any
+    id reaches the server as one segment and is refused there by name, never here.
     """
     request = _request(method, target, body, content_type)
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
@@ -67,7 +70,12 @@ def exchange(
 def _request(method: str, target: str, body: bytes | None, content_type: str) -> bytes:
     if not method or not set(method) <= _TOKEN_CHARS:
         raise ValueError(f"not an HTTP method: {method!r}")
-    if not target.startswith("/") or not target.isprintable() or " " in target:
+    if (
+        not target.startswith("/")
+        or not target.isascii()
+        or not target.isprintable()
+        or " " in target
+    ):
         raise ValueError(f"not a request target: {target!r}")
     lines = [f"{method} {target} HTTP/1.1", "Host: gatewayd", "Connection: close"]
     if body is not None:

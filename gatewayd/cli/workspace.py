@@ -117,12 +117,14 @@ def _who(args: argparse.Namespace) -> str:
 def _through_control(control: Path, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """The command as one request to the daemon's control socket. Error handling:
     OSError when nothing answers there."""
+    from urllib.parse import quote
+
     command: str = args.workspace_command
     if command == "list":
         if args.run_id is None:
             return control_request(control, "GET", "/v1/workspaces")
-        return control_request(control, "GET", f"/v1/workspaces/{args.run_id}")
-    target = f"/v1/workspaces/{args.run_id}/{command}"
+        return control_request(control, "GET", f"/v1/workspaces/{quote(args.run_id, safe='')}")
+    target = f"/v1/workspaces/{quote(args.run_id, safe='')}/{command}"
     if command == "diff":
         return control_request(control, "GET", target)
     return control_request(control, "POST", target, {"by": _who(args)})

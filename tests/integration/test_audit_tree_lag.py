@@ -9,18 +9,17 @@ sleep. A second and a half of load, so not in the unit lane.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 
 from gatewayd.audit import open_audit_log, verify_file, writer
+from tests.unit.test_audit_group_commit import call_fields
 
 # No entry is ever due: only waiters (or close) make the flusher write.
 NEVER_DUE_S = 3600.0
@@ -37,17 +36,6 @@ LOAD_S = 1.5
 # room for a loaded machine (measured beside a busy loop: 20 to 75 ms; 0.4 to 1.4 s
 # before the hold was bounded in time).
 LAG_BOUND_S = 10 * writer.TREE_HOLD_S + SYNC_S
-
-
-def call_fields(i: int) -> dict[str, Any]:
-    return {
-        "runId": "run-0123456789abcdef",
-        "toolCallId": f"call-{i}",
-        "tool": "time.now",
-        "argsDigest": "sha256:" + hashlib.sha256(str(i).encode()).hexdigest(),
-        "decision": "allow",
-        "peer": {"pid": 4242, "uid": 1000, "gid": 1000},
-    }
 
 
 async def wait_until(done: Callable[[], bool]) -> None:

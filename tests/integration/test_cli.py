@@ -1,6 +1,6 @@
 """The command lines as an operator and an agent use them: `gatewayd run`, `gatewayd
 serve` with curl on the control socket, `cogni-tool` exit codes, `policy check`,
-`audit verify/show`."""
+`audit verify/show`, and the control-socket commands given ids that are no ids."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -398,3 +399,59 @@ def test_gatewayd_rules_tightens_at_once_and_loosens_only_when_confirmed(base: P
         ("add_allow", "Writing anything"),
     ]
     assert changed[1]["confirmationId"] == confirmation
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Path]:
+    """A `gatewayd serve` for the tests that only ask it (no run): its state directory."""
+    path = Path(tempfile.mkdtemp(prefix="cg-cli-", dir="/tmp"))
+    daemon = start_daemon(path / "state")
+    try:
+        yield daemon.state
+    finally:
+        daemon.stop()
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# Each control-socket command that puts a user-given id in its request's path (its
+# words before the id, and after it), and what its refusal starts with.
+ID_COMMANDS = (
+    # `gatewayd exec` and `gatewayd workspace` check the id themselves before they ask.
+    (("exec",), ("--", "/bin/true"), "gatewayd exec: bad_request: {id!r} is not a run id"),
+    (("approvals", "approve"), (), "gatewayd approvals: "),
+    (("approvals", "deny"), (), "gatewayd approvals: "),
+    (("apps", "rules", "confirm"), (), "gatewayd apps rules: bad_request: no route POST"),
+    (("apps", "rules", "cancel"), (), "gatewayd apps rules: bad_request: no route DELETE"),
+    (("rules", "confirm"), (), "gatewayd rules: bad_request: no route POST"),
+    (("rules", "cancel"), (), "gatewayd rules: bad_request: no route DELETE"),
+    *(
+        (("workspace", name), (), f"gatewayd workspace {name}: bad_request: {{id!r}} is not")
+        for name in ("list", "diff", "commit", "discard")
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "given",
+    ["a b", "../x", "%2e%2e", "\u00e9" * 32, "x\ty"],
+    ids=["space", "dotdot", "percent", "non-ascii", "tab"],
+)
+def test_an_id_that_is_no_id_is_refused_by_name_without_a_traceback(
+    served: Path, given: str
+) -> None:
+    # Quoted whole, the id reaches the daemon as one path segment (never a traceback
+    # here, never "../" walking the path), and the daemon's refusal names it as sent.
+    for before, after, refusal in ID_COMMANDS:
+        done = subprocess.run(
+            [GATEWAYD, *before, "--state-dir", str(served), given, *after],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=60,
+        )
+        assert done.returncode == 1, (before, done)
+        assert "Traceback" not in done.stderr, (before, done.stderr)
+        assert done.stderr.startswith(refusal.format(id=given)), (before, done.stderr)
+        checked_here = before[0] in ("workspace", "exec")
+        named = repr(given) if checked_here else f"/{quote(given, safe='')}"
+        assert named in done.stderr, (before, done.stderr)

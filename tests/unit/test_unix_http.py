@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 import h11
 import pytest
@@ -177,6 +178,9 @@ def test_no_server_is_the_system_s_own_error(tmp_path: Path) -> None:
         ("GET", "/v1/runs/x\r\nX-Injected: 1"),
         ("GET", "/v1/\x00"),
         ("GET", "v1/runs"),  # not origin-form
+        # Printable but not ASCII: refused as a target, never a UnicodeEncodeError.
+        ("GET", "/v1/runs/" + "\u00e9" * 32 + "/exec"),
+        ("POST", "/v1/approvals/\u0661\u0662/approve"),  # Arabic-Indic digits
     ],
 )
 def test_a_method_or_target_that_cannot_go_on_the_request_line_is_refused_before_sending(
@@ -185,3 +189,18 @@ def test_a_method_or_target_that_cannot_go_on_the_request_line_is_refused_before
     with pytest.raises(ValueError, match=r"not an HTTP method|not a request target"):
         exchange(str(server.path), method, target)
     assert server.requests == []
+
+
+@pytest.mark.parametrize("segment", ["a b", "../x", "%2e%2e", "\u00e9" * 32, "x\ty", "x\r\ny"])
+def test_a_quoted_segment_goes_on_the_request_line_as_one_segment(
+    server: Server, segment: str
+) -> None:
+    # What the commands do with a user-given id (the docstring's contract): quoted
+    # whole, it reaches the server as one ASCII segment, byte for byte.
+    server.answer = ok(b"{}")
+    target = f"/v1/runs/{quote(segment, safe='')}/exec"
+    assert exchange(str(server.path), "POST", target) == (200, b"{}")
+    [(request, _)] = server.requests
+    sent = request.target.decode("ascii")
+    assert sent == target and sent.count("/") == 4
+    assert unquote(sent.split("/")[3]) == segment

@@ -612,10 +612,12 @@ def test_a_symlinked_base_entry_is_signed_as_the_link(where: Path) -> None:
 
 
 def test_the_cli_checks_run_ids_as_the_store_does() -> None:
+    from gatewayd.cli import run
     from gatewayd.cli import workspace as cli
     from gatewayd.workspace import store
 
     assert cli.RUN_ID_PATTERN.pattern == store.RUN_ID_PATTERN.pattern
+    assert run._RUN_ID.pattern == store.RUN_ID_PATTERN.pattern
 
 
 def test_what_the_store_does_is_recorded_before_it_is_done(where: Path) -> None:
