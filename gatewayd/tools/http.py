@@ -125,8 +125,11 @@ async def _send(
 
     from gatewayd.pinned_backend import PinnedBackend
 
-    # The host's CA store; httpcore's default would be certifi's.
-    context = ssl.create_default_context() if url.scheme == "https" else None
+    # The host's CA store; httpcore's default would be certifi's. Read in a worker
+    # thread: loading the store takes tens of milliseconds the event loop cannot spare.
+    context = (
+        await trio.to_thread.run_sync(ssl.create_default_context) if url.scheme == "https" else None
+    )
     backend = PinnedBackend(host, addresses)
     try:
         async with (

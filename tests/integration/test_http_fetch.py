@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import ssl
 import threading
 from collections.abc import AsyncIterator, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,7 +23,7 @@ import trio
 from gatewayd.config import GatewaydConfig
 from gatewayd.daemon import open_daemon
 from gatewayd.dialer import RESOLVER_THREADS, Resolver, resolve_host
-from gatewayd.errors import PolicyViolation
+from gatewayd.errors import PolicyViolation, ToolFailed
 from gatewayd.policy.model import NetworkSection
 from gatewayd.tools.http import FetchArgs, fetch
 from tests.conftest import Gateway
@@ -393,3 +394,30 @@ async def test_hanging_dns_lookups_hold_their_own_threads_not_trios_shared_pool(
 async def _resolve_briefly(host: str) -> None:
     with trio.move_on_after(0.5):
         await resolve_host(host, 443)
+
+
+async def test_the_host_s_ca_store_is_read_off_the_event_loop(
+    server: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Reading the CA store takes tens of milliseconds: on the loop, every https hop
+    # would hold up every other call. The plain-http server refuses the handshake; the
+    # context was made before that.
+    real = ssl.create_default_context
+    made_in: list[threading.Thread] = []
+
+    def recording(*args: Any, **kwargs: Any) -> ssl.SSLContext:
+        made_in.append(threading.current_thread())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ssl, "create_default_context", recording)
+    net = NetworkSection(
+        allow_domains=("api.example.org",),
+        schemes=("https",),
+        allow_private=("127.0.0.1/32",),
+        ports=(server,),
+    )
+    args = msgspec.convert({"url": f"https://api.example.org:{server}/hello"}, FetchArgs)
+    with pytest.raises(ToolFailed, match=r"GET https://api\.example\.org:\d+/hello failed"):
+        await fetch(args, net, resolver({"api.example.org": "127.0.0.1"}))
+    assert made_in, "no TLS context was made for an https URL"
+    assert all(thread is not threading.main_thread() for thread in made_in), made_in
