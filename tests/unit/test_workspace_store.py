@@ -750,11 +750,9 @@ def test_a_host_session_whose_snapshot_is_gone_is_not_discarded_blindly(where: P
     assert (base / "new.txt").exists()
 
 
-def test_recover_gives_back_the_base_a_dead_run_borrowed(where: Path) -> None:
-    base = make_base(where)
-    state = where / "state"
-    borrower = 4_000_011
-    child = run_child(
+def lending_child(borrower: int, base: Path) -> str:
+    """The start of a child's script that lends ``base`` to uid ``borrower`` (``lend_base``)."""
+    return (
         "from gatewayd.sandbox.lease import lend\n"
         "from gatewayd.sandbox.lendable import LendableRoots\n"
         "from gatewayd.sandbox.limits import HostUser\n"
@@ -762,7 +760,16 @@ def test_recover_gives_back_the_base_a_dead_run_borrowed(where: Path) -> None:
         f"base = Path({str(base)!r})\n"
         "def lend_base(directory):\n"
         "    lend([base], user, directory, roots=LendableRoots())\n"
-        f"h = WorkspaceStore(Path({str(state)!r})).open_session({RUN!r}, base, "
+    )
+
+
+def test_recover_gives_back_the_base_a_dead_run_borrowed(where: Path) -> None:
+    base = make_base(where)
+    state = where / "state"
+    borrower = 4_000_011
+    child = run_child(
+        lending_child(borrower, base)
+        + f"h = WorkspaceStore(Path({str(state)!r})).open_session({RUN!r}, base, "
         "'overlay', on_end='keep', keep_for_s=3600, max_delta_bytes=None, "
         "before_mount=lend_base)\n"
         "(h.root / 'new.txt').write_text('n\\n')\n"
@@ -887,14 +894,7 @@ def test_a_daemon_killed_between_the_seal_and_the_on_end_is_recovered(
         else ""
     )
     child = run_child(
-        "from gatewayd.sandbox.lease import lend\n"
-        "from gatewayd.sandbox.lendable import LendableRoots\n"
-        "from gatewayd.sandbox.limits import HostUser\n"
-        f"user = HostUser(uid={borrower}, gid={borrower})\n"
-        f"base = Path({str(base)!r})\n"
-        "def lend_base(directory):\n"
-        "    lend([base], user, directory, roots=LendableRoots())\n"
-        f"store = WorkspaceStore(Path({str(state)!r}))\n"
+        lending_child(borrower, base) + f"store = WorkspaceStore(Path({str(state)!r}))\n"
         f"h = store.open_session({RUN!r}, base, 'overlay', on_end='commit', "
         "keep_for_s=3600, max_delta_bytes=None, before_mount=lend_base)\n"
         "(h.root / 'new.txt').write_text('n\\n')\n"
