@@ -831,14 +831,10 @@ class RunManager:
                 # that fails between them records it sealed, as the seal did before). A
                 # seal that fails leaves the session live and held, its base lent.
                 nonlocal given_back
-                handle.seal(record_state=False)
-                try:
+                with handle.sealed_for_its_end():
                     detail["baseEntriesReturned"] = give_back_base(handle.directory)
                     given_back = True
                     return store.end_of_run(run.run_id, interrupted=interrupted)
-                except BaseException:
-                    handle.keep_sealed_record()
-                    raise
 
             try:
                 run.workspace_fate = await trio.to_thread.run_sync(seal_give_back_end)
@@ -869,14 +865,10 @@ class RunManager:
         try:
 
             def seal_give_back_discard() -> None:
-                handle.seal(record_state=False)
-                try:
+                with handle.sealed_for_its_end():
                     give_back_base(handle.directory)
                     # Whatever its on-end says: nothing ran, nothing is committed.
                     store.end_of_run(run.run_id, on_end="discard")
-                except BaseException:
-                    handle.keep_sealed_record()
-                    raise
 
             await trio.to_thread.run_sync(seal_give_back_discard)
         except Exception:

@@ -571,6 +571,20 @@ class RunWorkspace:
                 _write_info(self.directory, self._info)
             self._state_unrecorded = False
 
+    @contextlib.contextmanager
+    def sealed_for_its_end(self) -> Iterator[None]:
+        """Seal with ``meta.json`` left live for the steps of the run's end in the
+        ``with`` block (the base given back, :meth:`WorkspaceStore.end_of_run`, which
+        writes it once with the state its on-end leads to); a step that raises leaves
+        it recorded kept, as the seal would have (:meth:`keep_sealed_record`). A seal
+        that fails leaves the session live. Blocking."""
+        self.seal(record_state=False)
+        try:
+            yield
+        except BaseException:
+            self.keep_sealed_record()
+            raise
+
     def _release(self) -> None:
         with self._guard:
             if self._lock_fd is not None:
@@ -821,12 +835,8 @@ class WorkspaceStore:
             # committing or discarding) instead of once for the seal and once more for
             # the on-end. A crash between the two leaves it live, which recovery seals
             # and keeps, as it keeps a sealed one: never committed, the base given back.
-            handle.seal(record_state=False)
-            try:
+            with handle.sealed_for_its_end():
                 return self._apply_on_end(handle, on_end, interrupted)
-            except BaseException:
-                handle.keep_sealed_record()
-                raise
         finally:
             handle._release()
 
@@ -1313,7 +1323,10 @@ class WorkspaceStore:
         if info.state == "live":
             # A seal.json there is the run's own (written whole, atomically, at its end).
             signed = (directory / SEAL_NAME).is_file()
-            sealed = self._record_seal(directory, info, session, signed_at_run_end=signed)
+            # meta.json written once, by the keep (kept, with its note and time).
+            sealed = self._record_seal(
+                directory, info, session, record_state=False, signed_at_run_end=signed
+            )
             until = self._keep(directory, sealed, note="its daemon ended during the run")
             return (
                 f"run {info.run_id}: its daemon ended during the run; kept until {iso_time(until)}"
