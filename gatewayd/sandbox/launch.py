@@ -665,10 +665,10 @@ async def _feed(stream: trio.lowlevel.FdStream, data: bytes) -> None:
 
 async def _terminate_tree(process: subprocess.Popen[bytes], pidfd: int, grace_s: float) -> None:
     """SIGTERM every process in the sandbox but its init, wait ``grace_s`` for the command to
-    end (its init then ends the namespace), then SIGKILL bwrap and the init: killing a pid
-    namespace's init kills every process in it."""
+    end (its init then ends the namespace), then kill the init (:func:`_kill_now`): killing
+    a pid namespace's init kills every process in it."""
     namespaces = _namespaces_of(process.pid)
-    _kill_tree(process.pid, signal.SIGTERM)
+    _term_tree(process.pid)
     with trio.move_on_after(grace_s):
         await trio.lowlevel.wait_readable(pidfd)
     if process.poll() is None:
@@ -677,22 +677,38 @@ async def _terminate_tree(process: subprocess.Popen[bytes], pidfd: int, grace_s:
 
 
 async def _kill_now(process: subprocess.Popen[bytes], pidfd: int) -> None:
-    """SIGKILL bwrap and its sandbox's init (so every process of the sandbox), and return
-    once they are gone.
+    """SIGKILL the sandbox's init (so every process of the sandbox), let bwrap reap it and
+    exit, and return once they are gone.
 
     bwrap is stopped first and its children listed only once it is: killed between its
     clone() and its child's own PR_SET_PDEATHSIG (``--die-with-parent``), bwrap would
     leave that child running as an orphan, missing from a listing made a moment before.
     A stopped bwrap clones nothing more (a clone under way completes first, so its child
-    is listed)."""
+    is listed). Once its init is killed bwrap is let go on rather than killed: it reaps the
+    init and exits. Killed with it, bwrap would leave the init's zombie to the host's PID 1,
+    and a PID 1 that reaps late (a container's init) keeps that zombie charged against the
+    sandbox uid's process limit, so the uid's next sandboxes fail to start."""
     with contextlib.suppress(ProcessLookupError):
         os.kill(process.pid, signal.SIGSTOP)
     with trio.move_on_after(TREE_GONE_WAIT_S):
         while _state(process.pid) not in _STOPPED_OR_GONE:
             await trio.sleep(STOP_POLL_S)
-    namespaces = _namespaces_of(process.pid)
-    _kill_tree(process.pid, signal.SIGKILL)
-    await trio.lowlevel.wait_readable(pidfd)
+    inits = list(_children(process.pid))
+    namespaces = {ns for ns in map(_pid_namespace, inits) if ns is not None}
+    for pid in inits:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    reaped = False
+    if inits:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGCONT)
+        with trio.move_on_after(TREE_GONE_WAIT_S):
+            await trio.lowlevel.wait_readable(pidfd)
+            reaped = True
+    if not reaped:  # no child yet (nothing to leave behind), or bwrap did not end in time
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGKILL)
+        await trio.lowlevel.wait_readable(pidfd)
     await _until_gone(namespaces)
 
 
@@ -718,21 +734,15 @@ async def _until_gone(namespaces: set[tuple[int, int]]) -> None:
             await trio.sleep(EXIT_POLL_S)
 
 
-def _kill_tree(bwrap_pid: int, sig: signal.Signals) -> None:
-    """SIGTERM: every process in the sandbox's pid namespace except its init (so the
-    command sees it and the init reaps it). SIGKILL: bwrap's monitor and the namespace's
-    init, which takes every process in the namespace with it."""
+def _term_tree(bwrap_pid: int) -> None:
+    """SIGTERM every process in the sandbox's pid namespace except its init (so the
+    command sees it and the init reaps it)."""
     inits = list(_children(bwrap_pid))
-    if sig == signal.SIGKILL:
-        targets = [bwrap_pid, *inits]
-    else:
-        namespaces = {_pid_namespace(pid) for pid in inits} - {None}
-        targets = [
-            pid for pid in _all_pids() if pid not in inits and _pid_namespace(pid) in namespaces
-        ]
-    for pid in targets:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+    namespaces = {_pid_namespace(pid) for pid in inits} - {None}
+    for pid in _all_pids():
+        if pid not in inits and _pid_namespace(pid) in namespaces:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
 
 
 def _running_pids() -> Iterator[int]:

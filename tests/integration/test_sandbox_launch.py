@@ -177,6 +177,22 @@ def host_pids_with_cmdline(marker: str) -> list[int]:
     return pids
 
 
+def host_pids_of_uid(uid: int) -> list[int]:
+    """Every process whose real uid is ``uid``, zombies included: a zombie nobody reaps
+    still counts against the uid's process limit (RLIMIT_NPROC)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                status = Path(f"/proc/{entry}/status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("Uid:") and int(line.split()[1]) == uid:
+                    pids.append(int(entry))
+    return pids
+
+
 # --- the ordinary path ---------------------------------------------------------------
 
 
@@ -439,6 +455,9 @@ async def test_cancelling_the_caller_kills_the_sandbox_at_once(
         await launch(setup, "/bin/sleep", marker)
     assert appeared  # it was running when the caller gave up ...
     assert host_pids_with_cmdline(marker) == []  # ... and nothing outlived the call
+    user = setup["user"]
+    assert isinstance(user, HostUser)
+    assert host_pids_of_uid(user.uid) == []  # not even a zombie left for the host's PID 1
 
 
 # Cancellations made as soon as bwrap itself shows: enough that one lands between its
@@ -450,7 +469,10 @@ EARLY_CANCEL_BOUND_S = 60.0
 async def test_cancelling_as_soon_as_bwrap_shows_leaves_no_orphan(
     setup: dict[str, object],
 ) -> None:
+    user = setup["user"]
+    assert isinstance(user, HostUser)
     survivors: list[int] = []
+    zombies: list[int] = []
     for _ in range(EARLY_CANCELS):
         marker = f"{secrets.randbelow(10**6) + 10**6}.25"
         # A bound, so a watcher that never sees bwrap fails the test instead of hanging it
@@ -471,7 +493,12 @@ async def test_cancelling_as_soon_as_bwrap_shows_leaves_no_orphan(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         survivors.extend(left)
+        # Nothing of the uid either: a zombie left to a PID 1 that reaps late (a container's
+        # init) still counts against the uid's process limit, and enough of them made this
+        # loop's later sandboxes fail to start ("Creating new namespace failed").
+        zombies.extend(host_pids_of_uid(user.uid))
     assert survivors == []
+    assert zombies == []
 
 
 # --- cgroups: memory and process count per command -----------------------------------------
