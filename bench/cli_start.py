@@ -19,6 +19,9 @@ when other work shares the machine, the figure to compare under load.
 - ``gatewayd rules pending`` against the live daemon;
 - ``gatewayd audit show`` and ``audit verify`` of a small log made by the writer;
 - ``gatewayd policy check`` of a shipped example policy;
+- ``gatewayd run -- /bin/true`` with the live daemon serving its state directory: the
+  daemon runs it (``POST /v1/runs/attach``), so the row is the whole run (start, the
+  command in its sandbox, end), an upper bound of its start;
 - ``gatewayd run`` refused for its usage (no command: everything before the daemon), and
   the imports ``gatewayd run`` makes before it asks for the sandbox (the daemon, trio,
   the audit log, the policy models) in one ``python3 -c``;
@@ -240,6 +243,19 @@ def main() -> int:
             rows["exec RUN (unknown to a live daemon)"] = (
                 [*exec_argv, UNKNOWN_RUN, "--", "/bin/true"],
                 1,
+                True,
+            )
+            # The whole one-shot run, served by the live daemon (POST /v1/runs/attach):
+            # start, the command in its sandbox, end. Its start alone is less.
+            attached_ws = base / "ws-attached"
+            attached_ws.mkdir()
+            rows["run -- /bin/true, attached (whole run)"] = (
+                [
+                    *(GATEWAYD, "run", "--state-dir", str(state)),
+                    *("--workspace", str(attached_ws), "--policy", "default"),
+                    *("--on-end", "discard", "--", "/bin/true"),
+                ],
+                0,
                 True,
             )
             rows["rules pending (live daemon)"] = (

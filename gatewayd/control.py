@@ -4,7 +4,9 @@
 
 Routes: ``GET /v1/health``, ``GET /v1/runs``, ``POST /v1/runs`` (a RunRequest),
 ``GET /v1/runs/{id}``, ``DELETE /v1/runs/{id}``, ``POST /v1/runs/{id}/exec`` (run a
-command in the run's sandbox and wait for its result), ``GET /v1/metrics`` (Prometheus
+command in the run's sandbox and wait for its result), ``POST /v1/runs/attach`` (an
+attached `gatewayd run`: the connection switches to gatewayd/control_attach.py's
+exchange), ``GET /v1/metrics`` (Prometheus
 text format, docs/metrics.md), the review rules (``/v1/rules``...) and the apps' rules
 (``POST /v1/apps/rules``, ``GET /v1/apps/rules/pending``,
 ``POST /v1/apps/rules/pending/{id}/confirm``, ``DELETE /v1/apps/rules/pending/{id}``),
@@ -57,6 +59,14 @@ from gatewayd.approvals import (
 )
 from gatewayd.apps.ruledesk import AppliedAppRule, AppRuleDesk
 from gatewayd.audit import AuditWriteError, Peer
+from gatewayd.control_attach import (
+    ATTACH_PROTOCOL,
+    ATTACH_TARGET,
+    AttachRequest,
+    asks_to_attach,
+    check_command,
+    serve_attached,
+)
 from gatewayd.errors import GatewayError, InvalidArguments, PolicyViolation, ToolFailed
 from gatewayd.mcp.approval import Approval, ApprovalError
 from gatewayd.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -299,11 +309,7 @@ class ExecRequest(pydantic.BaseModel):
     @pydantic.field_validator("command")
     @classmethod
     def _no_nul(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if any("\0" in arg for arg in value):
-            raise ValueError("an argument holds a NUL byte; arguments are C strings")
-        if not value[0]:
-            raise ValueError("the program (first argument) is empty")
-        return value
+        return check_command(value)
 
 
 class HttpError(Exception):
@@ -517,6 +523,9 @@ class ControlServer:
                     return
                 # A line logged for this request carries no run id of an earlier one.
                 structlog.contextvars.clear_contextvars()
+                if request.target.partition(b"?")[0].rstrip(b"/") == ATTACH_TARGET.encode():
+                    await self._attach(stream, conn, request, body)
+                    return
                 status, payload = await self._route(request, body, peer)
                 await self._send(stream, conn, status, payload)
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
@@ -613,7 +622,7 @@ class ControlServer:
                 404,
                 ErrorCode.BAD_REQUEST,
                 f"no route {method} {target}; routes: GET /v1/health, GET /v1/metrics, "
-                "GET|POST /v1/runs, "
+                "GET|POST /v1/runs, POST /v1/runs/attach (an Upgrade), "
                 "GET|DELETE /v1/runs/{runId}, POST /v1/runs/{runId}/exec, GET|POST /v1/rules, "
                 "GET /v1/rules/pending, POST /v1/rules/pending/{id}/confirm, "
                 "DELETE /v1/rules/pending/{id}, POST /v1/apps/rules, "
@@ -937,6 +946,35 @@ class ControlServer:
                 500, ErrorCode.INTERNAL, f"the sandbox could not start: {exc}"
             ) from None
         return 200, {"ok": True, "result": exec_result_json(result, ResultForm.CONTROL, hint=hint)}
+
+    async def _attach(
+        self, stream: trio.SocketStream, conn: h11.Connection, request: h11.Request, body: bytes
+    ) -> None:
+        """``POST /v1/runs/attach`` (gatewayd/control_attach.py): refused as any request
+        is when it is not one; else the connection switches and serves the run."""
+        refusal: HttpError | None = None
+        if request.method != b"POST":
+            refusal = HttpError(
+                405, ErrorCode.BAD_REQUEST, f"{ATTACH_TARGET} takes POST (gatewayd run sends it)"
+            )
+        elif not asks_to_attach(request):
+            refusal = HttpError(
+                400,
+                ErrorCode.BAD_REQUEST,
+                f"{ATTACH_TARGET} switches its connection: send Connection: Upgrade and "
+                f"Upgrade: {ATTACH_PROTOCOL} (gatewayd run does)",
+            )
+        else:
+            try:
+                attach = _parse(AttachRequest, body, "attach request")
+            except HttpError as exc:
+                refusal = exc
+        if refusal is not None:
+            await self._send(
+                stream, conn, refusal.status, _error_body(refusal.code, refusal.message)
+            )
+            return
+        await serve_attached(stream, conn, attach, self.runs)
 
     async def _send(
         self, stream: trio.SocketStream, conn: h11.Connection, status: int, payload: Any

@@ -12,16 +12,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Protocol
+
+from gatewayd.exitstatus import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:
     # argparse's own (private) name for what ``add_subparsers`` returns.
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
-# Exit codes of gatewayd itself (a one-shot run exits with its command's status).
-EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1  # verify found a problem, policy invalid, run refused
-EXIT_USAGE: Final = 2
+# Exit codes of gatewayd itself (gatewayd/exitstatus.py; a one-shot run exits with its
+# command's status).
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "CommandModule", "refusing"]
 
 
 class CommandModule(Protocol):

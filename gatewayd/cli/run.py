@@ -25,24 +25,23 @@ from gatewayd.cli.options import (
     control_socket_of,
     log_scrubber,
 )
+from gatewayd.exitstatus import EXIT_MAX_RUNTIME, SIGNAL_EXIT_BASE, describe_exec, exec_status
 
 if TYPE_CHECKING:
+    import _socket
+
     import trio
 
     from gatewayd.cli.command import Subparsers
     from gatewayd.daemon import Daemon
     from gatewayd.runs import Run, RunRequest
 
-# A child killed by signal N exits 128 + N, like a shell reports it.
-SIGNAL_EXIT_BASE: Final = 128
 # What stops a one-shot run early: an operator's ^C, a service manager's stop, a
 # closed terminal. gatewayd then exits 128 + N like the command would.
 STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Variables a run's command may inherit from gatewayd's environment; everything else
 # is dropped (invariant SECRETS_HOST_ONLY), and the two COGNI_ variables are added.
 ENV_ALLOWLIST: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TZ")
-# Like timeout(1): the run's command was stopped because the run ran out of time.
-EXIT_MAX_RUNTIME: Final = 124
 # A run spec is a few hundred bytes, like the control socket's run request (whose body
 # cap this is): anything bigger is not a spec.
 MAX_SPEC_BYTES: Final = 1 << 20
@@ -53,6 +52,23 @@ ON_END_CHOICES: Final = ("keep", "commit", "discard")
 # A run id, as the run registry makes them (tests/unit/test_workspace_store.py holds it
 # to the store's RUN_ID_PATTERN); checked here so a mistyped id is named before any request.
 _RUN_ID: Final = re.compile(r"[0-9a-f]{32}")
+# gatewayd/control_attach.py's route and protocol (spelt here so the client imports
+# none of the daemon).
+_ATTACH_TARGET: Final = "/v1/runs/attach"
+_ATTACH_PROTOCOL: Final = "gatewayd-attach/1"
+_ATTACH_READ_BYTES: Final = 64 * 1024
+# Options that set up a daemon of this process; given, `gatewayd run` opens its own
+# daemon instead of asking a serving one (which runs with its own configuration).
+_OWN_DAEMON_OPTIONS: Final = (
+    "audit",
+    "policy_dir",
+    "no_os_sandbox",
+    "netns_prefix",
+    "sandbox_uids",
+    "lendable_root",
+    "max_frame_bytes",
+    "audit_max_bytes",
+)
 # Daemon options a later `gatewayd workspace ...` needs to find the same sessions.
 _STORE_OPTIONS: Final = (("config", "--config"), ("state_dir", "--state-dir"))
 
@@ -250,6 +266,10 @@ def _run(args: argparse.Namespace) -> int:
     if not cmd:
         print("gatewayd run: give the command after --, e.g. -- python3 agent.py", file=sys.stderr)
         return EXIT_USAGE
+    _keep_our_lines_off_stdout()
+    attached = _run_attached(args, cmd)
+    if attached is not None:
+        return attached
     # The daemon this one-shot run opens, loaded only now: a usage error costs nothing.
     import logging
 
@@ -261,8 +281,8 @@ def _run(args: argparse.Namespace) -> int:
     from gatewayd.logs import configure_logging
     from gatewayd.policy import PolicyError
     from gatewayd.runs.lifecycle import AUDITED_COMMAND_ARGS
+    from gatewayd.runs.oneshot import exec_end_not_audited, max_runtime_line, started_line
 
-    _keep_our_lines_off_stdout()
     request = _run_request(args)
     config = config_from_options(args)
     configure_logging(logging.WARNING, scrubber=log_scrubber(config))
@@ -278,13 +298,7 @@ def _run(args: argparse.Namespace) -> int:
         except (PolicyError, ValueError) as exc:
             print(f"gatewayd: run refused: {exc}", file=sys.stderr)
             return
-        mode = run.workspace.mode if run.workspace is not None else None
-        print(
-            f"gatewayd: run {run.run_id} started (policy {run.spec.policy.name}"
-            + (f", workspace mode {mode}" if mode else "")
-            + ")",
-            file=sys.stderr,
-        )
+        print(started_line(run), file=sys.stderr)
         max_runtime = run.spec.request.limits.maxRuntimeSec
         # What the run's policy can reach (the HTTP libraries, ...), loaded off the event
         # loop before its command can make a call; nothing when it reaches none of it.
@@ -319,11 +333,7 @@ def _run(args: argparse.Namespace) -> int:
                 start_new_session=True,
             )
         if scope.cancelled_caught:
-            print(
-                f"gatewayd: run {run.run_id} exceeded its {max_runtime} s "
-                "(maxRuntimeSec); its command was stopped",
-                file=sys.stderr,
-            )
+            print(max_runtime_line(run, max_runtime), file=sys.stderr)
             rc, status = -1, EXIT_MAX_RUNTIME
         else:
             rc = proc.returncode
@@ -343,7 +353,7 @@ def _run(args: argparse.Namespace) -> int:
             # The exit status says how the command ended: only once the log does.
             await daemon.runs.durable_before_answer(seq)
         except AuditWriteError as exc:
-            print(_exec_end_not_audited(exc.detail), file=sys.stderr)
+            print(exec_end_not_audited(exc.detail), file=sys.stderr)
             status = EXIT_FAILED
         await _end_one_shot(daemon, run, f"exit {rc}", args)
 
@@ -373,6 +383,170 @@ def _run(args: argparse.Namespace) -> int:
     return status
 
 
+def _run_attached(args: argparse.Namespace, cmd: list[str]) -> int | None:
+    """The run, by the daemon serving the state directory's control socket
+    (gatewayd/control_attach.py says how): this process imports none of the daemon and
+    relays nothing itself; gatewayd's exit status. None when no daemon serves it (the
+    run is then this process's), or when an option sets something only a daemon of this
+    process can take (``--audit``, ``--sandbox-uids``...: the serving daemon runs it
+    with its own configuration)."""
+    import json
+
+    from gatewayd.cli.control_client import NO_DAEMON
+    from gatewayd.cli.unix_http import upgrade
+
+    if any(getattr(args, name, None) for name in _OWN_DAEMON_OPTIONS):
+        return None
+    vars(args).setdefault("control_socket", None)
+    control = control_socket_of(args)
+    body = json.dumps(
+        {
+            "request": _attach_request(args),
+            "command": cmd,
+            "env": dict(os.environ),
+            "storeOptions": store_options(args),
+        }
+    ).encode()
+    try:
+        status, early, sock = upgrade(str(control), _ATTACH_TARGET, body, _ATTACH_PROTOCOL)
+    except OSError as exc:
+        if exc.errno in NO_DAEMON:
+            return None
+        print(f"gatewayd run: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if sock is None:
+        try:
+            answer = json.loads(early)
+        except ValueError:
+            answer = {}
+        answer = answer if isinstance(answer, dict) else {}
+        if status == 404 and "no route" in str(answer.get("message", "")):
+            print(
+                f"gatewayd run: the gatewayd serving {control} cannot run an attached "
+                "command (it is older than this one): upgrade it, or stop it to run the "
+                "command in this process",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                f"gatewayd run: {answer.get('errorCode', status)}: {answer.get('message')}",
+                file=sys.stderr,
+            )
+        return EXIT_FAILED
+    try:
+        return _attached(sock, early)
+    finally:
+        sock.close()
+
+
+def _attach_request(args: argparse.Namespace) -> dict[str, object]:
+    """The run request as JSON, built without its models (the daemon checks it): from
+    ``--spec`` or the flags, with --workspace-mode and --on-end over its workspace."""
+    import json
+
+    request: dict[str, object]
+    if args.spec is not None:
+        from gatewayd.inputfile import InputFileError, read_input_file
+
+        try:
+            raw = read_input_file(args.spec, max_bytes=MAX_SPEC_BYTES, what="the run spec")
+            request = json.loads(raw, object_pairs_hook=_no_key_twice)
+        except (InputFileError, ValueError) as exc:
+            raise SystemExit(f"gatewayd: bad --spec {args.spec}: {exc}") from None
+        if not isinstance(request, dict):
+            raise SystemExit(f"gatewayd: bad --spec {args.spec}: not a JSON object")
+    else:
+        if not args.policy or not args.workspace:
+            raise SystemExit("gatewayd run: --policy and --workspace are required (or --spec FILE)")
+        # The operator starting a run from the host's command line is the system grant.
+        request = {
+            "workspacePath": str(args.workspace.resolve()),
+            "policy": args.policy,
+            "actorId": args.actor,
+            "tenantId": args.tenant,
+            "grant": {"allowSandbox": True},
+            "toolIds": list(args.tools) if args.tools else None,
+            "limits": {} if args.max_runtime is None else {"maxRuntimeSec": args.max_runtime},
+            "sandboxImage": str(args.image.absolute()) if args.image else None,
+        }
+    policy = request.get("policy")
+    if isinstance(policy, str) and ("/" in policy or policy.endswith((".yaml", ".yml"))):
+        request["policy"] = os.path.abspath(policy)  # a path: the daemon's is not our cwd
+    asked = {
+        key: value
+        for key, value in (("mode", args.workspace_mode), ("onEnd", args.on_end))
+        if value is not None
+    }
+    if asked:
+        workspace = request.get("workspace")
+        request["workspace"] = {**(workspace if isinstance(workspace, dict) else {}), **asked}
+    return request
+
+
+def _no_key_twice(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"a key given twice in one object: {sorted(keys)[:10]}")
+    return dict(pairs)
+
+
+def _attached(sock: _socket.socket, early: bytes) -> int:
+    """The attached exchange's client side, once the daemon switched: our standard
+    streams passed, the daemon's lines printed, a stop signal passed on; the exit
+    status the daemon says."""
+    import _socket
+    import array
+    import json
+
+    stopped: list[int] = []
+    passed = False
+
+    def stop_message() -> None:
+        with contextlib.suppress(OSError):
+            sock.sendall(json.dumps({"stop": stopped[0]}).encode() + b"\n")
+
+    def pass_on(signum: int, _frame: object) -> None:
+        if not stopped:  # the first ends the run; the daemon says when it has
+            stopped.append(signum)
+            if passed:  # else said once the streams are passed (it would take their place)
+                stop_message()
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, pass_on)
+    with contextlib.ExitStack() as opened:
+        fds = [
+            _own_descriptor(sys.stdin, os.O_RDONLY, opened),
+            _own_descriptor(sys.stdout, os.O_WRONLY, opened),
+            _own_descriptor(sys.stderr, os.O_WRONLY, opened),
+        ]
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        sock.sendmsg([b"\0"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", fds))])
+    passed = True
+    if stopped:
+        stop_message()
+    buffer = bytearray(early)
+    while True:
+        while b"\n" in buffer:
+            line, _, rest = bytes(buffer).partition(b"\n")
+            buffer[:] = rest
+            message = json.loads(line)
+            if "say" in message:
+                print(message["say"], file=sys.stderr, flush=True)
+            elif "exit" in message:
+                return int(message["exit"])
+        chunk = sock.recv(_ATTACH_READ_BYTES)
+        if not chunk:
+            print(
+                "gatewayd run: gatewayd closed the connection before the run's end (its "
+                "log says why; `gatewayd workspace list` shows a session it kept)",
+                file=sys.stderr,
+            )
+            return EXIT_FAILED
+        buffer += chunk
+
+
 async def _cancel_on_signal(
     signals: AsyncIterator[int], scope: trio.CancelScope, stopped_by: list[int]
 ) -> None:
@@ -385,46 +559,30 @@ async def _cancel_on_signal(
 async def _end_one_shot(
     daemon: Daemon, run: Run, outcome: str, args: argparse.Namespace | None = None
 ) -> None:
-    import trio
+    from gatewayd.runs.oneshot import end_one_shot
 
-    # The run may already have ended (maxRuntimeSec); its counters stay on it. Shielded:
-    # a stop signal arriving now must not cut the summary short.
-    with trio.CancelScope(shield=True):
-        await daemon.runs.end(run.run_id, reason="command_exited")
-    by_code = ", ".join(f"{k}: {v}" for k, v in sorted(run.denied_by_code.items()))
-    print(
-        f"gatewayd: run {run.run_id} ended: {outcome}; {run.calls} calls, "
-        f"{run.allowed} allowed, {run.denied} denied" + (f" ({by_code})" if by_code else ""),
-        file=sys.stderr,
+    await end_one_shot(
+        daemon.runs,
+        run,
+        outcome,
+        _say,
+        audit_path=str(daemon.config.resolved_audit_path),
+        store_options=store_options(args),
     )
-    for line in workspace_fate_lines(run, args):
-        print(f"gatewayd: {line}", file=sys.stderr)
-    print(f"gatewayd: audit log {daemon.config.resolved_audit_path}", file=sys.stderr)
 
 
-def workspace_fate_lines(run: Run, args: argparse.Namespace | None) -> list[str]:
-    """What became of the run's workspace session, and, when it is kept, the commands
-    that show, commit or discard it (with ``args``' options that find the same store)."""
-    handle = run.workspace
-    if handle is None:
-        return []
-    counts = handle.info.counts
-    changes = ", ".join(
-        f"{counts.get(what, 0)} {what}" for what in ("added", "modified", "removed", "renamed")
+def store_options(args: argparse.Namespace | None) -> str:
+    """The options (each with a leading space) a later `gatewayd workspace ...` needs to
+    find the same sessions as this command."""
+    return "".join(
+        f" {flag} {shlex.quote(str(getattr(args, name)))}"
+        for name, flag in _STORE_OPTIONS
+        if args is not None and getattr(args, name, None) is not None
     )
-    fate = run.workspace_fate or "unknown (see the audit log's workspace_ended)"
-    lines = [f"workspace ({handle.mode}) of {handle.base}: {fate}; {changes}"]
-    if fate.startswith("kept"):
-        options = "".join(
-            f" {flag} {shlex.quote(str(getattr(args, name)))}"
-            for name, flag in _STORE_OPTIONS
-            if args is not None and getattr(args, name, None) is not None
-        )
-        lines += [
-            f"  gatewayd workspace {verb}{options} {run.run_id}"
-            for verb in ("diff", "commit", "discard")
-        ]
-    return lines
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 async def _run_in_sandbox(
@@ -435,48 +593,32 @@ async def _run_in_sandbox(
     args: argparse.Namespace | None = None,
 ) -> int:
     """The one-shot run's command, in the run's sandbox; returns gatewayd's exit status."""
-    from gatewayd.audit import AuditWriteError
-    from gatewayd.errors import GatewayError
+    from gatewayd.runs.oneshot import run_in_sandbox
     from gatewayd.sandbox.passthrough import Passthrough
 
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:  # None: closed when gatewayd started
             stream.flush()
-    try:
-        with contextlib.ExitStack() as opened:
-            # The command is this process in a pipeline: our stdin is its stdin, its
-            # output is ours, as it comes, through pipes (never our descriptors
-            # themselves: one could be the operator's terminal). Nothing is kept, so no
-            # output cap applies.
-            streams = Passthrough(
-                stdin=_own_descriptor(sys.stdin, os.O_RDONLY, opened),
-                stdout=_own_descriptor(sys.stdout, os.O_WRONLY, opened),
-                stderr=_own_descriptor(sys.stderr, os.O_WRONLY, opened),
-            )
-            result = await daemon.runs.exec(
-                run.run_id, cmd, timeout_s=max_runtime, passthrough=streams
-            )
-    except AuditWriteError as exc:
-        print(_exec_end_not_audited(exc.detail), file=sys.stderr)
-        await _end_one_shot(daemon, run, "its end not audited", args)
-        return EXIT_FAILED
-    except GatewayError as exc:
-        if run.end_reason == "max_runtime_exceeded":
-            # The run's own time ran out while its command ran: not a failed start.
-            print(
-                f"gatewayd: run {run.run_id} exceeded its {max_runtime} s "
-                "(maxRuntimeSec); its command was stopped",
-                file=sys.stderr,
-            )
-            await _end_one_shot(daemon, run, "max runtime exceeded", args)
-            return EXIT_MAX_RUNTIME
-        print(f"gatewayd: the sandbox could not start: {exc}", file=sys.stderr)
-        await _end_one_shot(daemon, run, "not started", args)
-        return EXIT_FAILED
-    status = _exec_status(result.exitCode, result.signal, _str_or_none(result.errorCode))
-    outcome = _describe_exec(result.exitCode, result.signal, _str_or_none(result.errorCode))
-    await _end_one_shot(daemon, run, outcome, args)
-    return status
+    with contextlib.ExitStack() as opened:
+        # The command is this process in a pipeline: our stdin is its stdin, its
+        # output is ours, as it comes, through pipes (never our descriptors
+        # themselves: one could be the operator's terminal). Nothing is kept, so no
+        # output cap applies.
+        streams = Passthrough(
+            stdin=_own_descriptor(sys.stdin, os.O_RDONLY, opened),
+            stdout=_own_descriptor(sys.stdout, os.O_WRONLY, opened),
+            stderr=_own_descriptor(sys.stderr, os.O_WRONLY, opened),
+        )
+        return await run_in_sandbox(
+            daemon.runs,
+            run,
+            cmd,
+            max_runtime,
+            streams,
+            _say,
+            audit_path=str(daemon.config.resolved_audit_path),
+            store_options=store_options(args),
+        )
 
 
 def _keep_our_lines_off_stdout() -> None:
@@ -504,20 +646,6 @@ def _own_descriptor(stream: TextIO | None, flags: int, opened: contextlib.ExitSt
     return fd
 
 
-def _exec_end_not_audited(detail: str) -> str:
-    """`gatewayd run`'s word when its command's end cannot be made durable: the
-    command's exit status is not passed on (EXIT_FAILED instead), as a call's value is
-    withheld."""
-    return (
-        f"gatewayd: the audit log cannot be written ({detail}), so the command's exit "
-        f"status is not passed on (exit {EXIT_FAILED}); fix the audit log"
-    )
-
-
-def _str_or_none(value: object) -> str | None:
-    return None if value is None else str(value)
-
-
 def _writer(fd: int) -> Callable[[bytes], None]:
     from gatewayd.files import write_all
 
@@ -529,21 +657,6 @@ def _write_output(stdout: bytes, stderr: bytes) -> None:
     sys.stderr.flush()
     _writer(sys.stdout.fileno())(stdout)
     _writer(sys.stderr.fileno())(stderr)
-
-
-def _exec_status(exit_code: int | None, sig: int | None, error: str | None) -> int:
-    """gatewayd's exit status for a sandboxed command: its own, 128+N for a signal,
-    124 when it ran out of time (like timeout(1))."""
-    if error == "timeout":
-        return EXIT_MAX_RUNTIME
-    if sig is not None:
-        return SIGNAL_EXIT_BASE + sig
-    return exit_code if exit_code is not None else EXIT_FAILED
-
-
-def _describe_exec(exit_code: int | None, sig: int | None, error: str | None) -> str:
-    what = f"signal {sig}" if sig is not None else f"exit {exit_code}"
-    return f"{what} ({error})" if error else what
 
 
 def _exec(args: argparse.Namespace) -> int:
@@ -603,12 +716,12 @@ def _exec(args: argparse.Namespace) -> int:
     if result["errorCode"]:
         print(
             "gatewayd exec: "
-            + _describe_exec(result["exitCode"], result["signal"], result["errorCode"]),
+            + describe_exec(result["exitCode"], result["signal"], result["errorCode"]),
             file=sys.stderr,
         )
     if result.get("hint"):
         print(f"gatewayd exec: hint: {result['hint']}", file=sys.stderr)
-    return _exec_status(result["exitCode"], result["signal"], result["errorCode"])
+    return exec_status(result["exitCode"], result["signal"], result["errorCode"])
 
 
 def _exec_options(args: argparse.Namespace) -> dict[str, object]:

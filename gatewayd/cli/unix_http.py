@@ -67,7 +67,45 @@ def exchange(
         sock.close()
 
 
-def _request(method: str, target: str, body: bytes | None, content_type: str) -> bytes:
+def upgrade(
+    path: str, target: str, body: bytes, protocol: str
+) -> tuple[int, bytes, _socket.socket | None]:
+    """POST ``body`` to ``target`` on the unix socket at ``path``, asking to switch the
+    connection to ``protocol``. When the server switches: (101, the bytes it sent after
+    its answer's head, the connected socket, now the caller's to close); when it answers
+    as HTTP instead: (status, body, None).
+
+    Error handling: as :func:`exchange`; an informational answer other than 101 is
+    refused (:class:`HttpAnswerError`).
+    """
+    request = _request(
+        "POST", target, body, "application/json", connection=f"Upgrade\r\nUpgrade: {protocol}"
+    )
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        sock.connect(path)
+        sock.sendall(request)
+        buffer = _read_head(sock)
+        end = buffer.find(b"\r\n\r\n")
+        status, length = _parse_head(bytes(buffer[:end]), switching=True)
+        if status == 101:
+            return 101, bytes(buffer[end + 4 :]), sock
+        answer = _read_body(sock, buffer[end + 4 :], length)
+    except BaseException:
+        sock.close()
+        raise
+    sock.close()
+    return status, answer, None
+
+
+def _request(
+    method: str,
+    target: str,
+    body: bytes | None,
+    content_type: str,
+    *,
+    connection: str = "close",
+) -> bytes:
     if not method or not set(method) <= _TOKEN_CHARS:
         raise ValueError(f"not an HTTP method: {method!r}")
     if (
@@ -77,7 +115,7 @@ def _request(method: str, target: str, body: bytes | None, content_type: str) ->
         or " " in target
     ):
         raise ValueError(f"not a request target: {target!r}")
-    lines = [f"{method} {target} HTTP/1.1", "Host: gatewayd", "Connection: close"]
+    lines = [f"{method} {target} HTTP/1.1", "Host: gatewayd", f"Connection: {connection}"]
     if body is not None:
         lines += [f"Content-Type: {content_type}", f"Content-Length: {len(body)}"]
     elif method in _METHODS_WITH_BODY:
@@ -87,6 +125,14 @@ def _request(method: str, target: str, body: bytes | None, content_type: str) ->
 
 
 def _read_response(sock: _socket.socket) -> tuple[int, bytes]:
+    buffer = _read_head(sock)
+    end = buffer.find(b"\r\n\r\n")
+    status, length = _parse_head(bytes(buffer[:end]))
+    return status, _read_body(sock, buffer[end + 4 :], length)
+
+
+def _read_head(sock: _socket.socket) -> bytearray:
+    """What the server sent up to the end of its answer's head (and maybe beyond)."""
     buffer = bytearray()
     while (end := buffer.find(b"\r\n\r\n")) < 0:
         if len(buffer) > MAX_HEAD_BYTES:
@@ -102,8 +148,12 @@ def _read_response(sock: _socket.socket) -> tuple[int, bytes]:
         buffer += chunk
     if end > MAX_HEAD_BYTES:
         raise HttpAnswerError(f"the answer's head is over {MAX_HEAD_BYTES} bytes")
-    status, length = _parse_head(bytes(buffer[:end]))
-    body = buffer[end + 4 :]
+    return buffer
+
+
+def _read_body(sock: _socket.socket, body: bytearray, length: int | None) -> bytes:
+    """The answer's body: ``length`` bytes, or to the end of the stream without one;
+    ``body`` holds what came with the head."""
     while length is None or len(body) < length:
         chunk = sock.recv(READ_BYTES)
         if not chunk:
@@ -115,12 +165,12 @@ def _read_response(sock: _socket.socket) -> tuple[int, bytes]:
         body += chunk
     if length is not None and len(body) > length:
         raise HttpAnswerError(f"the answer runs {len(body) - length} bytes past its body")
-    return status, bytes(body)
+    return bytes(body)
 
 
-def _parse_head(head: bytes) -> tuple[int, int | None]:
+def _parse_head(head: bytes, *, switching: bool = False) -> tuple[int, int | None]:
     """(status, Content-Length or None) of a response head (the status line and the
-    header lines, without the blank line)."""
+    header lines, without the blank line); ``switching``: 101 is an answer too."""
     try:
         text = head.decode("ascii")
     except UnicodeDecodeError:
@@ -131,7 +181,7 @@ def _parse_head(head: bytes) -> tuple[int, int | None]:
     if version != "HTTP/1.1" or len(code) != 3 or not code.isdigit() or rest[3:4] not in ("", " "):
         raise HttpAnswerError(f"not an HTTP/1.1 status line: {status_line[:100]!r}")
     status = int(code)
-    if not 200 <= status <= 599:
+    if not (200 <= status <= 599 or (switching and status == 101)):
         raise HttpAnswerError(f"status {status} is not a final answer")
     length: int | None = None
     for line in header_lines:

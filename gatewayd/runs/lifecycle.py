@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
@@ -590,12 +590,15 @@ class RunManager:
         timeout_s: float | None = None,
         echo: Echo | None = None,
         passthrough: Passthrough | None = None,
+        env_values: Mapping[str, str] | None = None,
     ) -> ExecResult:
         """Run ``command`` in the run's sandbox (host to sandbox); audited before it
         starts (durable before bwrap runs) and when it ends: the result (or the error)
         is returned only once ``exec_ended`` is durable, so whoever is told the exit code
         finds it in the log after a crash (unless the operator opted out:
-        :meth:`durable_before_answer`).
+        :meth:`durable_before_answer`). ``env_values``: where the variables the policy
+        lets through are read (default: gatewayd's environment; an attached ``gatewayd
+        run``'s own).
 
         Error handling: LookupError for an unknown run; SandboxUnavailable for a run
         without a sandbox or one that is ending; PlanError/LaunchError if bwrap cannot
@@ -603,7 +606,13 @@ class RunManager:
         (the command ran; its result must not be given).
         """
         result, _hint = await self.exec_explained(
-            run_id, command, stdin=stdin, timeout_s=timeout_s, echo=echo, passthrough=passthrough
+            run_id,
+            command,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            echo=echo,
+            passthrough=passthrough,
+            env_values=env_values,
         )
         return result
 
@@ -617,6 +626,7 @@ class RunManager:
         echo: Echo | None = None,
         passthrough: Passthrough | None = None,
         options: ExecOptions | None = None,
+        env_values: Mapping[str, str] | None = None,
     ) -> tuple[ExecResult, str | None]:
         """:meth:`exec`, with ``options`` (a cwd, variables, a narrower network: checked
         as sandbox.exec checks its own, :func:`~gatewayd.tools.exec.prepare_exec`), and
@@ -653,7 +663,12 @@ class RunManager:
         try:
             if options is None:
                 result = await sandbox.exec(
-                    command, stdin=stdin, timeout_s=timeout_s, echo=echo, passthrough=passthrough
+                    command,
+                    stdin=stdin,
+                    timeout_s=timeout_s,
+                    echo=echo,
+                    passthrough=passthrough,
+                    env_values=env_values,
                 )
             else:
                 prepared = prepare_exec(
@@ -668,7 +683,7 @@ class RunManager:
                     prepared,
                     stdin=stdin,
                     timeout_s=timeout_s,
-                    env_values=os.environ,
+                    env_values=os.environ if env_values is None else env_values,
                     egress=self._command_egress(run_id, sandbox),
                 )
         except (PolicyViolation, InvalidArguments, ToolFailed) as exc:

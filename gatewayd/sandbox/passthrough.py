@@ -12,8 +12,13 @@ Why the host side is read and written in worker threads: gatewayd's own descript
 shared with the shell that started it. Making them non-blocking (as ``trio.lowlevel.
 FdStream`` does) would change them for that shell too, and epoll refuses regular files
 and ``/dev/null`` (``gatewayd run ... < data``). A blocking read or write in a thread
-works on every kind of descriptor; a cancelled one is abandoned (the one-shot process
-exits right after) rather than waited for.
+works on every kind of descriptor. Each thread waits in ``poll`` on its descriptor and on
+a wake-up pipe the relay writes to when it is cancelled, so no thread is ever left behind
+blocked on a host descriptor: a serving daemon relays an attached ``gatewayd run``'s
+streams (gatewayd/runs/oneshot.py), and a read left waiting on the operator's terminal
+after the command ended would take the next line typed there, and keep the descriptor
+open, for as long as the daemon lives. A pipe (or FIFO) is written ``PIPE_BUF`` bytes at
+a time once ``poll`` says it has room, which the kernel takes without blocking.
 
 Memory: one chunk per stream in flight, whatever the command writes; the next chunk is
 read only once the last is written (backpressure: a slow reader on the host slows the
@@ -24,8 +29,11 @@ the command's time is still bounded by its timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import stat
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -84,14 +92,13 @@ class Relay:
         """
         async with stream:
             try:
-                while chunk := await trio.to_thread.run_sync(
-                    _read_some, source, abandon_on_cancel=True
-                ):
-                    try:
-                        await stream.send_all(chunk)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        return
-                    self.count += len(chunk)
+                async with _woken_when_cancelled() as wake:
+                    while chunk := await trio.to_thread.run_sync(_read_some, source, wake):
+                        try:
+                            await stream.send_all(chunk)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            return
+                        self.count += len(chunk)
             finally:
                 self.done.set()
 
@@ -100,39 +107,86 @@ class Relay:
         command closes it. If ``sink`` stops taking data (its reader is gone: ``gatewayd
         run ... | head -1``), ``stream`` is closed, so the command's next write fails with
         EPIPE (or SIGPIPE) as it would in the same pipeline without gatewayd."""
+        piece = select.PIPE_BUF if _is_pipe(sink) else RELAY_CHUNK
         async with stream:
             try:
-                while chunk := await stream.receive_some(RELAY_CHUNK):
-                    self.count += len(chunk)
-                    try:
-                        await trio.to_thread.run_sync(
-                            _write_all, sink, chunk, abandon_on_cancel=True
-                        )
-                    except OSError:  # EPIPE, or a sink gone bad: its reader decides
-                        return
+                async with _woken_when_cancelled() as wake:
+                    while chunk := await stream.receive_some(RELAY_CHUNK):
+                        self.count += len(chunk)
+                        try:
+                            await trio.to_thread.run_sync(_write_all, sink, chunk, piece, wake)
+                        except (OSError, _Woken):  # EPIPE, a sink gone bad; or cancelled
+                            return
             finally:
                 self.done.set()
 
 
-def _read_some(fd: int) -> bytes:
-    """A chunk of ``fd``; empty at its end, or when it cannot be read (EIO: a terminal
-    hung up; EBADF: no stdin at all) which ends the command's input the same way."""
+class _Woken(Exception):
+    """The relay was cancelled while its thread waited on a host descriptor."""
+
+
+@contextlib.asynccontextmanager
+async def _woken_when_cancelled() -> AsyncIterator[int]:
+    """A wake-up descriptor for the threads of one relay: readable once the relay's task
+    is cancelled (or done), so a thread waiting in ``poll`` returns instead of being
+    abandoned. Its threads are waited for (not abandoned): they return at the wake-up."""
+    wake_r, wake_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_wake_on_cancel, wake_w)
+            yield wake_r
+            nursery.cancel_scope.cancel()
+    finally:
+        os.close(wake_r)
+        os.close(wake_w)
+
+
+async def _wake_on_cancel(wake_w: int) -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        os.write(wake_w, b"\0")
+
+
+def _is_pipe(fd: int) -> bool:
+    try:
+        return stat.S_ISFIFO(os.fstat(fd).st_mode)
+    except OSError:
+        return False
+
+
+def _read_some(fd: int, wake: int) -> bytes:
+    """A chunk of ``fd``; empty at its end, when it cannot be read (EIO: a terminal hung
+    up; EBADF: no stdin at all), which ends the command's input the same way, or when
+    ``wake`` says the relay was cancelled."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.register(wake, select.POLLIN)
     while True:
+        if any(ready == wake for ready, _ in poller.poll()):
+            return b""
         try:
             return os.read(fd, RELAY_CHUNK)
-        except BlockingIOError:  # a non-blocking descriptor with nothing yet: wait
-            select.select([fd], [], [])
+        except BlockingIOError:  # a non-blocking descriptor another reader emptied: wait
+            continue
         except OSError:
             return b""
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    """All of ``data`` to ``fd``, waiting whenever a non-blocking ``fd`` is full.
+def _write_all(fd: int, data: bytes, piece: int, wake: int) -> None:
+    """All of ``data`` to ``fd``, at most ``piece`` bytes per write, each once ``poll``
+    says ``fd`` has room.
 
-    Error handling: OSError as the system reports it (EPIPE: the reader is gone)."""
+    Error handling: OSError as the system reports it (EPIPE: the reader is gone);
+    :class:`_Woken` when ``wake`` says the relay was cancelled."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    poller.register(wake, select.POLLIN)
     view = memoryview(data)
     while view:
+        if any(ready == wake for ready, _ in poller.poll()):
+            raise _Woken
         try:
-            view = view[os.write(fd, view) :]
-        except BlockingIOError:
-            select.select([], [fd], [])
+            view = view[os.write(fd, view[:piece]) :]
+        except BlockingIOError:  # a non-blocking descriptor filled meanwhile: wait
+            continue

@@ -8,6 +8,7 @@ import contextlib
 import errno
 import io
 import os
+import resource
 import select
 from typing import Any, cast
 
@@ -60,8 +61,9 @@ async def test_feed_treats_an_unreadable_input_as_its_end() -> None:
     # gatewayd's stdin gone bad (a hung-up terminal reads EIO; here: not a descriptor):
     # the command sees end of input rather than gatewayd failing.
     cmd_r, cmd_w = os.pipe()
-    bad = os.open(os.devnull, os.O_RDONLY)
-    os.close(bad)
+    # At the open-files limit: never a descriptor (a closed one's number is taken again
+    # by the next pipe, the relay's own wake-up pipe included).
+    bad = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     relay = Relay()
     with trio.fail_after(5):
         await relay.feed(bad, trio.lowlevel.FdStream(cmd_w))
@@ -193,3 +195,49 @@ def test_a_standard_stream_without_a_descriptor_of_ours_is_relayed_as_dev_null(
     with contextlib.ExitStack() as opened:
         fd = _own_descriptor(stream, os.O_RDONLY, opened)
         assert os.path.samestat(os.fstat(fd), os.stat(os.devnull))
+
+
+async def test_a_cancelled_feed_leaves_no_thread_reading_the_hosts_input() -> None:
+    # The command ended without reading its input (stdin an operator's terminal, in a
+    # serving daemon relaying an attached `gatewayd run`): what is typed afterwards is
+    # the shell's, never taken by a reader the relay left behind.
+    host_r, host_w = os.pipe()
+    cmd_r, cmd_w = os.pipe()
+    relay = Relay()
+    with trio.move_on_after(0.2):
+        await relay.feed(host_r, trio.lowlevel.FdStream(cmd_w))
+    assert relay.done.is_set()
+    os.write(host_w, b"typed later\n")
+    await trio.sleep(0.2)  # a reader left behind would have taken it by now
+    os.set_blocking(host_r, False)
+    assert os.read(host_r, 100) == b"typed later\n"
+    for fd in (host_r, host_w, cmd_r):
+        os.close(fd)
+
+
+async def test_a_cancelled_drain_writes_nothing_more_to_a_full_host_output() -> None:
+    # The host's reader stopped reading (a pager): a cancelled relay stops at once and
+    # leaves no thread behind that would go on writing once the reader reads again.
+    cmd_r, cmd_w = os.pipe()
+    host_r, host_w = os.pipe()
+    os.set_blocking(host_w, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(host_w, b"x" * 4096)  # the host's pipe full
+    os.set_blocking(host_w, True)
+    os.write(cmd_w, b"y" * 1000)
+    relay = Relay()
+    with trio.fail_after(5):
+        with trio.move_on_after(0.3):
+            await relay.drain(trio.lowlevel.FdStream(cmd_r), host_w)
+    assert relay.done.is_set()
+    os.set_blocking(host_r, False)
+    seen = bytearray()
+    for _ in range(2):
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(host_r, 1 << 16):  # the reader reads again
+                seen += chunk
+        await trio.sleep(0.2)  # a writer left behind would write its chunk now
+    assert b"y" not in seen
+    for fd in (cmd_w, host_r, host_w):
+        os.close(fd)

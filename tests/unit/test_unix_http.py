@@ -15,7 +15,7 @@ import h11
 import pytest
 
 from gatewayd.cli.control_client import control_request
-from gatewayd.cli.unix_http import MAX_HEAD_BYTES, HttpAnswerError, exchange
+from gatewayd.cli.unix_http import MAX_HEAD_BYTES, HttpAnswerError, exchange, upgrade
 
 
 @dataclass
@@ -204,3 +204,44 @@ def test_a_quoted_segment_goes_on_the_request_line_as_one_segment(
     sent = request.target.decode("ascii")
     assert sent == target and sent.count("/") == 4
     assert unquote(sent.split("/")[3]) == segment
+
+
+def test_an_upgrade_asks_to_switch_and_hands_over_the_socket_with_what_came_after(
+    server: Server,
+) -> None:
+    server.answer = b"HTTP/1.1 101 \r\nUpgrade: p/1\r\nConnection: upgrade\r\n\r\nfirst"
+    status, early, sock = upgrade(str(server.path), "/v1/runs/attach", b"{}", "p/1")
+    assert sock is not None
+    try:
+        assert (status, early) == (101, b"first")
+        assert sock.recv(10) == b""  # open until the server closed it: the caller's
+    finally:
+        sock.close()
+    ((request, body),) = server.requests
+    headers = dict(request.headers)
+    assert (request.method, request.target, body) == (b"POST", b"/v1/runs/attach", b"{}")
+    assert (headers[b"connection"], headers[b"upgrade"]) == (b"Upgrade", b"p/1")
+
+
+def test_an_upgrade_answered_as_http_gives_its_status_and_body(server: Server) -> None:
+    server.answer = b"HTTP/1.1 400 Bad\r\nContent-Length: 4\r\n\r\nnope"
+    assert upgrade(str(server.path), "/x", b"{}", "p/1") == (400, b"nope", None)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 102 Processing\r\n\r\n"],
+    ids=["100", "102"],
+)
+def test_an_upgrade_answered_with_another_informational_status_is_refused(
+    server: Server, answer: bytes
+) -> None:
+    server.answer = answer
+    with pytest.raises(HttpAnswerError, match="is not a final answer"):
+        upgrade(str(server.path), "/x", b"{}", "p/1")
+
+
+def test_a_plain_exchange_still_refuses_a_101(server: Server) -> None:
+    server.answer = b"HTTP/1.1 101 \r\nUpgrade: p/1\r\n\r\n"
+    with pytest.raises(HttpAnswerError, match="status 101 is not a final answer"):
+        exchange(str(server.path), "GET", "/x")
