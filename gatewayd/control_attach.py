@@ -143,6 +143,7 @@ async def serve_attached(
     if early:
         log.info("attach_refused", reason="bytes before the switch")
         return  # the client spoke before it was answered: not this exchange
+    fds: list[int] | None = None  # stays None when the client does not send in time
     with trio.move_on_after(STREAMS_TIMEOUT_S):
         fds = await _receive_streams(stream.socket)
     if fds is None:

@@ -115,6 +115,7 @@ UNKNOWN_TOOL: Final = "unknown"
 END_REASONS: Final = (
     "ended",
     "ended_by_operator",
+    "interrupted_by_operator",
     "command_exited",
     "max_runtime_exceeded",
     "services_failed",
@@ -130,6 +131,7 @@ NO_ERROR: Final = "none"
 RUN_ERROR_CODES: Final[Mapping[str, str]] = {
     "ended": NO_ERROR,
     "ended_by_operator": NO_ERROR,
+    "interrupted_by_operator": NO_ERROR,
     "command_exited": NO_ERROR,
     "tool_called": NO_ERROR,
     "app_finished": NO_ERROR,

@@ -57,6 +57,9 @@ _RUN_ID: Final = re.compile(r"[0-9a-f]{32}")
 _ATTACH_TARGET: Final = "/v1/runs/attach"
 _ATTACH_PROTOCOL: Final = "gatewayd-attach/1"
 _ATTACH_READ_BYTES: Final = 64 * 1024
+# The longest variable name or value an attach request carries (control_attach's
+# MAX_ENV_CHARS).
+_ATTACH_ENV_CHARS: Final = 128 * 1024
 # Options that set up a daemon of this process; given, `gatewayd run` opens its own
 # daemon instead of asking a serving one (which runs with its own configuration).
 _OWN_DAEMON_OPTIONS: Final = (
@@ -403,7 +406,7 @@ def _run_attached(args: argparse.Namespace, cmd: list[str]) -> int | None:
         {
             "request": _attach_request(args),
             "command": cmd,
-            "env": dict(os.environ),
+            "env": _sendable_environment(),
             "storeOptions": store_options(args),
         }
     ).encode()
@@ -483,6 +486,23 @@ def _attach_request(args: argparse.Namespace) -> dict[str, object]:
     return request
 
 
+def _sendable_environment() -> dict[str, str]:
+    """Our variables as the attach request carries them (they feed the policy's
+    env.allow): one the request cannot hold (not UTF-8, or longer than the daemon takes)
+    is left out rather than the whole run refused."""
+    env = {}
+    for name, value in os.environ.items():
+        if len(name) > _ATTACH_ENV_CHARS or len(value) > _ATTACH_ENV_CHARS:
+            continue
+        try:
+            name.encode()
+            value.encode()
+        except UnicodeEncodeError:  # bytes that are not UTF-8 (surrogate-escaped)
+            continue
+        env[name] = value
+    return env
+
+
 def _no_key_twice(pairs: list[tuple[str, object]]) -> dict[str, object]:
     keys = [key for key, _ in pairs]
     if len(set(keys)) != len(keys):
@@ -515,7 +535,7 @@ def _attached(sock: _socket.socket, early: bytes) -> int:
         signal.signal(signum, pass_on)
     with contextlib.ExitStack() as opened:
         fds = [
-            _own_descriptor(sys.stdin, os.O_RDONLY, opened),
+            _terminal_read_here(_own_descriptor(sys.stdin, os.O_RDONLY, opened), opened),
             _own_descriptor(sys.stdout, os.O_WRONLY, opened),
             _own_descriptor(sys.stderr, os.O_WRONLY, opened),
         ]
@@ -545,6 +565,35 @@ def _attached(sock: _socket.socket, early: bytes) -> int:
             )
             return EXIT_FAILED
         buffer += chunk
+
+
+def _terminal_read_here(fd: int, opened: contextlib.ExitStack) -> int:
+    """``fd``, or, when it is a terminal, a pipe this process feeds from it in a thread:
+    the daemon never reads the operator's terminal itself. Job control then holds as for
+    any command: `gatewayd run ... &` that reads its terminal is stopped (SIGTTIN) rather
+    than taking lines typed for the shell (the daemon, in no session of that terminal,
+    would be stopped by nothing); and nothing reads the terminal once this process is
+    gone."""
+    import threading
+
+    if not os.isatty(fd):
+        return fd
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    opened.callback(os.close, read_end)  # the daemon holds its own copy once passed
+
+    def feed() -> None:
+        from gatewayd.files import write_all
+
+        try:
+            while chunk := os.read(fd, _ATTACH_READ_BYTES):
+                write_all(write_end, chunk)
+        except OSError:  # a hung-up terminal (EIO), or the command stopped reading (EPIPE)
+            pass
+        finally:
+            os.close(write_end)
+
+    threading.Thread(target=feed, name="terminal-input", daemon=True).start()
+    return read_end
 
 
 async def _cancel_on_signal(

@@ -49,8 +49,8 @@ async def attached_run(
     policy may be named by a file's path: the control socket's peer is the operator),
     run its command with ``streams`` relayed and ``env_values`` as its environment's
     source, end it; gatewayd run's exit status, or None when ``stop`` was cancelled (the
-    client's stop signal, or the client gone: the run is then ended as an operator's
-    DELETE ends it). The daemon loaded every library a run can reach before it served:
+    client's stop signal, or the client gone: the run is then ended as interrupted, its
+    on-end commit not made). The daemon loaded every library a run can reach before it served:
     nothing is loaded here."""
     try:
         run = await runs.start(request, policy_paths=True)
@@ -93,7 +93,9 @@ async def attached_run(
         say,
         audit_path=audit_path,
         store_options=store_options,
-        reason="ended_by_operator",
+        # Not a finished end (ended_by_operator): the work was cut short, so its on-end
+        # commit is not made (the session is kept), as at an in-process run's stop.
+        reason="interrupted_by_operator",
     )
     return None
 

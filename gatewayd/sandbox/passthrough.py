@@ -18,7 +18,9 @@ blocked on a host descriptor: a serving daemon relays an attached ``gatewayd run
 streams (gatewayd/runs/oneshot.py), and a read left waiting on the operator's terminal
 after the command ended would take the next line typed there, and keep the descriptor
 open, for as long as the daemon lives. A pipe (or FIFO) is written ``PIPE_BUF`` bytes at
-a time once ``poll`` says it has room, which the kernel takes without blocking.
+a time once ``poll`` says it has room, which the kernel takes without blocking; a socket
+or a terminal, where ``poll`` promises less, is written without blocking
+(:func:`_nonblocking_writes`).
 
 Memory: one chunk per stream in flight, whatever the command writes; the next chunk is
 read only once the last is written (backpressure: a slow reader on the host slows the
@@ -30,10 +32,13 @@ the command's time is still bounded by its timeout.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
 import os
 import select
+import socket
 import stat
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -41,6 +46,8 @@ import trio
 
 # One pipe's worth per copy: as much as the command can have written before it blocks.
 RELAY_CHUNK: Final = 64 * 1024
+# ioctl: the device number of the terminal behind a descriptor (linux/asm-generic/ioctls.h).
+_TIOCGDEV: Final = 0x80045432
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,13 +99,16 @@ class Relay:
         """
         async with stream:
             try:
-                async with _woken_when_cancelled() as wake:
-                    while chunk := await trio.to_thread.run_sync(_read_some, source, wake):
-                        try:
-                            await stream.send_all(chunk)
-                        except (trio.BrokenResourceError, trio.ClosedResourceError):
-                            return
-                        self.count += len(chunk)
+                with _nonblocking_reads(source) as read:
+                    async with _woken_when_cancelled() as wake:
+                        while chunk := await trio.to_thread.run_sync(
+                            _read_some, source, read, wake
+                        ):
+                            try:
+                                await stream.send_all(chunk)
+                            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                                return
+                            self.count += len(chunk)
             finally:
                 self.done.set()
 
@@ -110,13 +120,16 @@ class Relay:
         piece = select.PIPE_BUF if _is_pipe(sink) else RELAY_CHUNK
         async with stream:
             try:
-                async with _woken_when_cancelled() as wake:
-                    while chunk := await stream.receive_some(RELAY_CHUNK):
-                        self.count += len(chunk)
-                        try:
-                            await trio.to_thread.run_sync(_write_all, sink, chunk, piece, wake)
-                        except (OSError, _Woken):  # EPIPE, a sink gone bad; or cancelled
-                            return
+                with _nonblocking_writes(sink) as write:
+                    async with _woken_when_cancelled() as wake:
+                        while chunk := await stream.receive_some(RELAY_CHUNK):
+                            self.count += len(chunk)
+                            try:
+                                await trio.to_thread.run_sync(
+                                    _write_all, sink, write, chunk, piece, wake
+                                )
+                            except (OSError, _Woken):  # EPIPE, a sink gone bad; or cancelled
+                                return
             finally:
                 self.done.set()
 
@@ -155,10 +168,10 @@ def _is_pipe(fd: int) -> bool:
         return False
 
 
-def _read_some(fd: int, wake: int) -> bytes:
-    """A chunk of ``fd``; empty at its end, when it cannot be read (EIO: a terminal hung
-    up; EBADF: no stdin at all), which ends the command's input the same way, or when
-    ``wake`` says the relay was cancelled."""
+def _read_some(fd: int, read: Callable[[], bytes], wake: int) -> bytes:
+    """A chunk of ``fd`` (with ``read``: :func:`_nonblocking_reads`); empty at its end,
+    when it cannot be read (EIO: a terminal hung up; EBADF: no stdin at all), which ends
+    the command's input the same way, or when ``wake`` says the relay was cancelled."""
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     poller.register(wake, select.POLLIN)
@@ -166,16 +179,108 @@ def _read_some(fd: int, wake: int) -> bytes:
         if any(ready == wake for ready, _ in poller.poll()):
             return b""
         try:
-            return os.read(fd, RELAY_CHUNK)
-        except BlockingIOError:  # a non-blocking descriptor another reader emptied: wait
+            return read()
+        except BlockingIOError:  # another reader emptied it, or less than a read waits for
             continue
         except OSError:
             return b""
 
 
-def _write_all(fd: int, data: bytes, piece: int, wake: int) -> None:
-    """All of ``data`` to ``fd``, at most ``piece`` bytes per write, each once ``poll``
-    says ``fd`` has room.
+@contextlib.contextmanager
+def _nonblocking_reads(fd: int) -> Iterator[Callable[[], bytes]]:
+    """How to read ``fd`` without blocking once ``poll`` said it is readable, where a
+    blocking read could still wait (a socket's SO_RCVLOWAT; a terminal another process
+    reads too: a background job's, whose shell takes the line first), its flags left as
+    they are: as :func:`_nonblocking_writes` does for writes."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISSOCK(mode):
+        try:
+            sock = socket.socket(fileno=fd)  # never closed here: detached below
+        except OSError:
+            pass
+        else:
+            try:
+                yield lambda: sock.recv(RELAY_CHUNK, socket.MSG_DONTWAIT)
+            finally:
+                sock.detach()
+            return
+    own = _reopened_terminal(fd, os.O_RDONLY) if stat.S_ISCHR(mode) else None
+    if own is None:
+        yield functools.partial(os.read, fd, RELAY_CHUNK)
+        return
+    try:
+        yield functools.partial(os.read, own, RELAY_CHUNK)
+    finally:
+        os.close(own)
+
+
+@contextlib.contextmanager
+def _nonblocking_writes(fd: int) -> Iterator[Callable[[memoryview], int]]:
+    """How to write to ``fd`` without blocking where ``poll`` promises room for some
+    bytes but not for a whole chunk (a socket, a terminal: a blocking write there would
+    hold the relay, and so the run's end, until its reader reads again), leaving the
+    flags of ``fd`` (shared with whoever passed it) as they are. A socket is sent to with
+    MSG_DONTWAIT; a terminal is written through a non-blocking open file of its own, made
+    only when it is the same terminal (a descriptor of /dev/tty would reopen as the
+    daemon's own). A pipe, a regular file, /dev/null and a terminal that cannot be
+    reopened are written as they are (a pipe takes ``PIPE_BUF`` once poll says so)."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        mode = 0
+    if stat.S_ISSOCK(mode):
+        try:
+            sock = socket.socket(fileno=fd)  # never closed here: detached below
+        except OSError:
+            pass
+        else:
+            try:
+                yield lambda view: sock.send(view, socket.MSG_DONTWAIT)
+            finally:
+                sock.detach()
+            return
+    own = _reopened_terminal(fd, os.O_WRONLY) if stat.S_ISCHR(mode) else None
+    if own is None:
+        yield functools.partial(os.write, fd)
+        return
+    try:
+        yield functools.partial(os.write, own)
+    finally:
+        os.close(own)
+
+
+def _reopened_terminal(fd: int, access: int) -> int | None:
+    """A non-blocking descriptor of its own (``access``: O_RDONLY, O_WRONLY) on the
+    terminal ``fd`` is, or None (not a terminal, or not one this process can reopen as
+    the same device)."""
+    try:
+        device = _terminal_device(fd)
+        own = os.open(f"/proc/self/fd/{fd}", access | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if _terminal_device(own) == device:
+            return own
+    except OSError:
+        pass
+    os.close(own)
+    return None
+
+
+def _terminal_device(fd: int) -> bytes:
+    """The device of the terminal behind ``fd`` (TIOCGDEV: /dev/tty's own, for one opened
+    as /dev/tty). OSError (ENOTTY) when ``fd`` is no terminal."""
+    return fcntl.ioctl(fd, _TIOCGDEV, b"\0" * 4)
+
+
+def _write_all(
+    fd: int, write: Callable[[memoryview], int], data: bytes, piece: int, wake: int
+) -> None:
+    """All of ``data`` to ``fd`` (with ``write``: :func:`_nonblocking_writes`), at most
+    ``piece`` bytes per write, each once ``poll`` says ``fd`` has room.
 
     Error handling: OSError as the system reports it (EPIPE: the reader is gone);
     :class:`_Woken` when ``wake`` says the relay was cancelled."""
@@ -187,6 +292,6 @@ def _write_all(fd: int, data: bytes, piece: int, wake: int) -> None:
         if any(ready == wake for ready, _ in poller.poll()):
             raise _Woken
         try:
-            view = view[os.write(fd, view[:piece]) :]
-        except BlockingIOError:  # a non-blocking descriptor filled meanwhile: wait
+            view = view[write(view[:piece]) :]
+        except BlockingIOError:  # filled meanwhile (or less room than poll said): wait
             continue

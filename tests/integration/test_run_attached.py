@@ -22,12 +22,15 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import pytest
 
 from tests.livedaemon import LiveDaemon, start_daemon
 from tests.unit.test_cli_imports import HEAVY, MODELS, assert_light, run_cli
+
+if TYPE_CHECKING:
+    from gatewayd.runs.lifecycle import RunManager
 
 GATEWAYD = str(Path(sys.executable).parent / "gatewayd")
 PY = "/usr/bin/python3"
@@ -190,7 +193,7 @@ def test_a_stop_signal_ends_the_run_and_its_command_and_exits_128_plus_n(
     assert "gatewayd: SIGINT: the run was ended (its command stopped)" in stderr
     assert no_process_with(marker)
     ended = wait_for_run_end(daemon, run_of(stderr))
-    assert ended["detail"]["reason"] == "ended_by_operator"
+    assert ended["detail"]["reason"] == "interrupted_by_operator"
 
 
 def test_a_client_killed_outright_has_its_run_ended_by_the_daemon(
@@ -212,7 +215,7 @@ def test_a_client_killed_outright_has_its_run_ended_by_the_daemon(
     proc.kill()
     proc.wait(timeout=WAIT_S)
     ended = wait_for_run_end(daemon, run_of(started))
-    assert ended["detail"]["reason"] == "ended_by_operator"
+    assert ended["detail"]["reason"] == "interrupted_by_operator"
     while not no_process_with(marker):
         assert time.monotonic() < deadline, "the command outlived its run"
         time.sleep(0.02)
@@ -437,7 +440,7 @@ def test_a_client_that_speaks_out_of_turn_is_treated_as_gone(
             while line := reader.readline():
                 said.append(json.loads(line))
     assert said[-1] == {"exit": 128 + signal.SIGHUP}
-    assert wait_for_run_end(daemon, run_id)["detail"]["reason"] == "ended_by_operator"
+    assert wait_for_run_end(daemon, run_id)["detail"]["reason"] == "interrupted_by_operator"
     assert no_process_with(marker)
     status, _ = daemon.control("GET", "/v1/health")
     assert status == 200
@@ -474,3 +477,169 @@ def test_a_daemon_without_the_os_sandbox_runs_no_attached_command(base: Path) ->
         wait_for_run_end(live, run_of(stderr))
     finally:
         live.stop()
+
+
+def test_a_stop_signal_commits_none_of_the_half_done_work(base: Path, daemon: LiveDaemon) -> None:
+    # ^C cuts the work short: as in-process (a daemon's stop), the session's on-end
+    # commit is not made and the session is kept for the operator to look at; what the
+    # command had written never reaches the directory on its own.
+    marker = f"{os.getpid() % 1000 + 7000}.5"
+    argv = run_argv(base, "sh", "-c", f"touch half-done && exec sleep {marker}")
+    argv[argv.index("--") : argv.index("--")] = ["--on-end", "commit"]
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + WAIT_S
+    while no_process_with(marker):
+        assert time.monotonic() < deadline and proc.poll() is None, "the command never started"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=WAIT_S)
+    stderr = err.decode()
+    assert proc.returncode == 128 + signal.SIGINT, stderr
+    fate = [line for line in stderr.splitlines() if line.startswith("gatewayd: workspace (")]
+    assert len(fate) == 1 and ": kept until " in fate[0] and "commit skipped" in fate[0], stderr
+    assert not (base / "ws" / "half-done").exists()
+    subprocess.run(
+        [GATEWAYD, "workspace", "discard", "--state-dir", str(base / "state"), run_of(stderr)],
+        capture_output=True,
+        timeout=WAIT_S,
+        check=True,
+    )
+
+
+async def test_a_client_that_never_passes_its_streams_is_told_and_dropped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The 101 answered and then nothing (a client stuck, or not gatewayd run): once the
+    # wait is over the daemon says why and closes, with nothing of a run made.
+    import h11
+    import trio
+
+    from gatewayd import control_attach
+
+    monkeypatch.setattr(control_attach, "STREAMS_TIMEOUT_S", 0.2)
+    ours, theirs = trio.socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(attach_head(b"{}").replace("\n", "\r\n").encode() + b"{}")
+    assert isinstance(conn.next_event(), h11.Request)
+    assert isinstance(conn.next_event(), h11.Data)
+    assert isinstance(conn.next_event(), h11.EndOfMessage)
+    attach = cast(control_attach.AttachRequest, None)  # never reached: no streams come
+    runs = cast("RunManager", None)
+    stream = trio.SocketStream(ours)
+    with trio.fail_after(WAIT_S):
+        await control_attach.serve_attached(stream, conn, attach, runs)
+    await stream.aclose()
+    said = bytearray()
+    while chunk := await theirs.recv(65536):
+        said += chunk
+    theirs.close()
+    lines = said.partition(b"\r\n\r\n")[2].splitlines()
+    assert [json.loads(line) for line in lines][-1] == {"exit": 1}
+
+
+def test_variables_the_daemon_cannot_take_do_not_refuse_the_run(
+    base: Path, daemon: LiveDaemon
+) -> None:
+    # In-process, any environment runs; attached, a variable that is not UTF-8 (a
+    # Latin-1 file name) must not turn the run away (the request is JSON).
+    from gatewayd import control_attach
+    from gatewayd.cli import run as cli_run
+
+    assert cli_run._ATTACH_ENV_CHARS == control_attach.MAX_ENV_CHARS
+    env = {
+        **{k.encode(): v.encode() for k, v in os.environ.items()},
+        b"ODD_BYTES": b"caf\xe9",
+    }
+    proc = subprocess.run(
+        run_argv(base, "sh", "-c", "echo ran"),
+        capture_output=True,
+        timeout=WAIT_S,
+        env=cast(Any, env),
+    )
+    assert proc.returncode == 0, proc.stderr.decode()
+    assert proc.stdout == b"ran\n"
+    assert "started" in proc.stderr.decode()  # the daemon's run, not an in-process one
+
+
+def test_the_daemon_stopping_meanwhile_ends_the_run_and_the_client_says_so(
+    base: Path,
+) -> None:
+    # Even with the client's stdout a socket nobody reads (its relay cannot write a
+    # whole chunk), the daemon's stop ends the run: nothing waits on that client.
+    live = start_daemon(base / "state-stopping", sandbox=True)
+    marker = f"{os.getpid() % 1000 + 8000}.5"
+    stuck, keep = socket.socketpair()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    try:
+        proc = subprocess.Popen(
+            [
+                GATEWAYD,
+                "run",
+                "--state-dir",
+                str(live.state),
+                "--workspace",
+                str(base / "ws"),
+                "--policy",
+                str(base / "policy.yaml"),
+                "--",
+                "sh",
+                "-c",
+                f"head -c 1000000 /dev/zero; exec sleep {marker}",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=stuck,
+            stderr=subprocess.PIPE,
+        )
+        deadline = time.monotonic() + WAIT_S
+        assert proc.stderr is not None
+        started = proc.stderr.readline().decode()
+        run_id = run_of(started)
+        time.sleep(1.0)  # the relay now holds a chunk the socket cannot take
+        assert proc.poll() is None
+        assert live.stop() == 0
+        _, err = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 1, err.decode()
+        assert "gatewayd closed the connection before the run's end" in err.decode()
+        ended = [e for e in events_of(live, run_id) if e["event"] == "run_ended"]
+        assert ended and ended[0]["detail"]["reason"] == "daemon_stopping"
+        assert time.monotonic() < deadline
+        assert no_process_with(marker)
+    finally:
+        live.stop()
+        stuck.close()
+        keep.close()
+
+
+def test_a_terminal_as_stdin_is_read_by_the_client_never_by_the_daemon(
+    base: Path, daemon: LiveDaemon
+) -> None:
+    # The daemon is in no session of the operator's terminal: job control could not stop
+    # it from reading there (a `gatewayd run ... &` would take lines typed for the shell).
+    # The client reads its terminal itself and passes the daemon a pipe.
+    master, slave = os.openpty()
+    proc = subprocess.Popen(
+        run_argv(base, "head", "-n", "1"),
+        stdin=slave,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    os.close(slave)
+    try:
+        assert proc.stderr is not None
+        run_id = run_of(proc.stderr.readline().decode())  # the run (and its relay) is on
+        held = [
+            os.readlink(f"/proc/{daemon.proc.pid}/fd/{fd}")
+            for fd in os.listdir(f"/proc/{daemon.proc.pid}/fd")
+        ]
+        assert not [path for path in held if path.startswith("/dev/pts/")], held
+        os.write(master, b"typed for the command\n")
+        out, err = proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == 0, err.decode()
+        assert out.replace(b"\r", b"") == b"typed for the command\n"
+        wait_for_run_end(daemon, run_id)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        os.close(master)

@@ -10,6 +10,11 @@ import io
 import os
 import resource
 import select
+import socket
+import threading
+import time
+import tty
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -240,4 +245,136 @@ async def test_a_cancelled_drain_writes_nothing_more_to_a_full_host_output() -> 
         await trio.sleep(0.2)  # a writer left behind would write its chunk now
     assert b"y" not in seen
     for fd in (cmd_w, host_r, host_w):
+        os.close(fd)
+
+
+def _stuck_socket_sink() -> tuple[int, socket.socket]:
+    """A socket whose reader never reads, with a small send buffer: ``poll`` says it
+    has room while a relay chunk does not fit."""
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    return ours.detach(), peer
+
+
+def _stuck_tty_sink() -> tuple[int, int]:
+    """A terminal whose screen reads nothing (a pty's master never read; an operator's
+    ^S does the same to a real one)."""
+    master, slave = os.openpty()
+    return slave, master
+
+
+@pytest.mark.parametrize("kind", ["socket", "tty"])
+async def test_a_cancelled_drain_returns_while_a_socket_or_terminal_takes_nothing(
+    kind: str,
+) -> None:
+    # A serving daemon relays an attached client's stdout, which may be a socket or the
+    # operator's terminal: poll says either has room while a whole chunk does not fit, and
+    # a blocking write of it would hold the relay (the run's end, the daemon's stop) until
+    # that reader reads again.
+    if kind == "socket":
+        sink, keep = _stuck_socket_sink()
+        unblock: Callable[[], object] = lambda: keep.recv(1 << 20)  # noqa: E731
+    else:
+        sink, master = _stuck_tty_sink()
+        unblock = lambda: os.read(master, 1 << 20)  # noqa: E731
+    cmd_r, cmd_w = os.pipe()
+    os.set_blocking(cmd_w, False)
+    with contextlib.suppress(BlockingIOError):
+        os.write(cmd_w, b"z" * RELAY_CHUNK)  # a whole chunk waiting for the relay
+    relay = Relay()
+    rescued = threading.Event()
+
+    def rescue() -> None:  # so a held relay fails the test instead of hanging it
+        while not relay.done.is_set():
+            rescued.set()
+            with contextlib.suppress(OSError):
+                unblock()
+            time.sleep(0.05)
+
+    timer = threading.Timer(10.0, rescue)
+    timer.start()
+    try:
+        with trio.move_on_after(0.5):
+            await relay.drain(trio.lowlevel.FdStream(cmd_r), sink)
+    finally:
+        timer.cancel()
+    assert relay.done.is_set() and not rescued.is_set()
+    for fd in (cmd_w, sink):
+        os.close(fd)
+    if kind == "socket":
+        keep.close()
+    else:
+        os.close(master)
+
+
+async def test_a_cancelled_feed_returns_while_its_socket_holds_less_than_a_read_waits_for() -> None:
+    # An attached client's stdin may be a socket it set SO_RCVLOWAT on: poll says it is
+    # readable with a few bytes in, while a blocking read waits for more. The relay must
+    # still stop when the command ends, or the run's end (and the daemon's stop) waits on
+    # that client.
+    ours, peer = socket.socketpair()
+    ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1 << 16)
+    peer.sendall(b"a few bytes")
+    cmd_r, cmd_w = os.pipe()
+    relay = Relay()
+    rescued = threading.Event()
+
+    def rescue() -> None:  # so a held relay fails the test instead of hanging it
+        while not relay.done.is_set():
+            rescued.set()
+            with contextlib.suppress(OSError):
+                peer.sendall(b"z" * (1 << 16))
+            time.sleep(0.05)
+
+    timer = threading.Timer(10.0, rescue)
+    timer.start()
+    try:
+        with trio.move_on_after(0.5):
+            await relay.feed(ours.fileno(), trio.lowlevel.FdStream(cmd_w))
+    finally:
+        timer.cancel()
+    assert relay.done.is_set() and not rescued.is_set()
+    assert os.read(cmd_r, 100) == b"a few bytes"  # what had come was passed on
+    os.close(cmd_r)
+    ours.close()
+    peer.close()
+
+
+@pytest.mark.parametrize("kind", ["socket", "tty"])
+async def test_a_socket_or_terminal_is_relayed_whole_both_ways_its_flags_untouched(
+    kind: str,
+) -> None:
+    # Written and read without blocking (their own flags or MSG_DONTWAIT), yet every byte
+    # passes, and the descriptor shared with the client's shell stays blocking.
+    data = os.urandom(3 * RELAY_CHUNK + 5)
+    if kind == "socket":
+        a, b = socket.socketpair()
+        ours, theirs = a.detach(), b.detach()
+    else:
+        theirs, ours = os.openpty()
+        tty.setraw(ours)  # bytes as they are: no echo, no newline translation
+    out_r, out_w = os.pipe()
+    in_r, in_w = os.pipe()
+    os.write(in_w, data[:1000])
+    os.close(in_w)
+    got: list[bytes] = []
+
+    def read_back(fd: int, size: int) -> None:
+        seen = bytearray()
+        while len(seen) < size and (chunk := os.read(fd, 1 << 16)):
+            seen += chunk
+        got.append(bytes(seen))
+
+    drain, feed = Relay(), Relay()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain.drain, trio.lowlevel.FdStream(in_r), ours)
+            await trio.to_thread.run_sync(read_back, theirs, 1000)
+            nursery.start_soon(feed.feed, ours, trio.lowlevel.FdStream(out_w))
+            nursery.start_soon(trio.to_thread.run_sync, os.write, theirs, data)
+            await trio.to_thread.run_sync(read_back, out_r, len(data))
+            nursery.cancel_scope.cancel()
+    assert got == [data[:1000], data]
+    assert os.get_blocking(ours)
+    for fd in (ours, theirs, out_r):
         os.close(fd)
