@@ -17,6 +17,11 @@ durable (invariant RESULT_BEFORE_REPLY): whatever a client saw answered, the log
 in full after a crash. Errors are values: each refusal maps to one ErrorCode with a
 message that says what is allowed; exceptions never reach the socket.
 
+The call and result entries are recorded unchecked (``AuditLog.record(checked=False)``):
+every field is built here from typed values (ids the protocol checked, digests, sizes,
+enums, the connection's Peer), so the entry schema's validation would only cost each
+call again what cannot fail; the tests hold both paths to the same bytes.
+
 Secrets: every value on its way out (a tool's output, every error message) passes the
 scrubber here, so no configured secret (gatewayd/secrets.py) reaches the sandbox even if
 a provider or tool echoes it; the audit log scrubs each entry again on its own.
@@ -87,6 +92,13 @@ _SLOT_HELD: ContextVar[str | None] = ContextVar("gatewayd_slot_held", default=No
 # the verdict: the call's steps need not carry it.
 _CALL_SPAN: ContextVar[CallSpan | None] = ContextVar("gatewayd_call_span", default=None)
 
+# Whether a review applies to a call that could be answered at once (no side effect,
+# no I/O: handle_now) is asked of the review rules as looked at up to this long ago,
+# not of a fresh look at the policy file (a stat per call on the event loop's thread,
+# and a hand-off of the interpreter to the audit flusher and back). A call that goes
+# through the review step looks at the file every time (gatewayd/review/rulebook.py).
+RULES_MAX_AGE_AT_ONCE_S: Final = 0.01
+
 CANCELLED_MESSAGE: Final = "stopped before it finished: the run or gatewayd is shutting down"
 WITHDRAWN_MESSAGE: Final = (
     "withdrawn while it waited for approval: the run or gatewayd is shutting down; it never ran"
@@ -116,11 +128,11 @@ class RunReview:
     budget: ModelBudget | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Answered:
+class Answered(msgspec.Struct, frozen=True):
     """A call taken through every step without waiting (:meth:`Dispatcher.handle_now`):
     its entries are recorded, and ``response`` may leave once entry ``seq`` (its
-    ``result``) is durable; :meth:`Dispatcher.release` waits for that and tallies it."""
+    ``result``) is durable; :meth:`Dispatcher.release` waits for that and tallies it.
+    (A Struct: one is made per call, at a tenth of a frozen dataclass's cost.)"""
 
     seq: int
     response: Response
@@ -132,6 +144,69 @@ class Answered:
     @property
     def call_id(self) -> str | None:
         return self.response.toolCallId
+
+
+class _RunMemo:
+    """What the steps derive from a run once, not at every call: which tools its policy
+    allows (by name, as asked), what it may grant a call (its rights), and the parts of
+    a tool's context that are the run's. Kept on the run (``Run.dispatch_memo``) and made
+    again when what it was made from changes: the run's spec (a policy reload replaces
+    it), its sandbox, its reason for having none, the daemon's model aliases (a
+    configuration reload), or the dispatcher asking. The model budget in the rights and
+    the context is the run's own live object, so what is spent counts at once."""
+
+    __slots__ = (
+        "allowed",
+        "context",
+        "degraded",
+        "dispatcher",
+        "models",
+        "rights",
+        "sandbox",
+        "spec",
+    )
+
+    def __init__(self, dispatcher: Dispatcher, run: Run) -> None:
+        self.dispatcher = dispatcher
+        spec = self.spec = run.spec
+        self.sandbox = run.sandbox
+        self.degraded = run.degraded
+        self.models = dispatcher.models
+        self.allowed: dict[str, bool] = {}
+        policy = spec.policy
+        self.rights = RunRights(
+            grants=spec.rules.grants,
+            models=policy.model_access.models,
+            model_budget=run.model_budget,
+            network=policy.network,
+            env=policy.env.allow,
+            without_sandbox=None if run.sandbox is not None else run.degraded or "no sandbox",
+        )
+        # Every call's context is this one with the call's own fields replaced.
+        self.context = ToolContext(
+            run_id=run.run_id,
+            grants=spec.grants,
+            max_output_bytes=policy.limits.max_output_bytes,
+            models=dispatcher.models,
+            model_budget=run.model_budget,
+            network=policy.network,
+            resolve=dispatcher.resolve,
+            sandbox=run.sandbox,
+            degraded=run.degraded,
+            env=policy.env.allow,
+            model_access=policy.model_access.models,
+            run=run,
+            allowed_tools=lambda: allowed_tools(dispatcher.known_tools(run), run.spec.rules),
+            call_egress=dispatcher.call_egress,
+        )
+
+    def tool_allowed(self, tool: str) -> bool:
+        """:func:`gatewayd.policy.tool_allowed` under the run's rules, answered once per
+        name (only names of tools gatewayd has are asked: a run cannot grow this)."""
+        allowed = self.allowed.get(tool)
+        if allowed is None:
+            allowed = self.allowed[tool] = tool_allowed(tool, self.spec.rules)
+        return allowed
 
 
 class Dispatcher:
@@ -190,6 +265,10 @@ class Dispatcher:
         # app's child run: the app's rules, always, whatever the policy says).
         self._run_reviews: dict[str, RunReview] = {}
         self._denials = {code: metrics.denials.labels(str(code)) for code in ErrorCode}
+        # The series of failed calls and of reviews, each looked up (labels(), slow) at
+        # its first use only: made then, so the exposition holds no series before it.
+        self._failures: dict[ErrorCode, Any] = {}
+        self._reviews: dict[str, Any] = {}
         # The peer of the calls runners make for a call (:meth:`_nested_for`): gatewayd.
         self._own_peer = Peer(pid=os.getpid(), uid=os.getuid(), gid=os.getgid())
         # Spans of calls (None, the default: tracing is off, and a call pays one test).
@@ -258,6 +337,20 @@ class Dispatcher:
         own = self._run_tools.get(run.run_id)
         return (*self.tools, *own) if own else tuple(self.tools)
 
+    def _memo(self, run: Run) -> _RunMemo:
+        """The run's memo (:class:`_RunMemo`), made again when what it holds changed."""
+        memo: _RunMemo | None = run.dispatch_memo
+        if (
+            memo is None
+            or memo.dispatcher is not self
+            or memo.spec is not run.spec
+            or memo.sandbox is not run.sandbox
+            or memo.degraded is not run.degraded
+            or memo.models is not self.models
+        ):
+            memo = run.dispatch_memo = _RunMemo(self, run)
+        return memo
+
     def _meter(self, tool: str) -> ToolMeter:
         """A tool's series; a name not in a tool table counts as ``unknown``, so no
         name a run makes up becomes a series (a run's own tools, apps, are installed by
@@ -280,7 +373,10 @@ class Dispatcher:
         meter.allowed.inc()
         meter.duration.observe(seconds)
         if code is not None:
-            self.metrics.call_failures.labels(str(code)).inc()
+            failures = self._failures.get(code)
+            if failures is None:
+                failures = self._failures[code] = self.metrics.call_failures.labels(str(code))
+            failures.inc()
         if self.tracer is not None:
             _trace_outcome(ALLOWED, code)
 
@@ -454,7 +550,7 @@ class Dispatcher:
             return False
         if self.reviewer is not None:
             try:
-                section, _ = self._review_rules(run)
+                section, _ = self._review_rules(run, max_age_s=RULES_MAX_AGE_AT_ONCE_S)
                 if self.reviewer.applies(section, name):
                     return False
             except Exception:
@@ -552,6 +648,7 @@ class Dispatcher:
             elapsed = self.clock() - started
             self.audit.record(
                 "result",
+                checked=False,
                 runId=run.run_id,
                 toolCallId=req.toolCallId,
                 tool=req.tool,
@@ -576,11 +673,13 @@ class Dispatcher:
         """Record an allowed call's ``call`` entry (never awaits); returns its seq."""
         return self.audit.record(
             "call",
+            checked=False,
             runId=run.run_id,
             toolCallId=req.toolCallId,
             tool=req.tool,
             argsDigest=args_digest(req.args),
-            argsSummary=summarize(req.args),
+            # Most calls have no arguments (time.now, tools.list): nothing to summarize.
+            argsSummary=summarize(req.args) if req.args else {},
             decision="allow",
             peer=peer,
             review=review,
@@ -622,6 +721,7 @@ class Dispatcher:
         elapsed = self.clock() - started
         seq = self.audit.record(
             "result",
+            checked=False,
             runId=run.run_id,
             toolCallId=req.toolCallId,
             tool=req.tool,
@@ -639,6 +739,7 @@ class Dispatcher:
         elapsed = self.clock() - started
         seq = self.audit.record(
             "result",
+            checked=False,
             runId=run.run_id,
             toolCallId=req.toolCallId,
             tool=req.tool,
@@ -724,7 +825,8 @@ class Dispatcher:
                 f"there is no tool named {req.tool!r}.{self._unknown_hint(req.tool)} "
                 f"{self._allowed_sentence(run)}",
             )
-        if not tool_allowed(req.tool, run.spec.rules):
+        memo = self._memo(run)
+        if not memo.tool_allowed(req.tool):
             raise _Refusal(
                 ErrorCode.POLICY_DENIED,
                 f"tool {req.tool!r} is not allowed for this run. {self._allowed_sentence(run)}",
@@ -739,7 +841,7 @@ class Dispatcher:
             ) from None
         except GatewayError as exc:  # a decoder may refuse with a reason of its own
             raise _Refusal(exc.code, exc.safe_message) from None
-        decision = check_call(req.tool, spec.manifest.capabilities, request, _rights(run))
+        decision = check_call(req.tool, spec.manifest.capabilities, request, memo.rights)
         if not isinstance(decision, Allow):
             raise _Refusal(decision.code, decision.message)
         return spec, (args, decision.resolved)
@@ -780,7 +882,8 @@ class Dispatcher:
             )
         except ApprovalRefused as exc:
             raise _Refusal(exc.code, exc.message) from None
-        if not tool_allowed(req.tool, run.spec.rules):
+        memo = self._memo(run)
+        if not memo.tool_allowed(req.tool):
             raise _Refusal(
                 ErrorCode.POLICY_DENIED,
                 f"tool {req.tool!r} was approved, and this run's policy no longer allows it "
@@ -790,7 +893,7 @@ class Dispatcher:
             request = spec.requests(args)
         except GatewayError as exc:
             raise _Refusal(exc.code, exc.safe_message) from None
-        decision = check_call(req.tool, spec.manifest.capabilities, request, _rights(run))
+        decision = check_call(req.tool, spec.manifest.capabilities, request, memo.rights)
         if not isinstance(decision, Allow):
             raise _Refusal(decision.code, decision.message)
         return approval_id, (args, decision.resolved)
@@ -883,29 +986,16 @@ class Dispatcher:
         nested: bool = True,
     ) -> ToolContext:
         """What a runner may know about ``run`` and the call it serves (``nested``: may
-        it make calls of its own)."""
-        limits = run.spec.policy.limits
-        return ToolContext(
-            run_id=run.run_id,
+        it make calls of its own): the run's part made once (:class:`_RunMemo`), the
+        call's filled in."""
+        return msgspec.structs.replace(
+            self._memo(run).context,
             tool_call_id=tool_call_id,
-            grants=run.spec.grants,
-            max_output_bytes=limits.max_output_bytes,
             resolved=resolved,
-            models=self.models,
-            model_budget=run.model_budget,
-            network=run.spec.policy.network,
-            resolve=self.resolve,
-            sandbox=run.sandbox,
-            degraded=run.degraded,
             timeout_s=timeout_s,
             nested=None
             if tool_call_id is None or not nested
             else self._nested_for(run, tool_call_id),
-            env=run.spec.policy.env.allow,
-            model_access=run.spec.policy.model_access.models,
-            run=run,
-            allowed_tools=lambda: allowed_tools(self.known_tools(run), run.spec.rules),
-            call_egress=self.call_egress,
         )
 
     def _run_now(self, run: Run, spec: Tool[Any], admitted: Any, tool_call_id: str) -> Any:
@@ -977,7 +1067,11 @@ class Dispatcher:
                 exc, model=section.model, latency_ms=(self.clock() - started) * 1000
             )
         if outcome is not None:
-            self.metrics.reviews.labels(str(outcome.source)).observe(outcome.latency_ms / 1000)
+            reviews = self._reviews.get(outcome.source)
+            if reviews is None:
+                source = str(outcome.source)
+                reviews = self._reviews[source] = self.metrics.reviews.labels(source)
+            reviews.observe(outcome.latency_ms / 1000)
             answered = outcome.source is Source.MODEL or outcome.prompt_tokens is not None
             if own is not None and own.budget is not None and answered:
                 # An app's reviews are spent on its caller's behalf: its budget pays.
@@ -987,15 +1081,16 @@ class Dispatcher:
                 )
         return outcome, digest
 
-    def _review_rules(self, run: Run) -> tuple[ReviewSection, RuleSet]:
+    def _review_rules(self, run: Run, *, max_age_s: float = 0.0) -> tuple[ReviewSection, RuleSet]:
         """The review rules ``run``'s calls are reviewed under now: its own (an app's
-        child run), else its policy file's as they are now, else those it loaded."""
+        child run), else its policy file's as they are now (or as looked at up to
+        ``max_age_s`` ago), else those it loaded."""
         own = self._run_reviews.get(run.run_id)
         if own is not None:
             return own.rules()
         section = run.spec.policy.review
         if self.rules is not None:
-            return self.rules.current(run.spec.policy_source, section)
+            return self.rules.current(run.spec.policy_source, section, max_age_s=max_age_s)
         return section, RuleSet.from_section(section)
 
     async def _ask_reviewer(
@@ -1065,9 +1160,10 @@ class Dispatcher:
         }
         self.audit.record(
             "call",
+            checked=False,
             **common,
             argsDigest=args_digest(req.args),
-            argsSummary=summarize(req.args),
+            argsSummary=summarize(req.args) if req.args else {},
             decision="deny",
             errorCode=str(refusal.code),
             safeMessage=message,
@@ -1077,6 +1173,7 @@ class Dispatcher:
         )
         seq = self.audit.record(
             "result",
+            checked=False,
             **common,
             errorCode=str(refusal.code),
             durationMs=round((self.clock() - started) * 1000, 3),
@@ -1090,20 +1187,6 @@ def _trace_outcome(verdict: str, code: ErrorCode | None) -> None:
     span = _CALL_SPAN.get()
     if span is not None:
         span.outcome(verdict, None if code is None else str(code))
-
-
-def _rights(run: Run) -> RunRights:
-    """What ``run`` may grant a call, read at each call: a policy reload replaces the
-    run's spec, and its model budget is spent as it goes."""
-    policy = run.spec.policy
-    return RunRights(
-        grants=run.spec.rules.grants,
-        models=policy.model_access.models,
-        model_budget=run.model_budget,
-        network=policy.network,
-        env=policy.env.allow,
-        without_sandbox=None if run.sandbox is not None else run.degraded or "no sandbox",
-    )
 
 
 def is_cancellation(exc: BaseException) -> bool:

@@ -55,6 +55,12 @@ IDLE_TIMEOUT_S: Final = 300.0
 FRAME_TIMEOUT_S: Final = 10.0
 # A client that does not read its responses is dropped after this.
 SEND_TIMEOUT_S: Final = 30.0
+# How often a run's connections are looked at for a wait for their client that ran past
+# its time (IDLE_TIMEOUT_S, FRAME_TIMEOUT_S): so each of those is kept to within this
+# much. A sweep instead of a deadline on each wait: moving a cancel scope's deadline
+# twice per call (before the wait, and back after it) cost more than the rest of the
+# server's work on the call.
+IDLE_SWEEP_S: Final = 1.0
 # Requests one connection may have in flight before we stop reading from it.
 MAX_INFLIGHT_PER_CONNECTION: Final = 32
 # One read takes at most this much: a full frame header plus a page of body, so a
@@ -149,6 +155,21 @@ class Connection:
         # flight until their answers leave: after the frames of one read, one wait for
         # the audit flush they share, then their answers.
         self._ready: list[Answered] = []
+        # Did the last read leave the socket empty (it took less than it asked for)?
+        # Then the next receive waits for the socket first instead of reading it: a
+        # client that waits for its answers has sent nothing since, and a read that
+        # finds nothing is a system call (and a hand-off of the interpreter) for naught.
+        self._drained = False
+        # While a receive waits for the client: when (trio's clock) that wait has run
+        # past its time; infinity otherwise. The run's sweeper (_sweep_idle) cancels
+        # the connection's cancel scope once it is past.
+        self.waiting_until = math.inf
+        self._idle: trio.CancelScope | None = None
+
+    def expire(self) -> None:
+        """The sweeper found this connection's wait for its client past its time."""
+        if self._idle is not None:
+            self._idle.cancel()
 
     async def serve(self) -> None:
         """Read frames until EOF, a fatal frame error or a timeout; answer each."""
@@ -168,13 +189,14 @@ class Connection:
             await trio.aclose_forcefully(self.stream)
 
     async def _read_loop(self, calls: trio.Nursery) -> None:
-        # One cancel scope for the connection (cheaper than a scope per receive), whose
-        # deadline is set only while a receive waits for the client (see _receive): a
-        # read that finds data at once moves no deadline. Anything else the loop waits
-        # for (a free call slot, the answers' flush, an error frame's send) runs with
-        # no deadline: that is not the client idling, and the send has its own timeout.
+        # One cancel scope for the connection, cancelled by the run's sweeper when a
+        # receive has waited for the client past its time (see _receive: the time is
+        # set only while it waits). Anything else the loop waits for (a free call slot,
+        # the answers' flush, an error frame's send) runs with no time limit here: that
+        # is not the client idling, and the send has its own timeout.
         partial_since: float | None = None
         with trio.CancelScope() as idle:
+            self._idle = idle
             while True:
                 event = self.decoder.next_event()
                 if event is NEED_DATA:
@@ -341,38 +363,45 @@ class Connection:
         The socket is read directly, as trio's stream would, minus its layers: a read
         that has data yields to the other tasks once (so a flooding client cannot hold
         the event loop) without losing the data to a cancellation; one that has none
-        waits until the socket is readable, with ``idle``'s deadline at ``deadline``
-        for the wait only (back at infinity once data came). A ``deadline`` already
-        past cancels ``idle`` before any read, as a deadline set beforehand would.
+        waits until the socket is readable, for at most until ``deadline`` (the run's
+        sweeper cancels ``idle`` once the wait is past it, within IDLE_SWEEP_S). After
+        a read that emptied the socket it waits first, without reading. A ``deadline``
+        already past cancels ``idle`` before any read.
 
         Error handling: ClosedResourceError once the connection was closed here (a send
         that timed out), BrokenResourceError for another failed read.
         """
         sock = self.stream.socket
         if deadline <= trio.current_time():  # a partial frame's time ran out
-            idle.deadline = deadline
+            idle.cancel()
         await trio.lowlevel.checkpoint_if_cancelled()
         waited = False
-        while True:
-            fd = sock.fileno()
-            if fd == -1:  # closed by a send that timed out: never read a reused number
-                raise trio.ClosedResourceError("the connection was closed")
-            try:
-                data = os.read(fd, RECV_CHUNK)
-            except BlockingIOError:
-                idle.deadline = deadline
+        try:
+            if self._drained and sock.fileno() != -1:
+                self.waiting_until = deadline
                 await trio.lowlevel.wait_readable(sock)
                 waited = True
-                continue
-            except ConnectionResetError:
-                return b""
-            except OSError as exc:
-                raise trio.BrokenResourceError(f"reading a request failed: {exc}") from exc
-            if waited:
-                idle.deadline = math.inf
-            else:
-                await trio.lowlevel.cancel_shielded_checkpoint()
-            return data
+            while True:
+                fd = sock.fileno()
+                if fd == -1:  # closed by a send that timed out: never read a reused number
+                    raise trio.ClosedResourceError("the connection was closed")
+                try:
+                    data = os.read(fd, RECV_CHUNK)
+                except BlockingIOError:
+                    self.waiting_until = deadline
+                    await trio.lowlevel.wait_readable(sock)
+                    waited = True
+                    continue
+                except ConnectionResetError:
+                    return b""
+                except OSError as exc:
+                    raise trio.BrokenResourceError(f"reading a request failed: {exc}") from exc
+                self._drained = len(data) < RECV_CHUNK
+                if not waited:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                return data
+        finally:
+            self.waiting_until = math.inf
 
     async def _release_ready(self) -> None:
         """Send the answers of the calls taken here without a wait, once their entries
@@ -382,9 +411,13 @@ class Connection:
             return
         try:
             responses = await self.dispatcher.release(ready)
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            # try/except, not contextlib.suppress: this is on every call's path, and a
+            # try costs nothing when nothing is raised.
+            try:
                 for response in responses:
                     await self._send(response)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client went away; its calls were audited as they ran
         finally:
             self._inflight -= len(ready)
             for answered in ready:
@@ -546,17 +579,17 @@ async def _accept_loop(
     max_frame_bytes: int,
     task_status: trio.TaskStatus[None],
 ) -> None:
-    open_connections = 0
+    serving: set[Connection] = set()
 
     async def serve_one(conn: Connection) -> None:
-        nonlocal open_connections
-        open_connections += 1
+        serving.add(conn)
         try:
             await conn.serve()
         finally:
-            open_connections -= 1
+            serving.discard(conn)
 
     async with listener, trio.open_nursery() as connections:
+        connections.start_soon(_sweep_idle, serving)
         run.move_to(RunState.SERVING)
         task_status.started()
         while True:
@@ -569,7 +602,18 @@ async def _accept_loop(
             if sandbox is not None and not sandbox.owns_peer(conn.peer.pid):
                 connections.start_soon(conn.refuse_outsider, throttle)
                 continue
-            if open_connections >= MAX_CONNECTIONS_PER_RUN:
+            if len(serving) >= MAX_CONNECTIONS_PER_RUN:
                 connections.start_soon(conn.refuse_over_limit, throttle)
                 continue
             connections.start_soon(serve_one, conn)
+
+
+async def _sweep_idle(serving: set[Connection]) -> None:
+    """Every IDLE_SWEEP_S: end the connections whose wait for their client ran past its
+    time (the idle or partial-frame timeout)."""
+    while True:
+        await trio.sleep(IDLE_SWEEP_S)
+        now = trio.current_time()
+        for conn in serving:
+            if conn.waiting_until <= now:
+                conn.expire()

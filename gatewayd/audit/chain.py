@@ -126,12 +126,28 @@ class Chain:
     ) -> None:
         self._seq = after.seq
         self._hash = after.hash
+        self._hash_before = after.hash  # the hash before the last append's
         self._clock = clock
         self._scrubber = scrubber
+        # The time up to the second of the last entry, as format_time writes it: the
+        # entries of one second share it, and only their microseconds are formatted.
+        self._second = -1
+        self._second_text = ""
 
     @property
     def position(self) -> ChainPosition:
         return ChainPosition(self._seq, self._hash)
+
+    @property
+    def seq(self) -> int:
+        """The last entry's seq (0 when empty): :attr:`position`'s, without making one."""
+        return self._seq
+
+    @property
+    def position_before_last(self) -> ChainPosition:
+        """Where the chain was before its last append (kept so that a caller need not
+        ask for :attr:`position` before every append in case it has to rewind)."""
+        return ChainPosition(self._seq - 1, self._hash_before)
 
     def rewind(self, position: ChainPosition) -> None:
         """Go back to ``position``, forgetting the entries sealed after it.
@@ -143,20 +159,29 @@ class Chain:
         if position.seq > self._seq:
             raise ValueError(f"cannot rewind from seq {self._seq} forward to {position.seq}")
         self._seq = position.seq
-        self._hash = position.hash
+        self._hash = self._hash_before = position.hash
 
-    def append(self, kind: str, fields: Mapping[str, Any]) -> tuple[int, str, bytes]:
-        """Seal the next entry; returns ``(seq, hash, line)``.
+    def append(
+        self, kind: str, fields: Mapping[str, Any], *, checked: bool = True
+    ) -> tuple[int, str, bytes]:
+        """Seal the next entry; returns ``(seq, hash, line)``. ``checked=False``: fields
+        gatewayd built itself from typed values (see ``build_body``).
 
         Raises ValueError for a bad field (see ``build_body``); the chain is then unchanged.
         """
         seq = self._seq + 1
-        when = format_time(self._clock())
-        body = build_body(seq, when, kind, fields, self._hash)
+        micros = self._clock() // 1000
+        second = micros // 1_000_000
+        if second != self._second:
+            self._second, self._second_text = second, format_time(second * 1_000_000_000)[:-7]
+        # format_time's form ("...:SS.ffffffZ"), the microseconds padded to six digits.
+        when = self._second_text + str(micros % 1_000_000 + 1_000_000)[1:] + "Z"
+        body = build_body(seq, when, kind, fields, self._hash, checked=checked)
         if self._scrubber.found_in(body):
             body = self._scrubbed_body(seq, when, kind, fields)
         line, digest = seal(body)
         self._seq = seq
+        self._hash_before = self._hash
         self._hash = digest
         return seq, digest, line
 

@@ -2,8 +2,10 @@
 
 The entry is a frozen msgspec Struct whose field order *is* the on-disk key order
 (``seq``, ``time``, ``kind``, the optional fields, ``prev``); fields that are None are
-left out. :func:`build_body` validates the caller's fields (msgspec does it in C, so
-the hot path stays cheap) and returns the bytes the hash is taken over;
+left out. :func:`build_body` validates the caller's fields (msgspec does it in C) and
+returns the bytes the hash is taken over; a caller whose fields it built itself from
+typed values (the dispatcher's call and result entries) may skip that validation, which
+costs more than the rest of sealing an entry;
 :func:`decode_body` reads them back and insists they are exactly what gatewayd would
 have written, so a line edited by hand, even with a fresh hash, stands out.
 
@@ -42,6 +44,15 @@ MAX_DEGRADED_CHARS: Final = 500
 MAX_EVENT_CHARS: Final = 64
 # A duration past ~31 years is a clock bug; NaN and infinity would not read back.
 MAX_DURATION_MS: Final = 1e12
+# The bounded strings gatewayd passes without having made them itself (ids it checked
+# against the protocol, a run's reason for having no sandbox): their lengths are
+# checked on the unchecked path too, as cheap as that is.
+_BOUNDED_TEXT: Final = (
+    ("runId", MAX_ID_CHARS),
+    ("toolCallId", MAX_ID_CHARS),
+    ("tool", MAX_ID_CHARS),
+    ("degraded", MAX_DEGRADED_CHARS),
+)
 # A body this small cannot hold an oversize object, so the caps need no measuring.
 _FAST_PATH_BYTES: Final = min(MAX_ARGS_SUMMARY_BYTES, MAX_DETAIL_BYTES)
 
@@ -175,11 +186,26 @@ def _capped(entry: AuditEntry) -> AuditEntry:
     return msgspec.structs.replace(entry, **changes) if changes else entry
 
 
-def build_body(seq: int, when: str, kind: str, fields: Mapping[str, Any], prev: str) -> bytes:
+def build_body(
+    seq: int,
+    when: str,
+    kind: str,
+    fields: Mapping[str, Any],
+    prev: str,
+    *,
+    checked: bool = True,
+) -> bytes:
     """Validate one entry and return its compact JSON body (every key up to ``prev``).
 
     An oversize ``safeMessage`` is shortened; an oversize ``argsSummary`` or ``detail``
     is replaced by a marker holding its size and sha256, never dropped.
+
+    ``checked=False``: the fields were built by gatewayd itself from typed values (ids
+    the protocol has checked, digests and sizes it computed, its own enums, a
+    :class:`Peer`, float durations, dict details), so their types and bounds are not
+    checked again; what a caller can still get wrong is (the message's length, the
+    caps, an unknown field, an event entry without its name). A value that cannot be
+    encoded as it is gets the checked path.
 
     Error handling: ValueError naming the field and what it may hold (unknown field,
     wrong type, id too long, bad digest, unknown error code, event without name...).
@@ -187,15 +213,29 @@ def build_body(seq: int, when: str, kind: str, fields: Mapping[str, Any], prev: 
     message = fields.get("safeMessage")
     if type(message) is str and len(message) > MAX_SAFE_MESSAGE_CHARS:
         fields = {**fields, "safeMessage": message[: MAX_SAFE_MESSAGE_CHARS - 1] + "…"}
-    try:
-        entry = msgspec.convert(
-            {"seq": seq, "time": when, "kind": kind, "prev": prev, **fields}, AuditEntry
-        )
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"invalid audit entry: {exc}") from None
-    if (entry.kind is EntryKind.EVENT) != (entry.event is not None):
+    if checked:
+        try:
+            entry = msgspec.convert(
+                {"seq": seq, "time": when, "kind": kind, "prev": prev, **fields}, AuditEntry
+            )
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"invalid audit entry: {exc}") from None
+        try:
+            body = _encoder.encode(entry)
+        except (TypeError, msgspec.EncodeError) as exc:  # a value of no JSON, in an object
+            raise ValueError(f"invalid audit entry: {exc}") from None
+    else:
+        for name, limit in _BOUNDED_TEXT:
+            value = fields.get(name)
+            if value is not None and not (type(value) is str and 0 < len(value) <= limit):
+                return build_body(seq, when, kind, fields, prev)  # it says what is wrong
+        try:
+            entry = AuditEntry(seq=seq, time=when, kind=kind, prev=prev, **fields)  # type: ignore[arg-type]
+            body = _encoder.encode(entry)
+        except (TypeError, msgspec.EncodeError):  # an unknown field, or a value of no JSON
+            return build_body(seq, when, kind, fields, prev)
+    if (entry.kind == EntryKind.EVENT) != (entry.event is not None):
         raise ValueError("invalid audit entry: kind 'event' needs an event name, others none")
-    body = _encoder.encode(entry)
     if len(body) > _FAST_PATH_BYTES:
         body = _encoder.encode(_capped(entry))
     # Every field is capped above, so only a bug in this module could trip this.

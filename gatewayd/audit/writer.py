@@ -244,7 +244,7 @@ class AuditLog:
     @property
     def last_seq(self) -> int:
         """The seq of the last recorded entry (durable or not)."""
-        return self._chain.position.seq
+        return self._chain.seq
 
     @property
     def durable_seq(self) -> int:
@@ -261,7 +261,7 @@ class AuditLog:
 
     # -- the hot path (trio thread) ------------------------------------------------
 
-    def record(self, kind: str, **fields: Unpack[EntryFields]) -> int:
+    def record(self, kind: str, *, checked: bool = True, **fields: Unpack[EntryFields]) -> int:
         """Seal the next entry and queue it; returns its seq. Never awaits.
 
         The entry is written when a ``durable()``/``append()`` from any task wants it
@@ -269,27 +269,26 @@ class AuditLog:
         at close). On a failed or closed log the entry is not queued and
         ``durable(seq)`` raises AuditWriteError.
 
+        ``checked=False``: every field was built by gatewayd itself from typed values
+        (the dispatcher's call and result entries), so their types and bounds are not
+        checked again (``build_body``); the message's length and the caps still are.
+
         Error handling: ValueError for a bad field, naming it and what it may hold,
         or for an event name that is not an ``AuditEvent``; nothing is recorded then.
         """
         event = fields.get("event")
         if event is not None and (not isinstance(event, str) or event not in REGISTERED_EVENTS):
             raise ValueError(f"invalid audit entry: event {event!r} is not an AuditEvent")
-        # Where the chain was, kept only when rotation may have to seal in its place.
-        before = self._chain.position if self._max_bytes else None
-        seq, digest, line = self._chain.append(kind, fields)
+        seq, digest, line = self._chain.append(kind, fields, checked=checked)
         if self._failure is not None or self._closing:
             return seq
         if event == AuditEvent.RUN_ENDED and self.on_run_ended is not None:
             self.on_run_ended(seq)
-        if (
-            before is not None
-            and self._queued_end
-            and self._queued_end + len(line) > self._max_bytes
-        ):
+        if self._max_bytes and self._queued_end and self._queued_end + len(line) > self._max_bytes:
             # It would overflow the active segment: seal segment_open in its place,
             # queue the rotation before it, then seal the entry again after it. The
             # first sealing was never queued, so nothing outside saw it.
+            before = self._chain.position_before_last
             self._chain.rewind(before)
             number = self._next_segment
             self._next_segment += 1
@@ -308,7 +307,7 @@ class AuditLog:
             self._queue(_Rotate(number, before), None)
             self._queued_end = 0
             self._queue((opener, opener_digest), opener_seq)
-            seq, digest, line = self._chain.append(kind, fields)
+            seq, digest, line = self._chain.append(kind, fields, checked=checked)
         self._queue((line, digest), seq)
         return seq
 
@@ -333,7 +332,7 @@ class AuditLog:
         Error handling: AuditWriteError if the log has failed (now or before) or is
         closed; ValueError for a seq that was never recorded.
         """
-        if not 0 <= seq <= self._chain.position.seq:
+        if not 0 <= seq <= self._chain.seq:
             raise ValueError(f"seq {seq} was never recorded (last is {self.last_seq})")
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:

@@ -251,6 +251,9 @@ class Run:
     # (limits.maxRuntimeSec) ends it; None until it serves (sandbox.usage reports both).
     serving_since: float | None = None
     deadline: float | None = None
+    # What the dispatcher derives from the run once instead of at every call (its own
+    # business: gatewayd/dispatch.py makes it, and makes it again when the spec changes).
+    dispatch_memo: Any = None
 
     @property
     def run_id(self) -> str:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, Generic, Protocol, TypeVar, overload
+
+import msgspec
 
 from gatewayd.config import ModelAlias
 from gatewayd.policy.capabilities import CapabilityRequest
@@ -40,9 +42,13 @@ A_contra = TypeVar("A_contra", contravariant=True)
 TOOLS_LIST: Final = "tools.list"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ToolContext:
-    """What a runner may know about the run and the call it serves."""
+class ToolContext(msgspec.Struct, frozen=True, kw_only=True):
+    """What a runner may know about the run and the call it serves.
+
+    A msgspec Struct, not a frozen dataclass: one is made for every call, and a frozen
+    dataclass of this many fields costs ten times as much to make (its ``__init__``
+    sets each field through ``object.__setattr__``). Never encoded or decoded.
+    """
 
     run_id: str
     grants: tuple[PathGrant, ...]
@@ -54,7 +60,7 @@ class ToolContext:
     resolved: tuple[ResolvedPath, ...] = ()
     # model.chat: gatewayd's aliases, and the run's budget (the policy step checked the
     # alias and the budget; the runner charges what the call spends).
-    models: Mapping[str, ModelAlias] = field(default_factory=dict)
+    models: Mapping[str, ModelAlias] = msgspec.field(default_factory=dict)
     model_budget: ModelBudget | None = None
     # http.fetch: the run's policy network section (None: no network at all), and how
     # names resolve (None: the host's resolver; tests map names to loopback).

@@ -192,3 +192,36 @@ async def test_answers_whose_flush_outlasts_the_idle_timeout_are_still_sent(
                 answers = [await read_frame(stream, buf) for _ in range(3)]
         assert sorted(a["toolCallId"] for a in answers if a) == ["s0", "s1", "s2"]
         assert all(a and a["ok"] for a in answers)
+
+
+async def test_a_connection_answered_waits_for_its_socket_instead_of_reading_it_empty(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client that waits for each answer has sent nothing since its request: a read
+    # before the socket is readable again would find nothing (a system call, and a
+    # hand-off of the interpreter to the audit flusher, for naught).
+    empty_reads = 0
+    real_read = server.os.read
+
+    def read(fd: int, size: int) -> bytes:
+        nonlocal empty_reads
+        try:
+            return real_read(fd, size)
+        except BlockingIOError:
+            empty_reads += 1
+            raise
+
+    async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        async with stream:
+            buf = bytearray()
+            await stream.send_all(frame(request(run, "time.now", tcid="w0")))
+            assert (await read_frame(stream, buf) or {}).get("ok")
+            monkeypatch.setattr(server.os, "read", read)
+            for i in range(1, 6):
+                await stream.send_all(frame(request(run, "time.now", tcid=f"w{i}")))
+                msg = await read_frame(stream, buf)
+                assert msg is not None and msg["ok"] and msg["toolCallId"] == f"w{i}"
+            monkeypatch.undo()
+    assert empty_reads == 0

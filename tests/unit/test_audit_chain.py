@@ -21,6 +21,7 @@ from gatewayd.audit import (
     MAX_LINE_BYTES,
     MAX_SAFE_MESSAGE_CHARS,
     ChainPosition,
+    Peer,
     read_entries,
     verify_file,
 )
@@ -105,6 +106,17 @@ def test_time_is_rfc3339_utc_with_microseconds() -> None:
     assert format_time(0) == "1970-01-01T00:00:00.000000Z"
 
 
+def test_a_chain_writes_each_entry_time_as_format_time_across_seconds_and_back() -> None:
+    # The chain formats only the microseconds of entries in the second of the last one.
+    moments = [FIXED_NS, FIXED_NS + 1_000, FIXED_NS + 876_543_210, FIXED_NS + 876_543_211_000]
+    moments += [FIXED_NS - 2_000_000_000, 0, 999, FIXED_NS]
+    now = iter(moments)
+    chain = Chain(clock=lambda: next(now))
+    for ns in moments:
+        _, _, line = chain.append("event", {"event": "audit_open"})
+        assert json.loads(line)["time"] == format_time(ns)
+
+
 def test_keys_are_in_the_documented_order_and_absent_fields_are_omitted() -> None:
     chain = Chain(clock=fixed_clock)
     fields: dict[str, Any] = {
@@ -187,6 +199,71 @@ def test_invalid_fields_are_refused_naming_the_field_and_what_it_may_hold(
         chain.append(kind, fields)
     assert message in str(info.value)
     assert chain.position == GENESIS  # nothing was sealed
+
+
+# What the dispatcher records unchecked: a call's two entries, built from typed values.
+_UNCHECKED_CALL: dict[str, Any] = {
+    "runId": "0123456789abcdef0123456789abcdef",
+    "toolCallId": "c-1",
+    "tool": "fs.read",
+    "argsDigest": DIGEST,
+    "argsSummary": {"path": "notes.md"},
+    "decision": "allow",
+    "peer": Peer(pid=7, uid=1000, gid=1000),
+    "review": {"verdict": "allow"},
+    "degraded": "no OS sandbox: off",
+    "detail": {"approvalId": "a1"},
+}
+_UNCHECKED_RESULT: dict[str, Any] = {
+    "runId": "0123456789abcdef0123456789abcdef",
+    "toolCallId": "c-1",
+    "tool": "fs.read",
+    "errorCode": str(ErrorCode.TOOL_FAILED),
+    "safeMessage": "x" * 5000,
+    "durationMs": 0.25,
+    "outputDigest": DIGEST,
+    "outputBytes": 12,
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields"), [("call", _UNCHECKED_CALL), ("result", _UNCHECKED_RESULT)]
+)
+def test_an_entry_built_unchecked_is_byte_for_byte_the_checked_one(
+    kind: str, fields: dict[str, Any]
+) -> None:
+    when = format_time(FIXED_NS)
+    body = build_body(1, when, kind, fields, GENESIS_HASH, checked=False)
+    assert body == build_body(1, when, kind, fields, GENESIS_HASH)
+    decode_body(body)  # and reads back as gatewayd's
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields", "message"),
+    [
+        ("call", {"color": "red"}, "unknown field `color`"),
+        ("call", {"runId": "r" * 129}, "length <= 128"),
+        ("call", {"toolCallId": ""}, "length >= 1"),
+        ("call", {"degraded": "d" * 501}, "length <= 500"),
+        ("call", {"tool": 7}, "Expected `str | null`, got `int`"),
+        ("call", {"event": "run_created"}, "kind 'event' needs an event name"),
+        ("call", {"detail": {"at": object()}}, "unsupported"),
+    ],
+)
+def test_what_a_caller_can_get_wrong_is_refused_unchecked_too(
+    kind: str, fields: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match="invalid audit entry") as info:
+        build_body(1, format_time(FIXED_NS), kind, fields, GENESIS_HASH, checked=False)
+    assert message in str(info.value)
+
+
+def test_an_oversize_object_is_capped_unchecked_too() -> None:
+    big = {"blob": "y" * (MAX_ARGS_SUMMARY_BYTES + 10)}
+    when = format_time(FIXED_NS)
+    body = build_body(1, when, "call", {"argsSummary": big}, GENESIS_HASH, checked=False)
+    assert body == build_body(1, when, "call", {"argsSummary": big}, GENESIS_HASH)
+    assert "omitted" in (decode_body(body).argsSummary or {})
 
 
 def test_long_safe_message_is_cut_to_the_cap_with_a_visible_mark() -> None:

@@ -48,6 +48,7 @@ from gatewayd.audit import (
     verify_file,
 )
 from gatewayd.audit.chain import Chain, read_line
+from gatewayd.audit.entry import build_body
 from gatewayd.dispatch import CANCELLED_MESSAGE, TOOLS_LIST, Dispatcher
 from gatewayd.errors import InvalidArguments, ToolFailed
 from gatewayd.metrics import GatewayMetrics
@@ -131,6 +132,10 @@ review:
 # --- the audit log ---------------------------------------------------------------------
 
 
+# The time of the entries FakeAuditLog builds both ways to compare (any will do).
+WHEN: Final = "2026-11-27T12:00:00.000000Z"
+
+
 class FakeAuditLog:
     """The audit log as the dispatcher uses it: ``record()`` and ``durable()``.
 
@@ -155,8 +160,13 @@ class FakeAuditLog:
     def last_seq(self) -> int:
         return self._chain.position.seq
 
-    def record(self, kind: str, **fields: Unpack[EntryFields]) -> int:
-        seq, _, line = self._chain.append(kind, fields)
+    def record(self, kind: str, *, checked: bool = True, **fields: Unpack[EntryFields]) -> int:
+        if not checked:
+            # An entry the dispatcher records unchecked is the one the checks would pass.
+            after = self._chain.position
+            unchecked = build_body(after.seq + 1, WHEN, kind, fields, after.hash, checked=False)
+            assert unchecked == build_body(after.seq + 1, WHEN, kind, fields, after.hash)
+        seq, _, line = self._chain.append(kind, fields, checked=checked)
         if self.failure is None:
             read_line(line.rstrip(b"\n"))  # the seal is sound
             self.entries.append(json.loads(line))

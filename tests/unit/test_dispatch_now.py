@@ -19,10 +19,12 @@ import trio
 from trio.testing import MockClock
 
 from gatewayd.audit import open_audit_log, verify_file
-from gatewayd.dispatch import Answered, Dispatcher
+from gatewayd.dispatch import RULES_MAX_AGE_AT_ONCE_S, Answered, Dispatcher
 from gatewayd.errors import ToolFailed
 from gatewayd.policy import load_policy_text
 from gatewayd.protocol import ErrorCode, Request
+from gatewayd.review import rulebook
+from gatewayd.review.rulebook import RuleBook
 from gatewayd.runs import Run
 from gatewayd.tools.registry import TOOLS_LIST, Tool, ToolContext, ToolRegistry
 from gatewayd.tracing import Tracer
@@ -297,3 +299,50 @@ async def test_calls_answered_at_once_through_the_real_log_share_one_fdatasync(
         assert audit.durable_seq == audit.last_seq
         assert audit.fsync_count == syncs + 1
     assert verify_file(path).ok
+
+
+async def test_calls_answered_at_once_look_at_the_policy_file_once_per_interval(
+    tmp_path: Path, autojump_clock: MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether a review applies to a call answered at once is asked of the rules as
+    looked at up to RULES_MAX_AGE_AT_ONCE_S ago: a stat per call on the event loop's
+    thread would hand the interpreter to the audit flusher and back at every call."""
+    path = tmp_path / "dispatch-unit.yaml"
+    path.write_text(POLICY)
+    run = make_run(tmp_path)
+    run.spec = dataclasses.replace(run.spec, policy_source=str(path))
+    looks: list[str] = []
+    identity = rulebook._identity
+
+    def counting(policy: str) -> tuple[int, int, int]:
+        looks.append(policy)
+        return identity(policy)
+
+    monkeypatch.setattr(rulebook, "_identity", counting)
+    reviewer = FakeReviewer(None, applies=False)
+    dispatcher = make_dispatcher(
+        FakeAuditLog(), immediate_tools(Seen(int)), autojump_clock, reviewer=reviewer
+    )
+    dispatcher.rules = RuleBook(clock=autojump_clock.current_time)
+    for i in range(5):
+        assert dispatcher.handle_now(run, call("test.echo", {"text": str(i)}), PEER) is not None
+    assert looks == [str(path)]
+    autojump_clock.jump(RULES_MAX_AGE_AT_ONCE_S * 2)
+    assert dispatcher.handle_now(run, call("test.echo", {"text": "later"}), PEER) is not None
+    assert looks == [str(path)] * 2
+
+
+async def test_a_replaced_spec_is_in_force_from_the_next_call(
+    tmp_path: Path, autojump_clock: MockClock
+) -> None:
+    """What the steps keep of a run between calls (its allowed tools, its rights, its
+    part of a tool's context) is made again once its spec is replaced, as a policy
+    reload replaces it."""
+    run = make_run(tmp_path)
+    dispatcher = make_dispatcher(FakeAuditLog(), immediate_tools(Seen(int)), autojump_clock)
+    first = dispatcher.handle_now(run, call("test.echo", {"text": "a"}), PEER)
+    assert first is not None and first.code is None
+    narrowed = dataclasses.replace(run.spec.rules, tool_patterns=("test.checked",))
+    run.spec = dataclasses.replace(run.spec, rules=narrowed)
+    second = dispatcher.handle_now(run, call("test.echo", {"text": "b"}), PEER)
+    assert second is not None and second.code is ErrorCode.POLICY_DENIED
