@@ -172,10 +172,8 @@ def test_the_client_loads_none_of_the_daemon(
     assert_light(modules, HEAVY | MODELS)
 
 
-def test_a_stop_signal_ends_the_run_and_its_command_and_exits_128_plus_n(
-    base: Path, daemon: LiveDaemon
-) -> None:
-    marker = f"{os.getpid() % 1000 + 4000}.5"
+def start_sleeping(base: Path, marker: str) -> subprocess.Popen[bytes]:
+    """`gatewayd run -- sleep MARKER`, returned once the sandboxed sleep runs."""
     proc = subprocess.Popen(
         run_argv(base, "sleep", marker),
         stdin=subprocess.DEVNULL,
@@ -186,6 +184,14 @@ def test_a_stop_signal_ends_the_run_and_its_command_and_exits_128_plus_n(
     while no_process_with(marker):
         assert time.monotonic() < deadline and proc.poll() is None, "the command never started"
         time.sleep(0.02)
+    return proc
+
+
+def test_a_stop_signal_ends_the_run_and_its_command_and_exits_128_plus_n(
+    base: Path, daemon: LiveDaemon
+) -> None:
+    marker = f"{os.getpid() % 1000 + 4000}.5"
+    proc = start_sleeping(base, marker)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=WAIT_S)
     stderr = err.decode()
@@ -200,16 +206,8 @@ def test_a_client_killed_outright_has_its_run_ended_by_the_daemon(
     base: Path, daemon: LiveDaemon
 ) -> None:
     marker = f"{os.getpid() % 1000 + 5000}.5"
-    proc = subprocess.Popen(
-        run_argv(base, "sleep", marker),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    proc = start_sleeping(base, marker)
     deadline = time.monotonic() + WAIT_S
-    while no_process_with(marker):
-        assert time.monotonic() < deadline and proc.poll() is None, "the command never started"
-        time.sleep(0.02)
     assert proc.stderr is not None
     started = proc.stderr.readline().decode()
     proc.kill()
@@ -589,7 +587,7 @@ def test_the_daemon_stopping_meanwhile_ends_the_run_and_the_client_says_so(
                 f"head -c 1000000 /dev/zero; exec sleep {marker}",
             ],
             stdin=subprocess.DEVNULL,
-            stdout=stuck,
+            stdout=stuck.fileno(),
             stderr=subprocess.PIPE,
         )
         deadline = time.monotonic() + WAIT_S
