@@ -30,7 +30,8 @@ drift and after-effects (a cgroup or pid namespace still being torn down) hit al
 - plain ``/bin/true`` via ``subprocess.run`` (no preexec_fn, so Python can vfork);
 - ``RunManager.start`` + ``RunManager.end`` of a fresh run (uid, network namespace,
   lease of a small workspace, run directory, socket, two durable audit entries), and
-  its parts measured alone in the same rounds.
+  its parts measured alone in the same rounds; with ``--run-start``, also its floor
+  (``bench/run_start_floor.py``: the same kernel work with bare system calls).
 
 Then, separately, the full CLI path: ``gatewayd exec RUN -- /bin/true`` against a live
 ``gatewayd serve``, with fewer iterations; Python start-up dominates it.
@@ -71,6 +72,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import BIN, control, env_info, percentile, stop_serving, wait_until_serving
+from run_start_floor import RunStartFloor
 
 from gatewayd.audit import AuditEvent
 from gatewayd.config import GatewaydConfig, SandboxUids
@@ -936,6 +938,15 @@ class RunStart:
         self.forks = 0
         self.syncs = syncs
         os.register_at_fork(before=self._forked)
+        # The floor (bench/run_start_floor.py): the same kernel work on the same file
+        # system, its own workspace like this one, a uid of the daemon's pool held for
+        # the whole run, namespaces under the daemon's prefix (swept with its own).
+        self.floor = RunStartFloor(
+            base=base,
+            workspace=make_workspace(base / "ws-floor"),
+            uid=daemon.runs.uid_pool.acquire().uid,
+            netns_prefix=daemon.config.resolved_netns_prefix,
+        )
 
     def _forked(self) -> None:
         self.forks += 1
@@ -949,6 +960,7 @@ class RunStart:
             "uids": self.part_uids,
             "policy": self.part_policy,
             "audit": self.part_audit,
+            "floor": self.part_floor,
         }
 
     def request(self) -> RunRequest:
@@ -1028,6 +1040,16 @@ class RunStart:
         load_policy(self.policy)
         return {"policy": cached - started, "policy_before": time.perf_counter() - cached}
 
+    async def part_floor(self) -> Durations:
+        # Timed in its worker thread, from its first system call to its last.
+        fsyncs, fdatasyncs = self.syncs.fsync, self.syncs.fdatasync
+        got = await trio.to_thread.run_sync(self.floor.round)
+        return {
+            **{f"floor_{key}": value for key, value in got.items()},
+            "floor_fsyncs": float(self.syncs.fsync - fsyncs),
+            "floor_fdatasyncs": float(self.syncs.fdatasync - fdatasyncs),
+        }
+
     async def part_audit(self) -> Durations:
         # A run's two durable entries (run_created, run_ended).
         started = time.perf_counter()
@@ -1038,7 +1060,8 @@ class RunStart:
 
 async def run_start(warmup: int, iterations: int, workspace_mode: WorkspaceModeName) -> Samples:
     """RunManager.start + end of a fresh run each round, now and with the parts as they
-    were (:func:`run_start_as_before`), and the parts alone, in shuffled rounds; the
+    were (:func:`run_start_as_before`), the parts alone and the floor
+    (bench/run_start_floor.py), in shuffled rounds; the
     run's workspace session in ``workspace_mode`` (the daemon's setting)."""
     prefix, uids = bench_ids()
     with bench_dir("cg-bsl-start-") as base:
@@ -1060,10 +1083,12 @@ async def run_start(warmup: int, iterations: int, workspace_mode: WorkspaceModeN
                 # daemon's policy files are, it is older when the rounds start.
                 await trio.sleep(RACY_WINDOW_NS / 1e9)
                 syncs = SyncCounter()
-                with syncs.counting():
-                    return await rounds(
-                        RunStart(daemon, base, policy, syncs).variants(), warmup, iterations
-                    )
+                starts = RunStart(daemon, base, policy, syncs)
+                try:
+                    with syncs.counting():
+                        return await rounds(starts.variants(), warmup, iterations)
+                finally:
+                    starts.floor.close()
         finally:
             remove_stale_netns(prefix)
 
@@ -1105,6 +1130,7 @@ def report_run_start(samples: Samples) -> None:
         f"{statistics.mean(s['now_fsyncs']):.1f} + {statistics.mean(s['now_fdatasyncs']):.1f}"
         " (the records crash recovery reads, and the audit log's flushes)"
     )
+    report_floor(s)
     median = ms(s["now"], 50)
     print(
         f"target run create + teardown <= {RUN_START_TARGET_MS:.0f} ms at the median: "
@@ -1113,6 +1139,50 @@ def report_run_start(samples: Samples) -> None:
     )
     for name, messages in samples.failures.items():
         print(f"failed rounds of {name!r}: {len(messages)} (not timed); first: {messages[0]}")
+
+
+# The floor's steps as bench/run_start_floor.py times them, in its order.
+FLOOR_STEPS: Final = (
+    ("store_open", "session directory, lock, meta.json"),
+    ("lend", "base lease recorded, chowned to the uid"),
+    ("overlay", "overlay directories and mount"),
+    ("run_dir", "run directory opened to the uid, mount points"),
+    ("apps", "apps folder made, its record"),
+    ("netns", "network namespace (its own thread, meanwhile)"),
+    ("netns_wait", "  waited for it"),
+    ("run_lease", "the run's lease record"),
+    ("audit", "two audit flushes"),
+    ("socket", "the run's socket"),
+    ("proc_scan", "the end's /proc scan"),
+    ("apps_remove", "apps folder removed"),
+    ("netns_remove", "namespace removed"),
+    ("seal", "view unmounted, delta read, seal.json"),
+    ("give_back", "base given back"),
+    ("keep", "meta.json kept"),
+    ("run_dir_delete", "run directory deleted (another thread, meanwhile)"),
+    ("run_dir_wait", "  waited for it"),
+)
+
+
+def report_floor(s: dict[str, list[float]]) -> None:
+    """The floor beside gatewayd's start + end (see bench/run_start_floor.py)."""
+    floor, now = ms(s["floor_total"], 50), ms(s["now"], 50)
+    print(row("the floor: the same kernel work, bare (bench/run_start_floor.py)", s["floor_total"]))
+    print(row("  start", s["floor_start"]))
+    print(row("  end", s["floor_end"]))
+    print(row("  the process's CPU time (all threads)", s["floor_cpu"]))
+    for key, label in FLOOR_STEPS:
+        print(row(f"  {label}", s[f"floor_{key}"]))
+    print(
+        f"  fsync + fdatasync calls per floor round: {statistics.mean(s['floor_fsyncs']):.1f}"
+        f" + {statistics.mean(s['floor_fdatasyncs']):.1f}"
+    )
+    print(
+        f"  gatewayd / floor at the median: {now / floor:.2f}x ({now - floor:+.1f} ms); "
+        f"CPU {ms(s['now_cpu'], 50) / ms(s['floor_cpu'], 50):.2f}x; the floor alone is "
+        f"{'ABOVE' if floor > RUN_START_TARGET_MS else 'below'} the "
+        f"{RUN_START_TARGET_MS:.0f} ms target ({floor:.1f} ms)"
+    )
 
 
 def main() -> int:

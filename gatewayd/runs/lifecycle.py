@@ -575,6 +575,8 @@ class RunManager:
             roots=roots,
             view=view,
             netns_ahead=netns_ahead,
+            # An overlay session's view: a mount, gone after a reboot with what is in it.
+            view_mounted_for_run=run.workspace is not None and run.workspace.mode == "overlay",
         )
 
     def _secret_env_names(self) -> set[str]:

@@ -207,7 +207,9 @@ class BaseLender:
     """The store's ``before_mount`` for an overlay run: lends the base to ``user`` with
     the lease recorded in the session's directory (durable before the first chown), where
     the store's recovery finds it after a crash, and the store gives it back when the
-    session then fails to open."""
+    session then fails to open. The directory's fsync after the lease is recorded, made
+    whatever is lent, makes the session's ``meta.json`` (written just before) durable
+    too: the store leaves that fsync to it (``WorkspaceStore.open_session``)."""
 
     def __init__(
         self, loan: BaseLoan, user: HostUser, *, roots: LendableRoots, pool_range: UidRange
@@ -232,6 +234,7 @@ class BaseLender:
             roots=self._roots,
             keep=self._loan.keep,
             sandbox_owned=self._sandbox_owned,
+            sync_record_dir=True,
         )
 
     def _sandbox_owned(self, uid: int) -> bool:

@@ -10,7 +10,10 @@ is made (:func:`prepare_apps_folder`):
   point). A record in the run's directory says so, and the folder is removed again when
   the run ends if it is still the empty directory made (:func:`remove_made_folder`; after
   a crash, the next start does it: :func:`remove_leftover_folder`). An empty apps folder
-  holds no app, so one left behind is harmless.
+  holds no app, so one left behind is harmless. Made in a view that is a mount for the
+  run alone (an overlay session's), the record is not flushed: a reboot takes the
+  view and the folder in it, so only a crash of gatewayd alone leaves something for
+  the record to name, and the page cache keeps it then.
 * **A symlink, or anything but a directory**: the run is refused. A symlink would make
   another directory the apps folder, and the cover would be mounted through it.
 * **A directory**: every file in it with more than one link must have all its names
@@ -53,7 +56,7 @@ from pathlib import Path
 from typing import Final
 
 from gatewayd.errors import GatewayError
-from gatewayd.files import write_atomically
+from gatewayd.files import write_all, write_atomically
 from gatewayd.policy.appsfolder import APPS_DIR_NAME
 from gatewayd.protocol import ErrorCode
 
@@ -109,10 +112,14 @@ class AppsFolder:
     made: MadeFolder | None
 
 
-def prepare_apps_folder(workspace_fd: int, workspace: Path, run_dir: Path) -> AppsFolder:
+def prepare_apps_folder(
+    workspace_fd: int, workspace: Path, run_dir: Path, *, durable_record: bool = True
+) -> AppsFolder:
     """Make sure ``workspace``'s apps folder is a directory the sandbox may be given a
     cover over (see the module doc). ``workspace_fd``: the workspace directory the
-    sandbox binds (an ``O_PATH`` descriptor is enough). Blocking.
+    sandbox binds (an ``O_PATH`` descriptor is enough). ``durable_record`` False: the
+    workspace is a mount made for the run alone, which no reboot leaves behind; the
+    record of a folder made in it is then written whole but not flushed. Blocking.
 
     Error handling: :class:`AppsFolderRefused` for a folder that is not a directory, is
     nested too deep, or holds a file with a name outside it; OSError when the host
@@ -122,7 +129,7 @@ def prepare_apps_folder(workspace_fd: int, workspace: Path, run_dir: Path) -> Ap
     try:
         st = os.stat(APPS_DIR_NAME, dir_fd=workspace_fd, follow_symlinks=False)
     except FileNotFoundError:
-        made = _make_folder(workspace_fd, shown, run_dir)
+        made = _make_folder(workspace_fd, shown, run_dir, durable_record=durable_record)
         return AppsFolder(identity=made.identity, made=made)
     if not stat.S_ISDIR(st.st_mode):
         kind = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
@@ -188,7 +195,9 @@ def refuse_linked_folders(folders: Sequence[Path], devices: Collection[int]) -> 
             )
 
 
-def _make_folder(workspace_fd: int, path: Path, run_dir: Path) -> MadeFolder:
+def _make_folder(
+    workspace_fd: int, path: Path, run_dir: Path, *, durable_record: bool
+) -> MadeFolder:
     os.mkdir(APPS_DIR_NAME, MADE_FOLDER_MODE, dir_fd=workspace_fd)
     st = os.stat(APPS_DIR_NAME, dir_fd=workspace_fd, follow_symlinks=False)
     made = MadeFolder(path=str(path), device=st.st_dev, inode=st.st_ino)
@@ -203,11 +212,26 @@ def _make_folder(workspace_fd: int, path: Path, run_dir: Path) -> MadeFolder:
                 dir_fd=workspace_fd,
                 follow_symlinks=False,
             )
-        write_atomically(run_dir / MADE_RECORD, made.to_json().encode())
+        _write_record(run_dir / MADE_RECORD, made.to_json().encode(), durable=durable_record)
     except BaseException:
         remove_made_folder(workspace_fd, made)
         raise
     return made
+
+
+def _write_record(path: Path, data: bytes, *, durable: bool) -> None:
+    """The made folder's record: durable (:func:`write_atomically`), or only whole
+    whenever its name is there (a temporary file renamed into place, no fsync)."""
+    if durable:
+        write_atomically(path, data)
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        write_all(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def _outside_link(folder_fd: int, shown: Path) -> tuple[str, int, int] | None:

@@ -172,6 +172,7 @@ def lend(
     keep: Collection[Identity] = (),
     pinned: Mapping[Path, Identity] | None = None,
     sandbox_owned: Callable[[int], bool] = lambda uid: False,
+    sync_record_dir: bool = False,
 ) -> Lease:
     """Lend every tree to ``user``; the lease is durable in ``record_dir`` first.
 
@@ -185,7 +186,9 @@ def lend(
     directory lent must be that one (its path may have been swapped in between).
     ``sandbox_owned`` says whether a uid belongs to a sandbox: a tree whose root a
     sandbox owns is another live run's (or a lost lease), and lending it again would
-    record the wrong owner to give it back to.
+    record the wrong owner to give it back to. ``sync_record_dir``: ``record_dir`` is
+    fsynced after the lease is recorded even when it lends no tree (the caller counts on
+    that fsync for a record of its own written there just before).
 
     Error handling: :class:`~gatewayd.sandbox.lendable.NotLendable` for a tree that may
     not be lent (beneath no root, a symlink, not a directory), before anything is
@@ -228,7 +231,9 @@ def lend(
         # kills after a crash of gatewayd (the page cache keeps the name); a power cut
         # leaves no process, so its name need not be durable: no directory fsync.
         write_atomically(
-            record_dir / LEASE_FILE, lease.to_json().encode(), sync_dir=bool(lease.trees)
+            record_dir / LEASE_FILE,
+            lease.to_json().encode(),
+            sync_dir=bool(lease.trees) or sync_record_dir,
         )
         try:
             for tree in lease.trees:

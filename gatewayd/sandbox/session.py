@@ -336,6 +336,7 @@ class RunSandbox:
         lend_workspace: bool = True,
         view: SandboxView | None = None,
         netns_ahead: NamespaceAhead | None = None,
+        view_mounted_for_run: bool = False,
     ) -> RunSandbox:
         """Make the run's sandbox resources; on any failure, undo what was made.
         ``roots``: what the writable trees must lie beneath (the lease checks them).
@@ -355,6 +356,9 @@ class RunSandbox:
         makes and removes its apps folder for the run); its rw policy paths are lent.
         ``netns_ahead``: the run's namespace being made already (:class:`NamespaceAhead`),
         taken instead of making one; the open then owns it (removed if it fails).
+        ``view_mounted_for_run``: the workspace is a mount gatewayd made for this run
+        alone (an overlay session's view), which no reboot leaves behind: the record of
+        an apps folder made in it is written, not flushed (:func:`prepare_apps_folder`).
 
         Error handling: :class:`SandboxUnavailable` naming the step and the cause
         (:class:`UnsafeMounts` for a workspace whose apps folder cannot be hidden);
@@ -437,7 +441,9 @@ class RunSandbox:
                 # Both checks in one worker thread (one hand-off); ``apps`` is set as soon
                 # as the folder is made, so a refusal after it still removes it (below).
                 nonlocal apps
-                apps = prepare_apps_folder(workspace_fd, workspace, run_dir)
+                apps = prepare_apps_folder(
+                    workspace_fd, workspace, run_dir, durable_record=not view_mounted_for_run
+                )
                 # Other workspaces' apps folders: no file of one may have a name the run
                 # sees (the run's creation refused roots holding one).
                 refuse_linked_folders(other_apps_folders(settings.state_dir, workspace), devices)

@@ -410,8 +410,8 @@ def _read_record(path: Path, cap: int) -> bytes:
         os.close(fd)
 
 
-def _write_info(directory: Path, info: SessionInfo) -> None:
-    write_atomically(directory / META_NAME, info.to_record(), RECORD_MODE)
+def _write_info(directory: Path, info: SessionInfo, *, sync_dir: bool = True) -> None:
+    write_atomically(directory / META_NAME, info.to_record(), RECORD_MODE, sync_dir=sync_dir)
 
 
 # --- the conflict check's signatures -------------------------------------------
@@ -714,7 +714,10 @@ class WorkspaceStore:
 
         ``before_mount(directory)`` runs after the session directory exists and before
         the backend mounts anything: the caller lends the base there (the lease file
-        stays in the directory, so :meth:`recover` gives it back after a crash).
+        stays in the directory, so :meth:`recover` gives it back after a crash). It
+        must fsync ``directory`` before it changes anything outside it (as recording
+        its lease there durably does, whatever it lends): that fsync makes
+        ``meta.json``'s name durable too, so the store makes none of its own for it.
         ``commit_git_metadata`` (the policy's ``workspace.commit_git_metadata``) is
         recorded with the session: every later commit, from any process, honours it.
 
@@ -775,7 +778,12 @@ class WorkspaceStore:
             # Locked before its record names it live: a command finding a live record
             # with nobody holding the lock takes the run for dead and recovers it.
             lock_fd = _take_lock(directory, run_id)
-            _write_info(directory, info)
+            # Durable before anything outside the directory changes: by the directory's
+            # fsync here, or by the one before_mount makes for its own record there
+            # first (one fsync for both names). A power cut before it leaves both names,
+            # either or none, and nothing lent yet; recover() tidies each (a lease
+            # without meta.json: given back, the directory removed).
+            _write_info(directory, info, sync_dir=before_mount is None)
             # Never on a base a commit is writing: it waits for the commit to finish.
             with self._writing_base(None, wait=True):
                 if before_mount is not None:

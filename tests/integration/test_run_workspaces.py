@@ -555,6 +555,36 @@ async def start(
     return await daemon.runs.start(request, policy_paths=policy != "virtual")
 
 
+@pytest.mark.parametrize("mode", ["overlay", "host"])
+async def test_the_made_apps_folders_record_is_flushed_only_outside_an_overlay_view(
+    daemon: Daemon, base: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # An overlay session's view is a mount a reboot takes, with the folder made in it:
+    # its record is written (a crash of gatewayd alone leaves it in the page cache for
+    # the next start), not flushed. In host mode the folder is the workspace's own.
+    from gatewayd.sandbox.appsfolder import MADE_RECORD
+
+    ws = make_workspace(base)
+    flushed: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    run = await start(daemon, base, ws, WorkspaceRequest(mode=mode))
+    monkeypatch.undo()
+    try:
+        assert run.sandbox is not None and run.sandbox.apps_folder is not None
+        assert run.sandbox.apps_folder.made is not None
+        assert (run.directory / MADE_RECORD).is_file()
+        record_flushed = any(MADE_RECORD in path for path in flushed)
+        assert record_flushed is (mode == "host"), flushed
+    finally:
+        await daemon.runs.end(run.run_id)
+
+
 # --- a run without an OS sandbox: the fs tools still work in the session's view --------
 
 

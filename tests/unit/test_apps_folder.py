@@ -565,6 +565,37 @@ def test_a_missing_folder_is_made_recorded_and_removed_while_still_empty(
         os.close(fd)
 
 
+@pytest.mark.parametrize("durable", [True, False])
+def test_the_made_folders_record_is_flushed_unless_the_view_is_a_mount_for_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    # In a view mounted for the run alone (an overlay session's), a reboot takes the
+    # folder with the view: the record is written whole, not flushed.
+    ws, run_dir = tmp_path / "ws", tmp_path / "run"
+    ws.mkdir()
+    run_dir.mkdir()
+    flushed: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    fd = _open_dir(ws)
+    try:
+        folder = prepare_apps_folder(fd, ws, run_dir, durable_record=durable)
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    assert MadeFolder.from_json((run_dir / MADE_RECORD).read_text()) == folder.made
+    assert os.listdir(run_dir) == [MADE_RECORD]  # no temporary file left beside it
+    if durable:  # the record (its temporary file), then the run's directory
+        assert len(flushed) == 2 and flushed[1] == str(run_dir), flushed
+    else:
+        assert flushed == []
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

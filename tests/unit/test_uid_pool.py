@@ -172,3 +172,32 @@ def test_a_status_file_is_read_for_its_ids_and_zombies_left_out(
 ) -> None:
     got = uids_module._ids_of(status)
     assert (None if got is None else set(got)) == expected
+
+
+_STATUS = b"Name:\tx\nState:\tS (sleeping)\nTgid:\t77\nUid:\t10\t11\t12\t13\nGid:\t20\t21\t22\t23\nFDSize:\t64\n"
+
+
+@pytest.mark.parametrize(
+    ("status", "uid", "held"),
+    [
+        *((_STATUS, uid, True) for uid in (10, 11, 12, 13, 20, 21, 22, 23)),  # each id
+        (_STATUS, 1, False),  # a prefix of an id
+        (_STATUS, 0, False),  # a suffix of one
+        (_STATUS, 77, False),  # another line's number
+        (_STATUS, 64, False),
+        (_STATUS.replace(b"S (sleeping)", b"Z (zombie)"), 10, False),
+        (_STATUS[: _STATUS.index(b"\nGid:")], 10, False),  # cut short: ending
+    ],
+)
+def test_the_ends_scan_finds_a_uid_only_as_a_whole_id_of_a_live_process(
+    status: bytes, uid: int, held: bool
+) -> None:
+    assert uids_module._holds(status, (b"\t%d\t" % uid, b"\t%d\n" % uid)) is held
+
+
+def test_the_ends_scan_agrees_with_the_parsed_ids_on_every_real_process() -> None:
+    for _, status in uids_module._statuses():
+        ids = uids_module._ids_of(status)
+        for uid in {*(ids or ()), 1, 7, 65534, BASE + 12_345}:
+            fields = (b"\t%d\t" % uid, b"\t%d\n" % uid)
+            assert uids_module._holds(status, fields) is (ids is not None and uid in ids)

@@ -787,6 +787,85 @@ def test_recover_gives_back_the_base_a_dead_run_borrowed(where: Path) -> None:
     assert store.commit(RUN).added == ["new.txt"]
 
 
+@pytest.mark.parametrize("lent", ["the base", "nothing"])
+def test_an_overlay_open_makes_its_record_and_the_lease_durable_in_one_fsync_before_lending(
+    where: Path, monkeypatch: pytest.MonkeyPatch, lent: str
+) -> None:
+    # meta.json and the base's lease lie in one directory: one fsync of it, after both
+    # are renamed into place and before the first chown, makes both names durable.
+    from gatewayd.runs.workspaces import BaseLender, BaseLoan, give_back_base
+    from gatewayd.sandbox.lendable import LendableRoots
+    from gatewayd.sandbox.limits import HostUser
+    from gatewayd.sandbox.uids import UidRange
+
+    base = make_base(where)
+    trees = (base,) if lent == "the base" else ()
+    lender = BaseLender(
+        BaseLoan(trees=trees, keep=frozenset(), whole=bool(trees)),
+        HostUser(uid=4_000_013, gid=4_000_013),
+        roots=LendableRoots(),
+        pool_range=UidRange(4_100_000, 1),
+    )
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace, real_chown = os.fsync, os.replace, os.chown
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src: str | Path, dst: str | Path, **kwargs: object) -> None:
+        events.append(("replace", Path(dst).name))
+        real_replace(src, dst, **kwargs)  # type: ignore[arg-type]
+
+    def chown(path: str | Path, uid: int, gid: int, **kwargs: object) -> None:
+        events.append(("chown", str(path)))
+        real_chown(path, uid, gid, **kwargs)  # type: ignore[arg-type]
+
+    for name, fake in (("fsync", fsync), ("replace", replace), ("chown", chown)):
+        monkeypatch.setattr(os, name, fake)
+    store = WorkspaceStore(where / "state")
+    handle = store.open_session(
+        RUN,
+        base,
+        "overlay",
+        on_end="keep",
+        keep_for_s=KEEP_S,
+        max_delta_bytes=None,
+        before_mount=lender,
+    )
+    monkeypatch.undo()
+    directory = os.path.realpath(handle.directory)
+    lending = next((i for i, (kind, _) in enumerate(events) if kind == "chown"), len(events))
+    synced = [i for i, event in enumerate(events[:lending]) if event == ("fsync", directory)]
+    assert len(synced) == 1, events
+    renamed = [name for kind, name in events[: synced[0]] if kind == "replace"]
+    assert renamed == ["meta.json", "lease.json"], events
+    assert (lending < len(events)) is bool(trees)
+    handle.seal()
+    give_back_base(handle.directory)
+    store.end_of_run(RUN)
+    assert os.lstat(base / "README").st_uid == 0
+
+
+def test_recover_gives_back_a_lease_recorded_without_the_sessions_record(where: Path) -> None:
+    # One fsync makes meta.json and the lease durable (above): a power cut before it
+    # can leave the lease alone. Nothing is lent then; lent here, to see it given back.
+    from gatewayd.sandbox.lease import lend
+    from gatewayd.sandbox.lendable import LendableRoots
+    from gatewayd.sandbox.limits import HostUser
+
+    base = make_base(where)
+    directory = where / "state" / "workspaces" / RUN
+    directory.mkdir(parents=True)
+    lend([base], HostUser(uid=4_000_014, gid=4_000_014), directory, roots=LendableRoots())
+    assert os.lstat(base / "src" / "main.py").st_uid == 4_000_014
+    lines = WorkspaceStore(where / "state").recover()
+    assert lines == [f"run {RUN}: removed a session that never opened"]
+    assert not directory.exists()
+    for path in (base, base / "src", base / "src" / "main.py", base / "README", base / "link"):
+        assert os.lstat(path).st_uid == 0, path
+
+
 # --- a run's end writes its record once ---------------------------------------------
 
 
@@ -798,9 +877,9 @@ def _count_writes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     written: list[str] = []
     real = store_module.write_atomically
 
-    def counting(path: Path, data: bytes, mode: int = 0o600) -> None:
+    def counting(path: Path, data: bytes, mode: int = 0o600, *, sync_dir: bool = True) -> None:
         written.append(path.name)
-        real(path, data, mode)
+        real(path, data, mode, sync_dir=sync_dir)
 
     monkeypatch.setattr(store_module, "write_atomically", counting)
     return written
