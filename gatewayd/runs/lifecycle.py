@@ -575,7 +575,8 @@ class RunManager:
             roots=roots,
             view=view,
             netns_ahead=netns_ahead,
-            # An overlay session's view: a mount, gone after a reboot with what is in it.
+            # An overlay session's view: a mount no reboot leaves, the only way the apps
+            # folder's record reaches the folder (in the upper directory, on disk).
             view_mounted_for_run=run.workspace is not None and run.workspace.mode == "overlay",
         )
 
@@ -708,6 +709,19 @@ class RunManager:
                 safeMessage=str(exc),
             )
             await self.durable_before_answer(seq)
+            raise
+        except BaseException:
+            # Cancelled (trio's, or a group of them from the launcher's nursery): its
+            # caller gave up (a stop signal to gatewayd run, an attached client gone, the
+            # daemon stopping), and the command was killed on the way out. On the record,
+            # so no exec_started is left without its end; durable with the next flush
+            # (the run's own end waits for one).
+            self.audit.record(
+                "event",
+                event=AuditEvent.EXEC_ENDED,
+                runId=run_id,
+                detail={"stopped": "its caller stopped waiting; the command was killed"},
+            )
             raise
         seq = self.audit.record(
             "event",

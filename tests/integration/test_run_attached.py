@@ -200,6 +200,12 @@ def test_a_stop_signal_ends_the_run_and_its_command_and_exits_128_plus_n(
     assert no_process_with(marker)
     ended = wait_for_run_end(daemon, run_of(stderr))
     assert ended["detail"]["reason"] == "interrupted_by_operator"
+    # The command's end is on the record too: no exec_started is left without one.
+    events = events_of(daemon, run_of(stderr))
+    (started,) = [e for e in events if e["event"] == "exec_started"]
+    (stopped,) = [e for e in events if e["event"] == "exec_ended"]
+    assert started["seq"] < stopped["seq"] < ended["seq"]
+    assert "its caller stopped waiting" in stopped["detail"]["stopped"]
 
 
 def test_a_client_killed_outright_has_its_run_ended_by_the_daemon(
