@@ -269,6 +269,17 @@ def _run(args: argparse.Namespace) -> int:
     if not cmd:
         print("gatewayd run: give the command after --, e.g. -- python3 agent.py", file=sys.stderr)
         return EXIT_USAGE
+    for index, arg in enumerate(cmd):
+        try:
+            arg.encode()
+        except UnicodeEncodeError:  # bytes that are not UTF-8, surrogate-escaped by Python
+            print(
+                f"gatewayd run: argument {index} of the command, {arg!r}, is not UTF-8 text; "
+                "gatewayd records every command it runs as text in the audit log, so it "
+                "runs only commands whose arguments are UTF-8",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
     _keep_our_lines_off_stdout()
     attached = _run_attached(args, cmd)
     if attached is not None:

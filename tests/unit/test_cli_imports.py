@@ -294,6 +294,21 @@ def test_a_run_refused_for_its_usage_loads_no_daemon(tmp_path: Path) -> None:
     assert_light(modules, HEAVY | MODELS | CODECS)
 
 
+def test_a_run_of_a_command_not_in_utf8_is_refused_by_name_before_any_daemon(
+    tmp_path: Path,
+) -> None:
+    # The audit log holds every command as text: an argument that is not UTF-8 (here the
+    # byte 0xe9, as a shell passes $'caf\xe9') is named, not a traceback.
+    done, modules = run_cli(
+        tmp_path, "run", "--state-dir", str(tmp_path / "state"), "--", "echo", "caf\udce9"
+    )
+    assert done.returncode == 2, done
+    assert "argument 1 of the command, 'caf\\udce9', is not UTF-8 text" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "state").exists()
+    assert_light(modules, HEAVY | MODELS | CODECS)
+
+
 # --- against a real daemon with a live run --------------------------------------------
 
 
