@@ -549,8 +549,14 @@ class Dispatcher:
         if spec.immediate is None or spec.manifest.side_effects:
             return False
         if self.reviewer is not None:
+            # A spec replaced since the run's last call (a policy reload, which read the
+            # file again) is in force at this call: the file is looked at now.
+            memo = run.dispatch_memo
+            max_age_s = (
+                RULES_MAX_AGE_AT_ONCE_S if memo is not None and memo.spec is run.spec else 0.0
+            )
             try:
-                section, _ = self._review_rules(run, max_age_s=RULES_MAX_AGE_AT_ONCE_S)
+                section, _ = self._review_rules(run, max_age_s=max_age_s)
                 if self.reviewer.applies(section, name):
                     return False
             except Exception:

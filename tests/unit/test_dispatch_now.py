@@ -22,10 +22,13 @@ from gatewayd.audit import open_audit_log, verify_file
 from gatewayd.dispatch import RULES_MAX_AGE_AT_ONCE_S, Answered, Dispatcher
 from gatewayd.errors import ToolFailed
 from gatewayd.policy import load_policy_text
+from gatewayd.policy.review_section import ReviewSection
 from gatewayd.protocol import ErrorCode, Request
 from gatewayd.review import rulebook
+from gatewayd.review.reviewer import Reviewer
 from gatewayd.review.rulebook import RuleBook
 from gatewayd.runs import Run
+from gatewayd.runs.reload import _apply_policy
 from gatewayd.tools.registry import TOOLS_LIST, Tool, ToolContext, ToolRegistry
 from gatewayd.tracing import Tracer
 from tests.unit.test_dispatch import (
@@ -346,3 +349,40 @@ async def test_a_replaced_spec_is_in_force_from_the_next_call(
     run.spec = dataclasses.replace(run.spec, rules=narrowed)
     second = dispatcher.handle_now(run, call("test.echo", {"text": "b"}), PEER)
     assert second is not None and second.code is ErrorCode.POLICY_DENIED
+
+
+class _SectionReviewer(FakeReviewer):
+    """Applies to a call as the real reviewer does: by the review section it is given."""
+
+    def applies(self, section: ReviewSection, tool: str) -> bool:
+        return Reviewer.applies(self, section, tool)
+
+
+async def test_a_policy_reload_is_in_force_at_the_next_call_within_the_rules_age(
+    tmp_path: Path, autojump_clock: MockClock
+) -> None:
+    """A reload that has a review apply to a tool holds from the run's next call, even one
+    made within RULES_MAX_AGE_AT_ONCE_S of the last look at the policy file (a busy run
+    makes every call within that age)."""
+    path = tmp_path / "dispatch-unit.yaml"
+    reviewed = POLICY + "  tools: [test.checked]\n"
+    path.write_text(reviewed)
+    run = make_run(tmp_path)
+    run.spec = dataclasses.replace(
+        run.spec, policy=load_policy_text(reviewed, str(path)), policy_source=str(path)
+    )
+    log = tmp_path / "audit" / "audit.jsonl"
+    async with open_audit_log(log, fsync=False) as audit:
+        dispatcher = make_dispatcher(
+            audit, immediate_tools(Seen(int)), autojump_clock, reviewer=_SectionReviewer(None)
+        )
+        dispatcher.rules = RuleBook(clock=autojump_clock.current_time)
+        first = dispatcher.handle_now(run, call("test.echo", {"text": "a"}), PEER)
+        assert first is not None
+        await dispatcher.release([first])
+        reviewed = POLICY + "  tools: [test.checked, test.echo]\n"
+        path.write_text(reviewed)
+        _apply_policy(run, load_policy_text(reviewed, str(path)))  # as `gatewayd reload` does
+        # No time has passed: only a look at the file now sees the reload.
+        assert dispatcher.handle_now(run, call("test.echo", {"text": "b"}), PEER) is None
+    assert verify_file(log).ok
