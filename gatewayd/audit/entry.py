@@ -229,6 +229,13 @@ def build_body(
             value = fields.get(name)
             if value is not None and not (type(value) is str and 0 < len(value) <= limit):
                 return build_body(seq, when, kind, fields, prev)  # it says what is wrong
+        # A clock's difference: a clock stepped back, or one that gives ints, would write
+        # a line verify refuses (NaN fails the comparison too).
+        duration = fields.get("durationMs")
+        if duration is not None and not (
+            type(duration) is float and 0.0 <= duration <= MAX_DURATION_MS
+        ):
+            return build_body(seq, when, kind, fields, prev)
         try:
             entry = AuditEntry(seq=seq, time=when, kind=kind, prev=prev, **fields)  # type: ignore[arg-type]
             body = _encoder.encode(entry)

@@ -248,6 +248,10 @@ def test_an_entry_built_unchecked_is_byte_for_byte_the_checked_one(
         ("call", {"tool": 7}, "Expected `str | null`, got `int`"),
         ("call", {"event": "run_created"}, "kind 'event' needs an event name"),
         ("call", {"detail": {"at": object()}}, "unsupported"),
+        # A clock that stepped back, went wrong, or gives ints.
+        ("result", {"durationMs": -1.0}, "Expected `float` >= 0.0"),
+        ("result", {"durationMs": float("nan")}, "Expected `float` >= 0.0"),
+        ("result", {"durationMs": 2e12}, "Expected `float` <= 1000000000000.0"),
     ],
 )
 def test_what_a_caller_can_get_wrong_is_refused_unchecked_too(
@@ -256,6 +260,14 @@ def test_what_a_caller_can_get_wrong_is_refused_unchecked_too(
     with pytest.raises(ValueError, match="invalid audit entry") as info:
         build_body(1, format_time(FIXED_NS), kind, fields, GENESIS_HASH, checked=False)
     assert message in str(info.value)
+
+
+def test_an_int_duration_unchecked_is_written_as_the_checked_path_writes_it() -> None:
+    # A clock that gives ints: encoded as it is, "5" would not read back as gatewayd's.
+    when = format_time(FIXED_NS)
+    body = build_body(1, when, "result", {"durationMs": 5}, GENESIS_HASH, checked=False)
+    assert body == build_body(1, when, "result", {"durationMs": 5}, GENESIS_HASH)
+    assert decode_body(body).durationMs == 5.0
 
 
 def test_an_oversize_object_is_capped_unchecked_too() -> None:
