@@ -42,8 +42,8 @@ start
   7. the apps folder the sandbox's cover needs as a mount point: ``mkdirat`` in the
      view, chowned, and its record ``apps-folder.json`` in the run's directory (what
      the next start after a crash of gatewayd removes the folder by), renamed into
-     place, not flushed: a reboot takes the view and the folder with it
-     (gatewayd/sandbox/appsfolder.py:201, 208, 215).
+     place, not flushed: the record reaches the folder only through the view's
+     mount, which no reboot leaves (gatewayd/sandbox/appsfolder.py:201, 208, 215).
   8. the run's own lease record (a lease of no tree: only the run's uid, whose
      processes the next start kills after a crash; read strictly, so whole), in the
      run's directory: fsync #4 (file only) (gatewayd/sandbox/lease.py:233;

@@ -11,9 +11,11 @@ is made (:func:`prepare_apps_folder`):
   the run ends if it is still the empty directory made (:func:`remove_made_folder`; after
   a crash, the next start does it: :func:`remove_leftover_folder`). An empty apps folder
   holds no app, so one left behind is harmless. Made in a view that is a mount for the
-  run alone (an overlay session's), the record is not flushed: a reboot takes the
-  view and the folder in it, so only a crash of gatewayd alone leaves something for
-  the record to name, and the page cache keeps it then.
+  run alone (an overlay session's), the record is not flushed: the record reaches the
+  folder only through that mount (its path and the mount's device), so it can serve
+  only after a crash of gatewayd alone with the mount still there, when the page cache
+  keeps it. A reboot takes the mount, not the folder: it stays in the session's upper
+  directory on disk, and no record, flushed or not, reaches it there.
 * **A symlink, or anything but a directory**: the run is refused. A symlink would make
   another directory the apps folder, and the cover would be mounted through it.
 * **A directory**: every file in it with more than one link must have all its names
@@ -118,8 +120,9 @@ def prepare_apps_folder(
     """Make sure ``workspace``'s apps folder is a directory the sandbox may be given a
     cover over (see the module doc). ``workspace_fd``: the workspace directory the
     sandbox binds (an ``O_PATH`` descriptor is enough). ``durable_record`` False: the
-    workspace is a mount made for the run alone, which no reboot leaves behind; the
-    record of a folder made in it is then written whole but not flushed. Blocking.
+    workspace is a mount made for the run alone, which no reboot leaves mounted; the
+    record of a folder made in it is then renamed into place but not flushed (a power
+    cut may leave it empty or cut short: unreadable, passed over). Blocking.
 
     Error handling: :class:`AppsFolderRefused` for a folder that is not a directory, is
     nested too deep, or holds a file with a name outside it; OSError when the host
@@ -220,8 +223,11 @@ def _make_folder(
 
 
 def _write_record(path: Path, data: bytes, *, durable: bool) -> None:
-    """The made folder's record: durable (:func:`write_atomically`), or only whole
-    whenever its name is there (a temporary file renamed into place, no fsync)."""
+    """The made folder's record: durable (:func:`write_atomically`), or a temporary file
+    renamed into place with no fsync: whole after a crash of gatewayd alone (the page
+    cache keeps it), maybe empty or cut short after a power cut (its name may be made
+    durable by another file's flush before its bytes reach the disk), which
+    :func:`remove_leftover_folder` passes over as unreadable."""
     if durable:
         write_atomically(path, data)
         return

@@ -357,8 +357,9 @@ class RunSandbox:
         ``netns_ahead``: the run's namespace being made already (:class:`NamespaceAhead`),
         taken instead of making one; the open then owns it (removed if it fails).
         ``view_mounted_for_run``: the workspace is a mount gatewayd made for this run
-        alone (an overlay session's view), which no reboot leaves behind: the record of
-        an apps folder made in it is written, not flushed (:func:`prepare_apps_folder`).
+        alone (an overlay session's view), which no reboot leaves mounted: the record
+        of an apps folder made in it, which reaches the folder only through that mount,
+        is written, not flushed (:func:`prepare_apps_folder`).
 
         Error handling: :class:`SandboxUnavailable` naming the step and the cause
         (:class:`UnsafeMounts` for a workspace whose apps folder cannot be hidden);

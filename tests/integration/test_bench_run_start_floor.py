@@ -2,11 +2,12 @@
 gatewayd's run start + end: each round leaves what an overlay run's end leaves (the
 session kept, its base given back, no mount, namespace or run directory), and it waits
 for the disk exactly as often as gatewayd's own start + end of an overlay run does, no
-more (a padded floor) and no less. Figures are not asserted."""
+more (a padded floor) and no less, for the same records. Figures are not asserted."""
 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import sys
@@ -51,18 +52,34 @@ def workspace(base: Path, name: str) -> Path:
     return ws
 
 
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+
+
+def flushed(call: str, fd: int) -> str:
+    """The call and what it flushed, as a record's role (not where it lies): the records
+    in a run's or a session's directory by their names (a temporary file's as the record
+    it becomes), such a directory itself, and any other file by its name."""
+    path = Path(os.readlink(f"/proc/self/fd/{fd}"))
+    name = re.sub(r"^\.(.+?)(\.\d+)?\.tmp$", r"\1", path.name)
+    if RUN_ID.fullmatch(path.name):
+        return f"{call} {path.parent.name}/<run>/"
+    if RUN_ID.fullmatch(path.parent.name):
+        return f"{call} {path.parent.parent.name}/<run>/{name}"
+    return f"{call} {name}"
+
+
 @contextmanager
 def counted_flushes() -> Iterator[list[str]]:
-    """Every fsync and fdatasync of this process meanwhile, by the call's name."""
+    """Every fsync and fdatasync of this process meanwhile, with what it flushed."""
     calls: list[str] = []
     real = os.fsync, os.fdatasync
 
     def fsync(fd: int) -> None:
-        calls.append("fsync")
+        calls.append(flushed("fsync", fd))
         real[0](fd)
 
     def fdatasync(fd: int) -> None:
-        calls.append("fdatasync")
+        calls.append(flushed("fdatasync", fd))
         real[1](fd)
 
     os.fsync, os.fdatasync = fsync, fdatasync
@@ -116,7 +133,7 @@ async def test_the_floor_leaves_what_a_run_leaves_and_flushes_as_often_as_gatewa
                 floor.close()
     finally:
         remove_stale_netns(prefix)
-    # Gatewayd's flushes, no more and no fewer (whatever their order).
+    # Gatewayd's flushes, of the same records, no more and no fewer (whatever their order).
     assert sorted(floors) == sorted(gatewayd * ROUNDS), (gatewayd, floors)
     # Every round ended as an overlay run's end: the session kept (its records, no
     # lease), the base given back, nothing mounted or pinned, no run directory.

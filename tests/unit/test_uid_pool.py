@@ -201,3 +201,19 @@ def test_the_ends_scan_agrees_with_the_parsed_ids_on_every_real_process() -> Non
         for uid in {*(ids or ()), 1, 7, 65534, BASE + 12_345}:
             fields = (b"\t%d\t" % uid, b"\t%d\n" % uid)
             assert uids_module._holds(status, fields) is (ids is not None and uid in ids)
+
+
+def test_the_ends_scan_agrees_with_the_parsed_ids_at_every_cut_and_digit_prefix() -> None:
+    # A status file cut short at any byte (its process ending), and ids whose digits
+    # are a prefix, a suffix or an extension of the uid's: held exactly as the full
+    # parse says (a uid only as the saved or filesystem uid, or as a gid, included).
+    status = (
+        b"Name:\tx\nUmask:\t0022\nState:\tS (sleeping)\nTgid:\t1000\nPid:\t10000\n"
+        b"Uid:\t0\t10000\t0\t100000\nGid:\t0\t0\t1000\t0\nFDSize:\t64\nGroups:\t1000 10000\n"
+    )
+    for cut in range(len(status) + 1):
+        ids = uids_module._ids_of(status[:cut])
+        for uid in (0, 1, 10, 100, 1000, 10000, 100000, 1000000):
+            fields = (b"\t%d\t" % uid, b"\t%d\n" % uid)
+            held = ids is not None and uid in ids
+            assert uids_module._holds(status[:cut], fields) is held, (cut, uid)
