@@ -43,9 +43,15 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WasmEngine]:
 
 
 @pytest.fixture(scope="module")
-def component(request: pytest.FixtureRequest) -> Callable[[str], bytes]:
+def component(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], bytes]:
     """WAT of a preview 1 command -> the bytes of its command component (made once)."""
-    adapter = wasmcomponents.adapter(request.config.cache.mkdir("wasi-adapter"))
+    # pytest's cache keeps the adapter between sessions; without the cache plugin
+    # (-p no:cacheprovider) it is made for this session only.
+    cache = getattr(request.config, "cache", None)
+    where = cache.mkdir("wasi-adapter") if cache is not None else tmp_path_factory.mktemp("adapter")
+    adapter = wasmcomponents.adapter(where)
     made: dict[str, bytes] = {}
 
     def make(wat: str) -> bytes:
