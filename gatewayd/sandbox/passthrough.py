@@ -191,63 +191,57 @@ def _nonblocking_reads(fd: int) -> Iterator[Callable[[], bytes]]:
     """How to read ``fd`` without blocking once ``poll`` said it is readable, where a
     blocking read could still wait (a socket's SO_RCVLOWAT; a terminal another process
     reads too: a background job's, whose shell takes the line first), its flags left as
-    they are: as :func:`_nonblocking_writes` does for writes."""
-    try:
-        mode = os.fstat(fd).st_mode
-    except OSError:
-        mode = 0
-    if stat.S_ISSOCK(mode):
-        try:
-            sock = socket.socket(fileno=fd)  # never closed here: detached below
-        except OSError:
-            pass
+    they are (:func:`_nonblocking_target`)."""
+    with _nonblocking_target(fd, os.O_RDONLY) as target:
+        if isinstance(target, socket.socket):
+            yield lambda: target.recv(RELAY_CHUNK, socket.MSG_DONTWAIT)
         else:
-            try:
-                yield lambda: sock.recv(RELAY_CHUNK, socket.MSG_DONTWAIT)
-            finally:
-                sock.detach()
-            return
-    own = _reopened_terminal(fd, os.O_RDONLY) if stat.S_ISCHR(mode) else None
-    if own is None:
-        yield functools.partial(os.read, fd, RELAY_CHUNK)
-        return
-    try:
-        yield functools.partial(os.read, own, RELAY_CHUNK)
-    finally:
-        os.close(own)
+            yield functools.partial(os.read, target, RELAY_CHUNK)
 
 
 @contextlib.contextmanager
 def _nonblocking_writes(fd: int) -> Iterator[Callable[[memoryview], int]]:
     """How to write to ``fd`` without blocking where ``poll`` promises room for some
     bytes but not for a whole chunk (a socket, a terminal: a blocking write there would
-    hold the relay, and so the run's end, until its reader reads again), leaving the
-    flags of ``fd`` (shared with whoever passed it) as they are. A socket is sent to with
-    MSG_DONTWAIT; a terminal is written through a non-blocking open file of its own, made
-    only when it is the same terminal (a descriptor of /dev/tty would reopen as the
-    daemon's own). A pipe, a regular file, /dev/null and a terminal that cannot be
-    reopened are written as they are (a pipe takes ``PIPE_BUF`` once poll says so)."""
+    hold the relay, and so the run's end, until its reader reads again), its flags left
+    as they are (:func:`_nonblocking_target`)."""
+    with _nonblocking_target(fd, os.O_WRONLY) as target:
+        if isinstance(target, socket.socket):
+            yield lambda view: target.send(view, socket.MSG_DONTWAIT)
+        else:
+            yield functools.partial(os.write, target)
+
+
+@contextlib.contextmanager
+def _nonblocking_target(fd: int, access: int) -> Iterator[socket.socket | int]:
+    """What to read or write (``access``) ``fd`` through without blocking and without
+    changing its flags (shared with whoever passed it): a socket object on it (used
+    with MSG_DONTWAIT; detached, never closed, at the end); a terminal's non-blocking
+    open file of its own, made only when it is the same terminal (a descriptor of
+    /dev/tty would reopen as the daemon's own; closed at the end); else ``fd`` itself
+    (a pipe, a regular file, /dev/null, a terminal that cannot be reopened: a pipe takes
+    ``PIPE_BUF`` once poll says so)."""
     try:
         mode = os.fstat(fd).st_mode
     except OSError:
         mode = 0
     if stat.S_ISSOCK(mode):
         try:
-            sock = socket.socket(fileno=fd)  # never closed here: detached below
+            sock = socket.socket(fileno=fd)
         except OSError:
             pass
         else:
             try:
-                yield lambda view: sock.send(view, socket.MSG_DONTWAIT)
+                yield sock
             finally:
                 sock.detach()
             return
-    own = _reopened_terminal(fd, os.O_WRONLY) if stat.S_ISCHR(mode) else None
+    own = _reopened_terminal(fd, access) if stat.S_ISCHR(mode) else None
     if own is None:
-        yield functools.partial(os.write, fd)
+        yield fd
         return
     try:
-        yield functools.partial(os.write, own)
+        yield own
     finally:
         os.close(own)
 

@@ -81,16 +81,12 @@ def daemon(base: Path) -> Iterator[LiveDaemon]:
         live.stop()
 
 
-def run_argv(base: Path, *command: str, policy: str | None = None) -> list[str]:
+def run_argv(
+    base: Path, *command: str, policy: str | None = None, state: Path | None = None
+) -> list[str]:
     return [
-        GATEWAYD,
-        "run",
-        "--state-dir",
-        str(base / "state"),
-        "--workspace",
-        str(base / "ws"),
-        "--policy",
-        policy or str(base / "policy.yaml"),
+        *(GATEWAYD, "run", "--state-dir", str(state or base / "state")),
+        *("--workspace", str(base / "ws"), "--policy", policy or str(base / "policy.yaml")),
         "--",
         *command,
     ]
@@ -457,19 +453,13 @@ def test_a_daemon_without_the_os_sandbox_runs_no_attached_command(base: Path) ->
     live = start_daemon(base / "state-nosandbox")
     try:
         proc = subprocess.run(
-            [
-                GATEWAYD,
-                "run",
-                "--state-dir",
-                str(live.state),
-                "--workspace",
-                str(base / "ws"),
-                "--policy",
-                str(policy),
-                "--",
+            run_argv(
+                base,
                 "touch",
                 str(base / "ws" / "made-on-the-host"),
-            ],
+                policy=str(policy),
+                state=live.state,
+            ),
             capture_output=True,
             timeout=WAIT_S,
         )
@@ -578,20 +568,11 @@ def test_the_daemon_stopping_meanwhile_ends_the_run_and_the_client_says_so(
     stuck.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     try:
         proc = subprocess.Popen(
-            [
-                GATEWAYD,
-                "run",
-                "--state-dir",
-                str(live.state),
-                "--workspace",
-                str(base / "ws"),
-                "--policy",
-                str(base / "policy.yaml"),
-                "--",
-                "sh",
-                "-c",
-                f"head -c 1000000 /dev/zero; exec sleep {marker}",
-            ],
+            run_argv(
+                base,
+                *("sh", "-c", f"head -c 1000000 /dev/zero; exec sleep {marker}"),
+                state=live.state,
+            ),
             stdin=subprocess.DEVNULL,
             stdout=stuck.fileno(),
             stderr=subprocess.PIPE,

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 import tty
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import pytest
@@ -263,6 +263,27 @@ def _stuck_tty_sink() -> tuple[int, int]:
     return slave, master
 
 
+@contextlib.contextmanager
+def rescued_if_held(relay: Relay, unblock: Callable[[], object]) -> Iterator[threading.Event]:
+    """So a relay held on a host descriptor fails its test instead of hanging it: after
+    10 s, ``unblock`` is called until the relay is done, and the event says it had to."""
+    rescued = threading.Event()
+
+    def rescue() -> None:
+        while not relay.done.is_set():
+            rescued.set()
+            with contextlib.suppress(OSError):
+                unblock()
+            time.sleep(0.05)
+
+    timer = threading.Timer(10.0, rescue)
+    timer.start()
+    try:
+        yield rescued
+    finally:
+        timer.cancel()
+
+
 @pytest.mark.parametrize("kind", ["socket", "tty"])
 async def test_a_cancelled_drain_returns_while_a_socket_or_terminal_takes_nothing(
     kind: str,
@@ -282,22 +303,8 @@ async def test_a_cancelled_drain_returns_while_a_socket_or_terminal_takes_nothin
     with contextlib.suppress(BlockingIOError):
         os.write(cmd_w, b"z" * RELAY_CHUNK)  # a whole chunk waiting for the relay
     relay = Relay()
-    rescued = threading.Event()
-
-    def rescue() -> None:  # so a held relay fails the test instead of hanging it
-        while not relay.done.is_set():
-            rescued.set()
-            with contextlib.suppress(OSError):
-                unblock()
-            time.sleep(0.05)
-
-    timer = threading.Timer(10.0, rescue)
-    timer.start()
-    try:
-        with trio.move_on_after(0.5):
-            await relay.drain(trio.lowlevel.FdStream(cmd_r), sink)
-    finally:
-        timer.cancel()
+    with rescued_if_held(relay, unblock) as rescued, trio.move_on_after(0.5):
+        await relay.drain(trio.lowlevel.FdStream(cmd_r), sink)
     assert relay.done.is_set() and not rescued.is_set()
     for fd in (cmd_w, sink):
         os.close(fd)
@@ -317,22 +324,11 @@ async def test_a_cancelled_feed_returns_while_its_socket_holds_less_than_a_read_
     peer.sendall(b"a few bytes")
     cmd_r, cmd_w = os.pipe()
     relay = Relay()
-    rescued = threading.Event()
-
-    def rescue() -> None:  # so a held relay fails the test instead of hanging it
-        while not relay.done.is_set():
-            rescued.set()
-            with contextlib.suppress(OSError):
-                peer.sendall(b"z" * (1 << 16))
-            time.sleep(0.05)
-
-    timer = threading.Timer(10.0, rescue)
-    timer.start()
-    try:
-        with trio.move_on_after(0.5):
-            await relay.feed(ours.fileno(), trio.lowlevel.FdStream(cmd_w))
-    finally:
-        timer.cancel()
+    with (
+        rescued_if_held(relay, lambda: peer.sendall(b"z" * (1 << 16))) as rescued,
+        trio.move_on_after(0.5),
+    ):
+        await relay.feed(ours.fileno(), trio.lowlevel.FdStream(cmd_w))
     assert relay.done.is_set() and not rescued.is_set()
     assert os.read(cmd_r, 100) == b"a few bytes"  # what had come was passed on
     os.close(cmd_r)
