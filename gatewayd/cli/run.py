@@ -81,7 +81,8 @@ def add_parsers(sub: Subparsers) -> None:
         "run",
         help="one shot: create a run, start CMD with COGNI_GATEWAY_SOCK set, its stdin, "
         "stdout and stderr streamed from and to this command's own, report on stderr, exit "
-        "with CMD's status",
+        "with CMD's status; with `gatewayd serve` on the state directory, that daemon runs "
+        "it (attached), else this process does",
     )
     add_daemon_options(run)
     run.add_argument("--policy", help="policy file, or the name of a shipped policy")
