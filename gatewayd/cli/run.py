@@ -429,6 +429,9 @@ def _run_attached(args: argparse.Namespace, cmd: list[str]) -> int | None:
             return None
         print(f"gatewayd run: cannot reach gatewayd at {control}: {exc}", file=sys.stderr)
         return EXIT_FAILED
+    except KeyboardInterrupt:  # ^C before the daemon switched: no run was started
+        print("gatewayd run: interrupted before the run started", file=sys.stderr)
+        return SIGNAL_EXIT_BASE + signal.SIGINT
     if sock is None:
         try:
             answer = json.loads(early)

@@ -628,3 +628,44 @@ def test_a_terminal_as_stdin_is_read_by_the_client_never_by_the_daemon(
         if proc.poll() is None:
             proc.kill()
         os.close(master)
+
+
+def test_a_ctrl_c_before_the_daemon_answers_ends_the_client_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    # Something listens on the state directory's control socket but has not answered
+    # yet (a busy daemon): ^C there ends gatewayd run as 130, saying so.
+    state = tmp_path / "state"
+    state.mkdir()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(state / "control.sock"))
+    listener.listen()
+    try:
+        proc = subprocess.Popen(
+            [
+                GATEWAYD,
+                "run",
+                "--state-dir",
+                str(state),
+                "--workspace",
+                str(tmp_path),
+                "--policy",
+                "default",
+                "--",
+                "true",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        held, _ = listener.accept()  # its request arrives; no answer comes
+        with held:
+            held.recv(65536)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=WAIT_S)
+        stderr = err.decode()
+        assert proc.returncode == 128 + signal.SIGINT, stderr
+        assert "gatewayd run: interrupted before the run started" in stderr
+        assert "Traceback" not in stderr
+    finally:
+        listener.close()
