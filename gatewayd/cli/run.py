@@ -460,15 +460,15 @@ def _run_attached(args: argparse.Namespace, cmd: list[str]) -> int | None:
 def _attach_request(args: argparse.Namespace) -> dict[str, object]:
     """The run request as JSON, built without its models (the daemon checks it): from
     ``--spec`` or the flags, with --workspace-mode and --on-end over its workspace."""
-    import json
 
     request: dict[str, object]
     if args.spec is not None:
+        from gatewayd import strictjson
         from gatewayd.inputfile import InputFileError, read_input_file
 
         try:
             raw = read_input_file(args.spec, max_bytes=MAX_SPEC_BYTES, what="the run spec")
-            request = json.loads(raw, object_pairs_hook=_no_key_twice)
+            request = strictjson.loads(raw)
         except (InputFileError, ValueError) as exc:
             raise SystemExit(f"gatewayd: bad --spec {args.spec}: {exc}") from None
         if not isinstance(request, dict):
@@ -516,13 +516,6 @@ def _sendable_environment() -> dict[str, str]:
             continue
         env[name] = value
     return env
-
-
-def _no_key_twice(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    keys = [key for key, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"a key given twice in one object: {sorted(keys)[:10]}")
-    return dict(pairs)
 
 
 def _attached(sock: _socket.socket, early: bytes) -> int:

@@ -310,7 +310,10 @@ def test_a_spec_with_a_key_twice_is_refused_before_the_daemon_is_asked(
         timeout=WAIT_S,
     )
     assert proc.returncode == 1
-    assert f"gatewayd: bad --spec {spec}: a key given twice" in proc.stderr.decode()
+    assert (
+        f"gatewayd: bad --spec {spec}: the key 'policy' appears twice in one object"
+        in proc.stderr.decode()
+    )
 
 
 # --- the exchange itself, spoken by hand ---------------------------------------------
