@@ -14,6 +14,7 @@ import socket
 import subprocess
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,6 +75,17 @@ def log_events(log: str, event: str) -> list[dict[str, object]]:
             record = json.loads(line)
             if record.get("event") == event:
                 found.append(record)
+    return found
+
+
+def wait_for_event(daemon: LiveDaemon, event: str) -> list[dict[str, object]]:
+    """The daemon's log records of ``event``, waiting for the first: the metrics
+    listener starts after the control socket answers its health check."""
+    deadline = time.monotonic() + 30
+    while not (found := log_events(daemon.log_path.read_text(), event)):
+        assert daemon.alive(), daemon.log_path.read_text()
+        assert time.monotonic() < deadline, f"no {event} in the log in 30 s"
+        time.sleep(0.02)
     return found
 
 
@@ -138,8 +150,7 @@ def observed() -> Iterator[Observed]:
                 env.setenv("PYTHONPROFILEIMPORTTIME", "1")
                 daemon = start_daemon(base / "state")
             try:
-                log = daemon.log_path.read_text()
-                [listening] = log_events(log, "metrics_listening")
+                [listening] = wait_for_event(daemon, "metrics_listening")
                 address = str(listening["address"])
                 _, content_type, first = http_get(address, "/metrics")
                 run_id = one_run(daemon, base)
