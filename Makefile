@@ -103,14 +103,15 @@ demo: setup tools
 # Two workers (pytest-xdist): most tests wait (sandboxes start, daemons flush the audit
 # log, subprocesses run), so two halve the suite's time on two cores; every test makes
 # its own state directory, network namespaces and uid range, so they run side by side.
+# Python keeps the bytecode it compiles, whatever PYTHONDONTWRITEBYTECODE says: the suite
+# starts hundreds of gatewayd processes, and each would compile every gatewayd module it
+# imports again (about 0.5 s a daemon here) and each worker rewrite every test's asserts.
 test: setup lint tools
-	$(PY) -m pytest -q -n 2 --durations=25
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --durations=25
 
 # The edit-test loop: the unit tests of the pure layers and of each module alone (no
-# sandbox, no daemon, no network namespace), under a minute. Python keeps the bytecode it
-# compiles (its default, whatever PYTHONDONTWRITEBYTECODE says): without it each worker
-# compiles gatewayd and rewrites every test module's asserts again at every run, about
-# 4 s of CPU a worker. __pycache__ is git-ignored.
+# sandbox, no daemon, no network namespace), under a minute. Bytecode kept as for `test`:
+# about 4 s of CPU a worker at every run otherwise. __pycache__ is git-ignored.
 test-fast: setup
 	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n auto tests/unit
 
