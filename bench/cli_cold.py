@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BIN, ROOT, env_info, gatewayd_run
+from harness import BIN, ROOT, compile_sources, env_info, gatewayd_run
 
 
 def wall(cmd: list[str], env: dict[str, str], runs: int) -> list[float]:
@@ -35,6 +35,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=40)
     args = ap.parse_args()
+    compile_sources()
     python = os.path.realpath(sys.executable)  # the binary behind the venv's python
     print(f"cli_cold: {env_info()}; interpreter {python}; {args.runs} runs each, medians")
     with gatewayd_run(ROOT / "bench" / "policy.yaml") as (sock, run_id):

@@ -57,7 +57,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import trio
-from harness import stop_serving, wait_until_serving
+from harness import compile_sources, stop_serving, wait_until_serving
 
 from gatewayd.audit import AuditEvent, open_audit_log
 from gatewayd.cli.control_client import control_request
@@ -211,6 +211,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=30, help="runs of each row (default 30)")
     ap.add_argument("--warmup", type=int, default=3, help="rounds not counted (default 3)")
     args = ap.parse_args()
+    compile_sources()
     # SIGTERM ends the bench as Ctrl-C does, through the finally blocks: the live daemon
     # stopped, the bench's directory removed (the default action would leave both).
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))

@@ -71,7 +71,15 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BIN, control, env_info, percentile, stop_serving, wait_until_serving
+from harness import (
+    BIN,
+    compile_sources,
+    control,
+    env_info,
+    percentile,
+    stop_serving,
+    wait_until_serving,
+)
 from run_start_floor import RunStartFloor
 
 from gatewayd.audit import AuditEvent
@@ -1206,6 +1214,7 @@ def main() -> int:
         help="the run-start rounds' workspace session (the daemon's default: overlay)",
     )
     args = ap.parse_args()
+    compile_sources()
     os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
     configure_logging(logging.WARNING)  # run_started/run_ended per round would drown it
     if os.geteuid() != 0 or not os.path.exists(BWRAP) or not os.path.exists(TRUE):
