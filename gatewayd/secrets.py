@@ -41,7 +41,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Protocol
 from urllib.parse import quote
@@ -90,8 +89,7 @@ class SecretMissing(SecretError):
     """Neither the variable nor a credential file holds a value: unset, not unusable."""
 
 
-@dataclass(frozen=True, slots=True)
-class Secret:
+class Secret(msgspec.Struct, frozen=True):
     """A secret's value and where it was found (``environment`` or the file's path)."""
 
     name: str
@@ -199,8 +197,7 @@ def encodings(value: str) -> frozenset[str]:
     return frozenset(forms | escaped)
 
 
-@dataclass(frozen=True, slots=True)
-class _Forms:
+class _Forms(msgspec.Struct, frozen=True):
     """Everything to look for, made once per change of the values."""
 
     text: tuple[str, ...]  # longest first

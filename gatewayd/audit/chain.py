@@ -11,8 +11,9 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any, Final
+
+import msgspec
 
 from gatewayd.audit.entry import (
     MAX_DEGRADED_CHARS,
@@ -44,8 +45,7 @@ _BOUNDED_TEXT: Final = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class ChainPosition:
+class ChainPosition(msgspec.Struct, frozen=True):
     """The last entry of a chain: its seq and hash (seq 0 and GENESIS_HASH when empty)."""
 
     seq: int
@@ -55,8 +55,7 @@ class ChainPosition:
 GENESIS: Final = ChainPosition(0, GENESIS_HASH)
 
 
-@dataclass(frozen=True, slots=True)
-class SealedEntry:
+class SealedEntry(msgspec.Struct, frozen=True):
     """An entry read from a line whose hash matched its bytes."""
 
     entry: AuditEntry

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import re
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
+
+import msgspec
 
 from gatewayd.audit.line import is_hash_hex
 
@@ -33,8 +34,7 @@ class HeadFormatError(ValueError):
     """The head file exists but does not hold a valid head record."""
 
 
-@dataclass(frozen=True, slots=True)
-class HeadRecord:
+class HeadRecord(msgspec.Struct, frozen=True):
     """The last durable entry: its ``seq`` and ``hash``, the file offset ``end`` just
     past its newline, and ``lines``, the number of lines up to ``end``."""
 

@@ -11,14 +11,14 @@ one extra pass). Reading is not verifying: run ``verify``.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import fnmatch
 import functools
 from collections.abc import Iterable, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+import msgspec
 
 from gatewayd.audit.entry import MAX_LINE_BYTES
 from gatewayd.audit.events import AuditEvent
@@ -28,8 +28,7 @@ from gatewayd.audit.segments import log_files
 BROKEN_REASON: Final = "not a JSON object (run 'gatewayd audit verify')"
 
 
-@dataclass(frozen=True, slots=True)
-class Record:
+class Record(msgspec.Struct, frozen=True):
     """One line of the log: the file it is in, its 1-based line number, its bytes
     (without the newline) and its entry (None for a broken line)."""
 
@@ -119,8 +118,7 @@ def time_ns_of(text: str) -> int | None:
 # -- runs -------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class RunFacts:
+class RunFacts(msgspec.Struct, frozen=True):
     """What the log says about who a run was for (its ``run_created`` event), and, for
     an app's invocation, the app's id (``detail.app`` of its ``run_created``, or of the
     ``app_invoked`` entry naming it as ``childRunId``)."""
@@ -160,7 +158,9 @@ def index_runs(runs: MutableMapping[str, RunFacts], records: Iterable[Record]) -
         if event == AuditEvent.APP_INVOKED:
             child = _text(detail.get("childRunId"))
             if child is not None and app is not None:
-                runs[child] = dataclasses.replace(runs.get(child, RunFacts(None, None)), app=app)
+                runs[child] = msgspec.structs.replace(
+                    runs.get(child, RunFacts(None, None)), app=app
+                )
             continue
         run = _text(entry.get("runId"))
         if run is not None:
@@ -190,8 +190,7 @@ def error_code_of(entry: Mapping[str, Any]) -> str | None:
     return code if isinstance(code, str) else None
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EntryFilter:
+class EntryFilter(msgspec.Struct, frozen=True, kw_only=True):
     """The reviewer's filters; an entry is kept when it passes every one that is set.
 
     ``run``: the run id or a prefix of it. ``tool``: a name or shell pattern

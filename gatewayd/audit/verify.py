@@ -26,9 +26,10 @@ import errno
 import hashlib
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Final, NamedTuple
+
+import msgspec
 
 from gatewayd.audit.chain import (
     GENESIS,
@@ -76,8 +77,7 @@ class Problem(NamedTuple):
     segment: str = ""
 
 
-@dataclass(frozen=True, slots=True)
-class VerifyReport:
+class VerifyReport(msgspec.Struct, frozen=True):
     """The outcome of :func:`verify_file`. ``ok`` is True only without problems."""
 
     ok: bool
@@ -121,8 +121,7 @@ def _render_one(label: str, finding: Problem) -> str:
     return f"  {label} ({finding.kind}, {where}): {finding.message}"
 
 
-@dataclass(frozen=True, slots=True)
-class _Line:
+class _Line(msgspec.Struct, frozen=True):
     no: int
     start: int
     raw: bytes  # with its newline, if it has one
@@ -168,8 +167,7 @@ def _seq_of(content: bytes) -> int | None:
     return int(match[1]) if match else None
 
 
-@dataclass(frozen=True, slots=True)
-class _Recovery:
+class _Recovery(msgspec.Struct, frozen=True):
     event: SealedEntry | None  # the matching recovery event, or None
     event_line: _Line | None
     mismatch: Problem | None  # an event naming this line whose facts do not match
@@ -299,8 +297,7 @@ def _classify(
     )
 
 
-@dataclass(slots=True)
-class _Walk:
+class _Walk(msgspec.Struct):
     """The state of one pass over the log."""
 
     head: HeadRecord | None
@@ -310,7 +307,7 @@ class _Walk:
     previous: _Line | None = None
     problem: Problem | None = None
     first_file: bool = True  # the file being read is the oldest one there is
-    gaps: list[Problem] = field(default_factory=list)  # missing segments (boundaries)
+    gaps: list[Problem] = msgspec.field(default_factory=list)  # missing segments (boundaries)
     partial_from: int | None = None
 
     def accept(self, line: _Line, sealed: SealedEntry) -> None:
