@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from gatewayd.audit.entry import (
         MAX_ARGS_SUMMARY_BYTES,
         MAX_DETAIL_BYTES,
-        MAX_LINE_BYTES,
         MAX_SAFE_MESSAGE_CHARS,
         Decision,
         EntryFields,
@@ -31,6 +30,7 @@ if TYPE_CHECKING:
     )
     from gatewayd.audit.events import AuditEvent
     from gatewayd.audit.head import HeadRecord, head_path, read_head
+    from gatewayd.audit.line import MAX_LINE_BYTES
     from gatewayd.audit.opening import AuditOpenError
     from gatewayd.audit.show import format_table, read_entries
     from gatewayd.audit.verify import Problem, ProblemKind, VerifyReport, verify_file
@@ -69,7 +69,7 @@ _HOMES = {
     "ChainPosition": "chain",
     "MAX_ARGS_SUMMARY_BYTES": "entry",
     "MAX_DETAIL_BYTES": "entry",
-    "MAX_LINE_BYTES": "entry",
+    "MAX_LINE_BYTES": "line",
     "MAX_SAFE_MESSAGE_CHARS": "entry",
     "Decision": "entry",
     "EntryFields": "entry",

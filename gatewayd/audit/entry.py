@@ -25,13 +25,11 @@ from typing import Annotated, Any, Final, TypedDict
 import msgspec
 
 from gatewayd.audit.events import AuditEvent
-from gatewayd.audit.line import HASH_SUFFIX_BYTES, is_hash_hex
+from gatewayd.audit.line import HASH_SUFFIX_BYTES, MAX_LINE_BYTES, is_hash_hex
 from gatewayd.protocol import MAX_ID_CHARS, ErrorCode
 
-# One line must fit the tail reader's window and the verifier's line buffer, and one
-# call must not be able to bloat the log. With every field at its cap a line stays
-# under half of this, so the limit is a backstop, not something a caller can hit.
-MAX_LINE_BYTES: Final = 64 * 1024
+# With every field at its cap a line stays under half of MAX_LINE_BYTES, so that limit
+# is a backstop, not something a caller can hit.
 # A reviewer reads the message in a table; the full story is in the daemon log.
 MAX_SAFE_MESSAGE_CHARS: Final = 500
 # The caller already redacts and shortens the argument summary; this is the backstop.

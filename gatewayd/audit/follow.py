@@ -19,8 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO, Final
 
-from gatewayd.audit.entry import MAX_LINE_BYTES
-from gatewayd.audit.line import parse_object
+from gatewayd.audit.line import MAX_LINE_BYTES, parse_object
 from gatewayd.audit.query import Record, read_file
 from gatewayd.audit.segments import list_segments
 

@@ -19,6 +19,10 @@ from typing import Any, Final
 
 import msgspec
 
+# One line must fit the tail reader's window and the verifier's line buffer, and one
+# call must not be able to bloat the log (the readers, which import this module and not
+# the entry's schema, read a line at most this long).
+MAX_LINE_BYTES: Final = 64 * 1024
 HASH_HEX_CHARS: Final = 64
 # The ``prev`` of the first entry: there is nothing before it.
 GENESIS_HASH: Final = "0" * HASH_HEX_CHARS

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Final
 
 from gatewayd.audit.chain import GENESIS, ChainPosition, SealedEntry
-from gatewayd.audit.entry import MAX_LINE_BYTES
 from gatewayd.audit.head import HeadFormatError, HeadRecord, head_path, read_head
+from gatewayd.audit.line import MAX_LINE_BYTES
 from gatewayd.audit.segments import list_segments
 from gatewayd.audit.tail import ChainEnd, TailError, TailWindow, anchor_at_head, last_valid, walk
 from gatewayd.files import fsync_dir

@@ -20,9 +20,8 @@ from typing import Any, Final
 
 import msgspec
 
-from gatewayd.audit.entry import MAX_LINE_BYTES
 from gatewayd.audit.events import AuditEvent
-from gatewayd.audit.line import parse_object
+from gatewayd.audit.line import MAX_LINE_BYTES, parse_object
 from gatewayd.audit.segments import log_files
 
 BROKEN_REASON: Final = "not a JSON object (run 'gatewayd audit verify')"

@@ -14,8 +14,7 @@ from typing import Any, Final
 
 import msgspec
 
-from gatewayd.audit.entry import MAX_LINE_BYTES
-from gatewayd.audit.line import parse_object
+from gatewayd.audit.line import MAX_LINE_BYTES, parse_object
 
 # Column widths: seq, time (to the millisecond), run id prefix, tool, decision or
 # kind, error code, duration; the message takes what is left of a 160-column line.

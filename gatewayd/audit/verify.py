@@ -40,10 +40,9 @@ from gatewayd.audit.chain import (
     follows,
     read_line,
 )
-from gatewayd.audit.entry import MAX_LINE_BYTES
 from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.head import HeadFormatError, HeadRecord, head_path, read_head
-from gatewayd.audit.line import hashes_equal
+from gatewayd.audit.line import MAX_LINE_BYTES, hashes_equal
 from gatewayd.audit.segments import log_files, segment_number, segment_path
 
 # A recovered torn region is at most one flush batch; look no further for its event.
