@@ -9,7 +9,11 @@ defaults and ``--state-dir`` could set it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Final
+
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 DEFAULT_CONFIG_PATH: Final = Path("/etc/gatewayd/gatewayd.yaml")
 # The variable naming the file; it cannot be a setting in the file it names.

@@ -1,11 +1,14 @@
 """gatewayd's exit statuses, and how a sandboxed command's end becomes one: shared by the
 client commands (`gatewayd exec`), the one-shot run in gatewayd's own process and the one
-a serving daemon runs for an attached `gatewayd run`. No imports: every client command
-loads it."""
+a serving daemon runs for an attached `gatewayd run`. No imports (not even typing's):
+every client command loads it."""
 
 from __future__ import annotations
 
-from typing import Final
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1  # verify found a problem, policy invalid, run refused

@@ -13,7 +13,11 @@ import ctypes
 import errno
 import os
 from pathlib import Path
-from typing import Final
+
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 # The process's C library (dlopen(NULL)), with errno kept for ctypes.get_errno(): mount,
 # umount2, syncfs, setns, unshare, prctl and syscall (openat2, open_tree, move_mount).

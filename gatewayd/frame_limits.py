@@ -8,7 +8,10 @@ and the policy can bound its names by the wire's own limit.
 
 from __future__ import annotations
 
-from typing import Final
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 # Large enough for a file page or a model answer, small enough that one connection
 # cannot make the daemon buffer arbitrary amounts of memory before it can say no.

@@ -13,7 +13,11 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Final
+
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 _OPEN_FLAGS: Final = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _READ_CHUNK: Final = 1 << 20

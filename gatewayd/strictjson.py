@@ -26,7 +26,11 @@ import json
 import math
 import operator
 import re
-from typing import Any, Final
+
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Final
 
 # Deeper than anything gatewayd reads needs (a request with tool arguments nests about
 # six levels, a model reply about eight); shallow enough that a recursive decoder

@@ -21,9 +21,12 @@ import argparse
 import importlib
 import sys
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Final, NoReturn, cast
 
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Final, NoReturn
+
     from gatewayd.cli.command import CommandModule
 
 # Command -> the module (of this package) that runs it, in the order `gatewayd --help`
@@ -67,7 +70,7 @@ COMMANDS: Final[Mapping[str, CommandModule]] = _CommandTable()
 
 
 def _load(name: str) -> CommandModule:
-    return cast("CommandModule", importlib.import_module(f"{__name__}.{name}"))
+    return importlib.import_module(f"{__name__}.{name}")  # a module is a CommandModule
 
 
 class _PartialParserError(Exception):

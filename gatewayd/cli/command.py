@@ -12,27 +12,31 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
 
 from gatewayd.exitstatus import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Protocol
+
     # argparse's own (private) name for what ``add_subparsers`` returns.
     Subparsers = argparse._SubParsersAction[argparse.ArgumentParser]
 
+    class CommandModule(Protocol):
+        """A module of ``gatewayd.cli``: its subcommands' parsers and their handler (a
+        name for the type checker only: the modules are looked up by name)."""
+
+        def add_parsers(self, sub: Subparsers) -> None:
+            """Add this module's commands to ``gatewayd``'s subcommands."""
+
+        def main(self, args: argparse.Namespace) -> int:
+            """Run the command ``args`` names; returns gatewayd's exit status."""
+
+
 # Exit codes of gatewayd itself (gatewayd/exitstatus.py; a one-shot run exits with its
 # command's status).
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "CommandModule", "refusing"]
-
-
-class CommandModule(Protocol):
-    """A module of ``gatewayd.cli``: its subcommands' parsers and their handler."""
-
-    def add_parsers(self, sub: Subparsers) -> None:
-        """Add this module's commands to ``gatewayd``'s subcommands."""
-
-    def main(self, args: argparse.Namespace) -> int:
-        """Run the command ``args`` names; returns gatewayd's exit status."""
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "refusing"]
 
 
 def refusing(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:

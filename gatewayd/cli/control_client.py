@@ -12,13 +12,17 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Final
+
+    Answer = dict[str, Any]
 
 # What a missing or dead control socket looks like: no daemon serves it (rather than
 # something refusing us), so a command that can opens the daemon itself.
 NO_DAEMON: Final = frozenset({errno.ENOENT, errno.ECONNREFUSED})
-
-Answer = dict[str, Any]
 
 
 def control_request(

@@ -11,11 +11,14 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
 
 from gatewayd.frame_limits import MAX_FRAME_BYTES, MIN_FRAME_BYTES
 
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any, Final
+
     from gatewayd.config import GatewaydConfig
     from gatewayd.configsources import Settings
     from gatewayd.secrets import Scrubber

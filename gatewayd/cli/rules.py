@@ -7,12 +7,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK
 from gatewayd.cli.control_client import control_request
 from gatewayd.cli.options import control_socket_of
 
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gatewayd.cli.command import Subparsers
 

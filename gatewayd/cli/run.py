@@ -15,7 +15,6 @@ import signal
 import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, TextIO
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_USAGE, refusing
 from gatewayd.cli.control_client import control_request
@@ -27,8 +26,11 @@ from gatewayd.cli.options import (
 )
 from gatewayd.exitstatus import EXIT_MAX_RUNTIME, SIGNAL_EXIT_BASE, describe_exec, exec_status
 
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     import _socket
+    from typing import Final, TextIO
 
     import trio
 

@@ -17,7 +17,11 @@ from __future__ import annotations
 # The C module: socket.py's enums of every constant cost more to build than this
 # exchange takes (cogni_tool/client.py does the same).
 import _socket
-from typing import Final
+
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 # The status line and headers of an answer: gatewayd's are a few hundred bytes; the
 # server's own request limit (gatewayd/control.py) is 16 KiB.

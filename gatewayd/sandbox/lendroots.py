@@ -12,7 +12,11 @@ import os
 import posixpath
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Final
+
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 # Where workspaces live on a fresh host; the tests put theirs under /tmp.
 DEFAULT_LENDABLE_ROOTS: Final[tuple[Path, ...]] = (Path("/home"), Path("/tmp"), Path("/var/tmp"))
