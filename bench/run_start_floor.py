@@ -75,9 +75,9 @@ end
      (gatewayd/runs/lifecycle.py:968).
 
 Left out, as gatewayd's own and not the design's need: the namespace's verification
-dumps (two netlink requests), ``/run/netns`` made a shared mount again at every
-creation (once per boot suffices), the socket bound under a staging name and linked
-into place, the chmods after mkdirs that could be given the mode at once, the extra
+dumps (two netlink requests), ``/run/netns`` made a shared mount (gatewayd: at its
+first creation only; once per boot suffices), the socket bound under a staging name
+and linked into place, the chmods after mkdirs that could be given the mode at once, the extra
 reads of the mount table (the lendable-roots check), the audit log's hash tree
 writes (page-cache writes beside its flush), every ``stat`` that re-checks
 what was just made, and every hand-off between threads but the two above. The uid

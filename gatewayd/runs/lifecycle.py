@@ -68,7 +68,7 @@ from gatewayd.tools.exec import (
 )
 from gatewayd.tracing import Tracer
 from gatewayd.workspace import WorkspaceError, WorkspaceSession
-from gatewayd.workspace.store import WorkspaceStore
+from gatewayd.workspace.store import RunWorkspace, WorkspaceStore
 
 log = structlog.get_logger("gatewayd.runs")
 
@@ -479,31 +479,41 @@ class RunManager:
         (the base may not be lent), SandboxUnavailable naming the mode and the fix when
         the session cannot be opened."""
         base = run.spec.workspace
-        lender = None
+        policy = run.spec.policy
+        lends = user is not None and plan.mode in BASE_LENDING_MODES
         if plan.mode != "host":
             # Any virtual mode: no writable policy path may show the base past the view.
-            refuse_host_paths_into_base(run.spec.policy, run.spec.grants, base)
-        if user is not None and plan.mode in BASE_LENDING_MODES:
+            refuse_host_paths_into_base(policy, run.spec.grants, base)
+        if lends:
             require_base_free(base, self._busy_trees(run))
-            loan = await trio.to_thread.run_sync(plan_base_loan, run.spec.policy, base)
-            lender = BaseLender(loan, user, roots=roots, pool_range=self.uid_pool.range)
         store = self.workspaces
-        try:
-            handle = await trio.to_thread.run_sync(
-                lambda: store.open_session(
-                    run.run_id,
-                    base,
-                    plan.mode,
-                    on_end=plan.on_end,
-                    keep_for_s=plan.keep_for_s,
-                    max_delta_bytes=plan.max_delta_bytes,
-                    before_mount=lender,
-                    commit_git_metadata=run.spec.policy.workspace.commit_git_metadata,
-                )
+        pool_range = self.uid_pool.range
+        lender: BaseLender | None = None
+
+        def open_session() -> RunWorkspace:
+            # What is lent planned in the session's own hand-off (one, not two).
+            nonlocal lender
+            if lends and user is not None:
+                loan = plan_base_loan(policy, base)
+                lender = BaseLender(loan, user, roots=roots, pool_range=pool_range)
+            return store.open_session(
+                run.run_id,
+                base,
+                plan.mode,
+                on_end=plan.on_end,
+                keep_for_s=plan.keep_for_s,
+                max_delta_bytes=plan.max_delta_bytes,
+                before_mount=lender,
+                commit_git_metadata=policy.workspace.commit_git_metadata,
             )
+
+        try:
+            handle = await trio.to_thread.run_sync(open_session)
         except LeaseError as exc:
             raise WorkspaceInUse(f"cannot lend run {run.run_id}'s workspace: {exc}") from exc
         except (WorkspaceError, OSError) as exc:
+            if lends and lender is None:
+                raise  # planning the loan failed (no session was opened): as it was
             raise SandboxUnavailable(
                 f"run refused: its workspace could not be opened in mode {plan.mode} "
                 f"({exc}). Fix the cause, or choose another mode: the request's "

@@ -49,7 +49,7 @@ from gatewayd.sandbox.lease import LEASE_FILE, give_back, lend, read_lease
 from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.session import WorkspaceInUse
-from gatewayd.sandbox.uids import UidRange
+from gatewayd.sandbox.uids import UidRange, below_every_range
 
 _MIB: Final = 1 << 20
 # How a run ends when its work is done: asked to by its caller (`gatewayd run`'s command
@@ -239,7 +239,10 @@ class BaseLender:
 
     def _sandbox_owned(self, uid: int) -> bool:
         # A base a sandbox uid owns is another live run's (or a lost lease): lending it
-        # again would record the wrong owner to give it back to.
+        # again would record the wrong owner to give it back to. A system user's (root's,
+        # as most bases are) is in no daemon's range: the registry is not read for it.
+        if below_every_range(uid):
+            return False
         return uid in self._pool_range or any(uid in uids for uids in sandbox_uid_ranges())
 
 

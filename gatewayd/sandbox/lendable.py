@@ -44,7 +44,7 @@ import os
 import posixpath
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
@@ -95,14 +95,14 @@ class Mount:
 def parse_mountinfo(text: str) -> tuple[Mount, ...]:
     """The mounts of a mountinfo text, in its order (a later mount at the same point
     hides an earlier one). Lines too short to hold the fields are skipped."""
-    mounts = []
-    for line in text.splitlines():
-        fields = line.split(" ")
-        if len(fields) > 4:
-            mounts.append(
-                Mount(device=fields[2], root=unescape(fields[3]), point=unescape(fields[4]))
-            )
-    return tuple(mounts)
+    return tuple(mount for line in text.splitlines() if (mount := _parse_line(line)) is not None)
+
+
+def _parse_line(line: str) -> Mount | None:
+    fields = line.split(" ")
+    if len(fields) > 4:
+        return Mount(device=fields[2], root=unescape(fields[3]), point=unescape(fields[4]))
+    return None
 
 
 def unescape(field: str) -> str:
@@ -181,41 +181,81 @@ class _SystemPlaces:
     mounts: Sequence[Mount]
     root: tuple[str, str]
     trees: tuple[tuple[str, tuple[str, str]], ...]
+    # What the table shows at :data:`_SYSTEM_PROBES` (None: no view, see _shown_at).
+    view: tuple[Mount | None, ...] | None = None
 
 
 class _MountMemo:
     """The last mount table read (its text and its parse: an unchanged table is the same
-    tuple) and the places of the system trees in it. A run's start judges its trees
-    against one table several times (each lendable root, each mount crossed), and
-    locating the 22 system trees again each time took most of a start's time in the
-    event loop once the host had a few dozen mounts (every live run adds some). Each
-    attribute is replaced whole, so threads judging at once see one or the other."""
+    tuple) and what was worked out from the tables read. A run's start judges its trees
+    several times (the run's creation, each lease), and locating the 22 system trees
+    again each time took most of a start's time in the event loop once the host had a
+    few dozen mounts (every live run adds some). Each run's own mounts (its namespace,
+    its session's view) change the table between two judgements of one start, yet they
+    move no system tree and no root: so the places and the verdicts are kept by what
+    they depend on (:func:`_view`: the mounts at the paths they look up), not by the
+    table. Each attribute is replaced whole, so threads judging at once see one or the
+    other."""
 
     table: tuple[str, tuple[Mount, ...]] | None = None
+    # Each line of that table and its parse (:func:`mounts_of`).
+    lines: dict[str, Mount | None] | None = None
     places: _SystemPlaces | None = None
     # Each mount point of that table and what it shows (:func:`_shown_at`).
     points: tuple[Sequence[Mount], dict[str, Mount] | None] | None = None
-    # Each configured root's verdict (:func:`_root_verdict`) in that table, by its real
-    # path and gatewayd's private directories: every judge asks it again of each root.
-    verdicts: tuple[Sequence[Mount], dict[tuple[str, _Reserved], str | None]] | None = None
+    # Each configured root's verdict (:func:`_root_verdict`), by its real path and
+    # gatewayd's private directories, with the view it was made in: every judge asks it
+    # again of each root.
+    verdicts: dict[tuple[str, _Reserved], tuple[_View, str | None]] | None = None
 
 
 _MEMO: Final = _MountMemo()
-# The verdicts kept for one mount table: a daemon asks of its few configured roots under
-# its one set of private directories, so more means something asks of ever new paths;
-# the memo then starts afresh rather than grow.
+# The verdicts kept: a daemon asks of its few configured roots under its one set of
+# private directories, so more means something asks of ever new paths; the memo then
+# starts afresh rather than grow.
 _MAX_VERDICTS: Final = 256
+
+
+def _above(path: str) -> tuple[str, ...]:
+    """A clean absolute ``path`` and each directory above it, up to ``/``: the mount
+    points :func:`locate` looks up for it."""
+    found = [path]
+    while path != "/":
+        path = posixpath.dirname(path)
+        found.append(path)
+    return tuple(found)
+
+
+# The mount points the system trees' places depend on (:func:`_system_places`).
+_SYSTEM_PROBES: Final = tuple(sorted({p for tree in ("/", *SYSTEM_TREES) for p in _above(tree)}))
+
+# What a table shows at some mount points (None: no mount there), in their order.
+_View = tuple[Mount | None, ...]
+
+
+def _view(shown: dict[str, Mount], probes: tuple[str, ...]) -> _View:
+    """What ``shown`` mounts at each of ``probes``: :func:`locate` of a clean path
+    depends on the table only through this, at the path's :func:`_above`, so two tables
+    with one view give it one answer."""
+    return tuple(shown.get(probe) for probe in probes)
 
 
 def _system_places(mounts: Sequence[Mount]) -> _SystemPlaces:
     last = _MEMO.places
     if last is not None and last.mounts is mounts:
         return last
-    places = _SystemPlaces(
-        mounts=mounts,
-        root=locate(mounts, "/"),
-        trees=tuple((tree, locate(mounts, tree)) for tree in SYSTEM_TREES),
-    )
+    shown = _shown_at(mounts)
+    view = None if shown is None else _view(shown, _SYSTEM_PROBES)
+    if last is not None and view is not None and last.view == view:
+        # Another table (a run's namespace or view mounted since), the same places.
+        places = replace(last, mounts=mounts)
+    else:
+        places = _SystemPlaces(
+            mounts=mounts,
+            root=locate(mounts, "/"),
+            trees=tuple((tree, locate(mounts, tree)) for tree in SYSTEM_TREES),
+            view=view,
+        )
     if isinstance(mounts, tuple):  # a tuple only: it cannot change in place
         _MEMO.places = places
     return places
@@ -226,22 +266,32 @@ _Reserved = tuple[tuple[str, Path], ...]  # gatewayd's private directories, by s
 
 def _root_verdict(mounts: Sequence[Mount], real: str, private: _Reserved) -> str | None:
     """Why the configured root at ``real`` is no root in the mount table ``mounts``
-    (:func:`root_problem`, then a system tree it shows), or None. Both are pure in
-    their arguments, so the verdict is kept for the table (a changed table, parsed
-    again, is a new tuple: every verdict is made again); the root's real path is the
-    caller's to find each time (a symlink may change it without a mount)."""
+    (:func:`root_problem`, then a system tree it shows), or None. The first is pure in
+    its arguments, and the second depends on the table only through its view at the
+    system trees' places and at the root's (:func:`_view`), so the verdict is kept with
+    that view and made again when the view differs (a mount at or above the root or a
+    system tree, or gone from there); the root's real path is the caller's to find each
+    time (a symlink may change it without a mount)."""
+    shown = _shown_at(mounts)
+    if shown is None or not is_clean_absolute(real):
+        return _make_verdict(mounts, real, private)  # no view to keep it by
+    view = _view(shown, _SYSTEM_PROBES) + _view(shown, _above(real))
     memo = _MEMO.verdicts
-    if memo is None or memo[0] is not mounts or len(memo[1]) >= _MAX_VERDICTS:
-        memo = (mounts, {})
-        if isinstance(mounts, tuple):  # a tuple only: it cannot change in place
-            _MEMO.verdicts = memo
+    if memo is None or len(memo) >= _MAX_VERDICTS:
+        memo = _MEMO.verdicts = {}
     key = (real, private)
-    if key in memo[1]:
-        return memo[1][key]
+    kept = memo.get(key)
+    if kept is not None and kept[0] == view:
+        return kept[1]
+    problem = _make_verdict(mounts, real, private)
+    memo[key] = (view, problem)
+    return problem
+
+
+def _make_verdict(mounts: Sequence[Mount], real: str, private: _Reserved) -> str | None:
     problem = root_problem(real, private)
     if problem is None and (system := system_tree_shown(mounts, real)) is not None:
         problem = f"it shows the system tree {system} (a mount)"
-    memo[1][key] = problem
     return problem
 
 
@@ -439,7 +489,12 @@ def mounts_of(text: str) -> tuple[Mount, ...]:
     last = _MEMO.table
     if last is not None and last[0] == text:
         return last[1]
-    mounts = parse_mountinfo(text)
+    # A run's own mounts change a line or two of the table: the others' parse is kept
+    # by their text (a line read again says what it said).
+    known = _MEMO.lines or {}
+    parsed = [(line, known.get(line) or _parse_line(line)) for line in text.splitlines()]
+    mounts = tuple(mount for _, mount in parsed if mount is not None)
+    _MEMO.lines = dict(parsed)
     _MEMO.table = (text, mounts)
     return mounts
 

@@ -35,7 +35,6 @@ a ``ValueError`` (a caller bug, never the system's fault).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import dataclasses
 import errno
@@ -459,19 +458,38 @@ def _make(name: str, path: Path, home: int) -> None:
         raise error from exc
 
 
+class _RunDirShared:
+    """Whether this process made ``/run/netns`` a shared mount point already: once is
+    enough while the directory stays (it stays one until someone unmounts it, and the
+    sandbox joins its namespace by a descriptor, not through the mount). iproute2
+    shares it again at every ``ip netns add``; here that was a recursive mount call per
+    run (over every pin there, under the kernel's mount lock, which the session's
+    overlay mount waits for meanwhile). Set only by the namespace thread."""
+
+    done: bool = False
+
+
+_RUN_DIR_SHARED: Final = _RunDirShared()
+
+
 def _share_run_dir() -> None:
     """``/run/netns`` exists and is a shared mount point of its own, as iproute2 makes it:
-    the namespaces pinned there then show in every mount namespace made from ours."""
-    with contextlib.suppress(FileExistsError):
+    the namespaces pinned there then show in every mount namespace made from ours. Made
+    so once per process (:class:`_RunDirShared`), and again if the directory had to be
+    made again."""
+    try:
         os.mkdir(NETNS_RUN_DIR, _RUN_DIR_MODE)
+    except FileExistsError:
+        if _RUN_DIR_SHARED.done:
+            return
     target = os.fsencode(NETNS_RUN_DIR)
-    if LIBC.mount(b"", target, b"none", _MS_SHARED | _MS_REC, None) == 0:
-        return
-    if ctypes.get_errno() != errno.EINVAL:
-        _check(-1, NETNS_RUN_DIR)
-    # Not a mount point yet (EINVAL): make it one, bound onto itself, then share it.
-    _check(LIBC.mount(target, target, b"none", _MS_BIND | _MS_REC, None), NETNS_RUN_DIR)
-    _check(LIBC.mount(b"", target, b"none", _MS_SHARED | _MS_REC, None), NETNS_RUN_DIR)
+    if LIBC.mount(b"", target, b"none", _MS_SHARED | _MS_REC, None) != 0:
+        if ctypes.get_errno() != errno.EINVAL:
+            _check(-1, NETNS_RUN_DIR)
+        # Not a mount point yet (EINVAL): make it one, bound onto itself, then share it.
+        _check(LIBC.mount(target, target, b"none", _MS_BIND | _MS_REC, None), NETNS_RUN_DIR)
+        _check(LIBC.mount(b"", target, b"none", _MS_SHARED | _MS_REC, None), NETNS_RUN_DIR)
+    _RUN_DIR_SHARED.done = True
 
 
 def _unmount(path: Path) -> None:

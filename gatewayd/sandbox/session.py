@@ -80,7 +80,7 @@ from gatewayd.sandbox.plan import (
     build_plan,
     validate,
 )
-from gatewayd.sandbox.uids import UidPool, UidRange, pids_of_uid
+from gatewayd.sandbox.uids import UidPool, UidRange, below_every_range, pids_of_uid
 
 log = structlog.get_logger("gatewayd.sandbox")
 
@@ -1004,6 +1004,8 @@ def _sandbox_owned(pool: UidPool) -> Callable[[int], bool]:
     ranges: list[UidRange] = []
 
     def owned(uid: int) -> bool:
+        if below_every_range(uid):
+            return False  # a system user's: in no daemon's range, none read
         if not ranges:
             ranges.extend([pool.range, *sandbox_uid_ranges()])
         return any(uid in uids for uids in ranges)

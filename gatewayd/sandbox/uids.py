@@ -65,6 +65,13 @@ class UidRange:
         return f"{self.base}..{self.base + self.count - 1} ({self.base}+{self.count})"
 
 
+def below_every_range(uid: int) -> bool:
+    """Is ``uid`` below every sandbox uid range a daemon may have (a system user's, as
+    root is)? :class:`UidRange` refuses a range that starts lower, so such a uid is no
+    sandbox's on this host without reading the registry of daemons. Pure."""
+    return uid < _MIN_UID_BASE
+
+
 def check_derivable_count(count: int) -> None:
     """A range of ``count`` uids can be derived in the container range; else
     ``ValueError`` saying the limit."""

@@ -113,6 +113,57 @@ def test_the_namespace_directory_is_a_shared_mount_point_of_its_own(prefix: str)
         remove_run_netns(handle.name)
 
 
+class _RecordingLibc:
+    """gatewayd's libc, recording the target of every mount call."""
+
+    def __init__(self) -> None:
+        self.targets: list[bytes] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(LIBC, name)
+
+    def mount(self, source: bytes, target: bytes, *rest: Any) -> int:
+        self.targets.append(target)
+        return int(LIBC.mount(source, target, *rest))
+
+
+def test_the_namespace_directory_is_shared_once_per_process(
+    prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # iproute2 makes /run/netns a shared mount again at every creation (a recursive
+    # mount call over every pin there); gatewayd at its first one only.
+    remove_run_netns(create_run_netns(secrets.token_hex(16), prefix=prefix).name)
+    libc = _RecordingLibc()
+    monkeypatch.setattr(netns_module, "LIBC", libc)
+    handles = [create_run_netns(secrets.token_hex(16), prefix=prefix) for _ in range(2)]
+    monkeypatch.undo()
+    for handle in handles:
+        remove_run_netns(handle.name)
+    assert libc.targets == [os.fsencode(h.path) for h in handles]  # the pins alone
+    with open("/proc/self/mountinfo", encoding="utf-8") as info:
+        (line,) = [x for x in info if x.split(" ")[4] == str(NETNS_RUN_DIR)][-1:]
+    assert "shared:" in line.split(" - ")[0]
+
+
+def test_a_namespace_directory_made_again_is_shared_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Shared once already, but the directory is gone (removed with what was mounted
+    # there): the one made in its place is made a shared mount point of its own too.
+    made = tmp_path / "netns"
+    monkeypatch.setattr(netns_module, "NETNS_RUN_DIR", made)
+    monkeypatch.setattr(netns_module._RUN_DIR_SHARED, "done", True)
+    try:
+        netns_module._share_run_dir()
+        with open("/proc/self/mountinfo", encoding="utf-8") as info:
+            lines = [x for x in info if x.split(" ")[4] == str(made)]
+        assert lines and "shared:" in lines[-1].split(" - ")[0]
+        assert netns_module._RUN_DIR_SHARED.done
+    finally:
+        while mounted_at(made):
+            LIBC.umount2(os.fsencode(made), 2)  # MNT_DETACH
+
+
 def test_a_refused_bind_mount_is_a_netns_error_and_leaves_nothing(
     prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,6 +21,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -350,3 +351,47 @@ async def test_a_start_and_an_end_return_once_their_entries_are_durable_in_order
         "workspace_ended",
         "run_ended",
     ]
+
+
+async def test_an_overlay_sessions_loan_is_planned_in_the_sessions_own_hand_off(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What of the base is lent is planned in the worker thread that opens the session
+    # and lends it: one hand-off, not one for the plan and another for the session.
+    from gatewayd.runs import workspaces
+
+    (base / "sandboxed.yaml").write_text(textwrap.dedent(POLICY))
+    config = GatewaydConfig(
+        state_dir=base / "state",
+        policy_dirs=(base,),
+        workspace_mode="overlay",
+        netns_prefix=f"cgrh{secrets.token_hex(4)}-",
+        sandbox_uids=SandboxUids(
+            base=1_720_000_000 + secrets.randbelow(50_000) * 1024, count=UID_COUNT
+        ),
+    )
+    handed: list[str] = []
+    planned_in: list[bool] = []
+    real_run_sync = trio.to_thread.run_sync
+    real_plan = workspaces.plan_base_loan
+
+    async def run_sync(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        handed.append(getattr(fn, "__qualname__", repr(fn)))
+        return await real_run_sync(fn, *args, **kwargs)
+
+    def plan_base_loan(*args: Any, **kwargs: Any) -> Any:
+        planned_in.append(threading.current_thread() is not threading.main_thread())
+        return real_plan(*args, **kwargs)
+
+    async with open_daemon(config, preload=True) as started:
+        monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+        monkeypatch.setattr("gatewayd.runs.lifecycle.plan_base_loan", plan_base_loan)
+        run = await start(started, base, "ws")
+        monkeypatch.undo()
+        assert run.workspace is not None and run.workspace.mode == "overlay"
+        assert planned_in == [True]
+        assert not [name for name in handed if "plan_base_loan" in name], handed
+        assert [name for name in handed if "_open_workspace" in name] == [
+            "RunManager._open_workspace.<locals>.open_session"
+        ]
+        await started.runs.end(run.run_id)

@@ -254,7 +254,90 @@ def test_the_verdicts_of_one_table_start_afresh_past_their_bound() -> None:
     for n in range(lendable._MAX_VERDICTS + 5):
         assert lendable._root_verdict(mounts, f"/tmp/r{n}", ()) is None
     memo = lendable._MEMO.verdicts
-    assert memo is not None and len(memo[1]) <= lendable._MAX_VERDICTS
+    assert memo is not None and len(memo) <= lendable._MAX_VERDICTS
+
+
+def test_a_mount_elsewhere_keeps_the_verdicts_and_the_system_trees_places(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A run's own mounts (its namespace's pin, its session's view) change the table
+    # between two judgements of one start without moving a root or a system tree: the
+    # second judgement locates nothing again. A mount at or above the root does.
+    from gatewayd.sandbox import lendable
+
+    private = (("state_dir", Path("/var/lib/gatewayd")),)
+    before = _mounts()
+    assert lendable._root_verdict(before, "/tmp", private) is None
+    located: list[str] = []
+    real_locate = lendable.locate
+
+    def counting(mounts: tuple[Mount, ...], path: str) -> tuple[str, str]:
+        located.append(path)
+        return real_locate(mounts, path)
+
+    monkeypatch.setattr(lendable, "locate", counting)
+    elsewhere = _mounts(
+        _line(30, "0:4", "net:[4026532400]", "/run/netns/cg-x"),
+        _line(31, "0:60", "/", "/var/lib/gatewayd/agents/ws/view"),
+    )
+    assert lendable._root_verdict(elsewhere, "/tmp", private) is None
+    assert system_tree_shown(elsewhere, "/tmp/ws") is None
+    assert located == ["/tmp/ws"]  # the path asked about, no system tree again
+    bound = _mounts(
+        _line(30, "0:4", "net:[4026532400]", "/run/netns/cg-x"), _line(32, "8:1", "/usr", "/tmp")
+    )
+    assert lendable._root_verdict(bound, "/tmp", private) == (
+        "it shows the system tree /usr (a mount)"
+    )
+    # A mount over a system tree moves its place: found again, not kept.
+    moved = _mounts(_line(33, "8:1", "/home/me/usr", "/usr"), _line(34, "8:1", "/usr", "/tmp/x"))
+    assert system_tree_shown(moved, "/tmp/x") is None
+    assert system_tree_shown(moved, "/usr") == "/usr"
+
+
+def _verdict_by_scan(mounts: tuple[Mount, ...], real: str) -> str | None:
+    """A root's verdict as the module's doc defines it, every place found by a
+    comparison with every mount (nothing kept)."""
+    problem = root_problem(real, ())
+    if problem is not None:
+        return problem
+    device, where = _locate_by_scan(mounts, real)
+    if (device, where) == _locate_by_scan(mounts, "/"):
+        return "it shows the system tree / (a mount)"
+    for tree in SYSTEM_TREES:
+        tree_device, tree_where = _locate_by_scan(mounts, tree)
+        if device == tree_device and (is_within(where, tree_where) or is_within(tree_where, where)):
+            return f"it shows the system tree {tree} (a mount)"
+    return None
+
+
+_TABLE_POINTS = st.sampled_from(
+    ["/tmp", "/tmp/x", "/tmp/x/y", "/run/netns/a", "/usr", "/var", "/var/lib", "/srv/w", "/"]
+)
+_TABLE_ROOTS = st.sampled_from(["/", "/usr", "/usr/local", "/var", "/var/lib", "/home/me", "/x"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    tables=st.lists(
+        st.lists(
+            st.tuples(_TABLE_POINTS, st.sampled_from(["8:1", "0:5"]), _TABLE_ROOTS), max_size=4
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    real=st.sampled_from(["/tmp", "/tmp/x", "/tmp/x/y/z", "/srv/w/a", "/home/u"]),
+)
+def test_a_kept_verdict_is_the_one_a_fresh_look_at_each_table_gives(
+    tables: list[list[tuple[str, str, str]]], real: str
+) -> None:
+    # Tables one after the other, as a daemon reads them between runs: each verdict
+    # (kept or made again) is what comparing every mount of that table says.
+    from gatewayd.sandbox import lendable
+
+    for extra in tables:
+        mounts = _mounts(*(_line(30 + n, *row[1:], row[0]) for n, row in enumerate(extra)))
+        assert lendable._root_verdict(mounts, real, ()) == _verdict_by_scan(mounts, real)
 
 
 def _locate_by_scan(mounts: tuple[Mount, ...], path: str) -> tuple[str, str]:
@@ -437,3 +520,27 @@ def test_the_sandbox_settings_take_the_state_directory_only_as_its_real_path(
         f"the state directory must be given as its real path ({tmp_path}/real/state), not "
         f"{tmp_path}/lnk/state: the sandbox plan compares real paths with it"
     )
+
+
+_MOUNT_LINES = st.sampled_from(
+    [
+        ROOT_FS,
+        _line(30, "8:1", "/usr", "/tmp/x"),
+        _line(31, "0:4", "net:[4026532400]", "/run/netns/cg-x"),
+        _line(32, "0:60", "/", "/tmp/a\\040b"),
+        "too short",
+        "",
+    ]
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(texts=st.lists(st.lists(_MOUNT_LINES, max_size=6).map("\n".join), min_size=1, max_size=5))
+def test_a_table_read_again_is_parsed_as_a_fresh_parse_would(texts: list[str]) -> None:
+    # Tables one after the other (each run's mounts change a line or two): the lines
+    # kept from the last one give the parse a fresh parse gives, in order, duplicates and
+    # all, a line too short skipped.
+    from gatewayd.sandbox.lendable import mounts_of
+
+    for text in texts:
+        assert mounts_of(text) == parse_mountinfo(text)

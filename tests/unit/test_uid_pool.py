@@ -217,3 +217,41 @@ def test_the_ends_scan_agrees_with_the_parsed_ids_at_every_cut_and_digit_prefix(
             fields = (b"\t%d\t" % uid, b"\t%d\n" % uid)
             held = ids is not None and uid in ids
             assert uids_module._holds(status[:cut], fields) is held, (cut, uid)
+
+
+def test_a_system_users_tree_is_no_sandboxs_without_reading_the_daemons_registry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Most bases are root's: whether a sandbox owns one is known without the registry,
+    # since no daemon's range may start below the system users. Above them it is read.
+    from gatewayd.runs import workspaces
+    from gatewayd.runs.workspaces import BaseLender, BaseLoan
+    from gatewayd.sandbox import session
+    from gatewayd.sandbox.lendable import LendableRoots
+    from gatewayd.sandbox.uids import below_every_range
+
+    other = UidRange(5_000_000, 10)
+    reads: list[str] = []
+
+    def registry() -> list[UidRange]:
+        reads.append("read")
+        return [other]
+
+    monkeypatch.setattr(workspaces, "sandbox_uid_ranges", registry)
+    monkeypatch.setattr(session, "sandbox_uid_ranges", registry)
+    with pytest.raises(ValueError, match="not usable"):
+        UidRange(999, 1)
+    assert below_every_range(999) and not below_every_range(1000)
+    lender = BaseLender(
+        BaseLoan(trees=(), keep=frozenset()),
+        HostUser(uid=BASE, gid=BASE),
+        roots=LendableRoots(),
+        pool_range=UidRange(BASE, 4),
+    )
+    owned = session._sandbox_owned(UidPool(UidRange(BASE, 4)))
+    for asks in (lender._sandbox_owned, owned):
+        reads.clear()
+        assert not asks(0) and not asks(999)
+        assert reads == []
+        assert asks(5_000_003) and not asks(1000)
+        assert reads

@@ -1061,3 +1061,32 @@ def test_a_base_replaced_after_the_run_is_never_written(where: Path, kind: str) 
     store.discard(RUN)
     assert store.list() == []
     assert not (base / "new.txt").exists()
+
+
+def test_a_sessions_record_holds_every_field_as_asdict_would() -> None:
+    # meta.json is read back by other processes and by the next daemon: the record made
+    # field by field is the one dataclasses.asdict made, and reads back equal.
+    import dataclasses
+
+    from gatewayd.workspace.store import SessionInfo
+
+    info = SessionInfo(
+        run_id=RUN,
+        mode="overlay",
+        base=Path("/tmp/ws"),
+        state="kept",
+        on_end="keep",
+        keep_for_s=KEEP_S,
+        keep_until=1.5,
+        max_delta_bytes=DELTA_LIMIT,
+        created=1.25,
+        base_id=(8, 12),
+        counts={"added": 1, "removed": 0},
+        delta_bytes=3,
+        note="a note",
+        commit_git_metadata=True,
+    )
+    expected = dataclasses.asdict(info)
+    expected["base"] = "/tmp/ws"
+    assert json.loads(info.to_record()) == json.loads(json.dumps(expected))
+    assert SessionInfo.from_record(info.to_record()) == info
