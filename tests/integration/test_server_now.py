@@ -6,6 +6,8 @@ with its id, and the calls of one read share their audit flush."""
 from __future__ import annotations
 
 import struct
+import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 import trio
 
 from gatewayd import server
+from gatewayd.audit import read_entries
 from gatewayd.dispatch import Dispatcher
 from gatewayd.protocol import Request, Response
 from gatewayd.tools import builtin_tools
@@ -169,29 +172,115 @@ async def test_a_partial_frame_trickled_byte_by_byte_still_times_out(
 async def test_answers_whose_flush_outlasts_the_idle_timeout_are_still_sent(
     short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Waiting for the answers' flush is not the client idling: no deadline applies.
-    monkeypatch.setattr(server, "IDLE_TIMEOUT_S", 0.2)
+    # Waiting for the answers' flush is not the client idling: no deadline applies
+    # while they wait (sweeps come and go meanwhile), and the client's idle time starts
+    # once they left: the connection still serves the next call.
+    monkeypatch.setattr(server, "IDLE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(server, "IDLE_SWEEP_S", 0.02)
     async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
         run = await gw.create_run(workspace, POLICY)
         audit = gw.daemon.audit
-        durable = audit.durable
+        write_batch = audit._write_batch
+        slow = threading.Event()
 
-        async def slow_durable(seq: int) -> None:
-            await trio.sleep(0.6)  # a disk slower than the idle timeout
-            await durable(seq)
+        def slow_write(batch: bytes, head: Any) -> None:
+            if slow.is_set():
+                time.sleep(1.0)  # a disk slower than the idle timeout
+            write_batch(batch, head)
 
-        monkeypatch.setattr(audit, "durable", slow_durable)
+        monkeypatch.setattr(audit, "_write_batch", slow_write)
         stream = await trio.open_unix_socket(str(run.socket_path))
         async with stream:
             await trio.sleep(0.05)  # the server's read waits, under the idle deadline
+            slow.set()
             await stream.send_all(
                 b"".join(frame(request(run, "time.now", tcid=f"s{i}")) for i in range(3))
             )
             buf = bytearray()
             with trio.fail_after(5):
                 answers = [await read_frame(stream, buf) for _ in range(3)]
+            slow.clear()
+            await trio.sleep(0.1)  # within the idle timeout, counted from the answers
+            await stream.send_all(frame(request(run, "time.now", tcid="after")))
+            with trio.fail_after(5):
+                after = await read_frame(stream, buf)
         assert sorted(a["toolCallId"] for a in answers if a) == ["s0", "s1", "s2"]
         assert all(a and a["ok"] for a in answers)
+        assert after is not None and after["ok"] and after["toolCallId"] == "after"
+
+
+async def test_pipelined_answers_in_place_leave_in_order_across_flushes(
+    short_tmp: Path, workspace: Path
+) -> None:
+    calls = 300
+    async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        async with stream:
+            buf = bytearray()
+            ids: list[str] = []
+            with trio.fail_after(20):
+                for part in range(3):  # three writes: several reads, several flushes
+                    await stream.send_all(
+                        b"".join(
+                            frame(request(run, "time.now", tcid=f"p{part * 100 + i}"))
+                            for i in range(100)
+                        )
+                    )
+                    await trio.sleep(0.01)
+                while len(ids) < calls:
+                    msg = await read_frame(stream, buf)
+                    assert msg is not None and msg["ok"]
+                    ids.append(msg["toolCallId"])
+        assert ids == [f"p{i}" for i in range(calls)]
+
+
+async def test_a_client_that_half_closes_still_gets_every_answer_in_place(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        async with stream:
+            await stream.send_all(
+                b"".join(frame(request(run, "time.now", tcid=f"h{i}")) for i in range(40))
+            )
+            await stream.send_eof()  # EOF while the answers wait for their flush
+            buf = bytearray()
+            answers: list[dict[str, Any]] = []
+            with trio.fail_after(10):
+                while (msg := await read_frame(stream, buf)) is not None:
+                    answers.append(msg)
+        assert [a["toolCallId"] for a in answers] == [f"h{i}" for i in range(40)]
+        assert all(a["ok"] for a in answers)
+
+
+async def test_a_client_gone_before_its_answers_leave_has_each_call_audited_and_counted_once(
+    short_tmp: Path, workspace: Path
+) -> None:
+    calls = 50
+    async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        before = run.calls
+        first_seq = gw.daemon.audit.last_seq
+        for _ in range(3):
+            stream = await trio.open_unix_socket(str(run.socket_path))
+            await stream.send_all(
+                b"".join(frame(request(run, "time.now", tcid=f"g{i}")) for i in range(calls))
+            )
+            stream.socket.close()  # gone while its answers wait (or before they are read)
+        with trio.fail_after(10):
+            while run.calls - before < 3 * calls:
+                await trio.sleep(0.01)
+        # The connections the server closed meanwhile are served as usual.
+        [resp] = await raw_exchange(run.socket_path, frame(request(run, "time.now")))
+        assert resp["ok"]
+        await trio.sleep(0.1)
+        assert run.calls - before == 3 * calls + 1  # each call tallied once
+        await gw.daemon.audit.durable(gw.daemon.audit.last_seq)
+        entries = [e for e in read_entries(gw.daemon.audit.path) if e["seq"] > first_seq]
+        results = [e for e in entries if e["kind"] == "result" and e.get("tool") == "time.now"]
+        assert len(results) == 3 * calls + 1
 
 
 async def test_a_connection_answered_waits_for_its_socket_instead_of_reading_it_empty(
