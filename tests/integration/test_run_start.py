@@ -28,6 +28,7 @@ import trio
 
 from gatewayd.config import GatewaydConfig, SandboxUids
 from gatewayd.daemon import Daemon, open_daemon
+from gatewayd.policy.workspace_section import WorkspaceModeName
 from gatewayd.runs import Grant, Run, RunRequest
 from gatewayd.sandbox.netns import NETNS_RUN_DIR, NetnsError
 from gatewayd.sandbox.session import ImageRefused, WorkspaceInUse
@@ -58,18 +59,24 @@ def base() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture
-async def daemon(base: Path) -> AsyncIterator[Daemon]:
+def sandboxed_config(base: Path, mode: WorkspaceModeName) -> GatewaydConfig:
+    """A sandboxed daemon's configuration on ``base`` (its policy written there), with
+    its own prefix and uid range, runs' workspaces in ``mode``."""
     (base / "sandboxed.yaml").write_text(textwrap.dedent(POLICY))
-    config = GatewaydConfig(
+    return GatewaydConfig(
         state_dir=base / "state",
         policy_dirs=(base,),
-        workspace_mode="host",
+        workspace_mode=mode,
         netns_prefix=f"cgrs{secrets.token_hex(4)}-",
         sandbox_uids=SandboxUids(
             base=1_720_000_000 + secrets.randbelow(50_000) * 1024, count=UID_COUNT
         ),
     )
+
+
+@pytest.fixture
+async def daemon(base: Path) -> AsyncIterator[Daemon]:
+    config = sandboxed_config(base, "host")
     async with open_daemon(config, preload=True) as started:
         assert started.runs.support.available, started.runs.support.reason
         yield started
@@ -360,16 +367,7 @@ async def test_an_overlay_sessions_loan_is_planned_in_the_sessions_own_hand_off(
     # and lends it: one hand-off, not one for the plan and another for the session.
     from gatewayd.runs import workspaces
 
-    (base / "sandboxed.yaml").write_text(textwrap.dedent(POLICY))
-    config = GatewaydConfig(
-        state_dir=base / "state",
-        policy_dirs=(base,),
-        workspace_mode="overlay",
-        netns_prefix=f"cgrh{secrets.token_hex(4)}-",
-        sandbox_uids=SandboxUids(
-            base=1_720_000_000 + secrets.randbelow(50_000) * 1024, count=UID_COUNT
-        ),
-    )
+    config = sandboxed_config(base, "overlay")
     handed: list[str] = []
     planned_in: list[bool] = []
     real_run_sync = trio.to_thread.run_sync
