@@ -44,12 +44,11 @@ from gatewayd.policy.workspace_section import (
     WorkspaceModeName,
 )
 from gatewayd.runs.model import WorkspaceRequest
-from gatewayd.sandbox.daemons import sandbox_uid_ranges
 from gatewayd.sandbox.lease import LEASE_FILE, give_back, lend, read_lease
 from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.sandbox.limits import HostUser
-from gatewayd.sandbox.session import WorkspaceInUse
-from gatewayd.sandbox.uids import UidRange, below_every_range
+from gatewayd.sandbox.session import WorkspaceInUse, sandbox_owned
+from gatewayd.sandbox.uids import UidRange
 
 _MIB: Final = 1 << 20
 # How a run ends when its work is done: asked to by its caller (`gatewayd run`'s command
@@ -233,17 +232,11 @@ class BaseLender:
             directory,
             roots=self._roots,
             keep=self._loan.keep,
-            sandbox_owned=self._sandbox_owned,
+            # A base a sandbox uid owns is another live run's (or a lost lease): lending
+            # it again would record the wrong owner to give it back to.
+            sandbox_owned=sandbox_owned(self._pool_range),
             sync_record_dir=True,
         )
-
-    def _sandbox_owned(self, uid: int) -> bool:
-        # A base a sandbox uid owns is another live run's (or a lost lease): lending it
-        # again would record the wrong owner to give it back to. A system user's (root's,
-        # as most bases are) is in no daemon's range: the registry is not read for it.
-        if below_every_range(uid):
-            return False
-        return uid in self._pool_range or any(uid in uids for uids in sandbox_uid_ranges())
 
 
 def give_back_base(directory: Path) -> int:

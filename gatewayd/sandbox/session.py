@@ -476,7 +476,7 @@ class RunSandbox:
                     roots=roots,
                     keep=read_only,
                     pinned=bound,
-                    sandbox_owned=_sandbox_owned(pool),
+                    sandbox_owned=sandbox_owned(pool.range),
                 )
             )
         except BaseException as exc:
@@ -997,8 +997,8 @@ def _kill_uid(uid: int) -> int:
     return killed
 
 
-def _sandbox_owned(pool: UidPool) -> Callable[[int], bool]:
-    """Whether a uid is a sandbox's: of this daemon's pool, or of any live daemon's on
+def sandbox_owned(pool_range: UidRange) -> Callable[[int], bool]:
+    """Whether a uid is a sandbox's: of this daemon's pool range, or of any live daemon's on
     this host (another daemon's live run holds the tree). Blocking (reads the registry,
     at the first uid asked about: a lease with no tree asks about none)."""
     ranges: list[UidRange] = []
@@ -1007,7 +1007,7 @@ def _sandbox_owned(pool: UidPool) -> Callable[[int], bool]:
         if below_every_range(uid):
             return False  # a system user's: in no daemon's range, none read
         if not ranges:
-            ranges.extend([pool.range, *sandbox_uid_ranges()])
+            ranges.extend([pool_range, *sandbox_uid_ranges()])
         return any(uid in uids for uids in ranges)
 
     return owned

@@ -224,10 +224,7 @@ def test_a_system_users_tree_is_no_sandboxs_without_reading_the_daemons_registry
 ) -> None:
     # Most bases are root's: whether a sandbox owns one is known without the registry,
     # since no daemon's range may start below the system users. Above them it is read.
-    from gatewayd.runs import workspaces
-    from gatewayd.runs.workspaces import BaseLender, BaseLoan
     from gatewayd.sandbox import session
-    from gatewayd.sandbox.lendable import LendableRoots
     from gatewayd.sandbox.uids import below_every_range
 
     other = UidRange(5_000_000, 10)
@@ -237,21 +234,13 @@ def test_a_system_users_tree_is_no_sandboxs_without_reading_the_daemons_registry
         reads.append("read")
         return [other]
 
-    monkeypatch.setattr(workspaces, "sandbox_uid_ranges", registry)
     monkeypatch.setattr(session, "sandbox_uid_ranges", registry)
     with pytest.raises(ValueError, match="not usable"):
         UidRange(999, 1)
     assert below_every_range(999) and not below_every_range(1000)
-    lender = BaseLender(
-        BaseLoan(trees=(), keep=frozenset()),
-        HostUser(uid=BASE, gid=BASE),
-        roots=LendableRoots(),
-        pool_range=UidRange(BASE, 4),
-    )
-    owned = session._sandbox_owned(UidPool(UidRange(BASE, 4)))
-    for asks in (lender._sandbox_owned, owned):
-        reads.clear()
-        assert not asks(0) and not asks(999)
-        assert reads == []
-        assert asks(5_000_003) and not asks(1000)
-        assert reads
+    # The one check the session's lease and the overlay's base loan (BaseLender) share.
+    asks = session.sandbox_owned(UidRange(BASE, 4))
+    assert not asks(0) and not asks(999)
+    assert reads == []
+    assert asks(5_000_003) and not asks(1000) and asks(BASE + 3)
+    assert reads == ["read"]  # once per lease, at the first uid above the system users
