@@ -195,7 +195,7 @@ class _MountMemo:
     move no system tree and no root: so the places and the verdicts are kept by what
     they depend on (:func:`_view`: the mounts at the paths they look up), not by the
     table. Each attribute is replaced whole, so threads judging at once see one or the
-    other."""
+    other; the verdicts' dict alone is added to in place, one entry at a time."""
 
     table: tuple[str, tuple[Mount, ...]] | None = None
     # Each line of that table and its parse (:func:`mounts_of`).
