@@ -279,7 +279,7 @@ class GatewaydConfig(_Strict):
     """
 
     # -- paths
-    state_dir: AbsolutePath = DEFAULT_STATE_DIR
+    state_dir: AbsolutePath = Path(DEFAULT_STATE_DIR)
     # None: <state_dir>/audit/audit.jsonl
     audit_path: AbsolutePath | None = None
     # None: <state_dir>/control.sock
@@ -321,7 +321,7 @@ class GatewaydConfig(_Strict):
     # Workspaces and rw policy paths are lent (chowned to the run's uid) only strictly
     # beneath one of these; no system tree may be one (gatewayd/sandbox/lendable.py).
     lendable_roots: Annotated[tuple[AbsolutePath, ...], Field(max_length=MAX_LENDABLE_ROOTS)] = (
-        DEFAULT_LENDABLE_ROOTS
+        tuple(Path(root) for root in DEFAULT_LENDABLE_ROOTS)
     )
     # -- models and secrets
     models: dict[Alias, ModelAlias] = Field(default_factory=dict)
@@ -461,7 +461,7 @@ class GatewaydConfig(_Strict):
 
     @property
     def resolved_agent_dir(self) -> Path:
-        return self.agent_dir or agent_dir_for(self.state_dir)
+        return self.agent_dir or Path(agent_dir_for(str(self.state_dir)))
 
     @property
     def resolved_tool_cache_dir(self) -> Path:

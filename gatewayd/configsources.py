@@ -186,14 +186,14 @@ class Settings:
     unknown_env: tuple[str, ...] = ()
 
 
-def config_file(option: Path | None, environ: Mapping[str, str]) -> Path | None:
+def config_file(option: str | os.PathLike[str] | None, environ: Mapping[str, str]) -> Path | None:
     """The file to read: ``--config``, else ``$GATEWAYD_CONFIG``, else the default file
     when it exists, else none (every setting then comes from variables and defaults)."""
     if option is not None:
-        return option
+        return Path(option)
     if environ.get(CONFIG_ENV):
         return Path(environ[CONFIG_ENV])
-    return DEFAULT_CONFIG_PATH if DEFAULT_CONFIG_PATH.exists() else None
+    return Path(DEFAULT_CONFIG_PATH) if os.path.exists(DEFAULT_CONFIG_PATH) else None
 
 
 def load_config(path: Path) -> GatewaydConfig:

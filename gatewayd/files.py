@@ -1,7 +1,7 @@
 """Writing files durably, and the C library handle for calls the os module lacks.
 
-One copy of each: writing a whole buffer to a descriptor (``os.write`` may write less
-than it is given), making a directory's entries durable (fsync of the directory, after a
+One copy of each: writing a whole buffer to a descriptor (:mod:`gatewayd.fdwrite`'s,
+re-exported here), making a directory's entries durable (fsync of the directory, after a
 create or a rename in it), replacing a small file atomically (by its path, or by its
 directory's descriptor), and :data:`LIBC`.
 """
@@ -10,9 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import os
 from pathlib import Path
+
+from gatewayd.fdwrite import write_all
+
+__all__ = [
+    "LIBC",
+    "RENAME_EXCHANGE",
+    "RENAME_NOREPLACE",
+    "fsync_dir",
+    "fsync_dir_fd",
+    "rename_at",
+    "write_all",
+    "write_atomically",
+    "write_atomically_at",
+]
 
 # typing's flag without importing typing: client commands start without it
 TYPE_CHECKING = False
@@ -49,20 +62,6 @@ RENAME_EXCHANGE: Final = 1 << 1
 
 # Opening a directory only to fsync it: reading is the least a descriptor fsync accepts.
 _SYNC_DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-
-
-def write_all(fd: int, data: bytes) -> None:
-    """Write all of ``data`` to ``fd``, however many writes it takes.
-
-    Error handling: OSError as the system reports it (part of ``data`` may be written);
-    ``EIO`` if a write makes no progress, which would otherwise loop for ever.
-    """
-    view = memoryview(data)
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:
-            raise OSError(errno.EIO, "write made no progress")
-        view = view[written:]
 
 
 def fsync_dir(path: Path, *, follow_symlinks: bool = True) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 # typing's flag without importing typing: client commands start without it
 TYPE_CHECKING = False
@@ -36,7 +35,7 @@ class InputFileError(Exception):
         self.too_large = too_large
 
 
-def read_input_file(path: Path, *, max_bytes: int, what: str) -> bytes:
+def read_input_file(path: str | os.PathLike[str], *, max_bytes: int, what: str) -> bytes:
     """The bytes of the regular file at ``path``, at most ``max_bytes`` of them.
 
     ``what`` names the file in messages ("the policy file").

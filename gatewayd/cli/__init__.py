@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Iterator, Mapping
 
 # typing's flag without importing typing: client commands start without it
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Final, NoReturn
+    from typing import Any, Final, NoReturn
 
     from gatewayd.cli.command import CommandModule
 
@@ -73,11 +74,52 @@ def _load(name: str) -> CommandModule:
     return importlib.import_module(f"{__name__}.{name}")  # a module is a CommandModule
 
 
+def _terminal_columns() -> int:
+    """The width help is wrapped to, as argparse finds it (``shutil.get_terminal_size``:
+    $COLUMNS, else the terminal on stdout, else 80), without importing shutil, which
+    brings zlib, bz2, lzma and fnmatch into every command's start for this one number."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns > 0:
+        return columns
+    try:
+        return os.get_terminal_size(sys.__stdout__.fileno()).columns or 80  # type: ignore[union-attr]
+    except (AttributeError, ValueError, OSError):
+        return 80
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """argparse's formatter, told the terminal's width: argparse makes one at every
+    ``add_argument`` (to check the metavar), and one told no width imports shutil."""
+
+    def __init__(
+        self,
+        prog: str,
+        indent_increment: int = 2,
+        max_help_position: int = 24,
+        width: int | None = None,
+    ) -> None:
+        if width is None:
+            width = _terminal_columns() - 2  # as argparse leaves a margin
+        super().__init__(prog, indent_increment, max_help_position, width)
+
+
+class _Parser(argparse.ArgumentParser):
+    """gatewayd's parsers: argparse's, with :class:`_HelpFormatter` unless told another
+    (subparsers are of their parent's class, so every command's parser has it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 class _PartialParserError(Exception):
     """A command line the parser of one command refused: the whole parser says why."""
 
 
-class _PartialParser(argparse.ArgumentParser):
+class _PartialParser(_Parser):
     """The parser of one command's line (its subparsers are of this class too), which
     leaves every error to the whole parser: its message starts with the usage of
     ``gatewayd`` itself, which lists every command."""
@@ -92,7 +134,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser would and raise :class:`_PartialParserError` where it would print an error;
     else every command's."""
     partial = command is not None and command in _COMMAND_MODULES
-    parser = (_PartialParser if partial else argparse.ArgumentParser)(
+    parser: argparse.ArgumentParser = (_PartialParser if partial else _Parser)(
         prog="gatewayd", description="The cogni gateway host daemon."
     )
     sub = parser.add_subparsers(dest="command", required=True)

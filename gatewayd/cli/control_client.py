@@ -11,7 +11,6 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 # typing's flag without importing typing: client commands start without it
 TYPE_CHECKING = False
@@ -26,7 +25,7 @@ NO_DAEMON: Final = frozenset({errno.ENOENT, errno.ECONNREFUSED})
 
 
 def control_request(
-    path: Path, method: str, target: str, body: object | None = None
+    path: str | os.PathLike[str], method: str, target: str, body: object | None = None
 ) -> tuple[int, dict[str, Any]]:
     """One JSON request to the control socket at ``path``; (status, decoded body).
     OSError when the socket cannot be reached or answers with no HTTP response
@@ -58,7 +57,7 @@ def print_refusal(command: str, answer: Answer, *, code: object = "failed") -> b
 
 def ask_else_here(
     prog: str,
-    control: Path,
+    control: str | os.PathLike[str],
     ask: Callable[[], tuple[int, Answer]],
     here: Callable[[], Answer],
     *,

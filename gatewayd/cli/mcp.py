@@ -96,7 +96,7 @@ def _mcp(args: argparse.Namespace) -> int:
     return _print(command, answer)
 
 
-def _through_control(control: Path, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+def _through_control(control: str, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """The command as one request to the daemon's control socket. Error handling:
     OSError when nothing answers there."""
     command = args.mcp_command

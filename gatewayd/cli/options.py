@@ -2,21 +2,26 @@
 daemon-starting command takes, and the effective configuration (options over
 ``$GATEWAYD_<NAME>`` variables over the file over the defaults, merged by
 gatewayd/configsources.py).
+
+The path options are strings, turned into paths where the configuration reads them: a
+command that only talks to the control socket never imports pathlib (with the
+urllib.parse and ipaddress it brings, a tenth of such a command's start).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import posixpath
 import sys
 from collections.abc import Mapping
-from pathlib import Path
 
 from gatewayd.frame_limits import MAX_FRAME_BYTES, MIN_FRAME_BYTES
 
 # typing's flag without importing typing: client commands start without it
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from pathlib import Path
     from typing import Any, Final
 
     from gatewayd.config import GatewaydConfig
@@ -29,20 +34,17 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     # (gatewayd/configsources.py merges them; `gatewayd config show` says which one won).
     p.add_argument(
         "--state-dir",
-        type=Path,
         default=None,
         help="private state directory (runs, sockets, audit); default: state_dir of the "
         "configuration ($GATEWAYD_STATE_DIR, the file), else /var/lib/gatewayd",
     )
     p.add_argument(
         "--audit",
-        type=Path,
         default=None,
         help="audit log (configuration: audit_path; default STATE_DIR/audit/audit.jsonl)",
     )
     p.add_argument(
         "--policy-dir",
-        type=Path,
         action="append",
         default=[],
         help="directory searched for policies named without a path (repeatable; replaces "
@@ -50,7 +52,6 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--config",
-        type=Path,
         default=None,
         help="gatewayd's configuration file (docs/configuration.md); default $GATEWAYD_CONFIG, "
         "else /etc/gatewayd/gatewayd.yaml when it exists",
@@ -78,7 +79,6 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--lendable-root",
-        type=Path,
         action="append",
         default=[],
         help="a directory beneath which workspaces and rw policy paths may be lent to runs "
@@ -128,12 +128,20 @@ def whole_number(text: str) -> int:
     return value
 
 
+def absolute_path(value: str | os.PathLike[str]) -> Path:
+    """A path option as the configuration takes it: made absolute from the current
+    directory (``..`` kept, as pathlib's ``absolute`` keeps it)."""
+    from pathlib import Path
+
+    return Path(value).absolute()
+
+
 # Command-line options that set a configuration setting: (option, setting, how to read it).
 _SETTING_OPTIONS: Final = (
-    ("--state-dir", "state_dir", lambda v: v.absolute()),
-    ("--audit", "audit_path", lambda v: v.absolute()),
-    ("--control-socket", "control_socket", lambda v: v.absolute()),
-    ("--policy-dir", "policy_dirs", lambda v: tuple(p.absolute() for p in v) or None),
+    ("--state-dir", "state_dir", absolute_path),
+    ("--audit", "audit_path", absolute_path),
+    ("--control-socket", "control_socket", absolute_path),
+    ("--policy-dir", "policy_dirs", lambda v: tuple(absolute_path(p) for p in v) or None),
     ("--max-frame-bytes", "max_frame_bytes", lambda v: v),
     ("--audit-max-bytes", "audit_max_bytes", lambda v: v),
     ("--netns-prefix", "netns_prefix", lambda v: v),
@@ -142,7 +150,7 @@ _SETTING_OPTIONS: Final = (
     (
         "--lendable-root",
         "lendable_roots",
-        lambda v: tuple(Path(os.path.abspath(p)) for p in v) or None,
+        lambda v: tuple(absolute_path(os.path.abspath(p)) for p in v) or None,
     ),
     ("--no-os-sandbox", "os_sandbox", lambda v: False if v else None),
 )
@@ -179,26 +187,28 @@ def config_from_options(args: argparse.Namespace) -> GatewaydConfig:
     return settings_from_options(args).config
 
 
-def control_socket_of(args: argparse.Namespace) -> Path:
+def control_socket_of(args: argparse.Namespace) -> str:
     """``--control-socket``, else the configuration's (STATE_DIR/control.sock)."""
     if args.control_socket is not None:
-        return Path(args.control_socket)
+        return str(args.control_socket)
     plain = _plain_control_socket(args, os.environ)
     if plain is not None:
         return plain
-    return settings_from_options(args, warn=False).config.resolved_control_socket
+    return os.fspath(settings_from_options(args, warn=False).config.resolved_control_socket)
 
 
-def _plain_control_socket(args: argparse.Namespace, environ: Mapping[str, str]) -> Path | None:
+def _plain_control_socket(args: argparse.Namespace, environ: Mapping[str, str]) -> str | None:
     """The configuration's control socket, found without reading the configuration
     (whose models cost a client command most of its start) when nothing but the
     defaults and ``--state-dir`` can set it: no file (none named, none at the default
-    path), no ``GATEWAYD_`` variable, no other setting among the options. The settings
-    are then valid exactly when the checks below pass, which are the configuration's
-    own for these values: the agent directory outside the state directory, and the
-    default lendable roots outside both, on their real paths too
-    (gatewayd/config.py). None otherwise: the caller reads the whole configuration,
-    and reports what is wrong with it as it always has."""
+    path), no ``GATEWAYD_`` variable, no other setting among the options, and a state
+    directory that is already absolute and normalized once the current directory is put
+    before it (as the configuration would have it). The settings are then valid
+    exactly when the checks below pass, which are the configuration's own for these
+    values: the agent directory outside the state directory, and the default lendable
+    roots outside both, on their real paths too (gatewayd/config.py). None otherwise:
+    the caller reads the whole configuration, and reports what is wrong with it as it
+    always has."""
     from gatewayd.configdefaults import (
         CONFIG_ENV,
         DEFAULT_CONFIG_PATH,
@@ -206,7 +216,12 @@ def _plain_control_socket(args: argparse.Namespace, environ: Mapping[str, str]) 
         ENV_PREFIX,
         agent_dir_for,
     )
-    from gatewayd.sandbox.lendroots import DEFAULT_LENDABLE_ROOTS, real_root_problem
+    from gatewayd.sandbox.lendroots import (
+        DEFAULT_LENDABLE_ROOTS,
+        is_clean_absolute,
+        is_within,
+        real_root_problem,
+    )
 
     if getattr(args, "config", None) is not None or environ.get(CONFIG_ENV):
         return None
@@ -217,21 +232,26 @@ def _plain_control_socket(args: argparse.Namespace, environ: Mapping[str, str]) 
         if setting != "state_dir" and given is not None and read(given) is not None:
             return None
     given_dir = getattr(args, "state_dir", None)
-    # As _SETTING_OPTIONS reads --state-dir.
-    state_dir = DEFAULT_STATE_DIR if given_dir is None else Path(given_dir).absolute()
-    if DEFAULT_CONFIG_PATH.exists():
+    state_dir = DEFAULT_STATE_DIR if given_dir is None else os.fspath(given_dir)
+    # As _SETTING_OPTIONS reads --state-dir (pathlib's absolute), for a path it leaves
+    # as it is once absolute: one with "..", ".", "//" or a trailing "/" goes the long way.
+    if not state_dir.startswith("/"):
+        state_dir = posixpath.join(os.getcwd(), state_dir)
+    if not is_clean_absolute(state_dir):
+        return None
+    if os.path.exists(DEFAULT_CONFIG_PATH):
         return None
     agent_dir = agent_dir_for(state_dir)
-    if agent_dir == state_dir or state_dir in agent_dir.parents:
+    if is_within(agent_dir, state_dir):
         return None
     reserved = [
         (setting, path)
         for setting, own in (("state_dir", state_dir), ("agent_dir", agent_dir))
-        for path in (own, Path(os.path.realpath(own)))
+        for path in (own, os.path.realpath(own))
     ]
     if any(real_root_problem(root, reserved) for root in DEFAULT_LENDABLE_ROOTS):
         return None
-    return state_dir / "control.sock"
+    return posixpath.join(state_dir, "control.sock")
 
 
 def who_answers(args: argparse.Namespace) -> str:
@@ -256,7 +276,7 @@ def log_scrubber(config: GatewaydConfig) -> Scrubber:
     return Scrubber.for_config(config.models, config.scrubbed_secret_env, warn=False)
 
 
-def load_settings(path: Path | None) -> GatewaydConfig:
+def load_settings(path: str | os.PathLike[str] | None) -> GatewaydConfig:
     """gatewayd's configuration without command-line options: ``path``, else
     $GATEWAYD_CONFIG, else the default file when it exists, with $GATEWAYD_<NAME>
     variables over it. A file that is missing or invalid, or a bad variable, ends the

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK
 from gatewayd.cli.control_client import control_request
@@ -33,8 +32,8 @@ def add_parsers(sub: Subparsers) -> None:
         ("cancel", "drop a pending change"),
     ):
         cmd = rules.add_parser(name, help=helptext)
-        cmd.add_argument("--state-dir", type=Path, default=None)
-        cmd.add_argument("--control-socket", type=Path, default=None)
+        cmd.add_argument("--state-dir", default=None)
+        cmd.add_argument("--control-socket", default=None)
         if name in ("confirm", "cancel"):
             cmd.add_argument("confirmation_id", metavar="ID")
         elif name != "pending":
@@ -48,24 +47,30 @@ def main(args: argparse.Namespace) -> int:
     return _rules(args)
 
 
-def _rules(args: argparse.Namespace) -> int:
-    """`gatewayd rules ...`: one request to the control socket, its answer in words."""
+def _quoted(text: str) -> str:
+    """``text`` as one percent-encoded path segment or query value (urllib.parse is
+    imported only by the commands that send one: `rules pending` sends none)."""
     from urllib.parse import quote
 
+    return quote(text, safe="")
+
+
+def _rules(args: argparse.Namespace) -> int:
+    """`gatewayd rules ...`: one request to the control socket, its answer in words."""
     control = control_socket_of(args)
     command = args.rules_command
     try:
         if command == "show":
             status, answer = control_request(
-                control, "GET", f"/v1/rules?policy={quote(args.policy, safe='')}"
+                control, "GET", f"/v1/rules?policy={_quoted(args.policy)}"
             )
         elif command == "pending":
             status, answer = control_request(control, "GET", "/v1/rules/pending")
         elif command == "confirm":
-            target = f"/v1/rules/pending/{quote(args.confirmation_id, safe='')}/confirm"
+            target = f"/v1/rules/pending/{_quoted(args.confirmation_id)}/confirm"
             status, answer = control_request(control, "POST", target, {})
         elif command == "cancel":
-            target = f"/v1/rules/pending/{quote(args.confirmation_id, safe='')}"
+            target = f"/v1/rules/pending/{_quoted(args.confirmation_id)}"
             status, answer = control_request(control, "DELETE", target)
         else:
             body = {

@@ -6,19 +6,16 @@ socket)."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import re
-import shlex
-import signal
 import sys
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_USAGE, refusing
 from gatewayd.cli.control_client import control_request
 from gatewayd.cli.options import (
+    absolute_path,
     add_daemon_options,
     config_from_options,
     control_socket_of,
@@ -30,6 +27,8 @@ from gatewayd.exitstatus import EXIT_MAX_RUNTIME, SIGNAL_EXIT_BASE, describe_exe
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import _socket
+    import contextlib
+    import signal
     from typing import Final, TextIO
 
     import trio
@@ -38,9 +37,6 @@ if TYPE_CHECKING:
     from gatewayd.daemon import Daemon
     from gatewayd.runs import Run, RunRequest
 
-# What stops a one-shot run early: an operator's ^C, a service manager's stop, a
-# closed terminal. gatewayd then exits 128 + N like the command would.
-STOP_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Variables a run's command may inherit from gatewayd's environment; everything else
 # is dropped (invariant SECRETS_HOST_ONLY), and the two COGNI_ variables are added.
 ENV_ALLOWLIST: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TERM", "TZ")
@@ -88,7 +84,7 @@ def add_parsers(sub: Subparsers) -> None:
     )
     add_daemon_options(run)
     run.add_argument("--policy", help="policy file, or the name of a shipped policy")
-    run.add_argument("--workspace", type=Path, help="the run's workspace directory")
+    run.add_argument("--workspace", help="the run's workspace directory")
     run.add_argument("--actor", default=os.environ.get("USER", "operator"))
     run.add_argument("--tenant", default="local")
     run.add_argument(
@@ -107,14 +103,12 @@ def add_parsers(sub: Subparsers) -> None:
     )
     run.add_argument(
         "--image",
-        type=Path,
         default=None,
         help="a root filesystem directory for the sandbox instead of the host's system "
         "directories (see sandbox_image/README.md; check it with `gatewayd image check`)",
     )
     run.add_argument(
         "--spec",
-        type=Path,
         default=None,
         help="a JSON RunRequest file instead of --policy/--workspace (grant included)",
     )
@@ -144,14 +138,11 @@ def add_parsers(sub: Subparsers) -> None:
     )
     execute.add_argument(
         "--state-dir",
-        type=Path,
         default=None,
         help="the daemon's state directory (to find its control socket); default: the "
         "configuration's",
     )
-    execute.add_argument(
-        "--control-socket", type=Path, default=None, help="default STATE_DIR/control.sock"
-    )
+    execute.add_argument("--control-socket", default=None, help="default STATE_DIR/control.sock")
     execute.add_argument(
         "--timeout", type=float, default=None, help="seconds (at most the policy's timeout)"
     )
@@ -239,7 +230,7 @@ def _base_request(args: argparse.Namespace) -> RunRequest:
         raise SystemExit("gatewayd run: --policy and --workspace are required (or --spec FILE)")
     # The operator starting a run from the host's command line is the system grant.
     return RunRequest(
-        workspacePath=str(args.workspace.resolve()),
+        workspacePath=os.path.realpath(args.workspace),
         policy=args.policy,
         actorId=args.actor,
         tenantId=args.tenant,
@@ -248,7 +239,7 @@ def _base_request(args: argparse.Namespace) -> RunRequest:
         limits=RunLimits(maxRuntimeSec=args.max_runtime)
         if args.max_runtime is not None
         else RunLimits(),
-        sandboxImage=str(args.image.absolute()) if args.image else None,
+        sandboxImage=str(absolute_path(args.image)) if args.image else None,
     )
 
 
@@ -258,11 +249,20 @@ def child_environment(run: Run) -> dict[str, str]:
     The directory of this interpreter goes first on PATH so ``cogni-tool`` is found.
     """
     env = {k: v for k, v in os.environ.items() if k in ENV_ALLOWLIST}
-    bindir = str(Path(sys.executable).parent)
+    bindir = os.path.dirname(sys.executable)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "/usr/local/bin:/usr/bin:/bin")
     env["COGNI_GATEWAY_SOCK"] = str(run.socket_path)
     env["COGNI_RUN_ID"] = run.run_id
     return env
+
+
+def _stop_signals() -> tuple[signal.Signals, ...]:
+    """What stops a one-shot run early: an operator's ^C, a service manager's stop, a
+    closed terminal. gatewayd then exits 128 + N like the command would. (signal is
+    imported here: `gatewayd exec` needs none of it.)"""
+    import signal
+
+    return (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -382,12 +382,14 @@ def _run(args: argparse.Namespace) -> int:
             # A stop signal ends the run the way a daemon's stop does (command stopped,
             # overlay unmounted, base given back, the session kept): without this the
             # default action would kill gatewayd with its base still lent.
-            with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+            with trio.open_signal_receiver(*_stop_signals()) as signals:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(_cancel_on_signal, signals, nursery.cancel_scope, stopped_by)
                     await work(daemon)
                     nursery.cancel_scope.cancel()
             if stopped_by:
+                import signal
+
                 name = signal.Signals(stopped_by[0]).name
                 print(
                     f"gatewayd: {name}: the run is being ended (its command stopped); "
@@ -408,6 +410,7 @@ def _run_attached(args: argparse.Namespace, cmd: list[str]) -> int | None:
     process can take (``--audit``, ``--sandbox-uids``...: the serving daemon runs it
     with its own configuration)."""
     import json
+    import signal
 
     from gatewayd.cli.control_client import NO_DAEMON
     from gatewayd.cli.unix_http import upgrade
@@ -480,14 +483,14 @@ def _attach_request(args: argparse.Namespace) -> dict[str, object]:
             raise SystemExit("gatewayd run: --policy and --workspace are required (or --spec FILE)")
         # The operator starting a run from the host's command line is the system grant.
         request = {
-            "workspacePath": str(args.workspace.resolve()),
+            "workspacePath": os.path.realpath(args.workspace),
             "policy": args.policy,
             "actorId": args.actor,
             "tenantId": args.tenant,
             "grant": {"allowSandbox": True},
             "toolIds": list(args.tools) if args.tools else None,
             "limits": {} if args.max_runtime is None else {"maxRuntimeSec": args.max_runtime},
-            "sandboxImage": str(args.image.absolute()) if args.image else None,
+            "sandboxImage": str(absolute_path(args.image)) if args.image else None,
         }
     policy = request.get("policy")
     if isinstance(policy, str) and ("/" in policy or policy.endswith((".yaml", ".yml"))):
@@ -526,7 +529,9 @@ def _attached(sock: _socket.socket, early: bytes) -> int:
     status the daemon says."""
     import _socket
     import array
+    import contextlib
     import json
+    import signal
 
     stopped: list[int] = []
     passed = False
@@ -541,7 +546,7 @@ def _attached(sock: _socket.socket, early: bytes) -> int:
             if passed:  # else said once the streams are passed (it would take their place)
                 stop_message()
 
-    for signum in STOP_SIGNALS:
+    for signum in _stop_signals():
         signal.signal(signum, pass_on)
     with contextlib.ExitStack() as opened:
         fds = [
@@ -592,7 +597,7 @@ def _terminal_read_here(fd: int, opened: contextlib.ExitStack) -> int:
     opened.callback(os.close, read_end)  # the daemon holds its own copy once passed
 
     def feed() -> None:
-        from gatewayd.files import write_all
+        from gatewayd.fdwrite import write_all
 
         try:
             while chunk := os.read(fd, _ATTACH_READ_BYTES):
@@ -633,6 +638,8 @@ async def _end_one_shot(
 def store_options(args: argparse.Namespace | None) -> str:
     """The options (each with a leading space) a later `gatewayd workspace ...` needs to
     find the same sessions as this command."""
+    import shlex
+
     return "".join(
         f" {flag} {shlex.quote(str(getattr(args, name)))}"
         for name, flag in _STORE_OPTIONS
@@ -652,6 +659,8 @@ async def _run_in_sandbox(
     args: argparse.Namespace | None = None,
 ) -> int:
     """The one-shot run's command, in the run's sandbox; returns gatewayd's exit status."""
+    import contextlib
+
     from gatewayd.runs.oneshot import run_in_sandbox
     from gatewayd.sandbox.passthrough import Passthrough
 
@@ -706,7 +715,7 @@ def _own_descriptor(stream: TextIO | None, flags: int, opened: contextlib.ExitSt
 
 
 def _writer(fd: int) -> Callable[[bytes], None]:
-    from gatewayd.files import write_all
+    from gatewayd.fdwrite import write_all
 
     return functools.partial(write_all, fd)
 
@@ -721,9 +730,6 @@ def _write_output(stdout: bytes, stderr: bytes) -> None:
 def _exec(args: argparse.Namespace) -> int:
     """`gatewayd exec RUN -- CMD`: POST the command to the control socket, print its
     output, exit with its status."""
-    import base64
-    from urllib.parse import quote
-
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":
         cmd = cmd[1:]
@@ -748,9 +754,8 @@ def _exec(args: argparse.Namespace) -> int:
         print(f"gatewayd exec: {exc}", file=sys.stderr)
         return EXIT_USAGE
     control = control_socket_of(args)
-    # Quoted whole: whatever the id holds is one path segment, which the daemon refuses
-    # by name when it names no run (a space, "/", "..", non-ASCII included).
-    target = f"/v1/runs/{quote(args.run_id, safe='')}/exec"
+    # The id is 32 hex digits (checked above): one path segment as it is.
+    target = f"/v1/runs/{args.run_id}/exec"
     try:
         status, payload = control_request(control, "POST", target, body)
     except OSError as exc:
@@ -766,8 +771,12 @@ def _exec(args: argparse.Namespace) -> int:
     streams = []
     for name in ("stdout", "stderr"):
         text = result[name]
-        data = base64.b64decode(text) if result[f"{name}Encoding"] == "base64" else text.encode()
-        streams.append(data)
+        if result[f"{name}Encoding"] == "base64":  # output that is not UTF-8 text
+            import base64
+
+            streams.append(base64.b64decode(text))
+        else:
+            streams.append(text.encode())
     _write_output(streams[0], streams[1])
     for name in ("stdout", "stderr"):
         if result[f"{name}Truncated"]:

@@ -114,7 +114,7 @@ def _who(args: argparse.Namespace) -> str:
         return "unknown"
 
 
-def _through_control(control: Path, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
+def _through_control(control: str, args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     """The command as one request to the daemon's control socket. Error handling:
     OSError when nothing answers there."""
     from urllib.parse import quote

@@ -332,7 +332,7 @@ class LendableRoots:
     gatewayd's own directories, never lent whatever the roots say (see the module's
     doc)."""
 
-    configured: tuple[Path, ...] = DEFAULT_LENDABLE_ROOTS
+    configured: tuple[Path, ...] = tuple(Path(root) for root in DEFAULT_LENDABLE_ROOTS)
     own: tuple[Path, ...] = ()
     reserved: tuple[OwnDirectory, ...] = ()
 

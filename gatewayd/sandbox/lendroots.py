@@ -1,9 +1,10 @@
 """Which directories may be lendable roots (:mod:`gatewayd.sandbox.lendable` says what
 lending is and the other checks): the rules on the paths alone, and the defaults.
 
-A module of its own, importing nothing of gatewayd: a client command that resolves the
-control socket (gatewayd/cli/options.py) checks the default roots against the state
-directory as the configuration would, without loading the configuration's models.
+A module of its own, importing nothing of gatewayd, nor pathlib: a client command that
+resolves the control socket (gatewayd/cli/options.py) checks the default roots against
+the state directory as the configuration would, without loading the configuration's
+models.
 """
 
 from __future__ import annotations
@@ -11,15 +12,17 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Iterable
-from pathlib import Path
 
 # typing's flag without importing typing: client commands start without it
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Final
 
+    # A path as a string or a pathlib path: the daemon's are paths, a client's strings.
+    AnyPath = str | os.PathLike[str]
+
 # Where workspaces live on a fresh host; the tests put theirs under /tmp.
-DEFAULT_LENDABLE_ROOTS: Final[tuple[Path, ...]] = (Path("/home"), Path("/tmp"), Path("/var/tmp"))
+DEFAULT_LENDABLE_ROOTS: Final[tuple[str, ...]] = ("/home", "/tmp", "/var/tmp")
 # Trees that hold the system, root's own files or the kernel's: no lendable root may lie
 # at, above or beneath one, and no bind mount may bring one under a root.
 SYSTEM_TREES: Final[tuple[str, ...]] = (
@@ -56,7 +59,7 @@ NEVER_ROOTS: Final[tuple[str, ...]] = ("/", "/srv")
 # --- the roots (pure) --------------------------------------------------------------------
 
 
-def root_problem(root: str, reserved: Iterable[tuple[str, Path]] = ()) -> str | None:
+def root_problem(root: str, reserved: Iterable[tuple[str, AnyPath]] = ()) -> str | None:
     """Why ``root`` cannot be a lendable root, or None when it can. ``reserved`` are
     gatewayd's own directories by setting name (``state_dir``, ``agent_dir``): a root
     at or beneath one would lend gatewayd's state."""
@@ -75,21 +78,22 @@ def root_problem(root: str, reserved: Iterable[tuple[str, Path]] = ()) -> str | 
         if is_within(tree, root):
             return f"{root} holds the system tree {tree}, which is never lent"
     for setting, path in reserved:
-        if is_within(root, str(path)):
+        if is_within(root, os.fspath(path)):
             return f"{root} lies in gatewayd's own {setting} {path}, which is never lent"
     return None
 
 
-def real_root_problem(root: Path, reserved: Iterable[tuple[str, Path]] = ()) -> str | None:
+def real_root_problem(root: AnyPath, reserved: Iterable[tuple[str, AnyPath]] = ()) -> str | None:
     """:func:`root_problem` of ``root`` as written, then of its real path (symlinks and
     ``..`` resolved as the host has them now): a root that is a symlink into a system
     tree (``/var/run`` is ``/run``) or into gatewayd's own directories is no root either.
     ``reserved`` must be real paths. Reads the file system."""
-    problem = root_problem(str(root), reserved)
+    written = os.fspath(root)
+    problem = root_problem(written, reserved)
     if problem is not None:
         return problem
-    real = os.path.realpath(root)
-    if real == str(root):
+    real = os.path.realpath(written)
+    if real == written:
         return None
     problem = root_problem(real, reserved)
     return None if problem is None else f"{root} is really {real}, and {problem}"

@@ -8,6 +8,7 @@ run's policy reaches such a tool, then in a worker thread, never on its event lo
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -22,12 +23,14 @@ import pytest
 from gatewayd.configdefaults import DEFAULT_CONFIG_PATH
 from tests.livedaemon import sandbox_options
 from tests.unit.test_cli_imports import (
+    CLIENT_STDLIB,
     CODECS,
     DENY_ALL,
     HEAVY,
     MODELS,
     SOME_DAEMONS_ONLY,
     TOOL_LIBRARIES,
+    TYPING,
     UNKNOWN_RUN,
     assert_light,
     clean_env,
@@ -80,7 +83,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, str]]
 
     if (reason := _unavailable()) is not None:
         pytest.skip(reason)
-    if DEFAULT_CONFIG_PATH.exists():
+    if os.path.exists(DEFAULT_CONFIG_PATH):
         pytest.skip(f"{DEFAULT_CONFIG_PATH} exists: the command reads it, as it should")
     base = Path(tempfile.mkdtemp(prefix="cg-cli-", dir="/tmp"))
     base.chmod(0o711)  # the run's uid passes through to its workspace
@@ -111,7 +114,7 @@ def test_exec_in_a_live_run_prints_its_output_and_loads_nothing_heavy(
         "echo out; echo err >&2",
     )
     assert (done.returncode, done.stdout, done.stderr) == (0, "out\n", "err\n"), done
-    assert_light(modules, HEAVY | MODELS | CODECS)
+    assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB)
 
 
 def test_exec_of_an_unknown_run_of_a_live_daemon_says_so_and_loads_nothing_heavy(
@@ -121,7 +124,7 @@ def test_exec_of_an_unknown_run_of_a_live_daemon_says_so_and_loads_nothing_heavy
     done, modules = run_cli(tmp_path, "exec", "--state-dir", str(state), UNKNOWN_RUN, "--", "true")
     assert done.returncode == 1, done
     assert done.stderr == f"gatewayd exec: bad_request: no such run {UNKNOWN_RUN}\n", done
-    assert_light(modules, HEAVY | MODELS | CODECS)
+    assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB)
 
 
 def test_rules_pending_of_a_live_daemon_loads_nothing_heavy(
@@ -130,7 +133,7 @@ def test_rules_pending_of_a_live_daemon_loads_nothing_heavy(
     state, _ = live
     done, modules = run_cli(tmp_path, "rules", "pending", "--state-dir", str(state))
     assert done.returncode == 0, done
-    assert_light(modules, HEAVY | MODELS | CODECS)
+    assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB)
 
 
 def test_a_command_answered_in_process_loads_no_tool_library(tmp_path: Path) -> None:
@@ -154,7 +157,7 @@ def one_shot_base() -> Iterator[Path]:
 
     if (reason := _unavailable()) is not None:
         pytest.skip(reason)
-    if DEFAULT_CONFIG_PATH.exists():
+    if os.path.exists(DEFAULT_CONFIG_PATH):
         pytest.skip(f"{DEFAULT_CONFIG_PATH} exists: the command reads it, as it should")
     base = Path(tempfile.mkdtemp(prefix="cg-run-", dir="/tmp"))
     base.chmod(0o711)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gatewayd.config import agent_dir_for
+from gatewayd.configdefaults import agent_dir_for
 from gatewayd.workspace.store import WorkspaceStore, _mounts_under
 from tests.conftest import ROOT
 from tests.livedaemon import BIN, LiveDaemon, start_daemon
@@ -61,7 +61,7 @@ def kept_session(
 
 def store_of(state: Path) -> WorkspaceStore:
     """The store of the daemon on ``state`` (in its agent directory, beside it)."""
-    return WorkspaceStore(agent_dir_for(state))
+    return WorkspaceStore(Path(agent_dir_for(str(state))))
 
 
 def audit_events(path: Path, name: str) -> list[dict[str, Any]]:
@@ -270,7 +270,7 @@ def test_a_daemon_start_recovers_a_dead_runs_session(where: Path) -> None:
             "import os\n"
             "from pathlib import Path\n"
             "from gatewayd.workspace.store import WorkspaceStore\n"
-            f"h = WorkspaceStore(Path({str(agent_dir_for(state))!r})).open_session({run_id!r}, "
+            f"h = WorkspaceStore(Path({agent_dir_for(str(state))!r})).open_session({run_id!r}, "
             f"Path({str(base)!r}), 'overlay', on_end='commit', keep_for_s=3600, "
             "max_delta_bytes=1 << 20)\n"
             "(h.root / 'new.txt').write_text('from the dead run\\n')\n"

@@ -23,7 +23,7 @@ def no_gatewayd_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("GATEWAYD_"):
             monkeypatch.delenv(name)
-    if DEFAULT_CONFIG_PATH.exists():
+    if os.path.exists(DEFAULT_CONFIG_PATH):
         pytest.skip(f"{DEFAULT_CONFIG_PATH} exists: every command reads it, as it should")
 
 
@@ -31,10 +31,10 @@ def exec_args(*words: str) -> argparse.Namespace:
     return build_parser("exec").parse_args(["exec", *words, UNKNOWN_RUN, "--", "true"])
 
 
-def by_the_configuration(args: argparse.Namespace) -> Path | str:
+def by_the_configuration(args: argparse.Namespace) -> str:
     """The socket the whole configuration names, or the message it refuses with."""
     try:
-        return options.settings_from_options(args, warn=False).config.resolved_control_socket
+        return str(options.settings_from_options(args, warn=False).config.resolved_control_socket)
     except SystemExit as refused:
         return str(refused.code)
 
@@ -48,6 +48,12 @@ def state_dirs(tmp_path: Path) -> list[str]:
         str(tmp_path / "to-real"),
         str(tmp_path / "real" / ".." / "state"),
         "relative/state",
+        # Spelt other than pathlib would write them: the long way, to the same socket.
+        str(tmp_path / "state") + "/",
+        f"{tmp_path}//state",
+        f"{tmp_path}/./state",
+        "./relative/state",
+        "",
         "/",  # holds every lendable root
         "/tmp",  # is one
         "/var/tmp",
@@ -96,13 +102,13 @@ def test_a_gatewayd_variable_or_a_file_sends_it_to_the_configuration(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     args = exec_args("--state-dir", str(tmp_path / "state"))
-    assert options._plain_control_socket(args, os.environ) == tmp_path / "state" / "control.sock"
+    assert options._plain_control_socket(args, os.environ) == f"{tmp_path}/state/control.sock"
     # A variable that sets the socket wins over --state-dir's default for it.
     elsewhere = tmp_path / "elsewhere.sock"
     environ = {"GATEWAYD_CONTROL_SOCKET": str(elsewhere)}
     assert options._plain_control_socket(args, environ) is None
     monkeypatch.setenv("GATEWAYD_CONTROL_SOCKET", str(elsewhere))
-    assert options.control_socket_of(args) == elsewhere
+    assert options.control_socket_of(args) == str(elsewhere)
     monkeypatch.delenv("GATEWAYD_CONTROL_SOCKET")
     # So does the file $GATEWAYD_CONFIG names, and a variable that is no setting is
     # left to the configuration too (it warns of it where it warns).
@@ -110,7 +116,7 @@ def test_a_gatewayd_variable_or_a_file_sends_it_to_the_configuration(
     config.write_text(f"control_socket: {elsewhere}\n")
     assert options._plain_control_socket(args, {"GATEWAYD_CONFIG": str(config)}) is None
     monkeypatch.setenv("GATEWAYD_CONFIG", str(config))
-    assert options.control_socket_of(args) == elsewhere
+    assert options.control_socket_of(args) == str(elsewhere)
     assert options._plain_control_socket(args, {"GATEWAYD_NO_SUCH": "1"}) is None
 
 
@@ -131,4 +137,4 @@ def test_another_setting_among_the_options_sends_it_to_the_configuration(tmp_pat
     )
     assert options._plain_control_socket(args, os.environ) is None
     args = build_parser("mcp").parse_args(["mcp", "list", "--state-dir", str(tmp_path)])
-    assert options._plain_control_socket(args, os.environ) == tmp_path / "control.sock"
+    assert options._plain_control_socket(args, os.environ) == f"{tmp_path}/control.sock"
