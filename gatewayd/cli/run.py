@@ -27,7 +27,6 @@ from gatewayd.exitstatus import EXIT_MAX_RUNTIME, SIGNAL_EXIT_BASE, describe_exe
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import _socket
-    import contextlib
     import signal
     from typing import Final, TextIO
 
@@ -528,8 +527,6 @@ def _attached(sock: _socket.socket, early: bytes) -> int:
     streams passed, the daemon's lines printed, a stop signal passed on; the exit
     status the daemon says."""
     import _socket
-    import array
-    import contextlib
     import json
     import signal
 
@@ -537,8 +534,10 @@ def _attached(sock: _socket.socket, early: bytes) -> int:
     passed = False
 
     def stop_message() -> None:
-        with contextlib.suppress(OSError):
+        try:  # noqa: SIM105 (contextlib is an import this client does without)
             sock.sendall(json.dumps({"stop": stopped[0]}).encode() + b"\n")
+        except OSError:
+            pass
 
     def pass_on(signum: int, _frame: object) -> None:
         if not stopped:  # the first ends the run; the daemon says when it has
@@ -548,7 +547,10 @@ def _attached(sock: _socket.socket, early: bytes) -> int:
 
     for signum in _stop_signals():
         signal.signal(signum, pass_on)
-    with contextlib.ExitStack() as opened:
+    # Everything from the daemon's 101 to the descriptors' sending is on the run's
+    # critical path (the daemon waits for them): no import in between.
+    opened: list[int] = []
+    try:
         fds = [
             _terminal_read_here(_own_descriptor(sys.stdin, os.O_RDONLY, opened), opened),
             _own_descriptor(sys.stdout, os.O_WRONLY, opened),
@@ -557,7 +559,11 @@ def _attached(sock: _socket.socket, early: bytes) -> int:
         for stream in (sys.stdout, sys.stderr):
             if stream is not None:
                 stream.flush()
-        sock.sendmsg([b"\0"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, array.array("i", fds))])
+        # SCM_RIGHTS carries C ints, in the machine's order.
+        rights = b"".join(fd.to_bytes(4, sys.byteorder, signed=True) for fd in fds)
+        sock.sendmsg([b"\0"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
+    finally:
+        _close_all(opened)
     passed = True
     if stopped:
         stop_message()
@@ -582,19 +588,26 @@ def _attached(sock: _socket.socket, early: bytes) -> int:
         buffer += chunk
 
 
-def _terminal_read_here(fd: int, opened: contextlib.ExitStack) -> int:
+def _close_all(fds: list[int]) -> None:
+    """Close the descriptors this process opened for its streams (the daemon holds its
+    own copies once they are passed)."""
+    for fd in fds:
+        os.close(fd)
+
+
+def _terminal_read_here(fd: int, opened: list[int]) -> int:
     """``fd``, or, when it is a terminal, a pipe this process feeds from it in a thread:
     the daemon never reads the operator's terminal itself. Job control then holds as for
     any command: `gatewayd run ... &` that reads its terminal is stopped (SIGTTIN) rather
     than taking lines typed for the shell (the daemon, in no session of that terminal,
     would be stopped by nothing); and nothing reads the terminal once this process is
     gone."""
-    import threading
-
     if not os.isatty(fd):
         return fd
+    import threading
+
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
-    opened.callback(os.close, read_end)  # the daemon holds its own copy once passed
+    opened.append(read_end)  # the daemon holds its own copy once passed
 
     def feed() -> None:
         from gatewayd.fdwrite import write_all
@@ -659,15 +672,14 @@ async def _run_in_sandbox(
     args: argparse.Namespace | None = None,
 ) -> int:
     """The one-shot run's command, in the run's sandbox; returns gatewayd's exit status."""
-    import contextlib
-
     from gatewayd.runs.oneshot import run_in_sandbox
     from gatewayd.sandbox.passthrough import Passthrough
 
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:  # None: closed when gatewayd started
             stream.flush()
-    with contextlib.ExitStack() as opened:
+    opened: list[int] = []
+    try:
         # The command is this process in a pipeline: our stdin is its stdin, its
         # output is ours, as it comes, through pipes (never our descriptors
         # themselves: one could be the operator's terminal). Nothing is kept, so no
@@ -687,6 +699,8 @@ async def _run_in_sandbox(
             audit_path=str(daemon.config.resolved_audit_path),
             store_options=store_options(args),
         )
+    finally:
+        _close_all(opened)
 
 
 def _keep_our_lines_off_stdout() -> None:
@@ -697,20 +711,20 @@ def _keep_our_lines_off_stdout() -> None:
         sys.stderr = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115
 
 
-def _own_descriptor(stream: TextIO | None, flags: int, opened: contextlib.ExitStack) -> int:
+def _own_descriptor(stream: TextIO | None, flags: int, opened: list[int]) -> int:
     """The descriptor behind one of our standard streams, or /dev/null (opened with
-    ``flags``, closed with ``opened``) when it was closed when gatewayd started: Python
-    then leaves the stream None, and the descriptor number may since name a file
-    gatewayd opened itself (the audit log), which must never be relayed. A stream with
-    no descriptor at all (replaced in-process, as a test harness or an embedding program
-    does) is /dev/null too: there is nothing of ours to relay."""
+    ``flags``, added to ``opened`` for the caller to close) when it was closed when
+    gatewayd started: Python then leaves the stream None, and the descriptor number may
+    since name a file gatewayd opened itself (the audit log), which must never be
+    relayed. A stream with no descriptor at all (replaced in-process, as a test harness
+    or an embedding program does) is /dev/null too: there is nothing of ours to relay."""
     if stream is not None:
         try:
             return stream.fileno()
         except (OSError, ValueError):  # io.UnsupportedOperation is both
             pass
     fd = os.open(os.devnull, flags | os.O_CLOEXEC)
-    opened.callback(os.close, fd)
+    opened.append(fd)
     return fd
 
 

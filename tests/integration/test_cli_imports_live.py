@@ -136,6 +136,27 @@ def test_rules_pending_of_a_live_daemon_loads_nothing_heavy(
     assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB)
 
 
+def test_an_attached_run_loads_nothing_heavy_nor_what_only_a_terminal_needs(
+    tmp_path: Path, live: tuple[Path, str]
+) -> None:
+    # `gatewayd run` served by the live daemon: the client passes its streams right after
+    # the daemon's 101 (no import in between: no threading without a terminal, no
+    # contextlib, no array); signal (its stop signals) and shlex (the store options)
+    # are its own.
+    state, _ = live
+    workspace = state.parent / "ws-attached"
+    workspace.mkdir(exist_ok=True)
+    done, modules = run_cli(
+        tmp_path,
+        *("run", "--state-dir", str(state), "--workspace", str(workspace)),
+        *("--policy", "default", "--on-end", "discard", "--", "echo", "attached"),
+    )
+    assert (done.returncode, done.stdout) == (0, "attached\n"), done
+    assert "gatewayd: run " in done.stderr, done.stderr
+    attached_stdlib = (CLIENT_STDLIB - {"signal", "shlex"}) | {"threading", "array"}
+    assert_light(modules, HEAVY | MODELS | CODECS | TYPING | attached_stdlib)
+
+
 def test_a_command_answered_in_process_loads_no_tool_library(tmp_path: Path) -> None:
     # No daemon serves the state directory: `gatewayd workspace list` opens one in this
     # process for its one answer, which serves no call and so loads no tool's library.

@@ -197,9 +197,14 @@ def test_a_standard_stream_without_a_descriptor_of_ours_is_relayed_as_dev_null(
 ) -> None:
     from gatewayd.cli.run import _own_descriptor
 
-    with contextlib.ExitStack() as opened:
-        fd = _own_descriptor(stream, os.O_RDONLY, opened)
+    opened: list[int] = []
+    fd = _own_descriptor(stream, os.O_RDONLY, opened)
+    try:
         assert os.path.samestat(os.fstat(fd), os.stat(os.devnull))
+        assert opened == [fd]  # the caller closes it
+    finally:
+        for each in opened:
+            os.close(each)
 
 
 async def test_a_cancelled_feed_leaves_no_thread_reading_the_hosts_input() -> None:
