@@ -8,9 +8,13 @@ codec; :mod:`gatewayd.protocol` names them too, as it always has.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Final
+
+# typing's flag without importing typing: the readers of the audit log start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from typing import Final
 
 
 class Fault(enum.StrEnum):

@@ -15,8 +15,8 @@ what it brings (trio, the metrics); the imports below are what a type checker an
 import contracts see.
 """
 
-from typing import TYPE_CHECKING
-
+# typing's flag without importing typing: the readers start without it
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from gatewayd.audit.chain import GENESIS, ChainPosition
     from gatewayd.audit.entry import (

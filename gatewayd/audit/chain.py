@@ -3,32 +3,45 @@
 :class:`Chain` is the sans-IO writer side: it holds the last sequence number and hash,
 and turns ``(kind, fields)`` into the next sealed line. :func:`read_line` is the reader
 side: it splits a line, recomputes the hash over the exact bytes, compares in constant
-time and decodes the entry. :func:`follows` is the link check between two entries.
+time and decodes the entry. :func:`follows` is the link check between two entries. The
+reader's side lives in :mod:`gatewayd.audit.sealed` (the readers import that alone,
+without the writer's msgspec and scrubber), and is named here too.
 """
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final
 
-import msgspec
-
-from gatewayd.audit.entry import (
-    MAX_DEGRADED_CHARS,
-    AuditEntry,
-    EntryFormatError,
-    EntryKind,
-    build_body,
-    decode_body,
-    format_time,
-)
+from gatewayd.audit.entry import EntryKind, build_body, format_time
+from gatewayd.audit.entryform import MAX_DEGRADED_CHARS
 from gatewayd.audit.events import AuditEvent
-from gatewayd.audit.line import GENESIS_HASH, LineFormatError, body_hash, hashes_equal, seal
-from gatewayd.audit.line import unseal as _unseal
+from gatewayd.audit.line import seal
+from gatewayd.audit.sealed import (
+    GENESIS,
+    ChainPosition,
+    LineDefect,
+    LineError,
+    SealedEntry,
+    follows,
+    read_line,
+)
 from gatewayd.protocol import MAX_ID_CHARS
 from gatewayd.secrets import Scrubber
+
+__all__ = [
+    "GENESIS",
+    "NO_SECRETS",
+    "WITHHELD_REASON",
+    "Chain",
+    "ChainPosition",
+    "LineDefect",
+    "LineError",
+    "SealedEntry",
+    "follows",
+    "read_line",
+]
 
 NO_SECRETS: Final = Scrubber()
 # What an entry says when a secret could not be scrubbed out of its fields.
@@ -43,64 +56,6 @@ _BOUNDED_TEXT: Final = {
     "tool": MAX_ID_CHARS,
     "degraded": MAX_DEGRADED_CHARS,
 }
-
-
-class ChainPosition(msgspec.Struct, frozen=True):
-    """The last entry of a chain: its seq and hash (seq 0 and GENESIS_HASH when empty)."""
-
-    seq: int
-    hash: str
-
-
-GENESIS: Final = ChainPosition(0, GENESIS_HASH)
-
-
-class SealedEntry(msgspec.Struct, frozen=True):
-    """An entry read from a line whose hash matched its bytes."""
-
-    entry: AuditEntry
-    hash: str
-
-    @property
-    def position(self) -> ChainPosition:
-        return ChainPosition(self.entry.seq, self.hash)
-
-
-class LineDefect(enum.StrEnum):
-    BROKEN = "broken"  # not a sealed entry at all (torn, edited JSON, wrong shape)
-    TAMPERED = "tampered"  # well formed, but the bytes no longer match the hash
-
-
-class LineError(ValueError):
-    """A line that cannot be trusted; ``defect`` says how, ``str()`` says why."""
-
-    def __init__(self, defect: LineDefect, reason: str) -> None:
-        super().__init__(reason)
-        self.defect = defect
-
-
-def read_line(line: bytes) -> SealedEntry:
-    """Check one line (without its newline) and return its entry and hash.
-
-    Raises :class:`LineError`: BROKEN when the line is not a sealed entry gatewayd
-    could have written, TAMPERED when its bytes do not match its hash.
-    """
-    try:
-        body, claimed = _unseal(line)
-    except LineFormatError as exc:
-        raise LineError(LineDefect.BROKEN, str(exc)) from None
-    if not hashes_equal(body_hash(body), claimed):
-        raise LineError(LineDefect.TAMPERED, "its content does not match its hash")
-    try:
-        entry = decode_body(body)
-    except EntryFormatError as exc:
-        raise LineError(LineDefect.BROKEN, str(exc)) from None
-    return SealedEntry(entry, claimed)
-
-
-def follows(after: ChainPosition, sealed: SealedEntry) -> bool:
-    """Whether ``sealed`` is the entry right after ``after`` (next seq, prev matches)."""
-    return sealed.entry.seq == after.seq + 1 and hashes_equal(sealed.entry.prev, after.hash)
 
 
 class Chain:

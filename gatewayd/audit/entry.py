@@ -1,22 +1,21 @@
-"""What one audit entry holds: the schema, its limits, and the body codec.
+"""What one audit entry holds: the schema the writer seals, its limits, and the body's
+encoding.
 
 The entry is a frozen msgspec Struct whose field order *is* the on-disk key order
 (``seq``, ``time``, ``kind``, the optional fields, ``prev``); fields that are None are
 left out. :func:`build_body` validates the caller's fields (msgspec does it in C) and
 returns the bytes the hash is taken over; a caller whose fields it built itself from
 typed values (the dispatcher's call and result entries) may skip that validation, which
-costs more than the rest of sealing an entry;
-:func:`decode_body` reads them back and insists they are exactly what gatewayd would
-have written, so a line edited by hand, even with a fresh hash, stands out.
+costs more than the rest of sealing an entry. Reading a body back is
+:func:`gatewayd.audit.entryform.decode_body`, without msgspec (the readers start without
+it); the bounds, patterns and enums of this schema are that module's.
 
 No I/O and no clock: the time is passed in.
 """
 
 from __future__ import annotations
 
-import enum
 import hashlib
-import re
 import time
 from collections.abc import Mapping
 from functools import lru_cache
@@ -24,9 +23,33 @@ from typing import Annotated, Any, Final, TypedDict
 
 import msgspec
 
+from gatewayd.audit.entryform import (
+    DIGEST_PATTERN,
+    EVENT_NAME_PATTERN,
+    MAX_DEGRADED_CHARS,
+    MAX_DURATION_MS,
+    Decision,
+    EntryKind,
+)
 from gatewayd.audit.events import AuditEvent
-from gatewayd.audit.line import HASH_SUFFIX_BYTES, MAX_LINE_BYTES, is_hash_hex
+from gatewayd.audit.line import HASH_SUFFIX_BYTES, MAX_LINE_BYTES
 from gatewayd.protocol import MAX_ID_CHARS, ErrorCode
+
+# The entry's enums are entryform's (the readers' module), and named here too.
+__all__ = [
+    "MAX_ARGS_SUMMARY_BYTES",
+    "MAX_DETAIL_BYTES",
+    "MAX_EVENT_CHARS",
+    "MAX_SAFE_MESSAGE_CHARS",
+    "AuditEntry",
+    "Decision",
+    "EntryFields",
+    "EntryKind",
+    "EventName",
+    "Peer",
+    "build_body",
+    "format_time",
+]
 
 # With every field at its cap a line stays under half of MAX_LINE_BYTES, so that limit
 # is a backstop, not something a caller can hit.
@@ -36,12 +59,8 @@ MAX_SAFE_MESSAGE_CHARS: Final = 500
 MAX_ARGS_SUMMARY_BYTES: Final = 8 * 1024
 # Event details (run specs, recovery facts) are small; anything larger is a bug.
 MAX_DETAIL_BYTES: Final = 16 * 1024
-# Why a run has no OS sandbox: one sentence.
-MAX_DEGRADED_CHARS: Final = 500
 # Event names are identifiers a reviewer filters on, not free text.
 MAX_EVENT_CHARS: Final = 64
-# A duration past ~31 years is a clock bug; NaN and infinity would not read back.
-MAX_DURATION_MS: Final = 1e12
 # The bounded strings gatewayd passes without having made them itself (ids it checked
 # against the protocol, a run's reason for having no sandbox): their lengths are
 # checked on the unchecked path too, as cheap as that is.
@@ -54,31 +73,16 @@ _BOUNDED_TEXT: Final = (
 # A body this small cannot hold an oversize object, so the caps need no measuring.
 _FAST_PATH_BYTES: Final = min(MAX_ARGS_SUMMARY_BYTES, MAX_DETAIL_BYTES)
 
-_TIME_RE: Final = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z")
-
 Identifier = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
-Digest = Annotated[str, msgspec.Meta(pattern=r"^sha256:[0-9a-f]{64}$")]
+Digest = Annotated[str, msgspec.Meta(pattern=DIGEST_PATTERN)]
 # Written by the chain itself; its hex form is checked when reading (decode_body).
 HashHex = Annotated[str, msgspec.Meta(min_length=64, max_length=64)]
 # Reading accepts any snake_case name (a log from another version still verifies);
 # writing only a registered one (events.py).
-EventName = Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9_]{0,63}$")]
+EventName = Annotated[str, msgspec.Meta(pattern=EVENT_NAME_PATTERN)]
 Duration = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_DURATION_MS)]
 ByteCount = Annotated[int, msgspec.Meta(ge=0)]
 Seq = Annotated[int, msgspec.Meta(ge=1)]
-
-
-class EntryKind(enum.StrEnum):
-    """What an entry records."""
-
-    CALL = "call"  # a call was decided (write-ahead: durable before it runs)
-    RESULT = "result"  # a call finished, or was refused
-    EVENT = "event"  # something happened to the daemon, a run or the log itself
-
-
-class Decision(enum.StrEnum):
-    ALLOW = "allow"
-    DENY = "deny"
 
 
 class Peer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -92,7 +96,8 @@ class Peer(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
 class AuditEntry(
     msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
 ):
-    """One entry, minus its hash. Field order is the key order on disk."""
+    """One entry, minus its hash. Field order is the key order on disk (entryform's
+    schema, which reads it back, lists the same fields in the same order)."""
 
     seq: Seq
     time: str
@@ -143,12 +148,7 @@ class EntryFields(TypedDict, total=False):
     degraded: str | None
 
 
-class EntryFormatError(ValueError):
-    """Bytes that hash correctly but are not an entry gatewayd would have written."""
-
-
 _encoder: Final = msgspec.json.Encoder()
-_decoder: Final = msgspec.json.Decoder(AuditEntry)
 
 
 @lru_cache(maxsize=4)
@@ -247,24 +247,3 @@ def build_body(
     if len(body) + HASH_SUFFIX_BYTES > MAX_LINE_BYTES:
         raise ValueError(f"audit entry of {len(body)} bytes is over MAX_LINE_BYTES")
     return body
-
-
-def decode_body(body: bytes) -> AuditEntry:
-    """Read a body back; raises EntryFormatError unless gatewayd could have written it."""
-    try:
-        entry = _decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise EntryFormatError(f"it does not fit the entry schema ({exc})") from None
-    except msgspec.DecodeError as exc:
-        raise EntryFormatError(f"it is not valid JSON ({exc})") from None
-    except RecursionError:
-        raise EntryFormatError("it nests too deeply to be an entry") from None
-    if _encoder.encode(entry) != body:
-        raise EntryFormatError("its JSON is not in the form gatewayd writes")
-    if not is_hash_hex(entry.prev):
-        raise EntryFormatError("its prev is not 64 lowercase hex characters")
-    if not _TIME_RE.fullmatch(entry.time):
-        raise EntryFormatError("its time is not RFC 3339 UTC with microseconds")
-    if (entry.kind is EntryKind.EVENT) != (entry.event is not None):
-        raise EntryFormatError("an event entry must name its event, and only event entries")
-    return entry

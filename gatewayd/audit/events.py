@@ -10,7 +10,11 @@ docs/audit.md lists every member (tests/unit/test_audit_events.py holds them equ
 from __future__ import annotations
 
 import enum
-from typing import Final
+
+# typing's flag without importing typing: the readers start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 
 class AuditEvent(enum.StrEnum):

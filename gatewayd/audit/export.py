@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import csv
 import enum
-from collections.abc import Iterable
-from typing import Any, Final, TextIO
 
-import msgspec
+from gatewayd.audit.jsonform import dumps
 
-from gatewayd.audit.query import Record
+# typing's flag without importing typing: the readers start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+    from typing import Any, Final, TextIO
+
+    from gatewayd.audit.query import Record
 
 
 class ExportFormat(enum.StrEnum):
@@ -62,7 +66,7 @@ def _cell(value: Any) -> str | int | float:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return value
-    text = value if isinstance(value, str) else msgspec.json.encode(value).decode()
+    text = value if isinstance(value, str) else dumps(value)
     return "'" + text if text.startswith(_FORMULA_START) else text
 
 
@@ -74,7 +78,7 @@ def write_jsonl(records: Iterable[Record], out: TextIO) -> int:
         if record.entry is not None:
             out.write(record.raw.decode("utf-8", "replace"))
         else:
-            out.write(msgspec.json.encode(record.as_dict()).decode())
+            out.write(dumps(record.as_dict()))
         out.write("\n")
         count += 1
     return count

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import collections
 import os
-from collections.abc import Iterator
-from pathlib import Path
-from typing import BinaryIO, Final
 
 from gatewayd.audit.line import MAX_LINE_BYTES, parse_object
 from gatewayd.audit.query import Record, read_file
 from gatewayd.audit.segments import list_segments
+
+# typing's flag without importing typing: the readers start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from pathlib import PurePath
+    from typing import BinaryIO, Final
 
 # How often ``tail -f`` looks for new lines: quick enough to feel live.
 POLL_INTERVAL_S: Final = 0.2
@@ -35,8 +39,9 @@ class Follower:
     """Reads the log whose active file is ``path``: :meth:`last` once, then
     :meth:`poll` as often as wanted. Owns one open file; :meth:`close` it."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: str | PurePath) -> None:
+        self.path = os.fspath(path)
+        self._name = os.path.basename(self.path)
         self._file: BinaryIO | None = None
         self._ino: tuple[int, int] | None = None
         self._partial = b""
@@ -46,7 +51,7 @@ class Follower:
 
     def _open(self) -> bool:
         try:
-            file = self.path.open("rb")
+            file = open(self.path, "rb")  # noqa: SIM115 - held until close()
         except FileNotFoundError:
             return False  # between a rename and the new file (or no log yet)
         st = os.fstat(file.fileno())
@@ -70,7 +75,7 @@ class Follower:
         older: list[Record] = []
         for _, segment in reversed(list_segments(self.path)):
             try:
-                st = segment.stat()
+                st = os.stat(segment)
             except FileNotFoundError:
                 continue
             if (st.st_dev, st.st_ino) == self._ino:
@@ -94,7 +99,7 @@ class Follower:
             content = (self._partial + chunk).removesuffix(b"\n")
             self._partial = b""
             self._lines += 1
-            yield _record(self.path.name, self._lines, content)
+            yield _record(self._name, self._lines, content)
 
     def _catch_up(self, old: tuple[int, int]) -> list[Record]:
         """The segments closed after the file ``old`` (now a segment itself), up to the
@@ -103,7 +108,7 @@ class Follower:
         after = False
         for _, segment in list_segments(self.path):
             try:
-                st = segment.stat()
+                st = os.stat(segment)
             except FileNotFoundError:
                 continue
             if (st.st_dev, st.st_ino) == self._ino:
@@ -127,7 +132,7 @@ class Follower:
             return self._reopen()
         out = list(self._drain())
         try:
-            st = self.path.stat()
+            st = os.stat(self.path)
         except FileNotFoundError:
             st = None  # mid-rotation: renamed, the new active file not made yet
         if st is None or (st.st_dev, st.st_ino) != self._ino:

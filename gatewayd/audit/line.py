@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Any, Final
 
-import msgspec
+from gatewayd.audit.jsonform import JsonFormError, loads
+
+# typing's flag without importing typing: the readers start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Final
 
 # One line must fit the tail reader's window and the verifier's line buffer, and one
 # call must not be able to bloat the log (the readers, which import this module and not
@@ -35,16 +39,15 @@ _HEX: Final = frozenset(b"0123456789abcdef")
 _HEX_CHARS: Final = frozenset("0123456789abcdef")
 
 
-_any_decoder: Final = msgspec.json.Decoder()
-
-
 def parse_object(content: bytes) -> dict[str, Any] | None:
     """A line's JSON object, for the readers that show or filter the log (verify checks
-    lines its own way), or None when it is none: not JSON, nested too deep to decode,
-    or not an object. Never raises: a damaged or hostile log is shown as damaged."""
+    lines its own way), or None when it is none: not UTF-8, not JSON (as msgspec, the
+    writer's codec, reads it: :mod:`gatewayd.audit.jsonform`), nested too deep to
+    decode, or not an object. Never raises: a damaged or hostile log is shown as
+    damaged."""
     try:
-        value = _any_decoder.decode(content)
-    except (msgspec.DecodeError, RecursionError):
+        value = loads(content)
+    except JsonFormError:
         return None
     return value if isinstance(value, dict) else None
 

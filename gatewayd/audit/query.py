@@ -11,30 +11,52 @@ one extra pass). Reading is not verifying: run ``verify``.
 
 from __future__ import annotations
 
-import datetime as dt
 import fnmatch
 import functools
-from collections.abc import Iterable, Iterator, Mapping, MutableMapping
-from pathlib import Path
-from typing import Any, Final
+import os
+from collections.abc import Mapping
 
-import msgspec
-
-from gatewayd.audit.events import AuditEvent
 from gatewayd.audit.line import MAX_LINE_BYTES, parse_object
 from gatewayd.audit.segments import log_files
+
+# typing's flag without importing typing: the readers start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Iterator, MutableMapping
+    from pathlib import PurePath
+    from typing import Any, Final
 
 BROKEN_REASON: Final = "not a JSON object (run 'gatewayd audit verify')"
 
 
-class Record(msgspec.Struct, frozen=True):
+class Record:
     """One line of the log: the file it is in, its 1-based line number, its bytes
-    (without the newline) and its entry (None for a broken line)."""
+    (without the newline) and its entry (None for a broken line). (The records of this
+    module are plain classes: the readers make each at their start, and a dataclass
+    costs ten times as much to make.)"""
 
-    segment: str
-    line: int
-    raw: bytes
-    entry: dict[str, Any] | None
+    __slots__ = ("entry", "line", "raw", "segment")
+
+    def __init__(self, segment: str, line: int, raw: bytes, entry: dict[str, Any] | None) -> None:
+        self.segment = segment
+        self.line = line
+        self.raw = raw
+        self.entry = entry
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Record:
+            return NotImplemented
+        return (self.segment, self.line, self.raw, self.entry) == (
+            other.segment,
+            other.line,
+            other.raw,
+            other.entry,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Record({self.segment!r}, {self.line!r}, {self.raw!r}, {self.entry!r})"
 
     def as_dict(self) -> dict[str, Any]:
         """The entry, or ``{"segment", "line", "broken"}`` for a broken line."""
@@ -43,15 +65,16 @@ class Record(msgspec.Struct, frozen=True):
         return {"segment": self.segment, "line": self.line, "broken": BROKEN_REASON}
 
 
-def read_file(path: Path) -> Iterator[Record]:
+def read_file(path: str | PurePath) -> Iterator[Record]:
     """Every line of one file, in order."""
-    with path.open("rb") as file:
+    name = os.path.basename(path)
+    with open(path, "rb") as file:
         for no, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), 1):
             content = raw[:-1] if raw.endswith(b"\n") else raw
-            yield Record(path.name, no, content, parse_object(content))
+            yield Record(name, no, content, parse_object(content))
 
 
-def read_log(path: Path, *, since_seq: int = 0) -> Iterator[Record]:
+def read_log(path: str | PurePath, *, since_seq: int = 0) -> Iterator[Record]:
     """Every line of the log whose active file is ``path``: closed segments first.
 
     ``since_seq``: start at the segment holding that seq, leaving out the closed segments
@@ -61,9 +84,9 @@ def read_log(path: Path, *, since_seq: int = 0) -> Iterator[Record]:
     Error handling: FileNotFoundError when there is no log at all (neither the file
     nor a segment of it); other OSErrors from reading pass through.
     """
-    files = log_files(path)
+    files = log_files(os.fspath(path))
     if not files:
-        raise FileNotFoundError(2, "no audit log", str(path))
+        raise FileNotFoundError(2, "no audit log", os.fspath(path))
     start = 0
     if since_seq > 0:
         # The newest file whose first entry is at or before the seq holds it; a file
@@ -77,7 +100,7 @@ def read_log(path: Path, *, since_seq: int = 0) -> Iterator[Record]:
         yield from read_file(file)
 
 
-def _first_seq(path: Path) -> int | None:
+def _first_seq(path: str) -> int | None:
     for record in read_file(path):
         seq = record.entry.get("seq") if record.entry is not None else None
         return seq if isinstance(seq, int) else None
@@ -93,6 +116,8 @@ def parse_time(text: str) -> str:
 
     Error handling: ValueError saying what was given and what is accepted.
     """
+    import datetime as dt  # here: only a filter on time needs it
+
     try:
         when = dt.datetime.fromisoformat(text.strip())
     except ValueError:
@@ -107,6 +132,8 @@ def parse_time(text: str) -> str:
 
 def time_ns_of(text: str) -> int | None:
     """Nanoseconds since the epoch of an entry's ``time``, or None if it is not one."""
+    import datetime as dt  # here: only the figures need it
+
     try:
         when = dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC)
     except (TypeError, ValueError):
@@ -117,14 +144,30 @@ def time_ns_of(text: str) -> int | None:
 # -- runs -------------------------------------------------------------------------
 
 
-class RunFacts(msgspec.Struct, frozen=True):
+class RunFacts:
     """What the log says about who a run was for (its ``run_created`` event), and, for
     an app's invocation, the app's id (``detail.app`` of its ``run_created``, or of the
     ``app_invoked`` entry naming it as ``childRunId``)."""
 
-    actor: str | None
-    tenant: str | None
-    app: str | None = None
+    __slots__ = ("actor", "app", "tenant")
+
+    def __init__(self, actor: str | None, tenant: str | None, app: str | None = None) -> None:
+        self.actor = actor
+        self.tenant = tenant
+        self.app = app
+
+    def with_app(self, app: str) -> RunFacts:
+        return RunFacts(self.actor, self.tenant, app)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not RunFacts:
+            return NotImplemented
+        return (self.actor, self.tenant, self.app) == (other.actor, other.tenant, other.app)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RunFacts({self.actor!r}, {self.tenant!r}, app={self.app!r})"
 
 
 def run_index(records: Iterable[Record]) -> dict[str, RunFacts]:
@@ -145,6 +188,10 @@ def index_runs(runs: MutableMapping[str, RunFacts], records: Iterable[Record]) -
     An app's child run is named by the caller's ``app_invoked`` entry, written before
     the child's ``run_created``: the app is kept whichever comes first.
     """
+    # Here: the event registry costs every reader's start about 2 ms to build, and only
+    # the filters on a run's facts need it.
+    from gatewayd.audit.events import AuditEvent
+
     for record in records:
         entry = record.entry
         event = entry.get("event") if entry is not None else None
@@ -157,9 +204,7 @@ def index_runs(runs: MutableMapping[str, RunFacts], records: Iterable[Record]) -
         if event == AuditEvent.APP_INVOKED:
             child = _text(detail.get("childRunId"))
             if child is not None and app is not None:
-                runs[child] = msgspec.structs.replace(
-                    runs.get(child, RunFacts(None, None)), app=app
-                )
+                runs[child] = runs.get(child, RunFacts(None, None)).with_app(app)
             continue
         run = _text(entry.get("runId"))
         if run is not None:
@@ -189,7 +234,7 @@ def error_code_of(entry: Mapping[str, Any]) -> str | None:
     return code if isinstance(code, str) else None
 
 
-class EntryFilter(msgspec.Struct, frozen=True, kw_only=True):
+class EntryFilter:
     """The reviewer's filters; an entry is kept when it passes every one that is set.
 
     ``run``: the run id or a prefix of it. ``tool``: a name or shell pattern
@@ -201,18 +246,49 @@ class EntryFilter(msgspec.Struct, frozen=True, kw_only=True):
     (:func:`keeps_app`). ``denied``: only denied or failed entries (:func:`is_denied`).
     """
 
-    run: str | None = None
-    tool: str | None = None
-    decision: str | None = None
-    kind: str | None = None
-    event: str | None = None
-    error_code: str | None = None
-    since: str | None = None
-    until: str | None = None
-    actor: str | None = None
-    tenant: str | None = None
-    app: str | None = None
-    denied: bool = False
+    __slots__ = (
+        "actor",
+        "app",
+        "decision",
+        "denied",
+        "error_code",
+        "event",
+        "kind",
+        "run",
+        "since",
+        "tenant",
+        "tool",
+        "until",
+    )
+
+    def __init__(
+        self,
+        *,
+        run: str | None = None,
+        tool: str | None = None,
+        decision: str | None = None,
+        kind: str | None = None,
+        event: str | None = None,
+        error_code: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
+        actor: str | None = None,
+        tenant: str | None = None,
+        app: str | None = None,
+        denied: bool = False,
+    ) -> None:
+        self.run = run
+        self.tool = tool
+        self.decision = decision
+        self.kind = kind
+        self.event = event
+        self.error_code = error_code
+        self.since = since
+        self.until = until
+        self.actor = actor
+        self.tenant = tenant
+        self.app = app
+        self.denied = denied
 
     @property
     def needs_runs(self) -> bool:
@@ -293,6 +369,8 @@ def keeps_app(entry: Mapping[str, Any], runs: Mapping[str, RunFacts], app: str) 
     tool, folder = _app_names(app)
     if entry.get("tool") == tool:
         return True
+    from gatewayd.audit.events import AuditEvent  # here, as in index_runs
+
     if entry.get("event") == AuditEvent.APP_SKIPPED:
         detail = entry.get("detail")
         file = detail.get("file") if isinstance(detail, Mapping) else None
@@ -300,7 +378,7 @@ def keeps_app(entry: Mapping[str, Any], runs: Mapping[str, RunFacts], app: str) 
     return False
 
 
-def select(path: Path, where: EntryFilter) -> Iterator[Record]:
+def select(path: str | PurePath, where: EntryFilter) -> Iterator[Record]:
     """The records of the log at ``path`` that ``where`` keeps; broken lines always."""
     runs = run_index(read_log(path)) if where.needs_runs else {}
     for record in read_log(path):

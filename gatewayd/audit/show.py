@@ -8,13 +8,15 @@ characters escaped, so a logged string cannot drive the reviewer's terminal.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
-from typing import Any, Final
-
-import msgspec
-
+from gatewayd.audit.jsonform import dumps
 from gatewayd.audit.line import MAX_LINE_BYTES, parse_object
+
+# typing's flag without importing typing: the readers start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Iterator, Mapping
+    from pathlib import PurePath
+    from typing import Any, Final
 
 # Column widths: seq, time (to the millisecond), run id prefix, tool, decision or
 # kind, error code, duration; the message takes what is left of a 160-column line.
@@ -25,13 +27,13 @@ _HEADERS: Final = ("SEQ", "TIME (UTC)", "RUN", "TOOL", "WHAT", "ERROR", "MS", "M
 _CONTROL: Final = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
 
 
-def read_entries(path: Path) -> Iterator[dict[str, Any]]:
+def read_entries(path: str | PurePath) -> Iterator[dict[str, Any]]:
     """Every line of the log as a dict, in file order.
 
     A line that is not a JSON object is yielded as ``{"line": N, "broken": reason}``
     so a table shows it instead of silently leaving it out.
     """
-    with path.open("rb") as file:
+    with open(path, "rb") as file:
         for no, raw in enumerate(iter(lambda: file.readline(MAX_LINE_BYTES + 1), b""), 1):
             value = parse_object(raw)
             if value is not None:
@@ -59,14 +61,14 @@ def _message(entry: Mapping[str, Any]) -> str:
         return f"{where}line {entry.get('line')}: {entry['broken']}"
     if entry.get("kind") == "event":
         detail = entry.get("detail")
-        tail = "" if detail is None else " " + msgspec.json.encode(detail).decode()
+        tail = "" if detail is None else " " + dumps(detail)
         return f"{entry.get('event')}{tail}"
     if entry.get("safeMessage"):
         return str(entry["safeMessage"])
     if entry.get("outputBytes") is not None:
         return f"{entry['outputBytes']} bytes out"
     if entry.get("argsSummary") is not None:
-        return msgspec.json.encode(entry["argsSummary"]).decode()
+        return dumps(entry["argsSummary"])
     return ""
 
 

@@ -24,14 +24,12 @@ from __future__ import annotations
 import enum
 import errno
 import hashlib
+import os
 import re
-from collections.abc import Callable, Iterator
-from pathlib import Path
-from typing import BinaryIO, Final, NamedTuple
 
-import msgspec
-
-from gatewayd.audit.chain import (
+from gatewayd.audit.head import HeadFormatError, HeadRecord, head_file, read_head
+from gatewayd.audit.line import MAX_LINE_BYTES, hashes_equal
+from gatewayd.audit.sealed import (
     GENESIS,
     ChainPosition,
     LineDefect,
@@ -40,14 +38,19 @@ from gatewayd.audit.chain import (
     follows,
     read_line,
 )
-from gatewayd.audit.events import AuditEvent
-from gatewayd.audit.head import HeadFormatError, HeadRecord, head_path, read_head
-from gatewayd.audit.line import MAX_LINE_BYTES, hashes_equal
 from gatewayd.audit.segments import log_files, segment_number, segment_path
+
+# typing's flag without importing typing: `gatewayd audit verify` starts without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+    from pathlib import PurePath
+    from typing import BinaryIO, Final
 
 # A recovered torn region is at most one flush batch; look no further for its event.
 _MAX_RECOVERY_SCAN_BYTES: Final = 16 * 1024 * 1024
-_SEQ_RE: Final = re.compile(rb'\{"seq":(\d{1,20}),')
+# Compiled at its first use (by re's cache): only a broken chain is searched for seqs.
+_SEQ_PATTERN: Final = rb'\{"seq":(\d{1,20}),'
 
 
 class ProblemKind(enum.StrEnum):
@@ -66,28 +69,77 @@ class ProblemKind(enum.StrEnum):
     NO_ACTIVE = "no_active"  # warning: only closed segments (an interrupted rotation)
 
 
-class Problem(NamedTuple):
+class Problem:
     """One finding: the 1-based line it is about (0 = the file as a whole), and the
-    file's name when the log has more than one segment."""
+    file's name when the log has more than one segment. (The records of this module
+    are plain classes: `gatewayd audit verify` makes each at its start, and a
+    NamedTuple or a dataclass costs ten times as much to make.)"""
 
-    line: int
-    kind: ProblemKind
-    message: str
-    segment: str = ""
+    __slots__ = ("kind", "line", "message", "segment")
+
+    def __init__(self, line: int, kind: ProblemKind, message: str, segment: str = "") -> None:
+        self.line = line
+        self.kind = kind
+        self.message = message
+        self.segment = segment
+
+    def in_segment(self, segment: str) -> Problem:
+        """The same finding, naming the file it is in."""
+        return Problem(self.line, self.kind, self.message, segment)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not Problem:
+            return NotImplemented
+        return (self.line, self.kind, self.message, self.segment) == (
+            other.line,
+            other.kind,
+            other.message,
+            other.segment,
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"Problem(line={self.line!r}, kind={self.kind!r}, message={self.message!r}, "
+            f"segment={self.segment!r})"
+        )
 
 
-class VerifyReport(msgspec.Struct, frozen=True):
+class VerifyReport:
     """The outcome of :func:`verify_file`. ``ok`` is True only without problems."""
 
-    ok: bool
-    entries: int  # entries verified (up to the first problem)
-    problems: tuple[Problem, ...]
-    warnings: tuple[Problem, ...]
-    last_seq: int
-    last_hash: str
-    segments: int = 1  # files read (closed segments and the active file)
-    # The seq the remaining log starts at when its oldest segments are gone (else None).
-    partial_from: int | None = None
+    __slots__ = (
+        "entries",
+        "last_hash",
+        "last_seq",
+        "ok",
+        "partial_from",
+        "problems",
+        "segments",
+        "warnings",
+    )
+
+    def __init__(
+        self,
+        ok: bool,
+        entries: int,  # entries verified (up to the first problem)
+        problems: tuple[Problem, ...],
+        warnings: tuple[Problem, ...],
+        last_seq: int,
+        last_hash: str,
+        segments: int = 1,  # files read (closed segments and the active file)
+        # The seq the remaining log starts at when its oldest segments are gone (else None).
+        partial_from: int | None = None,
+    ) -> None:
+        self.ok = ok
+        self.entries = entries
+        self.problems = problems
+        self.warnings = warnings
+        self.last_seq = last_seq
+        self.last_hash = last_hash
+        self.segments = segments
+        self.partial_from = partial_from
 
     def render(self) -> str:
         """What ``gatewayd audit verify`` prints."""
@@ -120,10 +172,13 @@ def _render_one(label: str, finding: Problem) -> str:
     return f"  {label} ({finding.kind}, {where}): {finding.message}"
 
 
-class _Line(msgspec.Struct, frozen=True):
-    no: int
-    start: int
-    raw: bytes  # with its newline, if it has one
+class _Line:
+    __slots__ = ("no", "raw", "start")
+
+    def __init__(self, no: int, start: int, raw: bytes) -> None:
+        self.no = no
+        self.start = start
+        self.raw = raw  # with its newline, if it has one
 
     @property
     def complete(self) -> bool:
@@ -162,14 +217,22 @@ class _LineReader:
 
 
 def _seq_of(content: bytes) -> int | None:
-    match = _SEQ_RE.match(content)
+    match = re.match(_SEQ_PATTERN, content)
     return int(match[1]) if match else None
 
 
-class _Recovery(msgspec.Struct, frozen=True):
-    event: SealedEntry | None  # the matching recovery event, or None
-    event_line: _Line | None
-    mismatch: Problem | None  # an event naming this line whose facts do not match
+class _Recovery:
+    __slots__ = ("event", "event_line", "mismatch")
+
+    def __init__(
+        self,
+        event: SealedEntry | None,  # the matching recovery event, or None
+        event_line: _Line | None,
+        mismatch: Problem | None,  # an event naming this line whose facts do not match
+    ) -> None:
+        self.event = event
+        self.event_line = event_line
+        self.mismatch = mismatch
 
 
 def _try_recovery(reader: _LineReader, first: _Line, position: ChainPosition) -> _Recovery:
@@ -179,6 +242,10 @@ def _try_recovery(reader: _LineReader, first: _Line, position: ChainPosition) ->
     the last good entry and record the region's line, line count, size and sha256
     (without the region's final newline, which the writer may have added).
     """
+    # Here: building the event registry costs a reader's start about 2 ms, and only a
+    # break in the chain needs it.
+    from gatewayd.audit.events import AuditEvent
+
     hasher = hashlib.sha256()
     size, count = 0, 0
     line: _Line | None = first
@@ -296,18 +363,31 @@ def _classify(
     )
 
 
-class _Walk(msgspec.Struct):
+class _Walk:
     """The state of one pass over the log."""
 
-    head: HeadRecord | None
-    position: ChainPosition = GENESIS
-    entries: int = 0
-    lines: int = 0
-    previous: _Line | None = None
-    problem: Problem | None = None
-    first_file: bool = True  # the file being read is the oldest one there is
-    gaps: list[Problem] = msgspec.field(default_factory=list)  # missing segments (boundaries)
-    partial_from: int | None = None
+    __slots__ = (
+        "entries",
+        "first_file",
+        "gaps",
+        "head",
+        "lines",
+        "partial_from",
+        "position",
+        "previous",
+        "problem",
+    )
+
+    def __init__(self, head: HeadRecord | None) -> None:
+        self.head = head
+        self.position: ChainPosition = GENESIS
+        self.entries = 0
+        self.lines = 0
+        self.previous: _Line | None = None
+        self.problem: Problem | None = None
+        self.first_file = True  # the file being read is the oldest one there is
+        self.gaps: list[Problem] = []  # missing segments (boundaries)
+        self.partial_from: int | None = None
 
     def accept(self, line: _Line, sealed: SealedEntry) -> None:
         head = self.head
@@ -348,6 +428,8 @@ def _walk(
                 state.gaps.append(Problem(1, ProblemKind.MISSING, describe_gap(sealed, expected)))
                 state.accept(line, sealed)
                 continue
+            from gatewayd.audit.events import AuditEvent  # here, as in _try_recovery
+
             if sealed.entry.event == AuditEvent.SEGMENT_OPEN:
                 before = (sealed.entry.detail or {}).get("previousSegment")
                 state.partial_from = sealed.entry.seq
@@ -386,7 +468,7 @@ def _walk(
     return state
 
 
-def _gap_describer(active: Path, before: Path, this: Path) -> Callable[[SealedEntry, int], str]:
+def _gap_describer(active: str, before: str, this: str) -> Callable[[SealedEntry, int], str]:
     """How to name what is missing between the files ``before`` and ``this``."""
 
     def describe(sealed: SealedEntry, expected: int) -> str:
@@ -395,9 +477,10 @@ def _gap_describer(active: Path, before: Path, this: Path) -> Callable[[SealedEn
         high = segment_number(active, this)
         if high is None:  # the active file: its segment_open names the one before it
             named = (sealed.entry.detail or {}).get("previousSegment")
-            number = segment_number(active, active.with_name(str(named))) if named else None
+            sibling = os.path.join(os.path.dirname(active), str(named))
+            number = segment_number(active, sibling) if named else None
             high = number + 1 if number is not None else low + 1
-        names = [segment_path(active, n).name for n in range(low + 1, high)]
+        names = [os.path.basename(segment_path(active, n)) for n in range(low + 1, high)]
         what = (
             f"segment {names[0]} is missing"
             if len(names) == 1
@@ -406,7 +489,8 @@ def _gap_describer(active: Path, before: Path, this: Path) -> Callable[[SealedEn
             else "entries are missing at the start of this segment"
         )
         return (
-            f"{what}: {before.name} ends at seq {expected - 1} and {this.name} starts at "
+            f"{what}: {os.path.basename(before)} ends at seq {expected - 1} and "
+            f"{os.path.basename(this)} starts at "
             f"seq {seq}, so seq {expected}..{seq - 1} ({seq - expected} entries) are not "
             "in the log; verified on from there"
         )
@@ -414,14 +498,15 @@ def _gap_describer(active: Path, before: Path, this: Path) -> Callable[[SealedEn
     return describe
 
 
-def verify_file(path: Path) -> VerifyReport:
-    """Verify the audit log whose active file is ``path``: its closed segments in
-    order, then ``path`` itself, and its head file, if any.
+def verify_file(log: str | PurePath) -> VerifyReport:
+    """Verify the audit log whose active file is ``log``: its closed segments in
+    order, then ``log`` itself, and its head file, if any.
 
     Error handling: FileNotFoundError when there is neither the file nor a segment of
     it; other OSErrors from reading pass through; everything wrong *inside* the files
     is a problem in the report.
     """
+    path = os.fspath(log)
     files = log_files(path)
     if not files:
         raise FileNotFoundError(errno.ENOENT, "no audit log", str(path))
@@ -432,7 +517,7 @@ def verify_file(path: Path) -> VerifyReport:
         head = read_head(path)
     except HeadFormatError as exc:
         problems.append(
-            Problem(0, ProblemKind.HEAD, f"the head file {head_path(path)} is damaged: {exc}")
+            Problem(0, ProblemKind.HEAD, f"the head file {head_file(path)} is damaged: {exc}")
         )
     many = len(files) > 1
     if files[-1] != path:
@@ -440,7 +525,8 @@ def verify_file(path: Path) -> VerifyReport:
             Problem(
                 0,
                 ProblemKind.NO_ACTIVE,
-                f"there is no active file {path.name}, only closed segments: a rotation was "
+                f"there is no active file {os.path.basename(path)}, only closed segments: a "
+                "rotation was "
                 "interrupted (gatewayd makes it when it next opens the log), or it was removed",
             )
         )
@@ -449,14 +535,14 @@ def verify_file(path: Path) -> VerifyReport:
         state.first_file = index == 0
         before = files[index - 1] if index else file
         seen = len(warnings), len(state.gaps)
-        with file.open("rb") as reader:
+        with open(file, "rb") as reader:
             _walk(_LineReader(reader), state, warnings, _gap_describer(path, before, file))
         if many:
-            named = file.name
-            warnings[seen[0] :] = [w._replace(segment=named) for w in warnings[seen[0] :]]
-            state.gaps[seen[1] :] = [g._replace(segment=named) for g in state.gaps[seen[1] :]]
+            named = os.path.basename(file)
+            warnings[seen[0] :] = [w.in_segment(named) for w in warnings[seen[0] :]]
+            state.gaps[seen[1] :] = [g.in_segment(named) for g in state.gaps[seen[1] :]]
             if state.problem is not None:
-                state.problem = state.problem._replace(segment=named)
+                state.problem = state.problem.in_segment(named)
         if state.problem is not None:
             break
     problems.extend(state.gaps)
@@ -465,7 +551,8 @@ def verify_file(path: Path) -> VerifyReport:
     # After a torn last line the chain before it still stands, so the head still counts.
     if state.problem is None or state.problem.kind is ProblemKind.TORN:
         findings = _head_findings(path, head, state, warnings, damaged=bool(problems))
-        problems.extend(f._replace(segment=files[-1].name) if many else f for f in findings)
+        last_file = os.path.basename(files[-1])
+        problems.extend(f.in_segment(last_file) if many else f for f in findings)
     return VerifyReport(
         ok=not problems,
         entries=state.entries,
@@ -479,7 +566,7 @@ def verify_file(path: Path) -> VerifyReport:
 
 
 def _head_findings(
-    path: Path, head: HeadRecord | None, state: _Walk, warnings: list[Problem], *, damaged: bool
+    path: str, head: HeadRecord | None, state: _Walk, warnings: list[Problem], *, damaged: bool
 ) -> list[Problem]:
     last = state.position.seq
     if head is None and not damaged:
@@ -487,7 +574,8 @@ def _head_findings(
             Problem(
                 0,
                 ProblemKind.NO_HEAD,
-                f"no head file ({head_path(path).name}): entries cut off the end of the log "
+                f"no head file ({os.path.basename(head_file(path))}): entries cut off the end "
+                "of the log "
                 "could not be detected",
             )
         )

@@ -7,36 +7,110 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Final
 
 from gatewayd.cli import audit_tree, audit_witness
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK
 from gatewayd.cli.options import whole_number
 
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Final
+
     from gatewayd.audit.query import EntryFilter
     from gatewayd.cli.command import Subparsers
 
 
+_LOG_HELP: Final = "the log's active file (e.g. audit.jsonl); its segments FILE.NNNNNN are read too"
+
+
+class _LaterArguments(argparse.ArgumentParser):
+    """A parser whose arguments are added when it first parses (``build``): `gatewayd
+    audit verify` adds the options of one command, not its ten siblings' hundred (about
+    a tenth of the command's start). Help lists every command as before: argparse lists
+    them by the names and help lines given to ``add_parser``."""
+
+    def __init__(
+        self,
+        *args: Any,
+        build: Callable[[argparse.ArgumentParser], None] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.build = build
+
+    @property
+    def built(self) -> bool:
+        """Whether its arguments are added (it parsed once, or never had any to add)."""
+        return self.build is None
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        # argparse parses a subcommand's words with its parser's parse_known_args.
+        if self.build is not None:
+            build, self.build = self.build, None
+            build(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _later_arguments(parent: argparse.ArgumentParser) -> type[argparse.ArgumentParser]:
+    """The class of the audit commands' parsers: :class:`_LaterArguments` over the
+    parent's class (gatewayd's, which reports an error as the whole command line's)."""
+    return type("AuditCommandParser", (_LaterArguments, type(parent)), {})
+
+
 def add_parsers(sub: Subparsers) -> None:
-    audit = sub.add_parser(
+    parser = sub.add_parser(
         "audit", help="read the audit log (the active file and its closed segments)"
-    ).add_subparsers(dest="audit_command", required=True)
-    log_help = "the log's active file (e.g. audit.jsonl); its segments FILE.NNNNNN are read too"
-    verify = audit.add_parser(
-        "verify",
-        help="check the hash chain across every segment; exit 0 intact, 1 broken or a "
-        "segment missing, 3 intact but the oldest segments are gone",
     )
+    audit = parser.add_subparsers(
+        dest="audit_command", required=True, parser_class=_later_arguments(parser)
+    )
+    commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None]]] = [
+        (
+            "verify",
+            "check the hash chain across every segment; exit 0 intact, 1 broken or a "
+            "segment missing, 3 intact but the oldest segments are gone",
+            _verify_options,
+        ),
+        ("show", "print the audit log as a table", _show_options),
+        ("export", "print the chosen entries as JSON lines or CSV", _export_options),
+        (
+            "stats",
+            "calls, denials by error code, top tools, per-run counts and durations",
+            _stats_options,
+        ),
+        (
+            "tail",
+            "print the last entries; with -f, follow new ones (across rotations)",
+            _tail_options,
+        ),
+        (
+            "run",
+            "a run's result bundle as JSON: ok, logs, auditLog, errorCode (the shape of "
+            "an agent run's result), from the audit log alone",
+            _run_options,
+        ),
+        *audit_tree.subcommands(_LOG_HELP),
+    ]
+    for name, help_line, build in commands:
+        audit.add_parser(name, help=help_line, build=build)
+
+
+def _verify_options(verify: argparse.ArgumentParser) -> None:
     audit_tree.add_verify_options(verify)
     audit_witness.add_verify_options(verify)
-    verify.add_argument("file", type=Path, help=log_help)
-    show = audit.add_parser("show", help="print the audit log as a table")
+    verify.add_argument("file", help=_LOG_HELP)
+
+
+def _show_options(show: argparse.ArgumentParser) -> None:
     _add_audit_filters(show)
-    show.add_argument("file", type=Path, help=log_help)
-    export = audit.add_parser("export", help="print the chosen entries as JSON lines or CSV")
+    show.add_argument("file", help=_LOG_HELP)
+
+
+def _export_options(export: argparse.ArgumentParser) -> None:
     export.add_argument(
         "--format",
         choices=("jsonl", "csv"),
@@ -44,19 +118,19 @@ def add_parsers(sub: Subparsers) -> None:
         help="jsonl: the lines as written (hashes included); csv: fixed columns (docs/audit.md)",
     )
     _add_audit_filters(export)
-    export.add_argument("file", type=Path, help=log_help)
-    stats = audit.add_parser(
-        "stats", help="calls, denials by error code, top tools, per-run counts and durations"
-    )
+    export.add_argument("file", help=_LOG_HELP)
+
+
+def _stats_options(stats: argparse.ArgumentParser) -> None:
     stats.add_argument("--json", action="store_true", help="print the figures as JSON")
     stats.add_argument(
         "--top", type=whole_number, default=10, help="how many tools to list (default 10)"
     )
     _add_audit_filters(stats)
-    stats.add_argument("file", type=Path, help=log_help)
-    tail = audit.add_parser(
-        "tail", help="print the last entries; with -f, follow new ones (across rotations)"
-    )
+    stats.add_argument("file", help=_LOG_HELP)
+
+
+def _tail_options(tail: argparse.ArgumentParser) -> None:
     tail.add_argument("-f", "--follow", action="store_true", help="keep printing new entries")
     tail.add_argument(
         "-n",
@@ -67,15 +141,12 @@ def add_parsers(sub: Subparsers) -> None:
     )
     tail.add_argument("--json", action="store_true", help="print the lines as written")
     _add_audit_filters(tail)
-    tail.add_argument("file", type=Path, help=log_help)
-    result = audit.add_parser(
-        "run",
-        help="a run's result bundle as JSON: ok, logs, auditLog, errorCode (the shape of "
-        "an agent run's result), from the audit log alone",
-    )
+    tail.add_argument("file", help=_LOG_HELP)
+
+
+def _run_options(result: argparse.ArgumentParser) -> None:
     result.add_argument("run_id", metavar="RUN", help="the run id, or a unique prefix of it")
-    result.add_argument("file", type=Path, help=log_help)
-    audit_tree.add_parsers(audit, log_help)
+    result.add_argument("file", help=_LOG_HELP)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -134,13 +205,15 @@ def _add_audit_filters(p: argparse.ArgumentParser) -> None:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    """`gatewayd audit verify|show|export|stats|tail|run` over every segment of a log."""
+    """`gatewayd audit verify|show|export|stats|tail|run` over every segment of a log.
+
+    The log's path is a string (no pathlib: the readers start without it)."""
     from gatewayd.audit.segments import log_files
 
     if args.audit_command in audit_tree.WITHOUT_LOG:
         return audit_tree.main(args)
     if args.audit_command == "prove":
-        args.file = Path(args.operands[-1])
+        args.file = args.operands[-1]
     if args.audit_command == "tail":
         if not args.follow and not log_files(args.file):
             return _no_audit_log(args.file)
@@ -161,16 +234,16 @@ def _audit(args: argparse.Namespace) -> int:
 EXIT_PARTIAL: Final = 3
 
 
-def _no_audit_log(path: Path) -> int:
+def _no_audit_log(path: str) -> int:
     print(
         f"gatewayd: no audit log at {path} (no such file, and no closed segment "
-        f"{path.name}.NNNNNN beside it)",
+        f"{os.path.basename(path)}.NNNNNN beside it)",
         file=sys.stderr,
     )
     return EXIT_FAILED
 
 
-def _unreadable_audit_log(path: Path, exc: OSError) -> int:
+def _unreadable_audit_log(path: str, exc: OSError) -> int:
     where = exc.filename or path
     print(f"gatewayd: cannot read the audit log {where}: {exc.strerror or exc}", file=sys.stderr)
     return EXIT_FAILED

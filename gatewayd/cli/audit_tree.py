@@ -1,19 +1,29 @@
 """`gatewayd audit keygen|checkpoint|prove|verify-proof`, and `audit verify --checkpoint`:
-the audit log's Merkle tree, its signed checkpoints and proofs (docs/audit.md)."""
+the audit log's Merkle tree, its signed checkpoints and proofs (docs/audit.md).
+
+Every `gatewayd audit` command imports this module (`audit verify` takes its options),
+so its paths are strings, made paths in the commands that use them: `audit show|verify`
+start without pathlib.
+"""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING, Final
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gatewayd.cli.options import whole_number
 
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+    from typing import Final
+
     from gatewayd.audit.note import Verifier
 
 # Commands that read no log: they run before the log is looked for.
@@ -29,12 +39,37 @@ def _default_key_name() -> str:
     return f"{socket.gethostname() or 'localhost'}/gatewayd-audit"
 
 
-def add_parsers(audit: argparse._SubParsersAction[argparse.ArgumentParser], log_help: str) -> None:
-    keygen = audit.add_parser(
-        "keygen",
-        help="make a checkpoint signing key: the private key goes to --out (mode 0600), "
-        "the verifier key is printed",
-    )
+def subcommands(log_help: str) -> list[tuple[str, str, Callable[[argparse.ArgumentParser], None]]]:
+    """This module's commands: each one's name, help line, and what adds its arguments
+    to its parser (`gatewayd audit` makes a command's parser only once it is named)."""
+    return [
+        (
+            "keygen",
+            "make a checkpoint signing key: the private key goes to --out (mode 0600), "
+            "the verifier key is printed",
+            _keygen_options,
+        ),
+        (
+            "checkpoint",
+            "sign a checkpoint of the log now (also while the daemon runs)",
+            functools.partial(_checkpoint_options, log_help=log_help),
+        ),
+        (
+            "prove",
+            "print a proof bundle (JSON): SEQ's inclusion in a signed checkpoint, or "
+            "with --consistency OLD NEW that checkpoint NEW extends OLD",
+            functools.partial(_prove_options, log_help=log_help),
+        ),
+        (
+            "verify-proof",
+            "check a proof bundle from `gatewayd audit prove` with the log's verifier "
+            "key alone (no log needed)",
+            _verify_proof_options,
+        ),
+    ]
+
+
+def _keygen_options(keygen: argparse.ArgumentParser) -> None:
     keygen.add_argument(
         "--name",
         default=None,
@@ -43,23 +78,20 @@ def add_parsers(audit: argparse._SubParsersAction[argparse.ArgumentParser], log_
     )
     keygen.add_argument(
         "--out",
-        type=Path,
         required=True,
         help="where to write the private key; must not exist; keep it outside the audit directory",
     )
-    checkpoint = audit.add_parser(
-        "checkpoint", help="sign a checkpoint of the log now (also while the daemon runs)"
-    )
+
+
+def _checkpoint_options(checkpoint: argparse.ArgumentParser, log_help: str) -> None:
     checkpoint.add_argument(
-        "--key", type=Path, required=True, help="the private key file (gatewayd audit keygen)"
+        "--key", required=True, help="the private key file (gatewayd audit keygen)"
     )
     checkpoint.add_argument("--no-fsync", action="store_true", help=argparse.SUPPRESS)  # tests only
-    checkpoint.add_argument("file", type=Path, help=log_help)
-    prove = audit.add_parser(
-        "prove",
-        help="print a proof bundle (JSON): SEQ's inclusion in a signed checkpoint, or "
-        "with --consistency OLD NEW that checkpoint NEW extends OLD",
-    )
+    checkpoint.add_argument("file", help=log_help)
+
+
+def _prove_options(prove: argparse.ArgumentParser, log_help: str) -> None:
     prove.add_argument(
         "--consistency",
         nargs=2,
@@ -69,7 +101,6 @@ def add_parsers(audit: argparse._SubParsersAction[argparse.ArgumentParser], log_
     )
     prove.add_argument(
         "--checkpoint",
-        type=Path,
         default=None,
         help="the signed checkpoint to prove against (default: FILE.checkpoint, the latest)",
     )
@@ -81,22 +112,19 @@ def add_parsers(audit: argparse._SubParsersAction[argparse.ArgumentParser], log_
     prove.add_argument(
         "operands", nargs="+", metavar="[SEQ] FILE", help=f"the entry's seq, then {log_help}"
     )
-    check = audit.add_parser(
-        "verify-proof",
-        help="check a proof bundle from `gatewayd audit prove` with the log's verifier "
-        "key alone (no log needed)",
-    )
+
+
+def _verify_proof_options(check: argparse.ArgumentParser) -> None:
     check.add_argument(
         "--key", required=True, action="append", help="the log's verifier key (NAME+ID+KEY)"
     )
-    check.add_argument("bundle", type=Path, help="the bundle file ('-': standard input)")
+    check.add_argument("bundle", help="the bundle file ('-': standard input)")
 
 
 def add_verify_options(verify: argparse.ArgumentParser) -> None:
     """`audit verify --checkpoint FILE --key VKEY`."""
     verify.add_argument(
         "--checkpoint",
-        type=Path,
         default=None,
         help="also check that the log holds exactly the entries this signed checkpoint "
         "committed to (needs --key)",
@@ -120,8 +148,8 @@ def _verifiers(keys: list[str]) -> list[Verifier]:
     return [Verifier.from_string(key) for key in keys]
 
 
-def _read_note(path: Path) -> str:
-    with path.open("rb") as file:
+def _read_note(path: str | Path) -> str:
+    with open(path, "rb") as file:
         data = file.read(MAX_CHECKPOINT_BYTES + 1)
     if len(data) > MAX_CHECKPOINT_BYTES:
         raise ValueError(f"{path} is over {MAX_CHECKPOINT_BYTES} bytes: not a checkpoint")
@@ -142,7 +170,7 @@ def verify_checkpoint(args: argparse.Namespace) -> int:
         return _fail(f"--key: {exc}", EXIT_USAGE)
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         return _fail(f"cannot read the checkpoint {args.checkpoint}: {exc}")
-    verdict = verify_log_against(args.file, note, verifiers)
+    verdict = verify_log_against(_path(args.file), note, verifiers)
     for line in verdict.lines:
         print(line)
     return EXIT_OK if verdict.ok else EXIT_FAILED
@@ -151,6 +179,12 @@ def verify_checkpoint(args: argparse.Namespace) -> int:
 def main(args: argparse.Namespace) -> int:
     """Run one of this module's commands."""
     return _COMMANDS[args.audit_command](args)
+
+
+def _path(text: str) -> Path:
+    from pathlib import Path  # here: `audit show|verify` start without it
+
+    return Path(text)
 
 
 def _keygen(args: argparse.Namespace) -> int:
@@ -193,13 +227,13 @@ def _checkpoint(args: argparse.Namespace) -> int:
     from gatewayd.audit.ondemand import checkpoint_log
 
     try:
-        signer = load_checkpoint_key(args.key, args.file)
+        signer = load_checkpoint_key(_path(args.key), _path(args.file))
     except CheckpointKeyError as exc:
         return _fail(str(exc))
     if signer is None:  # pragma: no cover - a path was given, so there is a key or an error
         return _fail("no checkpoint key")
     try:
-        signed = checkpoint_log(args.file, signer, fsync=not args.no_fsync)
+        signed = checkpoint_log(_path(args.file), signer, fsync=not args.no_fsync)
     except CheckpointRefused as exc:
         return _fail(str(exc))
     sys.stdout.write(signed.note)
@@ -221,7 +255,7 @@ def _note_for(arg: str, log: Path) -> str:
             f"no checkpoint of size {size} in the history of {log} (latest sizes: {near}); "
             "give a checkpoint file instead"
         )
-    return _read_note(Path(arg))
+    return _read_note(arg)
 
 
 def _prove(args: argparse.Namespace) -> int:
@@ -230,6 +264,7 @@ def _prove(args: argparse.Namespace) -> int:
 
     if (len(args.operands) == 2) == (args.consistency is not None) or len(args.operands) > 2:
         return _fail("give either SEQ FILE or --consistency OLD NEW FILE", EXIT_USAGE)
+    log = _path(args.file)
     try:
         args.seq = whole_number(args.operands[0]) if len(args.operands) == 2 else None
     except argparse.ArgumentTypeError as exc:
@@ -240,11 +275,11 @@ def _prove(args: argparse.Namespace) -> int:
         return _fail(f"--key: {exc}", EXIT_USAGE)
     try:
         if args.consistency is not None:
-            old, new = (_note_for(arg, args.file) for arg in args.consistency)
-            bundle = consistency_bundle(args.file, old, new, verifiers)
+            old, new = (_note_for(arg, log) for arg in args.consistency)
+            bundle = consistency_bundle(log, old, new, verifiers)
         else:
-            note = _read_note(args.checkpoint or checkpoint_path(args.file))
-            bundle = inclusion_bundle(args.file, args.seq, note, verifiers)
+            note = _read_note(args.checkpoint or checkpoint_path(log))
+            bundle = inclusion_bundle(log, args.seq, note, verifiers)
     except FileNotFoundError as exc:
         return _fail(f"no checkpoint at {exc.filename}: make one (gatewayd audit checkpoint)")
     except (ValueError, UnicodeDecodeError) as exc:
@@ -261,7 +296,7 @@ def _verify_proof(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(f"--key: {exc}", EXIT_USAGE)
     try:
-        source = sys.stdin.buffer if str(args.bundle) == "-" else args.bundle.open("rb")
+        source = sys.stdin.buffer if args.bundle == "-" else open(args.bundle, "rb")  # noqa: SIM115
         with source:
             data = source.read(MAX_BUNDLE_BYTES + 1)
     except OSError as exc:

@@ -7,10 +7,14 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from typing import Final
 
 from gatewayd.cli.command import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from gatewayd.cli.options import whole_number
+
+# typing's flag without importing typing: client commands start without it
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Final
 
 # A cosigned checkpoint is a few hundred bytes; the cap keeps a wrong file from being
 # read whole.
@@ -43,6 +47,8 @@ def _fail(message: str, code: int = EXIT_FAILED) -> int:
 
 def verify_witnesses(args: argparse.Namespace) -> int:
     """The `--witness` part of `audit verify`: prints the verdict, returns its exit."""
+    from pathlib import Path  # here: a plain `audit verify` starts without it
+
     from gatewayd.audit.cosignature import CosignatureError, CosignatureVerifier
     from gatewayd.audit.note import NoteError, Verifier
     from gatewayd.audit.proofs import authenticated_leaves, log_leaves
@@ -79,17 +85,18 @@ def verify_witnesses(args: argparse.Namespace) -> int:
             f"({len(witnesses)})",
             EXIT_USAGE,
         )
-    notes = [(str(path), text) for path, text in read_witnessed(args.file)]
+    log = Path(args.file)
+    notes = [(str(path), text) for path, text in read_witnessed(log)]
     if args.checkpoint is not None:
         try:
-            with args.checkpoint.open("rb") as file:
+            with open(args.checkpoint, "rb") as file:
                 data = file.read(MAX_NOTE_BYTES + 1)
             if len(data) > MAX_NOTE_BYTES:
                 raise ValueError(f"over {MAX_NOTE_BYTES} bytes: not a checkpoint")
             notes.append((str(args.checkpoint), data.decode()))
         except (OSError, UnicodeDecodeError, ValueError) as exc:
             return _fail(f"cannot read the checkpoint {args.checkpoint}: {exc}")
-    read = log_leaves(args.file, partial=True)
+    read = log_leaves(log, partial=True)
     verdict = check_quorum(
         read.leaves,
         notes,
@@ -97,7 +104,7 @@ def verify_witnesses(args: argparse.Namespace) -> int:
         witnesses,
         quorum,
         first_seq=read.first_seq,
-        stored=functools.partial(authenticated_leaves, args.file),
+        stored=functools.partial(authenticated_leaves, log),
     )
     for line in verdict.lines:
         print(line)

@@ -29,7 +29,7 @@ import trio
 
 from gatewayd.audit.checkpoint import Checkpoint
 from gatewayd.audit.cosignature import CosignatureVerifier, Cosigner, generate_cosigner_key
-from gatewayd.audit.entry import decode_body
+from gatewayd.audit.entry import AuditEntry
 from gatewayd.audit.head import HeadRecord, encode_head, head_path
 from gatewayd.audit.line import GENESIS_HASH, seal, unseal
 from gatewayd.audit.merkle import consistency_proof, leaf_hash, leaves_source, root_from_hashes
@@ -440,7 +440,7 @@ def rewrite_log(log_path: Path, seq: int) -> None:
     count = 0
     for raw in log_path.read_bytes().splitlines():
         body, _ = unseal(raw)
-        entry = decode_body(body)
+        entry = msgspec.json.decode(body, type=AuditEntry)  # the writer's schema
         changes: dict[str, Any] = {"prev": prev}
         if entry.seq == seq:
             changes["detail"] = {"rewritten": True}

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from gatewayd.audit import AuditEvent, EntryFields, open_audit_log, read_entries, verify_file
-from gatewayd.audit.entry import EventName, build_body, decode_body, format_time
+from gatewayd.audit.entry import EventName, build_body, format_time
+from gatewayd.audit.entryform import decode_body
 from gatewayd.audit.events import REGISTERED_EVENTS
 from gatewayd.audit.line import GENESIS_HASH
 

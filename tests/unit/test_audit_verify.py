@@ -200,6 +200,42 @@ async def test_line_that_is_not_an_entry_is_reported_as_broken(tmp_path: Path) -
     assert "line 3 is not a valid audit entry" in message
 
 
+def resealed(line: bytes, old: bytes, new: bytes) -> bytes:
+    """``line`` with ``old`` replaced by ``new`` and sealed again, as one who knows the
+    recipe would: its hash matches its bytes."""
+    body = line[: line.rindex(b',"hash":')] + b"}"
+    forged, _ = seal(body.replace(old, new))
+    return forged
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "why"),
+    [
+        # Not UTF-8: msgspec raised UnicodeDecodeError here, a traceback of `audit verify`.
+        (b'"path":"/workspace/', b'"path":"/w\xff/', "not UTF-8 text"),
+        (b'"path":"/workspace/', b'"path":"\\ud800/', "lone UTF-16 surrogate"),
+        (b'"outputBytes":100', b'"outputBytes":1e400', "out of range"),
+    ],
+)
+async def test_a_resealed_line_that_is_no_text_or_no_number_is_broken_not_a_crash(
+    tmp_path: Path, old: bytes, new: bytes, why: str
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    lines = await make_log(path)
+    index = next(i for i, line in enumerate(lines) if old in line)
+    lines[index] = resealed(lines[index], old, new)
+    path.write_bytes(b"".join(lines))
+    line, kind, message = only_problem(verify_file(path))
+    assert (line, kind) == (index + 1, ProblemKind.BROKEN)
+    assert why in message
+    # And the table shows the line as broken (it raised there too, or printed a
+    # string no terminal encoding can write).
+    assert list(read_entries(path))[index] == {
+        "line": index + 1,
+        "broken": "not a JSON object (run 'gatewayd audit verify')",
+    }
+
+
 async def test_overlong_line_is_reported_as_broken(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     lines = await make_log(path)

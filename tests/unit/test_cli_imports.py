@@ -90,6 +90,17 @@ TYPING: Final = frozenset({"typing"})
 CLIENT_STDLIB: Final = frozenset(
     {"pathlib", "urllib", "ipaddress", "shutil", "signal", "contextlib", "shlex", "base64"}
 )
+# And out of the audit log's readers (`audit show|verify|export|tail`): the writer's
+# codec, msgspec, with what it brings (a third of their start), the writer's schema and
+# the secrets' scrubber, and what they do without: datetime (only --since and --until
+# parse a time), uuid, and the modules of a daemon-starting command.
+AUDIT_READERS: Final = frozenset(
+    {
+        *("msgspec", "typing_extensions", "decimal", "uuid", "datetime", "inspect"),
+        *("gatewayd.audit.entry", "gatewayd.audit.chain", "gatewayd.secrets"),
+        *("gatewayd.protocol", "gatewayd.audit.writer"),
+    }
+)
 # The libraries only some tools use (gatewayd.libraries): `gatewayd run` loads one only
 # when its run's policy can reach such a tool, never up to the sandbox's start.
 TOOL_LIBRARIES: Final = frozenset(
@@ -251,11 +262,36 @@ def test_audit_show_and_verify_on_a_small_log_load_nothing_heavy(
     done, modules = run_cli(tmp_path, "audit", "verify", str(audit_log))
     assert done.returncode == 0, done
     assert done.stdout.startswith("OK: 4 entries, chain intact"), done.stdout
-    assert_light(modules, HEAVY | MODELS)
+    assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB | AUDIT_READERS)
     done, modules = run_cli(tmp_path, "audit", "show", str(audit_log))
     assert done.returncode == 0, done
     assert "run_ended" in done.stdout, done.stdout
-    assert_light(modules, HEAVY | MODELS)
+    assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB | AUDIT_READERS)
+
+
+@pytest.mark.parametrize(
+    ("words", "shown"),
+    [
+        (("export", "--run", UNKNOWN_RUN[:8]), '"event":"run_created"'),
+        (("export", "--format", "csv"), "seq,time,kind"),
+        (("tail", "-n", "2"), "audit_close"),
+        (("tail", "--json", "--denied"), ""),
+    ],
+)
+def test_the_other_audit_readers_load_no_codec_and_no_typing(
+    tmp_path: Path, audit_log: Path, words: tuple[str, ...], shown: str
+) -> None:
+    done, modules = run_cli(tmp_path, "audit", *words, str(audit_log))
+    assert done.returncode == 0, done
+    assert shown in done.stdout, done.stdout
+    assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB | AUDIT_READERS)
+
+
+def test_the_positive_control_sees_what_an_audit_reader_must_not_load() -> None:
+    # The writer's side of the same package: the listing does see its codec and the rest.
+    modules = imported_by("import gatewayd.audit.chain, gatewayd.audit.query; import typing")
+    expected = {"msgspec", "typing", "gatewayd.audit.entry", "gatewayd.secrets", "uuid"}
+    assert set(loaded(modules, AUDIT_READERS | TYPING)) >= expected
 
 
 def test_policy_check_loads_the_policy_models_but_no_tool(tmp_path: Path) -> None:

@@ -456,7 +456,7 @@ def test_every_field_of_an_audit_entry_is_scrubbed_and_the_line_still_verifies()
         "nested": [{"b64": "[REDACTED:K]"}],
     }
     assert entry.detail == {"url": "https://h/?key=[REDACTED:K]"}
-    assert entry.peer is not None and entry.peer.uid == 2
+    assert entry.peer is not None and entry.peer["uid"] == 2
 
 
 def test_an_id_that_grows_past_its_limit_when_scrubbed_is_cut_to_fit() -> None:
