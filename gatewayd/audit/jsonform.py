@@ -43,8 +43,9 @@ _MAX_INT_CHARS: Final = 4300
 # pair, or follow an escaped backslash: then the strings are looked at, and pass.)
 _SURROGATE_ESCAPE: Final = r"\\u[dD][89abcdefABCDEF]"
 # In json's compact output, a whole string (so that no text inside one is taken for a
-# number) or a float in Python's exponent form: 1e+16, 2.5e-07.
-_STRING_OR_EXPONENT: Final = r'"[^"\\]*(?:\\.[^"\\]*)*"|(-?\d+(?:\.\d+)?)e([-+]\d+)'
+# number) or a float in Python's exponent form: 1e+16, 2.5e-07. A number is tried only
+# at its start: tried at every digit of a long integer, the search is quadratic in it.
+_STRING_OR_EXPONENT: Final = r'"[^"\\]*(?:\\.[^"\\]*)*"|(?<![\d.])(-?\d+(?:\.\d+)?)e([-+]\d+)'
 _INFINITIES: Final = (float("inf"), float("-inf"))
 
 

@@ -214,13 +214,15 @@ def _audit(args: argparse.Namespace) -> int:
         return audit_tree.main(args)
     if args.audit_command == "prove":
         args.file = args.operands[-1]
-    if args.audit_command == "tail":
-        if not args.follow and not log_files(args.file):
-            return _no_audit_log(args.file)
-        return _audit_tail(args)
-    if not log_files(args.file):
-        return _no_audit_log(args.file)
     try:
+        # Listing the segments reads the log's directory: a path through a file
+        # ("audit.jsonl/") is an unreadable log, said as one.
+        if args.audit_command == "tail":
+            if not args.follow and not log_files(args.file):
+                return _no_audit_log(args.file)
+            return _audit_tail(args)
+        if not log_files(args.file):
+            return _no_audit_log(args.file)
         return _AUDIT_COMMANDS[args.audit_command](args)
     except BrokenPipeError:  # `gatewayd audit show … | head`: the reader has enough
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

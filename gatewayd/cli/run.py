@@ -238,7 +238,7 @@ def _base_request(args: argparse.Namespace) -> RunRequest:
         limits=RunLimits(maxRuntimeSec=args.max_runtime)
         if args.max_runtime is not None
         else RunLimits(),
-        sandboxImage=str(absolute_path(args.image)) if args.image else None,
+        sandboxImage=str(absolute_path(args.image)) if args.image is not None else None,
     )
 
 
@@ -414,7 +414,8 @@ def _run_attached(args: argparse.Namespace, cmd: list[str]) -> int | None:
     from gatewayd.cli.control_client import NO_DAEMON
     from gatewayd.cli.unix_http import upgrade
 
-    if any(getattr(args, name, None) for name in _OWN_DAEMON_OPTIONS):
+    # Given: set (a path option given as "" included, as the current directory).
+    if any(getattr(args, name, None) not in (None, False, []) for name in _OWN_DAEMON_OPTIONS):
         return None
     vars(args).setdefault("control_socket", None)
     control = control_socket_of(args)
@@ -489,7 +490,7 @@ def _attach_request(args: argparse.Namespace) -> dict[str, object]:
             "grant": {"allowSandbox": True},
             "toolIds": list(args.tools) if args.tools else None,
             "limits": {} if args.max_runtime is None else {"maxRuntimeSec": args.max_runtime},
-            "sandboxImage": str(absolute_path(args.image)) if args.image else None,
+            "sandboxImage": str(absolute_path(args.image)) if args.image is not None else None,
         }
     policy = request.get("policy")
     if isinstance(policy, str) and ("/" in policy or policy.endswith((".yaml", ".yml"))):

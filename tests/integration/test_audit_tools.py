@@ -232,6 +232,18 @@ def test_a_log_that_cannot_be_read_exits_1_with_the_os_reason(tmp_path: Path, co
     assert f"cannot read the audit log {tmp_path}: Is a directory" in proc.stderr
 
 
+@pytest.mark.parametrize("command", ["verify", "show", "export", "stats", "tail"])
+@pytest.mark.parametrize("suffix", ["/", "//", "/x"])
+def test_a_log_path_through_a_file_exits_1_with_the_os_reason(
+    rotated: Path, command: str, suffix: str
+) -> None:
+    # "audit.jsonl/" names a directory: its segments' listing fails, said as the log's.
+    proc = gatewayd("audit", command, f"{rotated}{suffix}")
+    assert proc.returncode == 1, proc
+    assert "Traceback" not in proc.stderr
+    assert "cannot read the audit log" in proc.stderr and "Not a directory" in proc.stderr
+
+
 def test_a_bad_time_exits_2_with_the_accepted_forms(rotated: Path) -> None:
     proc = gatewayd("audit", "export", "--until", "noon", str(rotated))
     assert proc.returncode == 2 and proc.stdout == ""

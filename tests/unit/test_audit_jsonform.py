@@ -194,3 +194,19 @@ def test_loads_past_the_interpreter_s_digit_limit_refuses_as_msgspec_does() -> N
             assert_same_reading(content)
     finally:
         sys.set_int_max_str_digits(limit)
+
+
+def test_dumps_looks_for_a_float_only_at_a_number_s_start() -> None:
+    # Tried at every digit, the search for floats to respell is quadratic in an
+    # integer's length: a caller's 4,000-digit argument (argsSummary keeps it) made
+    # `audit verify` and `show` spend most of a second on its entry.
+    import re
+
+    from gatewayd.audit.jsonform import _STRING_OR_EXPONENT
+
+    pattern = re.compile(_STRING_OR_EXPONENT)
+    assert pattern.match("12e-07", 0) is not None
+    assert pattern.match("12e-07", 1) is None  # inside the number
+    assert pattern.match("1.5e-07", 2) is None
+    big = {"n": int("9" * 4000), "s": "safe-mode", "f": 2.5e-7, "m": [-1e-05, 1e16]}
+    assert dumps(big) == msgspec.json.encode(big).decode()

@@ -260,3 +260,49 @@ def test_gatewayd_run_refuses_a_mode_or_fate_it_does_not_know(
         _cli_args(tmp_path, *flag)
     assert caught.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_an_empty_image_option_is_the_current_directory_never_no_image(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `--image "$IMAGE"` with $IMAGE unset names the current directory, as a path
+    # option always has: refused there as no image, never a run on the host's trees.
+    from gatewayd.cli.run import _attach_request, _run_request
+
+    monkeypatch.chdir(tmp_path)
+    args = _cli_args(tmp_path, "--image", "")
+    assert _attach_request(args)["sandboxImage"] == str(tmp_path)
+    assert _run_request(args).sandboxImage == str(tmp_path)
+    assert _attach_request(_cli_args(tmp_path))["sandboxImage"] is None
+
+
+def test_an_empty_own_daemon_option_keeps_the_run_in_this_process(tmp_path: Path) -> None:
+    # `--audit ""` is given (the current directory, as a path option always was): only
+    # a daemon of this process can take it, so no serving daemon is asked.
+    import socket
+    import threading
+
+    from gatewayd.cli.run import _run_attached
+
+    state = tmp_path / "s"
+    state.mkdir()
+    asked: list[bool] = []
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(state / "control.sock"))
+        listener.listen()
+
+        def answer_none() -> None:  # a serving daemon that hangs up at once
+            listener.settimeout(2)
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                return
+            asked.append(True)
+            conn.close()
+
+        watcher = threading.Thread(target=answer_none)
+        watcher.start()
+        args = _cli_args(tmp_path, "--state-dir", str(state), "--audit", "")
+        assert _run_attached(args, ["true"]) is None
+        watcher.join()
+    assert asked == []
