@@ -14,7 +14,10 @@ drift and after-effects (a cgroup or pid namespace still being torn down) hit al
   (``run_in_sandbox`` with a plan built once, the daemon's cgroups) and without the
   command cgroup (``cgroups=None``: the rlimit fallback), to show what each layer costs;
   and ``run_in_sandbox`` with its child joining by ``cgroup.procs`` as it did before it
-  joined by v1's ``tasks`` (an A/B of that change in the same rounds);
+  joined by v1's ``tasks`` (an A/B of that change in the same rounds); and
+  ``RunManager.exec`` as it was before a reused plan went unvalidated at its start,
+  the workspace session's check-only sync stayed in the trio thread and the command's
+  cgroup removal waited for the answer's own work (another A/B);
 - raw bwrap: the launcher's exact argv (``sandbox_argv`` of the run's plan), the same
   seccomp filter and data on memfds made once (rewound before each start), the same
   child setup (setns into the run's netns, the same rlimits, setgroups/setresgid/
@@ -91,6 +94,7 @@ from gatewayd.policy import Policy
 from gatewayd.policy.workspace_section import WorkspaceModeName
 from gatewayd.policyfile import RACY_WINDOW_NS, load_policy
 from gatewayd.runs import Grant, RunRequest
+from gatewayd.sandbox import cgroup as cgroup_module
 from gatewayd.sandbox import session as session_module
 from gatewayd.sandbox.cgroup import CgroupSupport, CommandCgroup, create_command_cgroup
 from gatewayd.sandbox.launch import (
@@ -112,10 +116,11 @@ from gatewayd.sandbox.netns import (
     remove_run_netns,
     remove_stale_netns,
 )
-from gatewayd.sandbox.plan import BWRAP, SandboxPlan
+from gatewayd.sandbox.plan import BWRAP, CheckedPlans, SandboxPlan, validate
 from gatewayd.sandbox.seccomp import CLONE_NEWNET
 from gatewayd.sandbox.session import RunSandbox
 from gatewayd.sandbox.uids import UidPool, UidRange, pids_of_uid, uids_with_processes
+from gatewayd.workspace import WorkspaceSession
 
 TRUE: Final = "/bin/true"
 # Sandbox uids of this benchmark: a random 64-uid slice of 1.6e9..1.65e9, away from the
@@ -349,6 +354,36 @@ def joining_whole_process() -> Iterator[None]:
         CommandCgroup.join_files = saved  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def exec_as_before(sandbox: RunSandbox, session: WorkspaceSession | None) -> Iterator[None]:
+    """RunManager.exec as it was: every plan validated again just before its start (a
+    reused one too), the workspace session's sync (the base class's check, for an
+    overlay session) run in a worker thread after the command, and the command's cgroup
+    removal begun at once, beside the answer's durable entry. Swapped around one
+    awaited exec, in the one trio thread (an A/B in one process)."""
+    after = sandbox.after_command
+    lock = trio.Lock()
+
+    async def sync_in_thread() -> None:
+        if session is not None:
+            async with lock:
+                await trio.to_thread.run_sync(session.sync)
+
+    def validate_always(_: CheckedPlans, plan: SandboxPlan) -> None:
+        validate(plan)
+
+    with (
+        mock.patch.object(CheckedPlans, "validate", validate_always),
+        mock.patch.object(cgroup_module, "REMOVE_AFTER_S", 0),
+    ):
+        if after is not None:
+            sandbox.after_command = sync_in_thread
+        try:
+            yield
+        finally:
+            sandbox.after_command = after
+
+
 def launcher_rlimits(sandbox: RunSandbox) -> tuple[tuple[int, int, int], ...]:
     """The launcher's rlimit table for this host: no RLIMIT_AS/RLIMIT_NPROC where the
     command's cgroup limits memory/processes instead (as ``run_in_sandbox`` decides)."""
@@ -380,6 +415,8 @@ class InProcess:
         self.raw = raw
         self.limits = sandbox.limits.for_command(None)
         self.plan = sandbox.plan([TRUE], dict(os.environ))
+        # As a run's sandbox checks its plans: validated at the first start only.
+        self.checks = CheckedPlans()
         self.create_ws = make_workspace(base / "ws-create")
         self.lease_ws = make_workspace(base / "ws-lease")
         self.lease_record = base / "lease-record"
@@ -397,6 +434,7 @@ class InProcess:
     def variants(self) -> dict[str, Variant]:
         found: dict[str, Variant] = {
             "exec": self.exec_daemon,
+            "exec_before": self.exec_daemon_before,
             "session": self.exec_session,
             "launcher": self.exec_launcher_no_cgroup,
             "raw": self.exec_raw,
@@ -424,7 +462,18 @@ class InProcess:
         return {key: elapsed}
 
     async def exec_daemon(self) -> Durations:
-        return await self.timed_exec("exec", self.daemon.runs.exec(self.sandbox.run_id, [TRUE]))
+        cpu = time.process_time()
+        got = await self.timed_exec("exec", self.daemon.runs.exec(self.sandbox.run_id, [TRUE]))
+        return {**got, "exec_cpu": time.process_time() - cpu}
+
+    async def exec_daemon_before(self) -> Durations:
+        run = self.daemon.registry.get(self.sandbox.run_id)
+        session = None if run is None or run.workspace is None else run.workspace.session
+        with exec_as_before(self.sandbox, session):
+            cpu = time.process_time()
+            ran = self.daemon.runs.exec(self.sandbox.run_id, [TRUE])
+            got = await self.timed_exec("exec_before", ran)
+            return {**got, "exec_before_cpu": time.process_time() - cpu}
 
     async def exec_session(self) -> Durations:
         return await self.timed_exec("session", self.sandbox.exec([TRUE]))
@@ -438,6 +487,7 @@ class InProcess:
             bwrap=self.sandbox.settings.bwrap,
             cgroups=cgroups,
             pins=self.sandbox.pins,
+            checks=self.checks,
         )
 
     async def exec_launcher(self) -> Durations:
@@ -737,6 +787,13 @@ def report(samples: Samples, cli: dict[str, list[float]] | None) -> None:
     raw = s["raw"]
     print(f"{'/bin/true started through':<62}{'median':>9}{'p90':>9}{'vs raw':>10}  (ms)")
     print(row("gatewayd: RunManager.exec (the exec path)", s["exec"], raw))
+    print(
+        row(
+            "  as before (plan checks, sync, cgroup removal)",
+            s["exec_before"],
+            raw,
+        )
+    )
     print(row("  without its audit entry: RunSandbox.exec", s["session"], raw))
     print(row("  without plan building too: run_in_sandbox", s.get("launcher_cg"), raw))
     print(
@@ -804,6 +861,13 @@ def report(samples: Samples, cli: dict[str, list[float]] | None) -> None:
                 f"  the same against raw bwrap in a fresh command cgroup ({label}): "
                 f"{'MET' if same <= EXEC_TARGET_RATIO else 'NOT MET'} ({same:.2f}x at the median)"
             )
+    saved = statistics.median(s["exec_before"]) - statistics.median(s["exec"])
+    print(
+        f"  a reused plan not validated again, the check-only sync in the trio thread and "
+        f"the cgroup removed after the answer save {saved * 1000:.2f} ms at the median; "
+        f"the process's CPU per exec "
+        f"{ms(s['exec_cpu'], 50):.2f} ms now, {ms(s['exec_before_cpu'], 50):.2f} ms before"
+    )
     if s.get("launcher_procs") and s.get("launcher_cg"):
         saved = statistics.median(s["launcher_procs"]) - statistics.median(s["launcher_cg"])
         print(

@@ -65,6 +65,12 @@ REMOVE_POLL_S: Final = 0.01
 # The last exiting task usually leaves the cgroup within half a millisecond: start the
 # retries that fast (every exec waits for this), then back off to REMOVE_POLL_S.
 REMOVE_FIRST_POLL_S: Final = 0.0005
+# A deferred removal (DeferredRemovals) starts this long after its command's result is
+# on its way, unless the owner waits for it first: at once, its rmdirs and retries
+# would take the trio thread while the answer waits for its own work (the command's
+# durable end entry, about 2 ms here), and by then the exited pid namespace is
+# usually gone.
+REMOVE_AFTER_S: Final = 0.005
 # systemd marks the cgroups it delegated with this xattr ("1"); unprivileged managers
 # use the user. namespace.
 DELEGATE_XATTRS: Final = ("trusted.delegate", "user.delegate")
@@ -757,8 +763,9 @@ class DeferredRemovals:
     about its cgroup can change its result; removing it (an rmdir per controller, often
     answered EBUSY for a moment while the kernel finishes the exited pid namespace) need
     not delay the answer. :meth:`remove_later` hands a cgroup over and returns at once;
-    the owner (a run's sandbox) awaits :meth:`wait` before it lets its run end, so no
-    cgroup outlives its run, and the daemon's stop ends every run first.
+    the removal starts ``REMOVE_AFTER_S`` later, after the answer's own work, or at once
+    when the owner (a run's sandbox) awaits :meth:`wait`, as it does before it lets its
+    run end, so no cgroup outlives its run, and the daemon's stop ends every run first.
 
     Resource handling: each removal is a trio *system* task (the caller that handed it
     over may be cancelled or gone before it ends), under a shielded scope, so even the
@@ -776,6 +783,7 @@ class DeferredRemovals:
         self._pending = 0
         self._idle = trio.Event()
         self._idle.set()
+        self._hurry = trio.Event()  # set by wait(): no removal is put off from then on
         self._failed: list[tuple[CommandCgroup, str]] = []
 
     @property
@@ -795,6 +803,8 @@ class DeferredRemovals:
     async def _remove(self, cgroup: CommandCgroup) -> None:
         try:
             with trio.CancelScope(shield=True):
+                with trio.move_on_after(REMOVE_AFTER_S):
+                    await self._hurry.wait()
                 await cgroup.remove()
         except CgroupError as exc:
             self._failed.append((cgroup, str(exc)))
@@ -806,8 +816,10 @@ class DeferredRemovals:
                 self._idle.set()
 
     async def wait(self) -> tuple[tuple[CommandCgroup, str], ...]:
-        """Wait until every removal handed over so far has ended; returns (and forgets)
-        those that failed, with why."""
+        """Start every removal handed over now (and any handed over later at once: the
+        owner is ending), and wait until each has ended; returns (and forgets) those
+        that failed, with why."""
+        self._hurry.set()
         await self._idle.wait()
         failed, self._failed = tuple(self._failed), []
         return failed

@@ -69,7 +69,7 @@ from gatewayd.sandbox.limits import (
     rlimits,
 )
 from gatewayd.sandbox.passthrough import Passthrough, Relay, StreamedBytes
-from gatewayd.sandbox.plan import BWRAP, SandboxPlan, render_argv
+from gatewayd.sandbox.plan import BWRAP, CheckedPlans, SandboxPlan, render_argv
 from gatewayd.sandbox.seccomp import CLONE_NEWNET, CLONE_NEWNS, write_filter
 
 READ_CHUNK: Final = 64 * 1024  # one pipe's worth per read
@@ -260,13 +260,18 @@ def exec_result_json(
 
 
 def sandbox_argv(
-    plan: SandboxPlan, *, bwrap: str, data_fds: dict[str, int], seccomp_fd: int
+    plan: SandboxPlan,
+    *,
+    bwrap: str,
+    data_fds: dict[str, int],
+    seccomp_fd: int,
+    checks: CheckedPlans | None = None,
 ) -> list[str]:
     """``render_argv`` with ``--seccomp FD`` added as the last bwrap option (before ``--``).
 
     Error handling: raises ``PlanError`` as ``render_argv`` does.
     """
-    argv = render_argv(plan, bwrap=bwrap, data_fds=data_fds)
+    argv = render_argv(plan, bwrap=bwrap, data_fds=data_fds, checks=checks)
     end_of_options = len(argv) - len(plan.command) - 1
     if argv[end_of_options] != "--":
         raise LaunchError(
@@ -289,6 +294,7 @@ async def run_in_sandbox(
     pins: Sequence[tuple[int, str]] = (),
     passthrough: Passthrough | None = None,
     removals: DeferredRemovals | None = None,
+    checks: CheckedPlans | None = None,
 ) -> ExecResult:
     """Run ``plan.command`` in the sandbox the plan describes, inside network namespace
     ``netns``, as ``host_user``, within ``limits``; return its :class:`ExecResult`.
@@ -313,6 +319,8 @@ async def run_in_sandbox(
     ``removals``: the command's cgroup is handed to it once the command's tree is gone
     and its counters are read, and removed in the background (its owner waits for it
     before the run ends); None removes it before returning.
+    ``checks``: how the plan is validated before the start (its owner's
+    :class:`~gatewayd.sandbox.plan.CheckedPlans`; None: :func:`~gatewayd.sandbox.plan.validate`).
 
     Resource handling: the memfds and the netns descriptor are closed once bwrap runs; on
     timeout the tree gets SIGTERM, then SIGKILL after ``limits.kill_grace_s``; on
@@ -332,7 +340,7 @@ async def run_in_sandbox(
     cgroup = _create_cgroup(plan.run_id, limits, cgroups)
     try:
         return await _start_and_supervise(
-            plan, netns, limits, host_user, stdin, bwrap, cgroup, echo, pins, passthrough
+            plan, netns, limits, host_user, stdin, bwrap, cgroup, echo, pins, passthrough, checks
         )
     finally:
         if cgroup is not None and removals is not None:
@@ -372,11 +380,14 @@ async def _start_and_supervise(
     echo: Echo | None,
     pins: Sequence[tuple[int, str]],
     passthrough: Passthrough | None,
+    checks: CheckedPlans | None,
 ) -> ExecResult:
     with contextlib.ExitStack() as fds:
         data_fds = {step.dest: memfd(fds, "cogni-data", step.data) for step in plan.data_steps}
         seccomp_fd = memfd(fds, "cogni-seccomp", None)
-        argv = sandbox_argv(plan, bwrap=bwrap, data_fds=data_fds, seccomp_fd=seccomp_fd)
+        argv = sandbox_argv(
+            plan, bwrap=bwrap, data_fds=data_fds, seccomp_fd=seccomp_fd, checks=checks
+        )
         try:
             netns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as exc:

@@ -72,6 +72,7 @@ from gatewayd.sandbox.plan import (
     COGNI_TOOL_VISIBLE_DIR,
     PIN_DIR,
     WORKSPACE,
+    CheckedPlans,
     HostLayout,
     PlanError,
     PolicyMount,
@@ -307,6 +308,9 @@ class RunSandbox:
     _cgroup_removals: DeferredRemovals = field(default_factory=DeferredRemovals)
     # The last plan made by plan(), by what it was made from besides its command.
     _last_plan: tuple[_PlanKey, SandboxPlan] | None = field(default=None, init=False)
+    # Every plan of this run is validated through it: when built and again before its
+    # start, the second time at no cost when it equals the first but for its command.
+    _checks: CheckedPlans = field(default_factory=CheckedPlans, init=False)
     _closed: bool = False
     # The next free number for a call's own mount points (beside the run's pins, which
     # take 0..len(pins)-1): each narrowed command attaches its binds at fresh ones.
@@ -534,8 +538,9 @@ class RunSandbox:
         ``build_plan`` checks only for being non-empty and ``validate`` not at all), and
         on nothing else that changes while the run lives but these arguments: so the
         last plan made, for the same variables, cwd and network, is reused with the new
-        command instead of being built and validated again (render_argv validates it
-        once more before each start all the same).
+        command instead of being built and validated again (and render_argv's check
+        before each start passes it at once: the run's :class:`CheckedPlans` validated
+        it as it is, but for the command).
         """
         key: _PlanKey = (frozenset(env_values.items()), cwd, network)
         if command and self._last_plan is not None and self._last_plan[0] == key:
@@ -572,6 +577,7 @@ class RunSandbox:
             view=self.view if cwd is None else replace(self.view, cwd=cwd),
             run_network=network is None,
             egress_socket=None if egress is None else str(egress),
+            checks=self._checks,
         )
 
     async def exec(
@@ -681,6 +687,7 @@ class RunSandbox:
                 ),
                 run_network=False,
                 egress_socket=None if view.egress_socket is None else str(view.egress_socket),
+                checks=self._checks,
             )
             return await self._launch(plan, limits=limits, stdin=stdin, echo=echo, pins=pins)
         finally:
@@ -735,6 +742,7 @@ class RunSandbox:
                     pins=pins,
                     passthrough=passthrough,
                     removals=self._cgroup_removals,
+                    checks=self._checks,
                 )
             finally:
                 self._running.discard(scope)
@@ -904,6 +912,7 @@ def _plan(
     view: SandboxView | None = None,
     run_network: bool = True,
     egress_socket: str | None = None,
+    checks: CheckedPlans | None = None,
 ) -> SandboxPlan:
     view = view or SandboxView()
     plan = build_plan(
@@ -932,7 +941,10 @@ def _plan(
         run_network=run_network,
         egress_socket=egress_socket,
     )
-    validate(plan)
+    if checks is None:
+        validate(plan)
+    else:
+        checks.validate(plan)
     return plan
 
 

@@ -9,7 +9,8 @@ whether the run ends right after a result, while a command runs, with several co
 at once, or with the daemon's stop. (A daemon killed between a result and the removal
 leaves an empty cgroup of a run it left behind: the next start's sweep removes it, as
 test_run_sandbox.py's crash test shows.) A run's plan is reused for the next command
-when nothing but the command differs: it must equal one built afresh.
+when nothing but the command differs: it must equal one built afresh, and it is
+validated once, when it is built, not again before each start.
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ import trio
 from gatewayd.config import GatewaydConfig, SandboxUids
 from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.runs import Grant, Run, RunLimits, RunRequest
+from gatewayd.sandbox import plan as plan_module
 from gatewayd.sandbox.cgroup import CgroupError, CgroupSupport, CommandCgroup, probe_cgroups
 from gatewayd.sandbox.launch import ExecResult
 from gatewayd.sandbox.limits import LimitMechanism
-from gatewayd.sandbox.plan import PlanError
+from gatewayd.sandbox.plan import PlanError, SandboxPlan
 from gatewayd.sandbox.session import CommandNetwork
 
 PY = "/usr/bin/python3"
@@ -326,6 +328,30 @@ async def test_a_plan_reused_for_the_next_command_equals_one_built_afresh(
     for word in ("one", "two", "three"):
         result = await daemon.runs.exec(run.run_id, ["echo", word])
         assert (result.exitCode, result.stdout) == (0, f"{word}\n".encode())
+
+
+async def test_a_runs_plan_is_validated_when_built_and_not_again_before_each_start(
+    daemon: Daemon, base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = await start_run(daemon, base)
+    validated: list[SandboxPlan] = []
+    validate = plan_module.validate
+
+    def counted(plan: SandboxPlan) -> None:
+        validated.append(plan)
+        validate(plan)
+
+    monkeypatch.setattr(plan_module, "validate", counted)
+    first = await daemon.runs.exec(run.run_id, ["echo", "first"])
+    assert (first.exitCode, first.stdout) == (0, b"first\n")
+    assert [plan.command for plan in validated] == [("echo", "first")]  # built, checked once
+    for word in ("two", "three"):
+        result = await daemon.runs.exec(run.run_id, ["echo", word])
+        assert (result.exitCode, result.stdout) == (0, f"{word}\n".encode())
+    assert len(validated) == 1  # the same plan but for its command: not again
+    # A plan that differs in more than its command is built and validated afresh.
+    other = await daemon.runs.exec(run.run_id, ["pwd"], env_values={"LANG": "de_DE.UTF-8"})
+    assert (other.exitCode, len(validated)) == (0, 2)
 
 
 async def test_a_cgroup_that_cannot_be_removed_is_named_in_the_runs_end_and_not_the_result(

@@ -8,14 +8,18 @@ import re
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
 from gatewayd.sandbox.cgroup import (
+    REMOVE_AFTER_S,
     CgroupEntry,
     CgroupError,
     CgroupMount,
     CgroupSupport,
     CgroupVersion,
     CommandCgroup,
+    DeferredRemovals,
     EnterLeaf,
     OwnCgroups,
     command_cgroup_name,
@@ -387,3 +391,36 @@ def test_a_forked_child_joins_by_tasks_in_v1_and_by_cgroup_procs_in_v2(tmp_path:
     assert v2.join_files == (str(tmp_path / "c" / "cgroup.procs").encode(),)
     without_pids = CommandCgroup(version=V1, memory_dir=tmp_path / "m", pids_dir=None)
     assert without_pids.join_files == (str(tmp_path / "m" / "tasks").encode(),)
+
+
+class Removal:
+    """Stands in for a command's cgroup: when its removal began (trio's clock)."""
+
+    def __init__(self) -> None:
+        self.memory_dir = Path("/sys/fs/cgroup/memory/cogni-stand-in")
+        self.started: float | None = None
+
+    async def remove(self) -> None:
+        self.started = trio.current_time()
+
+
+async def test_a_deferred_removal_starts_after_the_answers_work_unless_its_owner_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    removals = DeferredRemovals()
+    later, hurried, after = Removal(), Removal(), Removal()
+    handed = trio.current_time()
+    removals.remove_later(later)  # type: ignore[arg-type]
+    await trio.sleep(REMOVE_AFTER_S / 2)
+    assert later.started is None  # the answer's work goes first
+    await trio.sleep(REMOVE_AFTER_S)
+    assert later.started == pytest.approx(handed + REMOVE_AFTER_S)
+    # The owner's wait (a run's end) does not wait for the delay: it starts them now.
+    removals.remove_later(hurried)  # type: ignore[arg-type]
+    waited = trio.current_time()
+    assert await removals.wait() == ()
+    assert hurried.started == waited
+    # ... and every removal handed over afterwards starts at once (the owner is ending).
+    removals.remove_later(after)  # type: ignore[arg-type]
+    assert await removals.wait() == ()
+    assert after.started == waited

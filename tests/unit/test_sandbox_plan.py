@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gatewayd.policy.paths import PathMode
+from gatewayd.sandbox import plan as plan_module
 from gatewayd.sandbox.plan import (
     COGNI_TOOL_VISIBLE_DIR,
     DENIED_HOST_TREES,
@@ -24,6 +25,7 @@ from gatewayd.sandbox.plan import (
     SANDBOX_SOCKET,
     SERVICE_ENV_NAMES,
     Bind,
+    CheckedPlans,
     Dev,
     HostLayout,
     PlanError,
@@ -455,6 +457,71 @@ def test_render_validates_first() -> None:
     plan, _ = with_extra_step(RoBind(src="/root", dest="/mnt/r"))
     with pytest.raises(PlanError, match=r"exposes /root"):
         render_argv(plan, data_fds=fds_for(plan))
+
+
+# --- CheckedPlans: a run's plans validated once each, whatever their command -----------
+
+
+@pytest.fixture
+def validations(monkeypatch: pytest.MonkeyPatch) -> list[SandboxPlan]:
+    """Every plan the module's validate() is run on, in order."""
+    seen: list[SandboxPlan] = []
+    real = plan_module.validate
+
+    def counted(plan: SandboxPlan) -> None:
+        seen.append(plan)
+        real(plan)
+
+    monkeypatch.setattr(plan_module, "validate", counted)
+    return seen
+
+
+@pytest.mark.parametrize("command", [(), ("\0",), ("--", "--bind", "/", "/"), ("x" * 10_000,)])
+def test_validate_never_reads_the_command(command: tuple[str, ...]) -> None:
+    # What CheckedPlans rests on: a plan is valid or not whatever its command.
+    validate(dataclasses.replace(make_plan(), command=command))
+
+
+def test_a_plan_equal_but_for_its_command_to_one_checked_is_not_validated_again(
+    validations: list[SandboxPlan],
+) -> None:
+    checks = CheckedPlans()
+    plan = make_plan()
+    checks.validate(plan)
+    assert validations == [plan]
+    following = dataclasses.replace(plan, command=("/bin/echo", "next"))
+    argv = render_argv(following, data_fds=fds_for(following), checks=checks)
+    assert argv[-3:] == ["--", "/bin/echo", "next"]
+    checks.validate(dataclasses.replace(plan, command=("/bin/true",)))
+    assert validations == [plan]  # checked once
+    # Without CheckedPlans, every render validates.
+    render_argv(following, data_fds=fds_for(following))
+    assert validations == [plan, following]
+
+
+def test_a_plan_that_differs_in_anything_but_its_command_is_validated(
+    validations: list[SandboxPlan],
+) -> None:
+    checks = CheckedPlans()
+    plan = make_plan()
+    checks.validate(plan)
+    unsafe, _ = with_extra_step(RoBind(src="/etc", dest="/mnt/k"))
+    for bad in (
+        dataclasses.replace(unsafe, command=plan.command),
+        dataclasses.replace(plan, cwd="/workspace/", command=("/bin/true",)),
+        dataclasses.replace(plan, env=(*plan.env, ("AWS_SECRET_ACCESS_KEY", "x"))),
+    ):
+        with pytest.raises(PlanError):
+            checks.validate(bad)
+        with pytest.raises(PlanError):
+            render_argv(bad, data_fds=fds_for(bad), checks=checks)
+    # A refused plan is not remembered: the last one passed still is.
+    checks.validate(dataclasses.replace(plan, command=("/bin/true",)))
+    assert len(validations) == 1 + 6
+    # Nor is a plan handed over from outside taken for valid: only what it validated.
+    other = CheckedPlans()
+    with pytest.raises(PlanError):
+        other.validate(unsafe)
 
 
 # --- property: any policy paths either validate or raise PlanError, never leak ----------
