@@ -171,7 +171,17 @@ def _shown_key(key: str) -> str:
 
 def _refuse_lone_surrogates(value: Any) -> None:
     """``json`` turns ``"\\ud800"`` into a string no UTF-8 encoder can write back; refuse
-    it here rather than fail later in the audit log or a reply. Iterative."""
+    it here rather than fail later in the audit log or a reply."""
+    if holds_lone_surrogate(value):
+        raise JsonInputError(
+            "a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not text"
+        )
+
+
+def holds_lone_surrogate(value: Any) -> bool:
+    """Whether a string in ``value`` (a key or a value, at any depth: what ``json``
+    decoded) holds a lone UTF-16 surrogate. Iterative: ``value`` may nest as deep as
+    the decoder went."""
     stack = [value]
     while stack:
         item = stack.pop()
@@ -180,12 +190,10 @@ def _refuse_lone_surrogates(value: Any) -> None:
                 try:
                     item.encode("utf-8")
                 except UnicodeEncodeError:
-                    raise JsonInputError(
-                        "a string holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), "
-                        "which is not text"
-                    ) from None
+                    return True
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
         elif isinstance(item, list):
             stack.extend(item)
+    return False

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import re
 
+from gatewayd.strictjson import holds_lone_surrogate
+
 try:  # json's C accelerator (CPython's own); without it, json's Python encoder
     from _json import make_encoder as _make_encoder
 except ImportError:  # pragma: no cover - every CPython has it
@@ -125,29 +127,9 @@ def loads(content: bytes | str) -> Any:
         raise JsonFormError("it nests too deeply") from None
     except ValueError:  # int() past sys.get_int_max_str_digits()
         raise JsonFormError("it holds an integer out of range: too many digits") from None
-    if "\\u" in text and re.search(_SURROGATE_ESCAPE, text) and _holds_a_surrogate(value):
+    if "\\u" in text and re.search(_SURROGATE_ESCAPE, text) and holds_lone_surrogate(value):
         raise JsonFormError("it holds a lone UTF-16 surrogate escape, which is not text")
     return value
-
-
-def _holds_a_surrogate(value: Any) -> bool:
-    """Whether a string in ``value`` (a key or a value, at any depth) holds a lone
-    surrogate. Iterative: ``value`` may nest as deep as the decoder went."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    return True
-        elif isinstance(item, dict):
-            stack.extend(item)
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
 
 
 def _msgspec_float(match: re.Match[str]) -> str:
