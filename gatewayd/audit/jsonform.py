@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import re
 
-from gatewayd.strictjson import holds_lone_surrogate
-
 try:  # json's C accelerator (CPython's own); without it, json's Python encoder
     from _json import make_encoder as _make_encoder
 except ImportError:  # pragma: no cover - every CPython has it
@@ -127,8 +125,13 @@ def loads(content: bytes | str) -> Any:
         raise JsonFormError("it nests too deeply") from None
     except ValueError:  # int() past sys.get_int_max_str_digits()
         raise JsonFormError("it holds an integer out of range: too many digits") from None
-    if "\\u" in text and re.search(_SURROGATE_ESCAPE, text) and holds_lone_surrogate(value):
-        raise JsonFormError("it holds a lone UTF-16 surrogate escape, which is not text")
+    if "\\u" in text and re.search(_SURROGATE_ESCAPE, text):
+        # Imported here: strictjson's import (its patterns) would cost every reader's
+        # start, and few lines hold such an escape.
+        from gatewayd.strictjson import holds_lone_surrogate
+
+        if holds_lone_surrogate(value):
+            raise JsonFormError("it holds a lone UTF-16 surrogate escape, which is not text")
     return value
 
 
