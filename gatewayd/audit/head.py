@@ -17,6 +17,7 @@ import re
 import zlib
 
 from gatewayd.audit.line import is_hash_hex
+from gatewayd.audit.plainrecord import FrozenRecord
 
 # typing's flag without importing typing: the readers start without it
 TYPE_CHECKING = False
@@ -37,7 +38,7 @@ class HeadFormatError(ValueError):
     """The head file exists but does not hold a valid head record."""
 
 
-class HeadRecord:
+class HeadRecord(FrozenRecord):
     """The last durable entry: its ``seq`` and ``hash``, the file offset ``end`` just
     past its newline, and ``lines``, the number of lines up to ``end``. Immutable,
     compared as the four values. (A plain class: the readers start without msgspec,
@@ -57,26 +58,6 @@ class HeadRecord:
         object.__setattr__(self, "hash", hash)
         object.__setattr__(self, "end", end)
         object.__setattr__(self, "lines", lines)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"a HeadRecord is immutable (its {name} cannot be set)")
-
-    def _values(self) -> tuple[int, str, int, int]:
-        return self.seq, self.hash, self.end, self.lines
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not HeadRecord:
-            return NotImplemented
-        return self._values() == other._values()
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __repr__(self) -> str:
-        return (
-            f"HeadRecord(seq={self.seq!r}, hash={self.hash!r}, end={self.end!r}, "
-            f"lines={self.lines!r})"
-        )
 
 
 def head_path(log_path: Path) -> Path:

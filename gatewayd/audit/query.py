@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 
 from gatewayd.audit.line import MAX_LINE_BYTES, parse_object
+from gatewayd.audit.plainrecord import PlainRecord
 from gatewayd.audit.segments import log_files
 
 # typing's flag without importing typing: the readers start without it
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 BROKEN_REASON: Final = "not a JSON object (run 'gatewayd audit verify')"
 
 
-class Record:
+class Record(PlainRecord):
     """One line of the log: the file it is in, its 1-based line number, its bytes
     (without the newline) and its entry (None for a broken line). (The records of this
     module are plain classes: the readers make each at their start, and a dataclass
@@ -42,21 +43,6 @@ class Record:
         self.line = line
         self.raw = raw
         self.entry = entry
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not Record:
-            return NotImplemented
-        return (self.segment, self.line, self.raw, self.entry) == (
-            other.segment,
-            other.line,
-            other.raw,
-            other.entry,
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"Record({self.segment!r}, {self.line!r}, {self.raw!r}, {self.entry!r})"
 
     def as_dict(self) -> dict[str, Any]:
         """The entry, or ``{"segment", "line", "broken"}`` for a broken line."""
@@ -144,7 +130,7 @@ def time_ns_of(text: str) -> int | None:
 # -- runs -------------------------------------------------------------------------
 
 
-class RunFacts:
+class RunFacts(PlainRecord):
     """What the log says about who a run was for (its ``run_created`` event), and, for
     an app's invocation, the app's id (``detail.app`` of its ``run_created``, or of the
     ``app_invoked`` entry naming it as ``childRunId``)."""
@@ -158,16 +144,6 @@ class RunFacts:
 
     def with_app(self, app: str) -> RunFacts:
         return RunFacts(self.actor, self.tenant, app)
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not RunFacts:
-            return NotImplemented
-        return (self.actor, self.tenant, self.app) == (other.actor, other.tenant, other.app)
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"RunFacts({self.actor!r}, {self.tenant!r}, app={self.app!r})"
 
 
 def run_index(records: Iterable[Record]) -> dict[str, RunFacts]:

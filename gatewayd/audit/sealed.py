@@ -15,6 +15,7 @@ import enum
 
 from gatewayd.audit.entryform import Entry, EntryFormatError, decode_body
 from gatewayd.audit.line import GENESIS_HASH, LineFormatError, body_hash, hashes_equal, unseal
+from gatewayd.audit.plainrecord import FrozenRecord
 
 # typing's flag without importing typing: the readers start without it
 TYPE_CHECKING = False
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     from typing import Final
 
 
-class ChainPosition:
+class ChainPosition(FrozenRecord):
     """The last entry of a chain: its seq and hash (seq 0 and GENESIS_HASH when empty).
     Compared and hashed as the pair it is. (A plain class: a NamedTuple or a dataclass
     costs a reader's start ten times as much to make.)"""
@@ -35,20 +36,6 @@ class ChainPosition:
     def __init__(self, seq: int, hash: str) -> None:
         object.__setattr__(self, "seq", seq)
         object.__setattr__(self, "hash", hash)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        raise AttributeError(f"a ChainPosition is immutable (its {name} cannot be set)")
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not ChainPosition:
-            return NotImplemented
-        return self.seq == other.seq and self.hash == other.hash
-
-    def __hash__(self) -> int:
-        return hash((self.seq, self.hash))
-
-    def __repr__(self) -> str:
-        return f"ChainPosition(seq={self.seq!r}, hash={self.hash!r})"
 
 
 GENESIS: Final = ChainPosition(0, GENESIS_HASH)

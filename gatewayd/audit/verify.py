@@ -29,6 +29,7 @@ import re
 
 from gatewayd.audit.head import HeadFormatError, HeadRecord, head_file, read_head
 from gatewayd.audit.line import MAX_LINE_BYTES, hashes_equal
+from gatewayd.audit.plainrecord import PlainRecord
 from gatewayd.audit.sealed import (
     GENESIS,
     ChainPosition,
@@ -69,7 +70,7 @@ class ProblemKind(enum.StrEnum):
     NO_ACTIVE = "no_active"  # warning: only closed segments (an interrupted rotation)
 
 
-class Problem:
+class Problem(PlainRecord):
     """One finding: the 1-based line it is about (0 = the file as a whole), and the
     file's name when the log has more than one segment. (The records of this module
     are plain classes: `gatewayd audit verify` makes each at its start, and a
@@ -86,24 +87,6 @@ class Problem:
     def in_segment(self, segment: str) -> Problem:
         """The same finding, naming the file it is in."""
         return Problem(self.line, self.kind, self.message, segment)
-
-    def __eq__(self, other: object) -> bool:
-        if type(other) is not Problem:
-            return NotImplemented
-        return (self.line, self.kind, self.message, self.segment) == (
-            other.line,
-            other.kind,
-            other.message,
-            other.segment,
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return (
-            f"Problem(line={self.line!r}, kind={self.kind!r}, message={self.message!r}, "
-            f"segment={self.segment!r})"
-        )
 
 
 class VerifyReport:
