@@ -35,10 +35,24 @@ export LITELLM_LOCAL_MODEL_COST_MAP := True
 NODE_DIR := tests/mcp_node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-.PHONY: setup system-packages node-packages venv tools demo test test-fast lint typecheck check bench clean \
+.PHONY: setup system-packages node-packages venv launcher tools demo test test-fast lint typecheck check bench clean \
   install uninstall bench-anchors bench-anchors-install
 
-setup: system-packages venv node-packages
+setup: system-packages venv launcher node-packages
+
+# gatewayd's sandbox launcher (gatewayd/sandbox/launcher.c: the step between gatewayd and
+# bwrap for each command), compiled beside its source: the checkout's gatewayd runs it
+# there, and `make install`'s wheel carries it (pyproject.toml's package-data). Written
+# under a temporary name and renamed, so an interrupted build never leaves a partial one.
+LAUNCHER := gatewayd/sandbox/gatewayd-launcher
+launcher: $(LAUNCHER)
+
+$(LAUNCHER): gatewayd/sandbox/launcher.c
+	@echo "==> compiling $@"
+	@# 0755 whatever root's umask: a non-root gatewayd user runs it (docs/operations.md)
+	cc -O2 -Wall -Wextra -Werror -Wconversion -Wno-sign-conversion -o $@.tmp $<
+	chmod 0755 $@.tmp
+	mv -f $@.tmp $@
 
 system-packages:
 	@missing=""; for p in $(APT_PACKAGES); do \
@@ -174,7 +188,7 @@ bench-anchors: setup
 	$(PY) bench/anchors.py --prefix $(ANCHORS_PREFIX)
 
 clean:
-	rm -rf $(VENV) $(LINT_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(LINT_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache $(LAUNCHER)
 
 # The service's installation (docs/operations.md, "Install"): a wheel of this checkout in
 # $(PREFIX)/venv, a virtualenv of the SYSTEM interpreter (the service user must be able
@@ -191,7 +205,7 @@ INSTALL_VENV := $(DESTDIR)$(PREFIX)/venv
 # in the tests' boxes, would share setuptools' build/ directory otherwise).
 WHEEL_SOURCES := pyproject.toml README.md gatewayd cogni_tool policies systemd
 
-install:
+install: launcher
 	@[ "$$($(SYSTEM_PYTHON) -c 'import sys; print(sys.prefix)' 2>/dev/null)" = /usr ] || { \
 	  echo "make install: $(SYSTEM_PYTHON) is not the system's python3 (Debian: apt-get install python3 python3-venv)" >&2; exit 1; }
 	@# umask 022 on every line that makes files: root's umask may be 077 (CIS-hardened

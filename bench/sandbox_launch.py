@@ -20,13 +20,16 @@ drift and after-effects (a cgroup or pid namespace still being torn down) hit al
   cgroup removal waited for the answer's own work (another A/B);
 - raw bwrap: the launcher's exact argv (``sandbox_argv`` of the run's plan), the same
   seccomp filter and data on memfds made once (rewound before each start), the same
-  child setup (setns into the run's netns, the same rlimits, setgroups/setresgid/
-  setresuid to the run's uid, no_new_privs, parent-death signal), a new session, the
-  empty environment and both output pipes read to the end, via ``subprocess.run`` in a
-  worker thread. Not in it: audit entries, plan building and validation, making the
-  memfds, the command's cgroup, trio's supervision (pidfd, pipe drains, timeout scope);
+  setup by gatewayd's launcher program (setns into the run's netns, the same rlimits,
+  setgroups/setresgid/setresuid to the run's uid, every capability set cleared,
+  no_new_privs, parent-death signal), a new session, the empty environment and both
+  output pipes read to the end, from a worker thread. Not in it: audit entries, plan
+  building and validation, making the memfds, the command's cgroup, trio's supervision
+  (pidfd, pipe drains, timeout scope); and the same with that setup in a Python
+  ``preexec_fn`` instead (how gatewayd started commands before its launcher program:
+  a full fork of the process and Python in the child);
 - the same raw bwrap joining a fresh command cgroup (made with gatewayd's own
-  ``create_command_cgroup``; the child times its joins), removed afterwards by polling
+  ``create_command_cgroup``), removed afterwards by polling
   ``rmdir`` every 0.2 ms: what a cgroup costs when nothing waits longer than it must;
   once joined as the launcher joins (``CommandCgroup.join_files``), once by
   ``cgroup.procs`` (the kernel's whole-process move);
@@ -58,7 +61,6 @@ import secrets
 import shutil
 import signal
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -103,6 +105,7 @@ from gatewayd.sandbox.launch import (
     memfd,
     run_in_sandbox,
     sandbox_argv,
+    start_launched,
 )
 from gatewayd.sandbox.lease import give_back, lend
 from gatewayd.sandbox.lendable import LendableRoots
@@ -138,7 +141,6 @@ ORDER_SEED: Final = 3
 # so it shows how long a cgroup really stays busy after its command ended.
 RMDIR_POLL_S: Final = 0.0002
 # The raw cgroup variant's child reports how long joining its cgroups took (seconds).
-JOIN_REPORT: Final = struct.Struct("d")
 # litellm must never fetch its cost map at import (DESIGN.md), in any process we start.
 SUBPROCESS_ENV: Final = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
 # Waiting for a live `gatewayd serve` to answer /v1/health.
@@ -215,31 +217,33 @@ class RawBwrap:
     user: HostUser
     rlimit_table: tuple[tuple[int, int, int], ...]
 
-    def start(self) -> float:
-        """Run it once; returns the wall time in seconds. Blocking: call it from a thread."""
-        return self._run((), -1)
-
-    def start_joining(self, procs_files: tuple[bytes, ...]) -> tuple[float, float]:
-        """Run it once, the child first joining the cgroups of ``procs_files`` as the
-        launcher's does; returns the wall time and the time the joins took (measured in
-        the child). Blocking."""
-        read_end, write_end = os.pipe2(os.O_CLOEXEC)
-        try:
-            elapsed = self._run(procs_files, write_end)
-            os.close(write_end)
-            write_end = -1
-            report = os.read(read_end, JOIN_REPORT.size)
-        finally:
-            os.close(read_end)
-            if write_end >= 0:
-                os.close(write_end)
-        (joined,) = JOIN_REPORT.unpack(report)
-        return elapsed, float(joined)
-
-    def _run(self, procs_files: tuple[bytes, ...], report_fd: int) -> float:
+    def start(self, joins: tuple[bytes, ...] = ()) -> float:
+        """Run it once through gatewayd's launcher program (joining the cgroups of
+        ``joins`` first); returns the wall time in seconds. Blocking: call it from a thread."""
         started = time.perf_counter()
-        for fd in self.fds:
-            os.lseek(fd, 0, os.SEEK_SET)  # bwrap reads each from the current offset
+        self._rewind()
+        process = start_launched(
+            self.argv,
+            netns_fd=self.netns_fd,
+            user=self.user,
+            joins=joins,
+            limits=self.rlimit_table,
+            pass_fds=self.fds,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        _, err = process.communicate()
+        elapsed = time.perf_counter() - started
+        if process.returncode != 0:
+            raise StartFailed(f"raw bwrap failed ({process.returncode}): {err!r}")
+        return elapsed
+
+    def start_preexec(self) -> float:
+        """Run it once with the same setup in a Python ``preexec_fn`` (no cgroup): how
+        gatewayd started its commands before its launcher program. Blocking."""
+        started = time.perf_counter()
+        self._rewind()
         proc = subprocess.run(
             self.argv,
             stdin=subprocess.DEVNULL,
@@ -248,35 +252,27 @@ class RawBwrap:
             pass_fds=self.fds,
             start_new_session=True,
             # Forked from a worker thread that waits for it; the child only makes syscalls.
-            preexec_fn=self._child_setup(procs_files, report_fd),
+            preexec_fn=self._child_setup,
         )
         elapsed = time.perf_counter() - started
         if proc.returncode != 0:
             raise StartFailed(f"raw bwrap failed ({proc.returncode}): {proc.stderr!r}")
         return elapsed
 
-    def _child_setup(self, procs_files: tuple[bytes, ...], report_fd: int) -> Callable[[], None]:
-        def setup() -> None:
-            started = time.perf_counter()
-            for procs in procs_files:  # first, as root, as the launcher does
-                fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
-                try:
-                    os.write(fd, b"0")
-                finally:
-                    os.close(fd)
-            if report_fd >= 0:
-                os.write(report_fd, JOIN_REPORT.pack(time.perf_counter() - started))
-            if LIBC.setns(self.netns_fd, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
-            for which, soft, hard in self.rlimit_table:
-                resource.setrlimit(which, (soft, hard))
-            os.setgroups([])
-            os.setresgid(self.user.gid, self.user.gid, self.user.gid)
-            os.setresuid(self.user.uid, self.user.uid, self.user.uid)
-            prctl.set_no_new_privs(1)
-            prctl.set_pdeathsig(signal.SIGKILL)
+    def _rewind(self) -> None:
+        for fd in self.fds:
+            os.lseek(fd, 0, os.SEEK_SET)  # bwrap reads each from the current offset
 
-        return setup
+    def _child_setup(self) -> None:
+        if LIBC.setns(self.netns_fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns into the run's network namespace failed")
+        for which, soft, hard in self.rlimit_table:
+            resource.setrlimit(which, (soft, hard))
+        os.setgroups([])
+        os.setresgid(self.user.gid, self.user.gid, self.user.gid)
+        os.setresuid(self.user.uid, self.user.uid, self.user.uid)
+        prctl.set_no_new_privs(1)
+        prctl.set_pdeathsig(signal.SIGKILL)
 
 
 def memfds(stack: contextlib.ExitStack, plan: SandboxPlan) -> tuple[dict[str, int], int]:
@@ -324,18 +320,16 @@ def raw_in_cgroup(
     )
     made = time.perf_counter()
     try:
-        files = cgroup.procs_files if whole_process else cgroup.join_files
-        _, joined = raw.start_joining(files)
+        raw.start(cgroup.procs_files if whole_process else cgroup.join_files)
     finally:
         ran = time.perf_counter()
         busy = sum(rmdir_when_empty(directory) for directory in cgroup.dirs)
     removed = time.perf_counter()
     if not whole_process:
-        return {key: removed - started, "cg_join_tasks": joined}
+        return {key: removed - started}
     return {
         key: removed - started,
         "cg_make": made - started,
-        "cg_join": joined,
         "cg_remove": removed - ran,
         "cg_busy": float(busy > 0),
     }
@@ -438,6 +432,7 @@ class InProcess:
             "session": self.exec_session,
             "launcher": self.exec_launcher_no_cgroup,
             "raw": self.exec_raw,
+            "raw_preexec": self.exec_raw_preexec,
             "plain": self.exec_plain,
             "parts_exec": self.parts_exec,
             "create": self.create_teardown,
@@ -503,6 +498,9 @@ class InProcess:
 
     async def exec_raw(self) -> Durations:
         return {"raw": await trio.to_thread.run_sync(self.raw.start)}
+
+    async def exec_raw_preexec(self) -> Durations:
+        return {"raw_preexec": await trio.to_thread.run_sync(self.raw.start_preexec)}
 
     async def exec_raw_cgroup(self) -> Durations:
         return await self.raw_cgroup(whole_process=True)
@@ -800,7 +798,8 @@ def report(samples: Samples, cli: dict[str, list[float]] | None) -> None:
         row("  the same, its child joining by cgroup.procs (before)", s.get("launcher_procs"), raw)
     )
     print(row("  without the command cgroup too: cgroups=None", s["launcher"], raw))
-    print(row("raw bwrap: same argv, memfds, child setup, rlimits, no cgroup", raw, raw))
+    print(row("raw bwrap: same argv, memfds, setup, rlimits, no cgroup", raw, raw))
+    print(row("  the same, its setup in a Python preexec_fn (before)", s["raw_preexec"], raw))
     print(
         row(
             "raw bwrap in a fresh command cgroup, joined as the launcher",
@@ -816,8 +815,6 @@ def report(samples: Samples, cli: dict[str, list[float]] | None) -> None:
     print(row("  memfds: plan data + seccomp filter", s["memfds"]))
     print(row("  one durable audit append (exec_started)", s["audit1"]))
     print(row("  command cgroup: mkdir + limits", s.get("cg_make")))
-    print(row("  command cgroup: join (the child writes cgroup.procs)", s.get("cg_join")))
-    print(row("  command cgroup: join as the launcher (v1: tasks)", s.get("cg_join_tasks")))
     print(row("  command cgroup: until rmdir succeeds after the command", s.get("cg_remove")))
     if "cg_busy" in s:
         busy = statistics.mean(s["cg_busy"])

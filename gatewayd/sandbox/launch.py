@@ -7,24 +7,29 @@ Order of events for one command:
    files and the seccomp filter go on memfds; the argv is ``render_argv(plan)`` plus
    ``--seccomp FD`` inserted just before the ``--`` that ends bwrap's options
    (``render_argv`` has no seccomp hook); the run's netns file is opened.
-2. In the forked child, before exec (``preexec_fn``, after ``setsid`` from
-   ``start_new_session``): join the command's cgroup (write ``0`` to its v1 ``tasks`` or
-   v2 ``cgroup.procs``, :attr:`~gatewayd.sandbox.cgroup.CommandCgroup.join_files`: needs
-   root, so before the uid changes, and first, so bwrap is counted too), join the
-   run's netns with ``setns`` (needs CAP_SYS_ADMIN), set the rlimits (no RLIMIT_AS or
+2. gatewayd starts ``gatewayd-launcher`` (launcher.c beside this module) with vfork and
+   exec, never running Python in a forked child (a full fork of the daemon and its
+   interpreter's after-fork work cost 8-13 ms per command). In that process, before it
+   execs bwrap (after ``setsid`` from ``start_new_session``): join the command's cgroup
+   (write ``0`` to its v1 ``tasks`` or v2 ``cgroup.procs``,
+   :attr:`~gatewayd.sandbox.cgroup.CommandCgroup.join_files`: needs root, so before the
+   uid changes, and first, so bwrap is counted too), join the run's netns with ``setns``
+   (needs CAP_SYS_ADMIN), attach the pinned directories, set the rlimits (no RLIMIT_AS or
    RLIMIT_NPROC where the cgroup limits those), drop to the caller's unprivileged host
-   uid/gid (``setgroups([])``,
-   ``setresgid``, ``setresuid``), then no_new_privs and the parent-death signal (after the
-   uid change, which clears it). One process and one exec: no ``nsenter``/``setpriv``
-   wrappers, whose own credential changes would clear the death signal again.
+   uid/gid with no supplementary group and no capability in any set, then no_new_privs and
+   the parent-death signal (after the uid change, which clears it). One process and one
+   exec into bwrap: no ``nsenter``/``setpriv`` wrappers, whose own credential changes would
+   clear the death signal again. The launcher closes the namespace and pinned directories'
+   descriptors before the exec, and says on a close-on-exec pipe which step failed.
 3. bwrap (unprivileged: it needs unprivileged user namespaces, which this kernel allows)
    builds the namespaces, drops every capability, loads the filter and execs the command.
 4. After the command: its cgroup's OOM-kill counter decides ``oom_killed``; the cgroup is
    removed (also on cancellation and when bwrap could not start).
 
-The child is forked from the trio thread itself, not through ``trio.lowlevel.open_process``
-(which forks in a worker thread): the parent-death signal fires when the *thread* that
-forked the child ends, and trio's idle worker threads end after a few seconds.
+The launcher is started from the trio thread itself, not through
+``trio.lowlevel.open_process`` (which starts it from a worker thread): the parent-death
+signal fires when the *thread* that started the child ends, and trio's idle worker
+threads end after a few seconds.
 
 Threat model: the command is hostile. It holds no capability, sees only the plan, has no
 network, cannot keep running past its time (the whole pid namespace is killed), cannot
@@ -35,10 +40,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import ctypes
 import enum
 import os
-import resource
 import signal
 import subprocess
 import time
@@ -47,11 +50,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import prctl
 import trio
 
 from gatewayd.errors import GatewayError
-from gatewayd.files import LIBC, write_all
+from gatewayd.files import write_all
 from gatewayd.metrics import METRICS
 from gatewayd.sandbox.cgroup import (
     CgroupError,
@@ -70,14 +72,16 @@ from gatewayd.sandbox.limits import (
 )
 from gatewayd.sandbox.passthrough import Passthrough, Relay, StreamedBytes
 from gatewayd.sandbox.plan import BWRAP, CheckedPlans, SandboxPlan, render_argv
-from gatewayd.sandbox.seccomp import CLONE_NEWNET, CLONE_NEWNS, write_filter
+from gatewayd.sandbox.seccomp import write_filter
 
 READ_CHUNK: Final = 64 * 1024  # one pipe's worth per read
 # After the command is gone its pipes close at once (every writer was in its pid
 # namespace); this bounds the drain in case something still holds one.
 DRAIN_AFTER_EXIT_S: Final = 2.0
-# The child's own account of a failed set-up step: one short line.
-PREEXEC_ERROR_BYTES: Final = 512
+# The launcher (launcher.c, built beside this module): it sets the command's process up
+# and execs bwrap. Its account of a failed step is one short line.
+LAUNCHER: Final = str(Path(__file__).with_name("gatewayd-launcher"))
+LAUNCHER_REPORT_BYTES: Final = 512
 # After SIGKILL, how long to wait for the kernel to finish off the namespace's processes.
 TREE_GONE_WAIT_S: Final = 2.0
 # How often the grace period checks whether the tree has gone.
@@ -87,20 +91,6 @@ EXIT_POLL_S: Final = 0.01
 STOP_POLL_S: Final = 0.0005
 # /proc/PID/stat states in which a process runs nothing more: stopped, traced, dead.
 _STOPPED_OR_GONE: Final = frozenset({b"T", b"t", b"Z", b"X", None})
-
-# <linux/mount.h>, <fcntl.h>; the new mount API's system call numbers (x86_64)
-MS_REC: Final = 0x4000
-MS_SLAVE: Final = 0x80000
-SYS_OPEN_TREE: Final = 428
-SYS_MOVE_MOUNT: Final = 429
-AT_FDCWD: Final = -100
-AT_EMPTY_PATH: Final = 0x1000
-AT_RECURSIVE: Final = 0x8000
-OPEN_TREE_CLONE: Final = 1
-OPEN_TREE_FLAGS: Final = OPEN_TREE_CLONE | os.O_CLOEXEC | AT_EMPTY_PATH | AT_RECURSIVE
-MOVE_MOUNT_F_EMPTY_PATH: Final = 0x4
-PR_CAP_AMBIENT: Final = 47  # <linux/prctl.h>
-PR_CAP_AMBIENT_CLEAR_ALL: Final = 4
 
 
 # Where a command's output goes as it arrives, besides the capture: (stdout, stderr).
@@ -407,32 +397,32 @@ async def _start_and_supervise(
             child_ends = [fd for fd in (out_w, err_w, in_r) if fd >= 0]
         started = time.monotonic()
         try:
-            process = subprocess.Popen(
+            process = start_launched(
                 argv,
+                netns_fd=netns_fd,
+                user=host_user,
+                joins=cgroup.join_files if cgroup is not None else (),
+                pins=pins,
+                limits=rlimits(
+                    limits, memory=_memory_mechanism(cgroup), processes=_pids_mechanism(cgroup)
+                ),
+                pass_fds=(*data_fds.values(), seccomp_fd),
                 stdin=in_r,
                 stdout=out_w,
                 stderr=err_w,
-                env={},  # bwrap's own environment: nothing of the daemon's (invariant 4)
-                pass_fds=(*data_fds.values(), seccomp_fd),
-                start_new_session=True,
-                # Safe here: forked from the trio thread; the child only makes system calls.
-                preexec_fn=_child_setup(netns_fd, host_user, limits, cgroup, pins),  # noqa: PLW1509
             )
-        except (OSError, subprocess.SubprocessError) as exc:
-            detail = _preexec_failure(err_r)
-            for fd in (out_r, err_r, in_w, *child_ends):
+        except (LauncherFailed, OSError, subprocess.SubprocessError) as exc:
+            for fd in (out_r, err_r, in_w):
                 if fd >= 0:
                     os.close(fd)
-            raise LaunchError(
-                f"cannot start {bwrap} for run {plan.run_id}: {exc}"
-                + (f" (could not {detail})" if detail else "")
-            ) from exc
+            why = f"could not {exc}" if isinstance(exc, LauncherFailed) else launcher_missing(exc)
+            raise LaunchError(f"cannot start {bwrap} for run {plan.run_id}: {why}") from exc
         finally:
             for fd in child_ends:
                 with contextlib.suppress(OSError):
                     os.close(fd)
-        # Popen returns once the child has exec'd bwrap (or failed to): fork, the
-        # child's setup (netns, uid, pins) and the exec.
+        # start_launched returns once the launcher has exec'd bwrap (or failed to): its
+        # start, its steps (cgroup, netns, pins, uid) and the exec.
         METRICS.sandbox_launch.observe(time.monotonic() - started)
     return await _supervise(
         process, started, out_r, err_r, in_w, stdin, limits, cgroup, echo, passthrough
@@ -452,99 +442,101 @@ def memfd(stack: contextlib.ExitStack, name: str, data: bytes | None) -> int:
     return fd
 
 
-def _child_setup(
+class LauncherFailed(Exception):
+    """The launcher said which of its steps failed (``"STEP: [Errno N] REASON"``); nothing
+    was started, and the launcher has been waited for."""
+
+
+def launcher_argv(
+    argv: Sequence[str],
+    *,
+    report_fd: int,
     netns_fd: int,
     user: HostUser,
-    limits: SandboxLimits,
-    cgroup: CommandCgroup | None,
+    joins: Sequence[bytes] = (),
     pins: Sequence[tuple[int, str]] = (),
-) -> Callable[[], None]:
-    """The ``preexec_fn``: runs in the forked child, before exec; order matters (module doc).
-    An exception here makes Popen raise in the parent, so nothing starts half-configured.
-    Everything is computed here, in the parent: the child only makes system calls."""
-    join_files = cgroup.join_files if cgroup is not None else ()
-    # The descriptors are inherited by the fork (still open until exec, CLOEXEC or not).
-    points = tuple(os.fsencode(point) for _, point in pins)
-    table = rlimits(limits, memory=_memory_mechanism(cgroup), processes=_pids_mechanism(cgroup))
-
-    def setup() -> None:
-        step = "join the command's cgroup"
-        try:
-            for join in join_files:
-                fd = os.open(join, os.O_WRONLY | os.O_CLOEXEC)
-                try:
-                    os.write(fd, b"0")  # "0" is the writer itself, in v1 and v2
-                finally:
-                    os.close(fd)
-            step = "join the run's network namespace"
-            if LIBC.setns(netns_fd, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-            if pins:
-                step = "attach the pinned directories"
-                # A detached copy of each pinned directory's mount, made while still in
-                # the daemon's mount namespace (a plain bind of /proc/self/fd/N from a
-                # new namespace is refused: the source mount is not in it) ...
-                trees = []
-                for fd, _ in pins:
-                    tree = LIBC.syscall(SYS_OPEN_TREE, fd, b"", OPEN_TREE_FLAGS)
-                    if tree < 0:
-                        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-                    trees.append(tree)
-                # ... then a private namespace, where nothing mounted reaches the host ...
-                if LIBC.unshare(CLONE_NEWNS) != 0:
-                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-                if LIBC.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
-                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-                # ... and each copy attached at its run-private mount point.
-                for tree, point in zip(trees, points, strict=True):
-                    moved = LIBC.syscall(
-                        SYS_MOVE_MOUNT, tree, b"", AT_FDCWD, point, MOVE_MOUNT_F_EMPTY_PATH
-                    )
-                    if moved < 0:
-                        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-            step = "set the rlimits"
-            for which, soft, hard in table:
-                resource.setrlimit(which, (soft, hard))
-            step = "drop to the run's uid and every capability"
-            drop_privileges(user)
-            step = "set no_new_privs and the parent-death signal"
-            prctl.set_no_new_privs(1)
-            # After setresuid: a credential change clears the parent-death signal.
-            prctl.set_pdeathsig(signal.SIGKILL)
-        except BaseException as exc:
-            # Popen only says "Exception occurred in preexec_fn"; fd 2 is already the
-            # stderr pipe, which the parent reads to say which step failed and why.
-            os.write(2, f"{step}: {exc}".encode(errors="replace")[:PREEXEC_ERROR_BYTES])
-            raise
-
-    return setup
+    limits: Sequence[tuple[int, int, int]] = (),
+) -> list[str]:
+    """The launcher's command line that runs ``argv`` (launcher.c's usage)."""
+    line = [LAUNCHER, str(report_fd), str(netns_fd), str(user.uid), str(user.gid)]
+    line += [str(len(joins)), *(os.fsdecode(join) for join in joins)]
+    line.append(str(len(pins)))
+    for fd, point in pins:
+        line += [str(fd), point]
+    line.append(str(len(limits)))
+    for which, soft, hard in limits:
+        line += [str(which), str(soft), str(hard)]
+    return line + list(argv)
 
 
-def drop_privileges(user: HostUser) -> None:
-    """Become ``user`` with no capability at all (in a forked child, before exec).
+def start_launched(
+    argv: Sequence[str],
+    *,
+    netns_fd: int,
+    user: HostUser,
+    joins: Sequence[bytes] = (),
+    pins: Sequence[tuple[int, str]] = (),
+    limits: Sequence[tuple[int, int, int]] = (),
+    pass_fds: Sequence[int] = (),
+    stdin: int | None = None,
+    stdout: int | None = None,
+    stderr: int | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` (bwrap) through the launcher: joined to the cgroups of ``joins``, in
+    the network namespace of ``netns_fd`` (-1: this one), with ``pins`` attached, within
+    ``limits`` (``(resource, soft, hard)``), as ``user``, in a new session, with an empty
+    environment. Returns once ``argv`` runs. Blocking for the launcher's few system calls:
+    call it from the trio thread (the parent-death signal is tied to the starting thread).
 
-    From root the uid change clears the permitted, effective and ambient sets, but not
-    the inheritable one; from a non-root gatewayd holding ambient capabilities (systemd's
-    ``User=`` with ``AmbientCapabilities=``) it clears nothing, and bwrap and the command
-    would start with gatewayd's CAP_SYS_ADMIN. So every set is cleared here, explicitly.
-    """
-    os.setgroups([])
-    os.setresgid(user.gid, user.gid, user.gid)
-    os.setresuid(user.uid, user.uid, user.uid)
-    if LIBC.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
-    prctl.cap_inheritable.limit()
-    prctl.cap_effective.limit()
-    prctl.cap_permitted.limit()
-
-
-def _preexec_failure(err_r: int) -> str:
-    """What the child wrote to its stderr before its set-up failed (empty if nothing)."""
-    os.set_blocking(err_r, False)
+    Error handling: :class:`LauncherFailed` when a step failed (the launcher is reaped);
+    ``OSError`` or ``SubprocessError`` when the launcher itself cannot be run."""
+    report_r, report_w = os.pipe2(os.O_CLOEXEC)
     try:
-        return os.read(err_r, PREEXEC_ERROR_BYTES).decode(errors="replace").strip()
-    except OSError:
-        return ""
+        given = [report_w, *pass_fds, *(fd for fd, _ in pins)]
+        if netns_fd >= 0:
+            given.append(netns_fd)
+        process = subprocess.Popen(
+            launcher_argv(
+                argv,
+                report_fd=report_w,
+                netns_fd=netns_fd,
+                user=user,
+                joins=joins,
+                pins=pins,
+                limits=limits,
+            ),
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            env={},  # bwrap's own environment: nothing of the daemon's (invariant 4)
+            pass_fds=given,
+            start_new_session=True,
+        )
+        os.close(report_w)
+        report_w = -1
+        # End of file: bwrap runs (the pipe is close-on-exec there); else the step's line.
+        report = os.read(report_r, LAUNCHER_REPORT_BYTES)
+    finally:
+        os.close(report_r)
+        if report_w >= 0:
+            os.close(report_w)
+    if report:
+        process.wait()
+        raise LauncherFailed(report.decode(errors="replace").strip())
+    return process
+
+
+def launcher_runnable() -> bool:
+    """Whether the launcher is there to run (the start-up probe asks)."""
+    return os.access(LAUNCHER, os.X_OK)
+
+
+def launcher_missing(exc: BaseException | str) -> str:
+    """What to say when the launcher itself cannot be run."""
+    return (
+        f"gatewayd's sandbox launcher {LAUNCHER} cannot be run ({exc}); `make setup` builds "
+        "it in a checkout, `make install` in an installed gatewayd"
+    )
 
 
 def _memory_mechanism(cgroup: CommandCgroup | None) -> LimitMechanism:

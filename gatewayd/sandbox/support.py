@@ -23,11 +23,10 @@ from typing import Final
 from gatewayd.errors import GatewayError
 from gatewayd.files import LIBC
 from gatewayd.sandbox.launch import (
-    AT_FDCWD,
-    OPEN_TREE_CLONE,
-    SYS_MOVE_MOUNT,
-    SYS_OPEN_TREE,
-    drop_privileges,
+    LauncherFailed,
+    launcher_missing,
+    launcher_runnable,
+    start_launched,
 )
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.netns import NetnsError, create_run_netns, netns_name, remove_run_netns
@@ -45,6 +44,11 @@ PROBE_RUN_ID: Final = "0" * 32
 PROBE_ATTEMPTS: Final = 3
 MOUNT_RACE: Final = "Unable to apply mount flags"
 PROBE_RETRY_PAUSE_S: Final = 0.05
+# The new mount API's system call numbers (x86_64) and flags (<linux/mount.h>, <fcntl.h>).
+SYS_OPEN_TREE: Final = 428
+SYS_MOVE_MOUNT: Final = 429
+AT_FDCWD: Final = -100
+OPEN_TREE_CLONE: Final = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,18 +123,17 @@ def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> San
 
     argv = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--ro-bind", "/", "/"]
     argv += ["--proc", "/proc", "--dev", "/dev", "--cap-drop", "ALL", "--", "/bin/true"]
+    if not launcher_runnable():
+        return SandboxSupport(False, launcher_missing("not an executable file"))
     for attempt in range(1, PROBE_ATTEMPTS + 1):
         try:
-            done = subprocess.run(
-                argv,
-                env={},
-                capture_output=True,
-                timeout=PROBE_TIMEOUT_S,
-                check=False,
-                preexec_fn=lambda: drop_privileges(probe_user),
-            )
+            done = _probe_start(argv, probe_user)
+        except LauncherFailed as exc:
+            return SandboxSupport(False, f"cannot start {bwrap}: could not {exc}")
+        except subprocess.TimeoutExpired:
+            return SandboxSupport(False, f"{bwrap} did not end within {PROBE_TIMEOUT_S:g} s")
         except (OSError, subprocess.SubprocessError) as exc:
-            return SandboxSupport(False, f"cannot start {bwrap}: {exc}")
+            return SandboxSupport(False, f"cannot start {bwrap}: {launcher_missing(exc)}")
         if done.returncode == 0:
             return SandboxSupport(True)
         detail = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
@@ -142,6 +145,26 @@ def probe_os_sandbox(bwrap: str, probe_user: HostUser, netns_prefix: str) -> San
         f"bubblewrap cannot build a sandbox as an unprivileged uid: {detail} (are "
         "unprivileged user namespaces allowed? kernel.unprivileged_userns_clone)",
     )
+
+
+def _probe_start(argv: list[str], probe_user: HostUser) -> subprocess.CompletedProcess[bytes]:
+    """``argv`` through the launcher as ``probe_user``, as a run's command starts (in this
+    network namespace, no cgroup, no rlimit), to its end."""
+    process = start_launched(
+        argv,
+        netns_fd=-1,
+        user=probe_user,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        out, err = process.communicate(timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    return subprocess.CompletedProcess(argv, process.returncode, out, err)
 
 
 def _mount_api_missing() -> str:
