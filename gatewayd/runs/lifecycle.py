@@ -9,6 +9,7 @@ the daemon's nursery it is given, and a run ends by cancelling its scope; its en
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -606,8 +607,9 @@ class RunManager:
         env_values: Mapping[str, str] | None = None,
     ) -> ExecResult:
         """Run ``command`` in the run's sandbox (host to sandbox); audited before it
-        starts (durable before bwrap runs) and when it ends: the result (or the error)
-        is returned only once ``exec_ended`` is durable, so whoever is told the exit code
+        starts (``exec_started`` durable before the command runs; its sandbox is built
+        meanwhile) and when it ends: the result (or the error) is returned only once
+        ``exec_ended`` is durable, so whoever is told the exit code
         finds it in the log after a crash (unless the operator opted out:
         :meth:`durable_before_answer`). ``env_values``: where the variables the policy
         lets through are read (default: gatewayd's environment; an attached ``gatewayd
@@ -661,7 +663,7 @@ class RunManager:
                 "a sandbox"
             )
         sandbox = run.sandbox
-        await self.audit.append(
+        started = self.audit.record(
             "event",
             event=AuditEvent.EXEC_STARTED,
             runId=run_id,
@@ -671,10 +673,14 @@ class RunManager:
                 **(options.audited() if options is not None else {}),
             },
         )
+        if options is not None:
+            await self.audit.durable(started)
         policy = run.spec.policy
         prepared = PreparedExec(cwd=None, env={}, network=None)
         try:
             if options is None:
+                # Write-ahead: the command starts once exec_started is durable; its
+                # sandbox is built meanwhile (the flush runs in the audit's thread).
                 result = await sandbox.exec(
                     command,
                     stdin=stdin,
@@ -682,6 +688,7 @@ class RunManager:
                     echo=echo,
                     passthrough=passthrough,
                     env_values=env_values,
+                    gate=functools.partial(self.audit.durable, started),
                 )
             else:
                 prepared = prepare_exec(

@@ -45,7 +45,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -95,6 +95,34 @@ _STOPPED_OR_GONE: Final = frozenset({b"T", b"t", b"Z", b"X", None})
 
 # Where a command's output goes as it arrives, besides the capture: (stdout, stderr).
 Echo = tuple[Callable[[bytes], None], Callable[[bytes], None]]
+# What a command waits for between bwrap's start and its own (run_in_sandbox's ``gate``).
+Gate = Callable[[], Awaitable[None]]
+
+
+class _Release:
+    """The write end of the pipe bwrap's ``--block-fd`` waits on: one byte starts the
+    command. Closed without the byte only once the sandbox is gone (bwrap would take the
+    end of file as the go-ahead)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.handed_on = False  # the supervision owns it from then on
+
+    def go(self) -> None:
+        # A broken pipe: bwrap already failed and exited; its status says so.
+        with contextlib.suppress(BrokenPipeError):
+            os.write(self.fd, b"\0")
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def close_unless_handed_on(self) -> None:
+        """Closed here only when bwrap never started (or failed to)."""
+        if not self.handed_on:
+            self.close()
 
 
 class LaunchError(GatewayError):
@@ -256,8 +284,11 @@ def sandbox_argv(
     data_fds: dict[str, int],
     seccomp_fd: int,
     checks: CheckedPlans | None = None,
+    block_fd: int | None = None,
 ) -> list[str]:
-    """``render_argv`` with ``--seccomp FD`` added as the last bwrap option (before ``--``).
+    """``render_argv`` with ``--seccomp FD`` added as the last bwrap option (before ``--``),
+    and ``--block-fd FD`` before it when given: bwrap then builds the whole sandbox and
+    waits for a byte on ``block_fd`` before it starts the command.
 
     Error handling: raises ``PlanError`` as ``render_argv`` does.
     """
@@ -268,7 +299,10 @@ def sandbox_argv(
             "render_argv no longer ends with '--' followed by the command; the launcher "
             "inserts --seccomp just before that '--'"
         )
-    return [*argv[:end_of_options], "--seccomp", str(seccomp_fd), *argv[end_of_options:]]
+    options = ["--seccomp", str(seccomp_fd)]
+    if block_fd is not None:
+        options = ["--block-fd", str(block_fd), *options]
+    return [*argv[:end_of_options], *options, *argv[end_of_options:]]
 
 
 async def run_in_sandbox(
@@ -285,6 +319,7 @@ async def run_in_sandbox(
     passthrough: Passthrough | None = None,
     removals: DeferredRemovals | None = None,
     checks: CheckedPlans | None = None,
+    gate: Gate | None = None,
 ) -> ExecResult:
     """Run ``plan.command`` in the sandbox the plan describes, inside network namespace
     ``netns``, as ``host_user``, within ``limits``; return its :class:`ExecResult`.
@@ -311,6 +346,11 @@ async def run_in_sandbox(
     before the run ends); None removes it before returning.
     ``checks``: how the plan is validated before the start (its owner's
     :class:`~gatewayd.sandbox.plan.CheckedPlans`; None: :func:`~gatewayd.sandbox.plan.validate`).
+    ``gate``: awaited once bwrap is started, while it builds the sandbox; the command
+    itself starts only after it returns (bwrap's ``--block-fd``). If it raises or is
+    cancelled, the sandbox is killed before the command ever ran, and that exception is
+    raised. The exec's write-ahead audit entry is made durable this way, in parallel
+    with bwrap's own work instead of before it.
 
     Resource handling: the memfds and the netns descriptor are closed once bwrap runs; on
     timeout the tree gets SIGTERM, then SIGKILL after ``limits.kill_grace_s``; on
@@ -330,7 +370,18 @@ async def run_in_sandbox(
     cgroup = _create_cgroup(plan.run_id, limits, cgroups)
     try:
         return await _start_and_supervise(
-            plan, netns, limits, host_user, stdin, bwrap, cgroup, echo, pins, passthrough, checks
+            plan,
+            netns,
+            limits,
+            host_user,
+            stdin,
+            bwrap,
+            cgroup,
+            echo,
+            pins,
+            passthrough,
+            checks,
+            gate,
         )
     finally:
         if cgroup is not None and removals is not None:
@@ -371,12 +422,24 @@ async def _start_and_supervise(
     pins: Sequence[tuple[int, str]],
     passthrough: Passthrough | None,
     checks: CheckedPlans | None,
+    gate: Gate | None,
 ) -> ExecResult:
+    release = _Release()
     with contextlib.ExitStack() as fds:
         data_fds = {step.dest: memfd(fds, "cogni-data", step.data) for step in plan.data_steps}
         seccomp_fd = memfd(fds, "cogni-seccomp", None)
+        block_fd = None
+        if gate is not None:
+            block_fd, release.fd = os.pipe2(os.O_CLOEXEC)
+            fds.callback(os.close, block_fd)  # bwrap's end: closed here once it runs
+            fds.callback(release.close_unless_handed_on)
         argv = sandbox_argv(
-            plan, bwrap=bwrap, data_fds=data_fds, seccomp_fd=seccomp_fd, checks=checks
+            plan,
+            bwrap=bwrap,
+            data_fds=data_fds,
+            seccomp_fd=seccomp_fd,
+            checks=checks,
+            block_fd=block_fd,
         )
         try:
             netns_fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
@@ -406,11 +469,16 @@ async def _start_and_supervise(
                 limits=rlimits(
                     limits, memory=_memory_mechanism(cgroup), processes=_pids_mechanism(cgroup)
                 ),
-                pass_fds=(*data_fds.values(), seccomp_fd),
+                pass_fds=(
+                    *data_fds.values(),
+                    seccomp_fd,
+                    *([] if block_fd is None else [block_fd]),
+                ),
                 stdin=in_r,
                 stdout=out_w,
                 stderr=err_w,
             )
+            release.handed_on = True
         except (LauncherFailed, OSError, subprocess.SubprocessError) as exc:
             for fd in (out_r, err_r, in_w):
                 if fd >= 0:
@@ -425,7 +493,18 @@ async def _start_and_supervise(
         # start, its steps (cgroup, netns, pins, uid) and the exec.
         METRICS.sandbox_launch.observe(time.monotonic() - started)
     return await _supervise(
-        process, started, out_r, err_r, in_w, stdin, limits, cgroup, echo, passthrough
+        process,
+        started,
+        out_r,
+        err_r,
+        in_w,
+        stdin,
+        limits,
+        cgroup,
+        echo,
+        passthrough,
+        gate,
+        release,
     )
 
 
@@ -560,6 +639,8 @@ async def _supervise(
     cgroup: CommandCgroup | None,
     echo: Echo | None,
     passthrough: Passthrough | None,
+    gate: Gate | None,
+    release: _Release,
 ) -> ExecResult:
     stdout = _Capture(limits.max_output_bytes, None if echo is None else echo[0])
     stderr = _Capture(limits.max_output_bytes, None if echo is None else echo[1])
@@ -567,6 +648,11 @@ async def _supervise(
     timed_out = False
     pidfd = os.pidfd_open(process.pid)
     try:
+        if gate is not None:
+            # bwrap builds the sandbox meanwhile (its output waits in the pipes); if this
+            # raises, the finally below kills it before its command ever ran.
+            await gate()
+            release.go()
         async with trio.open_nursery() as nursery:
             outputs: tuple[trio.Event, ...]
             if passthrough is None:
@@ -600,6 +686,9 @@ async def _supervise(
                 await _kill_now(process, pidfd)
             process.wait()
             os.close(pidfd)
+            # Only now: end of file there would start the command (bwrap reads a closed
+            # pipe as the go-ahead), so it is closed once nothing of the sandbox is left.
+            release.close()
     try:
         # Read once the tree is reaped: every kill the kernel made is counted by then.
         oom_killed = cgroup is not None and cgroup.oom_killed()

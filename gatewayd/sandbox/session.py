@@ -51,7 +51,7 @@ from gatewayd.sandbox.appsfolder import (
 from gatewayd.sandbox.cgroup import CgroupError, CgroupSupport, DeferredRemovals
 from gatewayd.sandbox.daemons import DaemonRegistryError, sandbox_uid_ranges
 from gatewayd.sandbox.image import ImageError, require_image
-from gatewayd.sandbox.launch import Echo, ExecResult, run_in_sandbox
+from gatewayd.sandbox.launch import Echo, ExecResult, Gate, run_in_sandbox
 from gatewayd.sandbox.lease import Lease, LeaseError, give_back, lend, read_lease
 from gatewayd.sandbox.lendable import LendableRoots, NotLendable
 from gatewayd.sandbox.limits import HostUser, SandboxLimits
@@ -592,8 +592,11 @@ class RunSandbox:
         passthrough: Passthrough | None = None,
         cwd: str | None = None,
         network: CommandNetwork | None = None,
+        gate: Gate | None = None,
     ) -> ExecResult:
         """Run ``command`` in a fresh sandbox of this run and return what it did.
+        ``gate``: the command itself waits for it, its sandbox built meanwhile
+        (:func:`~gatewayd.sandbox.launch.run_in_sandbox`).
         ``limits`` replaces the run's command limits (the run's services only);
         ``passthrough`` relays its streams from and to host descriptors
         (:func:`~gatewayd.sandbox.launch.run_in_sandbox`). ``cwd``: where it starts
@@ -615,6 +618,7 @@ class RunSandbox:
             echo=echo,
             pins=self.pins,
             passthrough=passthrough,
+            gate=gate,
         )
         # Also after a command that timed out or was killed: it may have written first.
         if self.after_command is not None:
@@ -722,6 +726,7 @@ class RunSandbox:
         echo: Echo | None,
         pins: Sequence[tuple[int, str]],
         passthrough: Passthrough | None = None,
+        gate: Gate | None = None,
     ) -> ExecResult:
         with trio.CancelScope() as scope:
             if not self._running:
@@ -743,6 +748,7 @@ class RunSandbox:
                     passthrough=passthrough,
                     removals=self._cgroup_removals,
                     checks=self._checks,
+                    gate=gate,
                 )
             finally:
                 self._running.discard(scope)

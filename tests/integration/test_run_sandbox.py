@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import trio
 
+from gatewayd.audit import AuditWriteError
 from gatewayd.config import GatewaydConfig, SandboxUids
 from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.errors import AuthzDenied, PolicyViolation
@@ -1009,6 +1010,85 @@ async def test_a_sandbox_orphaned_while_it_starts_is_killed_at_the_next_start(
         assert not (NETNS_RUN_DIR / f"{options[1]}{run['runId']}").exists()
     finally:
         restarted.stop()
+
+
+# --- exec_started is written ahead of the command -----------------------------------------
+
+# A command that leaves a mark in the workspace if it ever runs.
+MARK = "open('/workspace/ran', 'w').write('ran')"
+
+
+async def test_a_command_whose_exec_started_cannot_be_made_durable_never_runs(
+    sb: Sandboxed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = sb.workspace()
+    run = await sb.run(workspace=ws)
+    assert run.sandbox is not None
+    uid = run.sandbox.user.uid
+    waited: list[int] = []
+
+    async def failing(seq: int) -> None:
+        waited.append(seq)
+        await trio.sleep(0.5)  # bwrap builds the whole sandbox meanwhile, then blocks
+        raise AuditWriteError("the disk went away")
+
+    monkeypatch.setattr(sb.daemon.audit, "durable", failing)
+    with pytest.raises(AuditWriteError) as caught:
+        await sb.py(run, MARK)
+    monkeypatch.undo()
+    assert caught.value.detail == "the disk went away"
+    assert waited, "the command did not wait for its exec_started entry"
+    assert not (ws / "ran").exists()
+    assert pids_of_uid(uid) == []  # the sandbox that waited was killed, nothing left
+    done = await sb.py(run, MARK)  # the log is back: the next command runs
+    assert done.exitCode == 0, done.stderr
+    assert (ws / "ran").exists()
+
+
+async def test_a_command_cancelled_while_its_entry_is_flushed_never_runs(
+    sb: Sandboxed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = sb.workspace()
+    run = await sb.run(workspace=ws)
+    assert run.sandbox is not None
+    uid = run.sandbox.user.uid
+    blocked = trio.Event()
+
+    async def never(seq: int) -> None:
+        blocked.set()
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(sb.daemon.audit, "durable", never)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sb.py, run, MARK)
+        await blocked.wait()
+        await trio.sleep(0.5)  # bwrap is waiting on its block descriptor by now
+        nursery.cancel_scope.cancel()
+    monkeypatch.undo()
+    assert not (ws / "ran").exists()
+    assert pids_of_uid(uid) == []
+
+
+async def test_the_command_starts_only_after_its_exec_started_entry_is_on_disk(
+    sb: Sandboxed, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = sb.workspace()
+    run = await sb.run(workspace=ws)
+    real = sb.daemon.audit.durable
+    seen: list[bool] = []
+
+    async def slow(seq: int) -> None:
+        await trio.sleep(0.5)
+        seen.append((ws / "ran").exists())  # not yet, however far bwrap got
+        await real(seq)
+
+    monkeypatch.setattr(sb.daemon.audit, "durable", slow)
+    done = await sb.py(run, MARK)
+    monkeypatch.undo()
+    assert done.exitCode == 0, done.stderr
+    assert seen[:1] == [False] and (ws / "ran").exists()
+    started = [e for e in await sb.entries() if e.get("event") == "exec_started"]
+    assert started and started[-1]["runId"] == run.run_id
 
 
 # --- gatewayd exec and the control socket ----------------------------------------------
