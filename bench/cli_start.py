@@ -38,7 +38,13 @@ when other work shares the machine, the figure to compare under load.
   parsing a command line with argparse, encoding a JSON body and connecting to a unix
   socket; for an audit reader (``audit show|verify``), that parser and the log's
   lines decoded (the standard library's json: DESIGN.md's audit records are JSON
-  lines, and gatewayd's own codec, msgspec, is its choice) and hashed. After the table, each command's figure over its floor
+  lines, and gatewayd's own codec, msgspec, is its choice) and hashed;
+- the attached run's floor, three parts that follow one another (the daemon knows what
+  to run only once the client has asked; a command runs only in its run's sandbox): the
+  control-socket client's floor, a run's start as bare system calls
+  (``bench/run_start_floor.py``: its start half, one durable audit flush included) and a
+  command's start in a run's sandbox by gatewayd's launcher and bwrap alone
+  (``bench/sandbox_floor.py``), each timed in the same rounds. After the table, each command's figure over its floor
   says how much of it is gatewayd's own, and the verdict names the commands over the
   target whose floor alone is over it.
 
@@ -61,11 +67,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import trio
 from harness import compile_sources, stop_serving, wait_until_serving
+from run_start_floor import RunStartFloor
+from sandbox_floor import SandboxStartFloor
 
 from gatewayd.audit import AuditEvent, open_audit_log
 from gatewayd.cli.control_client import control_request
@@ -77,6 +85,10 @@ TARGET_MS = 100.0
 UNKNOWN_RUN = "0123456789abcdef" * 2
 ATTACHED = "run -- /bin/date, attached (whole run)"
 EXEC_LIVE = "exec RUN -- /bin/date (live run, whole)"
+CLIENT_FLOOR_ROW = "floor of a control-socket client"
+# The attached run's floor, beside that client's: timed in this process, each round.
+RUN_START_FLOOR = "floor of a run's start (bare system calls)"
+SANDBOX_FLOOR = "floor of a command's start in its sandbox"
 # The command whose output says when it started (nanoseconds of the shared clock).
 STAMP = ("/bin/date", "+%s%N")
 POLICY = ROOT / "policies" / "examples" / "workspace-rw.yaml"
@@ -218,6 +230,31 @@ def live_daemon(base: Path) -> Iterator[tuple[Path, str]]:
         stop_serving(proc)  # never left running over its removed state
 
 
+@contextlib.contextmanager
+def attached_floors(base: Path) -> Iterator[dict[str, Callable[[], float]]]:
+    """The attached run's in-process floors (after the client's): name -> one timing."""
+    # uids of bench/sandbox_launch.py's region (1.6e9..), away from any daemon's range.
+    uid = 1_600_000_000 + secrets.randbelow(50_000) * 1024
+    workspace = base / "floor-ws-run"
+    for sub in ("src", "docs"):  # bench/sandbox_launch.py's small workspace
+        (workspace / sub).mkdir(parents=True)
+        for i in range(4):
+            (workspace / sub / f"f{i}.txt").write_text("hello\n")
+    run_floor = RunStartFloor(
+        base=base, workspace=workspace, uid=uid, netns_prefix=f"cgcf{secrets.token_hex(3)}-"
+    )
+    try:
+        with SandboxStartFloor(
+            base, uid=uid + 1, netns_prefix=f"cgcs{secrets.token_hex(3)}-"
+        ) as sandbox:
+            yield {
+                RUN_START_FLOOR: lambda: run_floor.round()["start"],
+                SANDBOX_FLOOR: sandbox.start,
+            }
+    finally:
+        run_floor.close()
+
+
 def measure(cmd: list[str], expected: int) -> tuple[float, float, float | None]:
     """(wall s, CPU s, s to the command's start or None) of one run of ``cmd``, which
     must exit ``expected``: the process is waited for with wait4, which reports its own
@@ -290,7 +327,7 @@ def main() -> int:
             ),
             "run's imports up to the sandbox start": ([python, "-c", RUN_IMPORTS], 0, False),
             "floor of policy check (pydantic + yaml)": ([python, "-c", POLICY_FLOOR], 0, False),
-            "floor of a control-socket client": ([python, "-c", CLIENT_FLOOR], 0, False),
+            CLIENT_FLOOR_ROW: ([python, "-c", CLIENT_FLOOR], 0, False),
             "floor of an audit reader (json)": (
                 [python, "-c", AUDIT_FLOOR, str(log)],
                 0,
@@ -328,6 +365,11 @@ def main() -> int:
                 0,
                 True,
             )
+            floors = stack.enter_context(attached_floors(base))
+            for name in floors:
+                rows[name] = ([], 0, False)
+        else:
+            floors = {}
         walls: dict[str, list[float]] = {name: [] for name in rows}
         cpus: dict[str, list[float]] = {name: [] for name in rows}
         # The stamped rows: each spawn to its sandboxed command's start.
@@ -338,7 +380,10 @@ def main() -> int:
             rng.shuffle(order)
             for name in order:
                 cmd, expected, _ = rows[name]
-                wall, cpu, to_start = measure(cmd, expected)
+                if name in floors:
+                    wall, cpu, to_start = floors[name](), 0.0, None
+                else:
+                    wall, cpu, to_start = measure(cmd, expected)
                 if round_ >= args.warmup:
                     walls[name].append(wall)
                     cpus[name].append(cpu)
@@ -361,9 +406,10 @@ def main() -> int:
             verdict = "ok" if wall_med <= TARGET_MS else f"over {TARGET_MS:.0f} ms"
             if wall_med > TARGET_MS:
                 failed.append(name)
+        cpu_med = "" if name in floors else f"{statistics.median(cpus[name]) * 1000:10.1f}"
         print(
             f"  {name:<44}{wall_med:10.1f}{percentile(walls[name], 90) * 1000:9.1f}"
-            f"{statistics.median(cpus[name]) * 1000:10.1f}  {verdict}"
+            f"{cpu_med:>10}  {verdict}"
         )
         if starts[name]:
             start_med = statistics.median(starts[name]) * 1000
@@ -385,6 +431,19 @@ def main() -> int:
         print(
             f"  {command} over its floor: {wall:+.1f} ms wall, {cpu:+.1f} ms CPU at the "
             "median (gatewayd's own share)"
+            + (f"; the floor alone is ABOVE {TARGET_MS:.0f} ms" if above else "")
+        )
+    if floors and starts[ATTACHED]:
+        parts = [statistics.median(walls[name]) * 1000 for name in (CLIENT_FLOOR_ROW, *floors)]
+        floor_ms = sum(parts)
+        start_ms = statistics.median(starts[ATTACHED]) * 1000
+        above = floor_ms > TARGET_MS
+        if above and "run: up to its command's start" in failed:
+            floored.append("run, attached: up to its command's start")
+        print(
+            f"  run, attached, up to its command's start, over its floor: "
+            f"{start_ms - floor_ms:+.1f} ms (floor {floor_ms:.1f} ms = client "
+            f"{parts[0]:.1f} + run start {parts[1]:.1f} + command start {parts[2]:.1f})"
             + (f"; the floor alone is ABOVE {TARGET_MS:.0f} ms" if above else "")
         )
     print(

@@ -13,6 +13,7 @@ import shutil
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -146,3 +147,32 @@ async def test_the_floor_leaves_what_a_run_leaves_and_flushes_as_often_as_gatewa
     assert mounts_under(base) == []
     assert os.listdir(base / "floor-state" / "runs") == []
     assert not [name for name in os.listdir(NETNS_RUN_DIR) if name.startswith(prefix)]
+
+
+def test_the_sandbox_floor_starts_the_command_and_leaves_nothing(base: Path) -> None:
+    # bench/sandbox_floor.py, the attached run's third floor (bench/cli_start.py): the
+    # command really runs in a sandbox of the run's plan, and every start's cgroup, the
+    # namespace and the uid's processes are gone afterwards.
+    from sandbox_floor import SandboxStartFloor
+
+    from gatewayd.sandbox.uids import pids_of_uid
+
+    uid = 1_600_000_000 + secrets.randbelow(50_000) * 1024
+    prefix = f"cgtsf{secrets.token_hex(3)}-"
+    with SandboxStartFloor(base, uid=uid, netns_prefix=prefix) as floor:
+        assert "--seccomp" in floor.argv and floor.argv[-2:] == ["/bin/date", "+%s%N"]
+        for _ in range(ROUNDS):
+            called = time.perf_counter()
+            took = floor.start()
+            whole = time.perf_counter() - called
+            # The command's own clock reading, in seconds, within the call (the spawn
+            # to the command's start is part of it): not a number in the wrong unit.
+            assert 0 < took <= whole
+        cgroup_name = f"cogni-{floor.run_id}-"
+    assert not [name for name in os.listdir(NETNS_RUN_DIR) if name.startswith(prefix)]
+    assert pids_of_uid(uid) == []
+    for controller in ("memory", "pids"):
+        parent = Path(f"/sys/fs/cgroup/{controller}")
+        if parent.is_dir():
+            left = [p for p in parent.rglob(f"{cgroup_name}*")]
+            assert left == []
