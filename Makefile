@@ -12,9 +12,10 @@ LINT_VENV ?= .venv-lint
 LINT_STAMP := $(LINT_VENV)/.installed
 # Debian packages the product and its tests need. Installed only when missing.
 #   bubblewrap      the sandbox (mount/pid/user namespaces)
-#   libcap-dev      headers for python-prctl
+#   libcap-dev      headers for python-prctl (the benchmarks' dev extra)
 #   libseccomp-dev  seccomp filters for the sandbox
-#   python3-venv, python3-dev, gcc: the virtualenv and building python-prctl
+#   python3-venv, python3-dev, gcc: the virtualenv, gatewayd's sandbox launcher (C) and
+#                   building python-prctl
 #   git, curl, iproute2: real repositories and probes in the integration tests
 #   openssl         test certificates for the egress proxy's TLS origins
 #   libcap2-bin     capsh: gatewayd run as a non-root user with ambient capabilities
@@ -188,7 +189,7 @@ bench-anchors: setup
 	$(PY) bench/anchors.py --prefix $(ANCHORS_PREFIX)
 
 clean:
-	rm -rf $(VENV) $(LINT_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache $(LAUNCHER)
+	rm -rf $(VENV) $(LINT_VENV) $(NODE_DIR)/node_modules .pytest_cache .mypy_cache .ruff_cache $(LAUNCHER) $(LAUNCHER).tmp
 
 # The service's installation (docs/operations.md, "Install"): a wheel of this checkout in
 # $(PREFIX)/venv, a virtualenv of the SYSTEM interpreter (the service user must be able

@@ -101,8 +101,9 @@ Gate = Callable[[], Awaitable[None]]
 
 class _Release:
     """The write end of the pipe bwrap's ``--block-fd`` waits on: one byte starts the
-    command. Closed without the byte only once the sandbox is gone (bwrap would take the
-    end of file as the go-ahead)."""
+    command. Closed without the byte only once the sandbox is gone (bwrap takes end of
+    file as the go-ahead; it holds a writer of its own, :func:`_release_pipe`, so that a
+    gatewayd that dies meanwhile starts nothing)."""
 
     def __init__(self) -> None:
         self.fd = -1
@@ -123,6 +124,23 @@ class _Release:
         """Closed here only when bwrap never started (or failed to)."""
         if not self.handed_on:
             self.close()
+
+
+def _release_pipe() -> tuple[int, int]:
+    """(bwrap's ``--block-fd``, gatewayd's end). bwrap's end is the pipe's read end
+    reopened read-write: bwrap then holds a writer of its own and never reads end of
+    file, so only the byte starts the command. With a plain read end, gatewayd's end
+    closed by the kernel when gatewayd dies would start it, and bwrap's namespace child,
+    blocked there, has no parent-death signal yet (--die-with-parent takes effect only
+    after that read)."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        return os.open(f"/proc/self/fd/{read_end}", os.O_RDWR | os.O_CLOEXEC), write_end
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
 
 
 class LaunchError(GatewayError):
@@ -430,7 +448,7 @@ async def _start_and_supervise(
         seccomp_fd = memfd(fds, "cogni-seccomp", None)
         block_fd = None
         if gate is not None:
-            block_fd, release.fd = os.pipe2(os.O_CLOEXEC)
+            block_fd, release.fd = _release_pipe()
             fds.callback(os.close, block_fd)  # bwrap's end: closed here once it runs
             fds.callback(release.close_unless_handed_on)
         argv = sandbox_argv(
@@ -483,7 +501,12 @@ async def _start_and_supervise(
             for fd in (out_r, err_r, in_w):
                 if fd >= 0:
                     os.close(fd)
-            why = f"could not {exc}" if isinstance(exc, LauncherFailed) else launcher_missing(exc)
+            if isinstance(exc, LauncherFailed):
+                why = f"could not {exc}"
+            elif isinstance(exc, FileNotFoundError | PermissionError):
+                why = launcher_missing(exc)
+            else:  # out of descriptors or processes, say: the launcher is there
+                why = f"could not start gatewayd's sandbox launcher: {exc}"
             raise LaunchError(f"cannot start {bwrap} for run {plan.run_id}: {why}") from exc
         finally:
             for fd in child_ends:
@@ -646,13 +669,21 @@ async def _supervise(
     stderr = _Capture(limits.max_output_bytes, None if echo is None else echo[1])
     relays = (Relay(), Relay(), Relay())  # stdin, stdout, stderr; used when passed through
     timed_out = False
-    pidfd = os.pidfd_open(process.pid)
+    try:
+        pidfd = os.pidfd_open(process.pid)
+    except BaseException:
+        _kill_unsupervised(process)
+        release.close()
+        _close_unless_negative(out_r, err_r, in_w)
+        raise
+    drained = False  # the drains own (and close) out_r, err_r and in_w from then on
     try:
         if gate is not None:
             # bwrap builds the sandbox meanwhile (its output waits in the pipes); if this
             # raises, the finally below kills it before its command ever ran.
             await gate()
             release.go()
+        drained = True
         async with trio.open_nursery() as nursery:
             outputs: tuple[trio.Event, ...]
             if passthrough is None:
@@ -686,9 +717,11 @@ async def _supervise(
                 await _kill_now(process, pidfd)
             process.wait()
             os.close(pidfd)
-            # Only now: end of file there would start the command (bwrap reads a closed
-            # pipe as the go-ahead), so it is closed once nothing of the sandbox is left.
+            # Only now, nothing of the sandbox left: bwrap reads end of file as the
+            # go-ahead (it holds a writer of its own too; closing last costs nothing).
             release.close()
+            if not drained:
+                _close_unless_negative(out_r, err_r, in_w)
     try:
         # Read once the tree is reaped: every kill the kernel made is counted by then.
         oom_killed = cgroup is not None and cgroup.oom_killed()
@@ -712,6 +745,29 @@ async def _supervise(
         else StreamedBytes(stdin=relays[0].count, stdout=relays[1].count, stderr=relays[2].count),
         processLimitHit=pids_hit,
     )
+
+
+def _close_unless_negative(*fds: int) -> None:
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _kill_unsupervised(process: subprocess.Popen[bytes]) -> None:
+    """:func:`_kill_now` without a pidfd (it could not be opened), blocking: bwrap stopped,
+    its children (the sandbox's init: no parent-death signal before its setup ends)
+    killed, then bwrap, and reaped."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + TREE_GONE_WAIT_S
+    while _state(process.pid) not in _STOPPED_OR_GONE and time.monotonic() < deadline:
+        time.sleep(STOP_POLL_S)
+    for pid in _children(process.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def _drain_time(deadline: trio.CancelScope, passthrough: Passthrough | None) -> float:

@@ -20,7 +20,8 @@
  *      capability in any set (from a non-root gatewayd with ambient capabilities the uid
  *      change alone clears nothing);
  *   6. set no_new_privs, then the parent-death signal (after the uid change, which
- *      clears it); it stays across the exec of bwrap, which is not set-uid;
+ *      clears it), and check gatewayd is still its parent (else no signal would come);
+ *      the signal stays across the exec of bwrap, which is not set-uid;
  *   7. exec bwrap with the environment it was given (gatewayd gives an empty one).
  *
  * Every descriptor given for steps 2 and 3 is closed before the exec: bwrap and the
@@ -78,8 +79,6 @@
 #define PR_CAP_AMBIENT_CLEAR_ALL 4
 #endif
 
-/* More would be a bug in gatewayd: a plan pins a handful of directories. */
-#define MAX_PINS 64
 #define EXIT_LAUNCH_FAILED 127
 
 static int report_fd = -1;
@@ -131,6 +130,9 @@ static rlim_t limit_value(const char *text) {
 static int descriptor(const char *text) { return (int)number(text, 0, INT_MAX); }
 
 int main(int argc, char **argv) {
+    /* gatewayd: if it is gone by the time the parent-death signal is set, nothing would
+     * ever send that signal. */
+    pid_t parent = getppid();
     int at = 1;
 #define NEXT() (at < argc ? argv[at++] : NULL)
     report_fd = (int)number(NEXT(), 0, INT_MAX);
@@ -148,9 +150,14 @@ int main(int argc, char **argv) {
     for (long long i = 0; i < n_joins; i++)
         if (NEXT() == NULL) fail(READ_ARGUMENTS, EINVAL);
 
-    long long n_pins = number(NEXT(), 0, MAX_PINS);
-    int pin_fds[MAX_PINS];
-    const char *points[MAX_PINS];
+    /* A run pins its workspace and each policy path outside it: no fixed bound but the
+     * command line's own (two arguments a pin). */
+    const char *count = NEXT();
+    long long n_pins = number(count, 0, (argc - at) / 2);
+    int *pin_fds = calloc((size_t)n_pins + 1, sizeof *pin_fds);
+    int *trees = calloc((size_t)n_pins + 1, sizeof *trees);
+    const char **points = calloc((size_t)n_pins + 1, sizeof *points);
+    if (pin_fds == NULL || trees == NULL || points == NULL) fail(READ_ARGUMENTS, ENOMEM);
     for (long long i = 0; i < n_pins; i++) {
         pin_fds[i] = descriptor(NEXT());
         points[i] = NEXT();
@@ -184,7 +191,6 @@ int main(int argc, char **argv) {
 
     if (n_pins > 0) {
         const char *step = "attach the pinned directories";
-        int trees[MAX_PINS];
         for (long long i = 0; i < n_pins; i++) {
             long tree = syscall(SYS_open_tree, pin_fds[i], "",
                                 OPEN_TREE_CLONE | O_CLOEXEC | AT_EMPTY_PATH | AT_RECURSIVE);
@@ -218,6 +224,7 @@ int main(int argc, char **argv) {
     const char *privs = "set no_new_privs and the parent-death signal";
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) fail(privs, errno);
     if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) != 0) fail(privs, errno);
+    if (getppid() != parent) fail(privs, ESRCH);
 
     execv(program[0], program);
     fail("execute it", errno);
