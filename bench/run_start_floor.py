@@ -7,10 +7,12 @@ Why it exists: the target for run create + teardown (at most 15 ms at the median
 mode) is judged against what no implementation of this design can skip. This module does
 one overlay run's start + end with plain system calls (no trio, no pydantic, no
 gatewayd code), step for step in gatewayd's order and with its concurrency (the
-namespace made in a long-lived thread of its own while the session opens; the run's
-directory deleted in another thread while the session ends). ``bench/sandbox_launch.py
---run-start`` runs it in the same rounds as ``RunManager.start`` + ``end`` and prints
-both; run alone, it prints the floor by itself.
+namespace made in a long-lived thread of its own while the session opens, the run's
+lease record written in another meanwhile, the first audit flush made there while the
+run's socket is opened; the run's directory deleted in that other thread while the
+session ends, and the last audit flush made while it is deleted).
+``bench/sandbox_launch.py --run-start`` runs it in the same rounds as
+``RunManager.start`` + ``end`` and prints both; run alone, it prints the floor by itself.
 
 Every step, with the place in gatewayd that does it (each record flushed is one crash
 recovery reads):
@@ -46,11 +48,13 @@ start
      mount, which no reboot leaves (gatewayd/sandbox/appsfolder.py:201, 208, 215).
   8. the run's own lease record (a lease of no tree: only the run's uid, whose
      processes the next start kills after a crash; read strictly, so whole), in the
-     run's directory: fsync #4 (file only) (gatewayd/sandbox/lease.py:233;
-     session.py:470).
+     run's directory: fsync #4 (file only), written in the worker thread while 3-7 run,
+     waited for here (gatewayd/sandbox/lease.py ``record_uid``; session.py
+     ``UidRecordAhead``, taken at the sandbox's lease).
   9. ``run_created`` + ``workspace_opened``: one append, fdatasync #1, then the head
-     file moved (a ``pwrite``: what tells a truncated log) (gatewayd/runs/lifecycle.py:228;
-     audit/writer.py:528).
+     file moved (a ``pwrite``: what tells a truncated log), in the worker thread while
+     10 runs, waited for after it (gatewayd/runs/lifecycle.py ``start``: the flush asked
+     for when recorded, ``_serve``: the socket opened meanwhile; audit/writer.py).
  10. the run's socket: ``socket``, ``bind``, ``chown`` to the run's group, ``chmod``,
      ``listen`` (gatewayd/server.py:95 ``open_unix_listener``).
 
@@ -71,8 +75,9 @@ end
      read of the mount table, the lease removed (gatewayd/runs/workspaces.py:255, 256).
  17. the on-end (keep): ``meta.json`` state kept: fsync #7 (file), #8 (directory)
      (store.py:891); the session's lock released.
- 18. ``workspace_ended`` + ``run_ended``: one append, fdatasync #2, the head moved
-     (gatewayd/runs/lifecycle.py:968).
+ 18. ``workspace_ended`` + ``run_ended``: one append, fdatasync #2, the head moved,
+     while the run's directory is deleted (14), then the wait for that deletion
+     (gatewayd/runs/lifecycle.py ``_finish``: the flush asked for when recorded).
 
 Left out, as gatewayd's own and not the design's need: the namespace's verification
 dumps (two netlink requests), ``/run/netns`` made a shared mount (gatewayd: at its
@@ -80,7 +85,7 @@ first creation only; once per boot suffices), the socket bound under a staging n
 and linked into place, the chmods after mkdirs that could be given the mode at once, the extra
 reads of the mount table (the lendable-roots check), the audit log's hash tree
 writes (page-cache writes beside its flush), every ``stat`` that re-checks
-what was just made, and every hand-off between threads but the two above. The uid
+what was just made, and every hand-off between threads but those above. The uid
 itself comes from the pool's records in memory (gatewayd/sandbox/uids.py): no system
 call, so nothing of it is here.
 """
@@ -314,6 +319,9 @@ class RunStartFloor:
         run_dir.mkdir(mode=0o710)  # 1
         netns = _NETNS_DIR / f"{self.netns_prefix}{run_id}"
         netns_made = self._netns.submit(lambda home: make_netns(netns, home))  # 2
+        run_lease_written = self._worker.submit(  # 8, meanwhile
+            lambda _: write_record(run_dir / "lease.json", _RUN_LEASE, sync_dir=False)
+        )
         session = self.store / run_id
         session.mkdir(mode=0o700)  # 3
         lock = os.open(session / "lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -360,10 +368,9 @@ class RunStartFloor:
         lap("apps")
         t["netns"] = float(netns_made())  # type: ignore[arg-type]
         lap("netns_wait")
-        write_record(run_dir / "lease.json", _RUN_LEASE, sync_dir=False)  # 8
+        run_lease_written()  # 8
         lap("run_lease")
-        self._flush_audit()  # 9
-        lap("audit")
+        audit_flushed = self._worker.submit(lambda _: self._flush_audit())  # 9, meanwhile
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)  # 10
         sock_path = run_dir / "gateway.sock"
         listener.bind(os.fspath(sock_path))
@@ -371,6 +378,8 @@ class RunStartFloor:
         os.chmod(sock_path, 0o660)
         listener.listen(1024)
         lap("socket")
+        audit_flushed()
+        lap("audit")
         created = time.perf_counter()
 
         # --- end ---
@@ -423,10 +432,10 @@ class RunStartFloor:
         write_record(session / "meta.json", _META, sync_dir=True)  # 17
         os.close(lock)
         lap("keep")
+        self._flush_audit()  # 18, while 14 runs
+        lap("audit")
         t["run_dir_delete"] = float(deleted())  # type: ignore[arg-type]
         lap("run_dir_wait")
-        self._flush_audit()  # 18
-        lap("audit")
         ended = time.perf_counter()
         t["total"] = ended - started
         t["start"] = created - started

@@ -351,6 +351,25 @@ class AuditLog:
                 self._ring_soon()
             await self._wait_for(seq).wait()
 
+    def flush_soon(self, seq: int) -> None:
+        """Have every entry up to ``seq`` written and synced now, without waiting: for
+        entries the caller waits for (``durable``) only after other work, so their
+        flush runs meanwhile in the flusher thread. Recorded alone, an entry waits for
+        a waiter or for ``RESULT_SYNC_DELAY_S`` before its flush even starts. Never
+        awaits. Error handling: ValueError for a seq that was never recorded; a failed
+        or closed log is left for the later ``durable()`` to report."""
+        if not 0 <= seq <= self._chain.seq:
+            raise ValueError(f"seq {seq} was never recorded (last is {self.last_seq})")
+        if self._failure is not None or not self._durable_seq < seq <= self._queued_seq:
+            return
+        # As durable() asks (kept inline there: it is on every call's path).
+        with self._lock:
+            ring = seq > self._wanted_seq
+            if ring:
+                self._wanted_seq = seq
+        if ring:
+            self._ring_soon()
+
     async def append(self, kind: str, **fields: Unpack[EntryFields]) -> int:
         """``record`` then ``durable``: returns the seq once the entry is durable."""
         seq = self.record(kind, **fields)

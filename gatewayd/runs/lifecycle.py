@@ -55,6 +55,7 @@ from gatewayd.sandbox.session import (
     RunSandbox,
     SandboxUnavailable,
     SandboxView,
+    UidRecordAhead,
     WorkspaceInUse,
 )
 from gatewayd.sandbox.uids import UidPool
@@ -219,20 +220,20 @@ class RunManager:
             # Once its sandbox is made, whatever stops the start (a cancelled caller, the
             # audit log, its tools) ends the run the usual way: nothing of it is left.
             # Both entries durable in one flush (the later one's wait covers the earlier:
-            # the log is written in order), which runs while the run's tools are made,
-            # and before the run serves.
+            # the log is written in order), asked for now so that it runs while the run's
+            # tools are made and its socket is opened; waited for before its services
+            # start and before this returns (_serve).
             opened = self._record_created(run)
             opened = self._record_workspace_opened(run) or opened
+            self.audit.flush_soon(opened)
             if self.run_tools is not None:
                 await self.run_tools(run)
-            with trio.CancelScope(shield=True):
-                await self.audit.durable(opened)
         except BaseException:
             run.end_reason = "start_failed"
             with trio.CancelScope(shield=True):
                 await self._finish(run)
             raise
-        await self._start_serving(run)
+        await self._start_serving(run, created=opened)
         return run
 
     async def start_child(
@@ -341,9 +342,12 @@ class RunManager:
             },
         )
 
-    async def _start_serving(self, run: Run) -> None:
+    async def _start_serving(self, run: Run, *, created: int | None = None) -> None:
+        """Serve the run in the daemon's nursery; returns once it serves. ``created``:
+        the seq of its creation's entries, when they may not be durable yet (see
+        :meth:`_serve`)."""
         try:
-            await self._nursery.start(self._serve, run)
+            await self._nursery.start(self._serve, run, created)
         except BaseException:
             # _serve's own cleanup (_finish) has ended the run already, sandbox and all.
             if run.state is not RunState.ENDED:
@@ -408,10 +412,7 @@ class RunManager:
         # The namespace is made in its own thread meanwhile (the session's open waits
         # for the disk most of its time); RunSandbox.open takes it at its step.
         ahead = NamespaceAhead(run.run_id, self.sandbox_settings.netns_prefix)
-        try:
-            self._nursery.start_soon(ahead.make)
-        except RuntimeError:  # the daemon's nursery takes no new task (it closes)
-            await ahead.make()
+        await self._start_ahead(ahead.make)
         try:
             await self._isolate_sandboxed(
                 run, roots, user, lend_workspace, view, plan, limits, image, ahead
@@ -421,6 +422,14 @@ class RunManager:
                 await ahead.drop_untaken()
         if run.workspace is not None and run.sandbox is not None:
             run.sandbox.after_command = _syncer(run.workspace.session)
+
+    async def _start_ahead(self, make: Callable[[], Awaitable[None]]) -> None:
+        """Start ``make`` (what a run's sandbox takes later, made while the start goes on)
+        as a task of the daemon's nursery; awaited here when that takes no new task."""
+        try:
+            self._nursery.start_soon(make)
+        except RuntimeError:  # the daemon's nursery takes no new task (it closes)
+            await make()
 
     async def _isolate_sandboxed(
         self,
@@ -438,33 +447,44 @@ class RunManager:
         sandbox, one start at a time."""
         async with self._isolating:
             taken = False
-            if plan is not None:
-                # The uid first: an overlay's base is lent to it before the mount.
-                taken = user is None
-                user = user or self.uid_pool.acquire()
-                try:
-                    await self._open_workspace(run, plan, user, roots)
-                except BaseException:
-                    if taken:
-                        self.uid_pool.release(user)
-                    raise
-                if plan.mode in BASE_LENDING_MODES:
-                    lend_workspace = False  # the base is the run's already
-                elif run.workspace is not None and plan.mode != "host":
-                    # A view gatewayd made for the run alone (agentfs): lent like a
-                    # workspace, beneath the session's own directory.
-                    roots = dataclasses.replace(roots, own=(*roots.own, run.workspace.directory))
+            recorded: UidRecordAhead | None = None
             try:
+                if plan is not None:
+                    # The uid first: an overlay's base is lent to it before the mount.
+                    taken = user is None
+                    user = user or self.uid_pool.acquire()
+                    if plan.mode in BASE_LENDING_MODES:
+                        # Its sandbox lends no tree of its own (but a rw policy path
+                        # outside the base, recorded over it then): its lease, the uid's
+                        # record, is written while the session opens.
+                        recorded = UidRecordAhead(run.directory, user)
+                        await self._start_ahead(recorded.make)
+                    await self._open_workspace(run, plan, user, roots)
+                    if plan.mode in BASE_LENDING_MODES:
+                        lend_workspace = False  # the base is the run's already
+                    elif run.workspace is not None and plan.mode != "host":
+                        # A view gatewayd made for the run alone (agentfs): lent like a
+                        # workspace, beneath the session's own directory.
+                        roots = dataclasses.replace(
+                            roots, own=(*roots.own, run.workspace.directory)
+                        )
                 await self._open_sandbox(
-                    run, limits, image, user, lend_workspace, roots, view, ahead
+                    run, limits, image, user, lend_workspace, roots, view, ahead, recorded
                 )
             except BaseException:
                 if taken and user is not None:
-                    # The base goes back before its uid returns to the pool.
+                    # The base goes back (a session that was opened) before its uid
+                    # returns to the pool, and the uid once its record is written.
                     with trio.CancelScope(shield=True):
                         await self._drop_workspace(run)
+                        if recorded is not None:
+                            await recorded.settled()
                     self.uid_pool.release(user)
                 raise
+            finally:
+                if recorded is not None:  # nothing is written in the run's directory after
+                    with trio.CancelScope(shield=True):
+                        await recorded.settled()
 
     async def _open_workspace(
         self, run: Run, plan: WorkspacePlan, user: HostUser | None, roots: LendableRoots
@@ -554,6 +574,7 @@ class RunManager:
         roots: LendableRoots,
         view: SandboxView | None = None,
         netns_ahead: NamespaceAhead | None = None,
+        uid_recorded: UidRecordAhead | None = None,
     ) -> None:
         settings = self.sandbox_settings
         if settings is None:  # _isolate makes a degraded run instead
@@ -586,6 +607,7 @@ class RunManager:
             roots=roots,
             view=view,
             netns_ahead=netns_ahead,
+            uid_recorded=uid_recorded,
             # An overlay session's view: a mount no reboot leaves, the only way the apps
             # folder's record reaches the folder (in the upper directory, on disk).
             view_mounted_for_run=run.workspace is not None and run.workspace.mode == "overlay",
@@ -788,7 +810,17 @@ class RunManager:
         if self.config.audit_reply_after_result:
             await self.audit.durable(seq)
 
-    async def _serve(self, run: Run, *, task_status: trio.TaskStatus[None]) -> None:
+    async def _serve(
+        self, run: Run, created: int | None, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        """The run's socket and services until it ends, then its end (:meth:`_finish`).
+        With ``created``, the socket is opened while that entry's flush runs, and the
+        rest waits for it: the services (processes of the run) start, and the start
+        returns, only once the run's creation is durable. The socket open before that
+        serves nothing: only gatewayd and the run's group may enter its directory, and
+        no process of the run exists yet; and a call's own entry comes after the run's
+        in the log, so no call could have an effect before the run's creation is durable.
+        """
         # Every line logged by this task and the tasks it starts (the run's connections,
         # calls, services, egress proxy) carries the run's id.
         structlog.contextvars.bind_contextvars(run_id=run.run_id)
@@ -801,6 +833,12 @@ class RunManager:
                 try:
                     async with trio.open_nursery() as nursery:
                         await nursery.start(self._serve_socket, run, nursery.cancel_scope)
+                        if created is not None:
+                            try:
+                                await self.audit.durable(created)
+                            except BaseException:
+                                run.end_reason = "start_failed"
+                                raise
                         await start_services(
                             run,
                             nursery,
@@ -812,10 +850,11 @@ class RunManager:
                         )
                         task_status.started()
                 except BaseExceptionGroup as group:
-                    # The services did not come up: the caller gets that error itself
-                    # (the control socket answers it with its code and reason).
+                    # The services did not come up, or the run's creation could not be
+                    # made durable: the caller gets that error itself (the control socket
+                    # answers it with its code and reason).
                     if len(group.exceptions) == 1 and isinstance(
-                        group.exceptions[0], SandboxUnavailable
+                        group.exceptions[0], SandboxUnavailable | AuditWriteError
                     ):
                         raise group.exceptions[0] from None
                     raise
@@ -980,15 +1019,16 @@ class RunManager:
         self._dispatcher.drop_run_tools(run.run_id)
         try:
             try:
-                # Recorded before the wait for the directory's deletion: its flush (the
-                # session's workspace_ended rides along) runs in the audit's flusher
-                # thread meanwhile.
+                # Recorded, and its flush asked for, before the wait for the directory's
+                # deletion: the flush (the session's workspace_ended rides along) runs in
+                # the audit's flusher thread meanwhile.
                 ended = self.audit.record(
                     "event",
                     event=AuditEvent.RUN_ENDED,
                     runId=run.run_id,
                     detail={"reason": run.end_reason, **_counts(run), **cleanup},
                 )
+                self.audit.flush_soon(ended)
             finally:
                 await deleted.wait()
                 if "cleanupFailed" not in cleanup:

@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Final
 
 from gatewayd.errors import GatewayError
-from gatewayd.files import write_atomically
+from gatewayd.files import fsync_dir, write_atomically
 from gatewayd.sandbox.lendable import (
     PROC_SELF_MOUNTINFO,
     TREE_FLAGS,
@@ -173,6 +173,7 @@ def lend(
     pinned: Mapping[Path, Identity] | None = None,
     sandbox_owned: Callable[[int], bool] = lambda uid: False,
     sync_record_dir: bool = False,
+    recorded: Lease | None = None,
 ) -> Lease:
     """Lend every tree to ``user``; the lease is durable in ``record_dir`` first.
 
@@ -188,7 +189,9 @@ def lend(
     sandbox owns is another live run's (or a lost lease), and lending it again would
     record the wrong owner to give it back to. ``sync_record_dir``: ``record_dir`` is
     fsynced after the lease is recorded even when it lends no tree (the caller counts on
-    that fsync for a record of its own written there just before).
+    that fsync for a record of its own written there just before). ``recorded``: the
+    lease ``record_dir`` holds already (:func:`record_uid`, made while the run's session
+    opened): not written again when it is the lease made here (one of no tree).
 
     Error handling: :class:`~gatewayd.sandbox.lendable.NotLendable` for a tree that may
     not be lent (beneath no root, a symlink, not a directory), before anything is
@@ -227,14 +230,10 @@ def lend(
                 )
             )
         lease = Lease(uid=user.uid, gid=user.gid, trees=tuple(lent))
-        # A lease of no tree records only the run's uid, whose processes the next start
-        # kills after a crash of gatewayd (the page cache keeps the name); a power cut
-        # leaves no process, so its name need not be durable: no directory fsync.
-        write_atomically(
-            record_dir / LEASE_FILE,
-            lease.to_json().encode(),
-            sync_dir=bool(lease.trees) or sync_record_dir,
-        )
+        if lease != recorded:
+            _record(lease, record_dir, sync_dir=bool(lease.trees) or sync_record_dir)
+        elif sync_record_dir:
+            fsync_dir(record_dir)
         try:
             for tree in lease.trees:
                 _rechown(
@@ -253,6 +252,23 @@ def lend(
     finally:
         for fd in opened.values():
             os.close(fd)
+
+
+def record_uid(user: HostUser, record_dir: Path) -> Lease:
+    """Record in ``record_dir`` the lease of no tree to ``user`` (blocking): before its
+    sandbox lends anything, so a run's uid is named there early (a later :func:`lend` of
+    trees records over it). Error handling: OSError as the system reports it."""
+    lease = Lease(uid=user.uid, gid=user.gid, trees=())
+    _record(lease, record_dir, sync_dir=False)
+    return lease
+
+
+def _record(lease: Lease, record_dir: Path, *, sync_dir: bool) -> None:
+    # Whole whenever its name is there (the file is fsynced before the rename). A lease
+    # of no tree records only the run's uid, whose processes the next start kills after
+    # a crash of gatewayd (the page cache keeps the name); a power cut leaves no
+    # process, so its name need not be durable: the caller says when it must be.
+    write_atomically(record_dir / LEASE_FILE, lease.to_json().encode(), sync_dir=sync_dir)
 
 
 def give_back(lease: Lease, *, held: Mapping[str, int] | None = None) -> int:

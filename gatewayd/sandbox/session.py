@@ -52,7 +52,7 @@ from gatewayd.sandbox.cgroup import CgroupError, CgroupSupport, DeferredRemovals
 from gatewayd.sandbox.daemons import DaemonRegistryError, sandbox_uid_ranges
 from gatewayd.sandbox.image import ImageError, require_image
 from gatewayd.sandbox.launch import Echo, ExecResult, Gate, run_in_sandbox
-from gatewayd.sandbox.lease import Lease, LeaseError, give_back, lend, read_lease
+from gatewayd.sandbox.lease import Lease, LeaseError, give_back, lend, read_lease, record_uid
 from gatewayd.sandbox.lendable import LendableRoots, NotLendable
 from gatewayd.sandbox.limits import HostUser, SandboxLimits
 from gatewayd.sandbox.netns import (
@@ -340,6 +340,7 @@ class RunSandbox:
         lend_workspace: bool = True,
         view: SandboxView | None = None,
         netns_ahead: NamespaceAhead | None = None,
+        uid_recorded: UidRecordAhead | None = None,
         view_mounted_for_run: bool = False,
     ) -> RunSandbox:
         """Make the run's sandbox resources; on any failure, undo what was made.
@@ -360,6 +361,9 @@ class RunSandbox:
         makes and removes its apps folder for the run); its rw policy paths are lent.
         ``netns_ahead``: the run's namespace being made already (:class:`NamespaceAhead`),
         taken instead of making one; the open then owns it (removed if it fails).
+        ``uid_recorded``: ``user``'s lease of no tree being recorded in ``run_dir``
+        already (:class:`UidRecordAhead`): the lease is not written again when it lends
+        nothing; the record's failure is raised at the lease's step.
         ``view_mounted_for_run``: the workspace is a mount gatewayd made for this run
         alone (an overlay session's view), which no reboot leaves mounted: the record
         of an apps folder made in it, which reaches the folder only through that mount,
@@ -379,7 +383,6 @@ class RunSandbox:
         taken_here = user is None
         user = user or pool.acquire()
         netns: NetnsHandle | None = None
-        lease: Lease | None = None
         pins: list[tuple[int, str]] = []
         pinned: dict[str, str] = {}
         apps: AppsFolder | None = None
@@ -442,22 +445,6 @@ class RunSandbox:
             workspace_fd = pins[0][0]
             devices = {os.fstat(fd).st_dev for fd, _ in pins}
 
-            def check_apps_folders() -> AppsFolder:
-                # Both checks in one worker thread (one hand-off); ``apps`` is set as soon
-                # as the folder is made, so a refusal after it still removes it (below).
-                nonlocal apps
-                apps = prepare_apps_folder(
-                    workspace_fd, workspace, run_dir, durable_record=not view_mounted_for_run
-                )
-                # Other workspaces' apps folders: no file of one may have a name the run
-                # sees (the run's creation refused roots holding one).
-                refuse_linked_folders(other_apps_folders(settings.state_dir, workspace), devices)
-                return apps
-
-            try:
-                apps_checked = await trio.to_thread.run_sync(check_apps_folders)
-            except AppsFolderRefused as exc:
-                raise UnsafeMounts(f"run refused: {exc}") from exc
             netns = await (
                 netns_ahead.take(run_id)
                 if netns_ahead is not None
@@ -466,23 +453,41 @@ class RunSandbox:
                 )
             )
             info = os.stat(netns.path)
+            recorded = None if uid_recorded is None else await uid_recorded.take(user)
             read_only = {bound[Path(m.host)] for m in mounts if m.mode is PathMode.RO}
-            # An apps folder there before the run stays its owner's with everything in
-            # it: the run's uid owns nothing there, whatever names reach it. One made for
-            # the run is empty and goes with the workspace, like a directory the run made.
-            if apps_checked.made is None:
-                read_only.add(apps_checked.identity)
-            lease = await trio.to_thread.run_sync(
-                lambda: lend(
+
+            def check_apps_folders_then_lend() -> tuple[AppsFolder, Lease]:
+                # The apps folder's checks and the lease in one worker thread (one
+                # hand-off, not two); ``apps`` is set as soon as the folder is made, so
+                # a refusal after it (the other folders, the lease) still removes it.
+                nonlocal apps
+                apps = prepare_apps_folder(
+                    workspace_fd, workspace, run_dir, durable_record=not view_mounted_for_run
+                )
+                # Other workspaces' apps folders: no file of one may have a name the run
+                # sees (the run's creation refused roots holding one).
+                refuse_linked_folders(other_apps_folders(settings.state_dir, workspace), devices)
+                # An apps folder there before the run stays its owner's with everything
+                # in it: the run's uid owns nothing there, whatever names reach it. One
+                # made for the run is empty and goes with the workspace, like a
+                # directory the run made.
+                keep = read_only if apps.made is not None else {*read_only, apps.identity}
+                lent = lend(
                     writable,
                     user,
                     run_dir,
                     roots=roots,
-                    keep=read_only,
+                    keep=keep,
                     pinned=bound,
                     sandbox_owned=sandbox_owned(pool.range),
+                    recorded=recorded,
                 )
-            )
+                return apps, lent
+
+            try:
+                apps_checked, lease = await trio.to_thread.run_sync(check_apps_folders_then_lend)
+            except AppsFolderRefused as exc:
+                raise UnsafeMounts(f"run refused: {exc}") from exc
         except BaseException as exc:
             if apps is not None and apps.made is not None:
                 with contextlib.suppress(OSError):
@@ -898,6 +903,60 @@ class NamespaceAhead:
             await trio.to_thread.run_sync(remove_run_netns, name)
         except (NetnsError, ValueError) as exc:
             log.error("netns_not_removed", run_id=self._run_id, netns=name, error=str(exc))
+
+
+class UidRecordAhead:
+    """A run's uid recorded in its directory (the lease of no tree,
+    :func:`~gatewayd.sandbox.lease.record_uid`) by a worker thread while the run's
+    workspace session opens, instead of by the sandbox's lease after it: that record's
+    fsync (a millisecond or more of a busy disk) is then off the start's path. Taken by
+    :meth:`RunSandbox.open` at the lease's step: a sandbox that lends no tree (an
+    overlay session's, whose base was lent before the mount) leaves the record as it
+    is; one that lends trees records them over it, durable before the first chown, as
+    ever. The uid named early changes nothing for recovery: the next start kills the
+    uid's processes (none exist before the sandbox's first command) and removes the
+    run's directory, as for a directory left after the sandbox was made.
+
+    Resource handling: :meth:`make` runs as a task of the caller's nursery; the caller
+    awaits :meth:`settled` (shielded) before the uid goes back to the pool or the run's
+    directory is removed, so no record is written after either."""
+
+    def __init__(self, run_dir: Path, user: HostUser) -> None:
+        self._run_dir = run_dir
+        self._user = user
+        self._done = trio.Event()
+        self._lease: Lease | None = None
+        self._error: Exception | None = None
+
+    async def make(self) -> None:
+        """The record (a nursery task). Error handling: kept for :meth:`take`."""
+        try:
+            # Shielded: a write cut short could not say whether it left the record.
+            with trio.CancelScope(shield=True):
+                self._lease = await trio.to_thread.run_sync(record_uid, self._user, self._run_dir)
+        except Exception as exc:  # OSError: raised where it is taken
+            self._error = exc
+        finally:
+            self._done.set()
+
+    async def take(self, user: HostUser) -> Lease:
+        """The lease recorded, once written. Error handling: ValueError for another
+        uid's record; the write's own error (OSError)."""
+        if user != self._user:
+            raise ValueError(
+                f"uid {user.uid}'s sandbox was handed uid {self._user.uid}'s record; each "
+                "run's directory names the uid of its own sandbox"
+            )
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        if self._lease is None:
+            raise RuntimeError(f"uid {self._user.uid}'s record was never made")
+        return self._lease
+
+    async def settled(self) -> None:
+        """Wait until the write has ended, whatever its outcome. Never raises."""
+        await self._done.wait()
 
 
 def _plan(

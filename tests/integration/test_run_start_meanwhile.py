@@ -1,0 +1,243 @@
+"""What a run's start and end do meanwhile, in a real daemon with the OS sandbox: the
+flush of ``run_created`` runs while the run's tools are made and its socket is opened
+(the start returns once it is durable), and that of ``run_ended`` while the run's
+directory is deleted (each asked for when recorded, not when waited for); an overlay
+run's uid is recorded in its directory while its session opens, a
+record that cannot be written refuses the start at the lease's step and leaves nothing;
+and the start's hand-offs to worker threads are the ones that wait for something.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from gatewayd.daemon import Daemon, open_daemon
+from gatewayd.runs import Run
+from gatewayd.sandbox.lease import LEASE_FILE, read_lease
+from gatewayd.sandbox.netns import NETNS_RUN_DIR
+from gatewayd.sandbox.session import SandboxUnavailable
+from gatewayd.workspace import store as store_module
+from tests.integration.test_run_sandbox import _unavailable
+from tests.integration.test_run_start import sandboxed_config, start
+
+pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
+
+# No audit entry is ever due on its own in these tests: only a waiter, an ask
+# (flush_soon) or the log's close makes the flusher write.
+NEVER_DUE_S = 3600.0
+# A bound on "soon" for what takes milliseconds: generous for a loaded CI box.
+PATIENCE_S = 20.0
+
+
+@pytest.fixture
+def base() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cg-rm-", dir="/tmp"))
+    path.chmod(0o711)  # the sandbox's uid passes through to its workspace and socket
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _durable_event(daemon: Daemon, run_id: str, event: str) -> bool:
+    """Is ``event`` of ``run_id`` on disk and durable?"""
+    for line in daemon.audit.path.read_text().splitlines():
+        entry = json.loads(line)
+        if entry.get("runId") == run_id and entry.get("event") == event:
+            return bool(entry["seq"] <= daemon.audit.durable_seq)
+    return False
+
+
+async def test_run_created_is_flushed_while_the_runs_tools_are_made(base: Path) -> None:
+    async with open_daemon(sandboxed_config(base, "overlay"), preload=True) as daemon:
+        daemon.audit._sync_delay_s = NEVER_DUE_S  # only waiters and asks flush
+        make_tools = daemon.runs.run_tools
+        assert make_tools is not None
+        flushed_first: list[bool] = []
+
+        async def run_tools(run: Run) -> None:
+            # Recorded, and not waited for yet (the start waits after this hook): only
+            # an ask made when they were recorded writes them meanwhile.
+            recorded = daemon.audit.last_seq
+            with trio.move_on_after(PATIENCE_S):
+                while daemon.audit.durable_seq < recorded:
+                    await trio.sleep(0.001)
+            flushed_first.append(daemon.audit.durable_seq >= recorded)
+            await make_tools(run)
+
+        daemon.runs.run_tools = run_tools
+        run = await start(daemon, base, "ws")
+        assert flushed_first == [True]
+        assert _durable_event(daemon, run.run_id, "run_created")
+        assert _durable_event(daemon, run.run_id, "workspace_opened")
+        await daemon.runs.end(run.run_id)
+
+
+async def test_the_runs_socket_is_opened_while_its_creation_is_flushed_and_the_start_waits(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_daemon(sandboxed_config(base, "overlay"), preload=True) as daemon:
+        runs_dir = daemon.config.state_dir / "runs"
+        held, release = threading.Event(), threading.Event()
+        fdatasync = os.fdatasync
+
+        def held_fdatasync(fd: int) -> None:
+            # The audit log's next flush (run_created's) waits until released.
+            if fd == daemon.audit.fileno() and not release.is_set():
+                held.set()
+                release.wait(PATIENCE_S)
+            fdatasync(fd)
+
+        monkeypatch.setattr(os, "fdatasync", held_fdatasync)
+        started: list[Run] = []
+        listening: list[bool] = []
+
+        async def start_run() -> None:
+            started.append(await start(daemon, base, "ws"))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(start_run)
+                with trio.move_on_after(PATIENCE_S):
+                    while not (held.is_set() and list(runs_dir.glob("*/gateway.sock"))):
+                        await trio.sleep(0.001)
+                listening.append(bool(list(runs_dir.glob("*/gateway.sock"))))
+                assert started == [], "the start returned before its entries were durable"
+                release.set()
+        finally:
+            release.set()
+        assert listening == [True]
+        [run] = started
+        assert _durable_event(daemon, run.run_id, "workspace_opened")
+        await daemon.runs.end(run.run_id)
+
+
+async def test_run_ended_is_flushed_while_the_runs_directory_is_deleted(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_daemon(sandboxed_config(base, "overlay"), preload=True) as daemon:
+        daemon.audit._sync_delay_s = NEVER_DUE_S  # only waiters and asks flush
+        run = await start(daemon, base, "ws")
+        delete = daemon.registry.delete_directory
+        flushed_first: list[bool] = []
+
+        async def delete_directory(deleted: Run) -> None:
+            # The end records run_ended and waits for this deletion before its own wait
+            # for the entry: its flush is written meanwhile only if it was asked for.
+            with trio.move_on_after(PATIENCE_S):
+                while not _durable_event(daemon, deleted.run_id, "run_ended"):
+                    await trio.sleep(0.001)
+            flushed_first.append(_durable_event(daemon, deleted.run_id, "run_ended"))
+            await delete(deleted)
+
+        monkeypatch.setattr(daemon.registry, "delete_directory", delete_directory)
+        await daemon.runs.end(run.run_id)
+        assert flushed_first == [True]
+
+
+async def test_an_overlay_runs_uid_is_recorded_in_its_directory_while_its_session_opens(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = sandboxed_config(base, "overlay")
+    open_session = store_module.WorkspaceStore.open_session
+    recorded_meanwhile: list[bool] = []
+
+    def open_then_look(self: Any, run_id: str, *args: Any, **kwargs: Any) -> Any:
+        handle = open_session(self, run_id, *args, **kwargs)
+        # In this worker thread, before the start goes on: the record comes from another.
+        record = config.state_dir.resolve() / "runs" / run_id / LEASE_FILE
+        deadline = time.monotonic() + PATIENCE_S
+        while not record.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        recorded_meanwhile.append(record.exists())
+        return handle
+
+    monkeypatch.setattr(store_module.WorkspaceStore, "open_session", open_then_look)
+    async with open_daemon(config, preload=True) as daemon:
+        run = await start(daemon, base, "ws")
+        assert recorded_meanwhile == [True]
+        assert run.sandbox is not None
+        lease = read_lease(run.directory)
+        # The record names the run's uid, and lends nothing: the base was lent for the
+        # session, before its mount (the session's own record).
+        assert lease is not None and lease.trees == ()
+        assert (lease.uid, lease.gid) == (run.sandbox.user.uid, run.sandbox.user.gid)
+        assert lease == run.sandbox.lease
+        await daemon.runs.end(run.run_id)
+
+
+async def test_a_uid_record_that_cannot_be_written_refuses_the_start_and_leaves_nothing(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gatewayd.sandbox import session as session_module
+
+    def full_disk(*args: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    config = sandboxed_config(base, "overlay")
+    (base / "ws").mkdir()
+    (base / "ws" / "notes.md").write_text("hello\n")
+    async with open_daemon(config, preload=True) as daemon:
+        prefix = daemon.config.resolved_netns_prefix
+        monkeypatch.setattr(session_module, "record_uid", full_disk)
+        with pytest.raises(SandboxUnavailable, match="No space left on device"):
+            await start(daemon, base, "ws")
+        monkeypatch.undo()
+        assert daemon.runs.uid_pool.in_use == 0
+        assert not list(NETNS_RUN_DIR.glob(f"{prefix}*"))
+        assert os.stat(base / "ws").st_uid == 0 and os.stat(base / "ws" / "notes.md").st_uid == 0
+        assert list((daemon.config.state_dir / "runs").iterdir()) == []
+        refused = [
+            json.loads(line)
+            for line in daemon.audit.path.read_text().splitlines()
+            if '"run_refused"' in line
+        ]
+        assert [entry["errorCode"] for entry in refused] == ["internal"]
+        # The next start is not held up by anything the refused one left.
+        run = await start(daemon, base, "ws")
+        await daemon.runs.end(run.run_id)
+
+
+async def test_a_starts_hand_offs_are_the_ones_that_wait_for_something(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One hand-off for the apps folder's checks and the lease (not one each); none for
+    # binding the run's socket (one short system call) nor for the pins of MCP servers
+    # when none is declared.
+    handed: list[str] = []
+    real_run_sync = trio.to_thread.run_sync
+
+    async def run_sync(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        handed.append(getattr(fn, "__qualname__", repr(fn)))
+        return await real_run_sync(fn, *args, **kwargs)
+
+    async with open_daemon(sandboxed_config(base, "overlay"), preload=True) as daemon:
+        monkeypatch.setattr(trio.to_thread, "run_sync", run_sync)
+        run = await start(daemon, base, "ws")
+        monkeypatch.undo()
+        assert [name for name in handed if "RunSandbox.open" in name] == [
+            "RunSandbox.open.<locals>.check_apps_folders_then_lend"
+        ], handed
+        assert not [name for name in handed if "bind" in name or "McpTools" in name], handed
+        assert sorted(handed) == sorted(
+            [
+                "NamespaceAhead.make.<locals>.<lambda>",
+                "record_uid",
+                "RunManager._open_workspace.<locals>.open_session",
+                "RunSandbox.open.<locals>.check_apps_folders_then_lend",
+                "discover_apps",
+            ]
+        ), handed
+        await daemon.runs.end(run.run_id)
