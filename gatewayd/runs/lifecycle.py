@@ -697,6 +697,10 @@ class RunManager:
         )
         if options is not None:
             await self.audit.durable(started)
+        else:
+            # Its flush runs while the command's sandbox is prepared and built; the
+            # command waits for it at its gate.
+            self.audit.flush_soon(started)
         policy = run.spec.policy
         prepared = PreparedExec(cwd=None, env={}, network=None)
         try:
