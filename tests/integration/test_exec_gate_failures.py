@@ -34,7 +34,8 @@ from gatewayd.sandbox import launch
 from gatewayd.sandbox.launch import run_in_sandbox
 from gatewayd.sandbox.limits import HostUser, SandboxLimits
 from gatewayd.sandbox.netns import create_run_netns, remove_run_netns
-from gatewayd.sandbox.plan import SandboxPlan, build_plan, probe_host_layout
+from gatewayd.sandbox.plan import SandboxPlan
+from tests.integration.test_sandbox_launch import make_plan
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not os.path.exists("/usr/bin/bwrap"),
@@ -139,22 +140,7 @@ def setup() -> Iterator[dict[str, object]]:
 
 
 def _plan(setup: dict[str, object]) -> SandboxPlan:
-    base = setup["base"]
-    assert isinstance(base, Path)
-    run_id = str(setup["run_id"])
-    return build_plan(
-        run_id=run_id,
-        workspace_host=str(base / "ws"),
-        policy_paths=[],
-        gateway_socket_host=str(base / "state" / "runs" / run_id / "gateway.sock"),
-        cogni_tool_host_dir=str(base / "tool"),
-        command=MARK,
-        extra_env_names=[],
-        env_values={"LANG": "C.UTF-8"},
-        state_dir=str(base / "state"),
-        netns_path=str(setup["netns"]),
-        layout=probe_host_layout(),
-    )
+    return make_plan(setup, *MARK)
 
 
 def test_a_command_waiting_for_its_entry_never_starts_when_gatewayd_dies(
