@@ -121,14 +121,26 @@ demo: setup tools
 # Python keeps the bytecode it compiles, whatever PYTHONDONTWRITEBYTECODE says: the suite
 # starts hundreds of gatewayd processes, and each would compile every gatewayd module it
 # imports again (about 0.5 s a daemon here) and each worker rewrite every test's asserts.
+# Every Hypothesis property at its full count, whatever the shell's environment says.
 test: setup lint tools
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n 2 --durations=25
+	env -u PYTHONDONTWRITEBYTECODE -u COGNI_TEST_EXAMPLES_SCALE $(PY) -m pytest -q -n 2 --durations=25
 
 # The edit-test loop: the unit tests of the pure layers and of each module alone (no
 # sandbox, no daemon, no network namespace), under a minute. Bytecode kept as for `test`:
 # about 4 s of CPU a worker at every run otherwise. __pycache__ is git-ignored.
+# Two things only `make test` runs in full, so this stays under a minute on two cores:
+# the Hypothesis properties try a tenth of their examples here (at least 10 each:
+# tests/hypothesis_counts.py), and the tests marked fresh_interpreter (a new interpreter
+# per test, to see what a gatewayd command imports or what systemd hands it: 31 tests,
+# a tenth of this lane's CPU) are left out. `make test` and CI run all of them, every
+# property at its full count. A passing test's tmp_path is removed when it ends, in the
+# workers, instead of a whole earlier session's (5,000 directories) by pytest's main
+# process after the last test (3 s); a failing test's is kept, as before.
+FAST_EXAMPLES_SCALE ?= 0.1
 test-fast: setup
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -n auto tests/unit
+	env -u PYTHONDONTWRITEBYTECODE COGNI_TEST_EXAMPLES_SCALE=$(FAST_EXAMPLES_SCALE) \
+	  $(PY) -m pytest -q -n auto -m "not fresh_interpreter" \
+	  -o tmp_path_retention_policy=failed tests/unit
 
 $(LINT_STAMP): pyproject.toml Makefile
 	@echo "==> creating virtualenv $(LINT_VENV) for the lint tools (pyproject.toml's lint extra)"

@@ -667,15 +667,21 @@ def test_a_workspace_another_daemons_live_run_holds_is_not_lent_again(
 SMALL_AUDIT_BYTES = "600"
 
 
-@pytest.fixture
-def serving(base: Path) -> Iterator[LiveDaemon]:
-    """A live `gatewayd serve` whose audit log has a closed segment and a head file."""
-    (base / "a").mkdir()
-    first = start_daemon(base / "a" / "state", "--audit-max-bytes", SMALL_AUDIT_BYTES)
+@pytest.fixture(scope="module")
+def serving() -> Iterator[LiveDaemon]:
+    """A live `gatewayd serve` whose audit log has a closed segment and a head file,
+    started once for the tests that start a second daemon beside it: each of those is
+    refused having touched nothing (each test checks the first's log files, socket and
+    health), so the next test finds the first as it was."""
+    home = Path(tempfile.mkdtemp(prefix="cg-dh-", dir="/tmp"))
+    home.chmod(0o711)
+    (home / "a").mkdir()
+    first = start_daemon(home / "a" / "state", "--audit-max-bytes", SMALL_AUDIT_BYTES)
     try:
         yield first
     finally:
         first.stop()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def log_files(daemon: LiveDaemon) -> dict[str, bytes]:
@@ -705,9 +711,10 @@ def serve_beside(
 
 
 def assert_refused_beside(
-    done: subprocess.CompletedProcess[str], first: LiveDaemon, *phrases: str
+    done: subprocess.CompletedProcess[str], base: Path, first: LiveDaemon, *phrases: str
 ) -> None:
-    """Refused by the registry, naming ``first`` and ``phrases``, having touched nothing."""
+    """Refused by the registry, naming ``first`` and ``phrases``, having touched nothing
+    (its state directory, ``serve_beside``'s under ``base``, was not made)."""
     assert done.returncode == 1, done.stdout + done.stderr
     message = done.stderr
     assert "gatewayd: refused to start: another gatewayd is running on this host" in message
@@ -716,7 +723,7 @@ def assert_refused_beside(
         assert phrase in message, message
     assert "This daemon did not start and touched nothing" in message
     assert "Traceback" not in message
-    assert not (first.state.parent.parent / "b" / "state").exists()
+    assert not (base / "b" / "state").exists()
 
 
 def named(base: Path, target: Path, way: str) -> tuple[str, Path | None]:
@@ -751,6 +758,7 @@ def test_a_second_daemon_on_a_live_daemons_control_socket_is_refused_whatever_th
     done = serve_beside(base, "--control-socket", given, cwd=cwd)
     assert_refused_beside(
         done,
+        base,
         serving,
         f"this daemon's control socket {socket_path.resolve()} is its control socket",
         "give this daemon another --control-socket (control_socket)",
@@ -792,7 +800,7 @@ def test_a_second_daemon_may_not_use_a_file_of_a_live_daemons_audit_log(
     given, cwd = named(base, files[target], way)
     done = serve_beside(base, option, given, cwd=cwd)
     setting = "--audit (audit_path)" if option == "--audit" else "--control-socket (control_socket)"
-    assert_refused_beside(done, serving, says, f"give this daemon another {setting}")
+    assert_refused_beside(done, base, serving, says, f"give this daemon another {setting}")
     assert log_files(serving) == before
     assert serving.control("GET", "/v1/health")[0] == 200
 

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from gatewayd.protocol import ErrorCode
 from tests.conftest import OPEN_POLICY, write_policy
+from tests.hypothesis_counts import examples
 from tests.livedaemon import LiveDaemon, start_daemon
 
 HEADER = struct.Struct(">I")
@@ -166,7 +167,7 @@ def test_random_and_mutated_frames_never_crash_the_daemon(
     sock = run["socket"]
 
     @settings(
-        max_examples=FUZZ_CASES,
+        max_examples=examples(FUZZ_CASES),
         deadline=None,
         database=None,
         suppress_health_check=list(HealthCheck),

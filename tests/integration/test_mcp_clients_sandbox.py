@@ -167,11 +167,6 @@ async def run_calls(sb: Sandboxed, run_id: str) -> list[str | None]:
 async def test_the_python_sdks_http_client_lists_calls_and_is_refused_through_serve(
     sb: Sandboxed,
 ) -> None:
-    # copy_sdk copies what is imported; httpx2 imports its transport when a client is made.
-    import httpx2
-    import mcp.client.streamable_http  # noqa: F401
-
-    httpx2.AsyncClient()
     ws = sb.workspace()
     copy_sdk(ws)
     (ws / "client.py").write_text(textwrap.dedent(PY_CLIENT))
@@ -290,10 +285,6 @@ finally:
 async def test_a_run_without_services_starts_serve_itself_and_speaks_mcp_over_http(
     sb: Sandboxed,
 ) -> None:
-    import httpx2
-    import mcp.client.streamable_http  # noqa: F401
-
-    httpx2.AsyncClient()
     ws = sb.workspace()
     copy_sdk(ws)
     (ws / "client.py").write_text(textwrap.dedent(SELF_STARTED_CLIENT))

@@ -6,7 +6,7 @@ The client is one nobody on the team wrote: ``mcp`` from PyPI. Two ways it reach
 * Inside the run's sandbox, starting ``cogni-tool mcp`` as its subprocess, the usual
   way an MCP client starts a stdio server (``stdio_client`` + ``ClientSession``, and the
   high-level ``Client`` in its default mode). The sandbox's python3 has no ``mcp`` and
-  the dev virtualenv is not the run's to see, so the SDK and what it imports are copied
+  the dev virtualenv is not the run's to see, so the SDK and what it requires are copied
   into the workspace (the same Python minor version: its compiled parts load) and put
   on ``sys.path`` by the script.
 * From the host, starting ``gatewayd run ... -- cogni-tool mcp`` as its stdio server
@@ -19,10 +19,13 @@ results are the gateway's own answers.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from packaging.requirements import Requirement
 
 from gatewayd.audit.verify import verify_file
 from gatewayd.daemon import open_daemon
@@ -108,18 +112,59 @@ anyio.run(main)
 """
 
 
-def sdk_packages() -> list[Path]:
-    """The site-packages entries the SDK's stdio client imports, and every dist-info."""
-    import mcp.client.session
-    import mcp.client.stdio
+# What the clients in the sandbox import (here and in test_mcp_clients_sandbox.py).
+SDK_IMPORTS = (
+    "anyio",
+    "mcp",
+    "mcp.client.session",
+    "mcp.client.stdio",
+    "mcp.client.streamable_http",
+)
+# Prints the file of every module the imports above loaded, one a line.
+_SDK_PROBE = (
+    f"import sys, {', '.join(SDK_IMPORTS)}\n"
+    "print('\\n'.join(m.__file__ for m in list(sys.modules.values()) "
+    "if getattr(m, '__file__', None)))"
+)
+
+
+def _requirement_closure(name: str) -> list[importlib.metadata.Distribution]:
+    """``name``'s distribution and every one it requires, transitively (extras aside)."""
+    found: dict[str, importlib.metadata.Distribution] = {}
+    todo = [name]
+    while todo:
+        dist = importlib.metadata.distribution(todo.pop())
+        key = dist.metadata["Name"].lower().replace("_", "-")
+        if key in found:
+            continue
+        found[key] = dist
+        for line in dist.requires or ():
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+    return list(found.values())
+
+
+@functools.cache
+def sdk_packages() -> tuple[Path, ...]:
+    """The site-packages entries of the SDK and of what it requires (some it imports
+    only when used: httpcore2 at the first request, jsonschema at a result's check),
+    what its clients import besides (optional imports: cryptography), and every
+    dist-info. Not this process's modules: they hold whatever earlier tests in it
+    imported (litellm, temporalio, wasmtime...: 400 MB and 22,000 files to copy)."""
+    import mcp
 
     site = Path(mcp.__file__).resolve().parents[1]
     tops: set[Path] = set(site.glob("*.dist-info"))
-    for module in list(sys.modules.values()):
-        where = getattr(module, "__file__", None)
-        if where and Path(where).resolve().is_relative_to(site):
+    for dist in _requirement_closure("mcp"):
+        tops.update(site / Path(f).parts[0] for f in dist.files or () if Path(f).parts[0] != "..")
+    probe = subprocess.run(
+        [sys.executable, "-c", _SDK_PROBE], capture_output=True, text=True, check=True
+    )
+    for where in probe.stdout.splitlines():
+        if Path(where).resolve().is_relative_to(site):
             tops.add(site / Path(where).resolve().relative_to(site).parts[0])
-    return sorted(tops)
+    return tuple(sorted(tops))
 
 
 def copy_sdk(workspace: Path) -> None:

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.exampletools import built_examples
+from tests.hypothesis_counts import examples
 
 # What the module may use per input: generous for the inputs below (a few KB).
 FUEL = 50_000_000
@@ -194,7 +195,7 @@ def documents(draw: st.DrawFn) -> bytes:
 
 
 @settings(
-    max_examples=400,
+    max_examples=examples(400),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )

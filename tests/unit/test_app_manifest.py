@@ -49,6 +49,7 @@ from gatewayd.policy import load_policy_text
 from gatewayd.policy.review_section import MAX_RULES
 from gatewayd.protocol import MAX_ID_CHARS, TOOL_NAME_RE
 from gatewayd.tools.manifest import MAX_SUMMARY_CHARS
+from tests.hypothesis_counts import examples
 
 SOURCE = "apps/note-taker/APP.md"
 
@@ -1208,14 +1209,15 @@ def _manifests(draw: st.DrawFn) -> AppManifest:
 
 
 @settings(
-    max_examples=300, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow]
+    max_examples=examples(300),
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
 )
 @given(_manifests())
 def test_a_rendered_manifest_reads_back_equal(manifest: AppManifest) -> None:
     assert parse_manifest(render_manifest(manifest), SOURCE) == manifest
 
 
-@settings(max_examples=200, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), suppress_health_check=[HealthCheck.too_slow])
 @given(_manifests())
 def test_rendering_a_parsed_manifest_keeps_the_prompt_and_every_rule(manifest: AppManifest) -> None:
     once = parse_manifest(render_manifest(manifest), SOURCE)
@@ -1225,7 +1227,7 @@ def test_rendering_a_parsed_manifest_keeps_the_prompt_and_every_rule(manifest: A
         assert rule.text.split("\n")[0] in twice
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.text(alphabet=_MARKDOWN_ALPHABET + "\u202e\x00\r", max_size=300).map(
         lambda body: VALID[: VALID.index("## System Prompt")] + body
@@ -1242,7 +1244,7 @@ def test_any_body_parses_or_is_refused_with_a_manifest_error(text: str) -> None:
     assert str(error).startswith(SOURCE)
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=400).map(lambda tail: b"---\n" + tail))
 def test_any_bytes_parse_or_are_refused_with_a_manifest_error(data: bytes) -> None:
     try:

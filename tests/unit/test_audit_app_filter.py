@@ -11,6 +11,7 @@ like it, must never be shown.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +131,26 @@ async def _write_app_log(path: Path) -> None:
         await log.durable(log.last_seq)
 
 
-@pytest.fixture
-def app_log(tmp_path: Path) -> Path:
-    path = tmp_path / "audit" / "audit.jsonl"
+@pytest.fixture(scope="module")
+def written_app_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The log, written once for the module's tests, which only read it."""
+    path = tmp_path_factory.mktemp("app-log") / "audit" / "audit.jsonl"
     trio.run(_write_app_log, path)
     assert len(list_segments(path)) >= 3  # the filter reads across segments
     return path
+
+
+@pytest.fixture
+def app_log(written_app_log: Path) -> Iterator[Path]:
+    """The shared log, and a check that the test left it as it found it."""
+
+    def contents() -> dict[str, bytes]:
+        files = (p for p in written_app_log.parent.rglob("*") if p.is_file())
+        return {str(p): p.read_bytes() for p in files}
+
+    before = contents()
+    yield written_app_log
+    assert contents() == before, "a test changed the log the others read"
 
 
 def gatewayd(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

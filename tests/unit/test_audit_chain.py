@@ -30,6 +30,7 @@ from gatewayd.audit.entry import build_body, format_time
 from gatewayd.audit.entryform import decode_body
 from gatewayd.audit.line import GENESIS_HASH, HASH_SUFFIX_BYTES, LineFormatError, seal, unseal
 from gatewayd.protocol import ErrorCode
+from tests.hypothesis_counts import examples
 
 # 2026-11-22T13:40:01.123456Z
 FIXED_NS = 1_795_354_801_123_456_789
@@ -383,7 +384,9 @@ def _records(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 
 @settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(40),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(records=st.lists(_records(), min_size=1, max_size=12), start=st.integers(0, 2**40))
 def test_any_sequence_of_records_verifies_and_reads_back(

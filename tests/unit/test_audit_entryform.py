@@ -27,6 +27,7 @@ from gatewayd.audit.entry import AuditEntry, build_body, format_time
 from gatewayd.audit.entryform import EntryFormatError, EntryKind, decode_body
 from gatewayd.audit.line import is_hash_hex
 from gatewayd.error_codes import ErrorCode
+from tests.hypothesis_counts import examples
 
 _ORACLE = msgspec.json.Decoder(AuditEntry)
 _ENCODER = msgspec.json.Encoder()
@@ -220,14 +221,14 @@ def mutated(body: bytes, rng: random.Random) -> bytes:
     return bytes(out)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(body=written_bodies())
 def test_every_body_the_writer_makes_is_read_as_gatewayd_s(body: bytes) -> None:
     assert msgspec_accepts(body)
     assert entryform_accepts(body)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(body=written_bodies(), seed=st.integers(0, 2**32))
 def test_a_mutated_body_gets_the_verdict_the_writer_s_schema_gives_it(
     body: bytes, seed: int

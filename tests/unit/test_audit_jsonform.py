@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from gatewayd.audit.jsonform import JsonFormError, dumps, loads
 from gatewayd.audit.line import parse_object
+from tests.hypothesis_counts import examples
 
 _DECODER = msgspec.json.Decoder()
 
@@ -92,7 +93,7 @@ def test_the_corpus_holds_both_verdicts_at_each_edge() -> None:
     assert verdicts[b'"\x7f"'] and not verdicts[b'"\x01"'] and not verdicts[b'"\xff"']
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(
     seed=st.sampled_from([*TRICKY[:60], b'{"a":[1,2.5,"x",{"b":null}],"c":true}']),
     edits=st.lists(
@@ -130,7 +131,7 @@ _json = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(value=_json)
 def test_dumps_writes_what_msgspec_writes_and_loads_reads_it_back(value: Any) -> None:
     try:

@@ -38,6 +38,7 @@ from gatewayd.audit import (
 from gatewayd.audit.opening import MAX_BATCH_BYTES
 from gatewayd.audit.writer import RESULT_SYNC_DELAY_S
 from gatewayd.protocol import ErrorCode
+from tests.hypothesis_counts import examples
 
 PEER = {"pid": 4242, "uid": 1000, "gid": 1000}
 # Long enough that no entry is ever flushed for being due during a test: only a waiter
@@ -652,7 +653,7 @@ _STEPS = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(steps=_STEPS, delay=st.sampled_from([0.0, RESULT_SYNC_DELAY_S, NEVER_DUE_S]))
 async def test_any_mix_of_waiters_and_cancellations_writes_every_entry_once_in_order(
     steps: list[tuple[int, str, int]], delay: float

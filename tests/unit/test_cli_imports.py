@@ -178,6 +178,7 @@ def audit_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.fresh_interpreter
 def test_the_positive_control_sees_the_heavy_modules_load(tmp_path: Path) -> None:
     # The same listing, after what a daemon imports: the test can fail.
     listing = tmp_path / "modules.txt"
@@ -204,34 +205,60 @@ def imported_by(code: str) -> set[str]:
     return set(done.stdout.split())
 
 
-def test_run_s_imports_up_to_the_sandbox_start_load_no_tool_library() -> None:
-    assert_light(imported_by(RUN_IMPORTS), TOOL_LIBRARIES)
+@pytest.fixture(scope="module")
+def run_imports() -> frozenset[str]:
+    """What RUN_IMPORTS loads, listed once for the tests that read the one listing."""
+    return frozenset(imported_by(RUN_IMPORTS))
 
 
-def test_run_s_imports_up_to_the_sandbox_start_load_nothing_only_some_daemons_use() -> None:
-    assert_light(imported_by(RUN_IMPORTS), SOME_DAEMONS_ONLY)
-
-
-def test_the_positive_control_sees_what_only_some_daemons_use() -> None:
-    modules = imported_by(
-        RUN_IMPORTS + "; import gatewayd.control, gatewayd.metrics_server, "
-        "gatewayd.audit.witnessing, gatewayd.scaleout.submission; "
-        "from gatewayd.audit.note import generate_key; generate_key('k')"
+@pytest.fixture(scope="module")
+def beyond_run_imports() -> frozenset[str]:
+    """What RUN_IMPORTS loads followed by what only some daemons use and what a run
+    that reaches them loads (an egress proxy, a wasm tool, a schema, an app's manifest):
+    the positive controls' listing, made once."""
+    return frozenset(
+        imported_by(
+            RUN_IMPORTS + "; import gatewayd.control, gatewayd.metrics_server, "
+            "gatewayd.audit.witnessing, gatewayd.scaleout.submission; "
+            "from gatewayd.audit.note import generate_key; generate_key('k'); "
+            "import gatewayd.egress, gatewayd.runners.wasm; "
+            "from gatewayd.mcp.schemas import bounded_validator; bounded_validator({}); "
+            "from gatewayd.apps.sections import read_body; read_body('# Rules', 0)"
+        )
     )
-    assert set(loaded(modules, SOME_DAEMONS_ONLY)) >= SOME_DAEMONS_ONLY
 
 
-def test_the_positive_control_sees_a_tool_library_that_run_s_imports_would_load() -> None:
-    # What a run that reaches them loads (an egress proxy, a wasm tool, a schema, an
-    # app's manifest), after the same imports: the listing sees each library.
-    modules = imported_by(
-        RUN_IMPORTS + "; import gatewayd.egress, gatewayd.runners.wasm; "
-        "from gatewayd.mcp.schemas import bounded_validator; bounded_validator({}); "
-        "from gatewayd.apps.sections import read_body; read_body('# Rules', 0)"
-    )
-    assert {name.split(".")[0] for name in loaded(modules, TOOL_LIBRARIES)} == TOOL_LIBRARIES
+@pytest.mark.fresh_interpreter
+def test_run_s_imports_up_to_the_sandbox_start_load_no_tool_library(
+    run_imports: frozenset[str],
+) -> None:
+    assert_light(set(run_imports), TOOL_LIBRARIES)
 
 
+@pytest.mark.fresh_interpreter
+def test_run_s_imports_up_to_the_sandbox_start_load_nothing_only_some_daemons_use(
+    run_imports: frozenset[str],
+) -> None:
+    assert_light(set(run_imports), SOME_DAEMONS_ONLY)
+
+
+@pytest.mark.fresh_interpreter
+def test_the_positive_control_sees_what_only_some_daemons_use(
+    beyond_run_imports: frozenset[str],
+) -> None:
+    assert set(loaded(set(beyond_run_imports), SOME_DAEMONS_ONLY)) >= SOME_DAEMONS_ONLY
+
+
+@pytest.mark.fresh_interpreter
+def test_the_positive_control_sees_a_tool_library_that_run_s_imports_would_load(
+    beyond_run_imports: frozenset[str],
+) -> None:
+    # After the same imports, the listing sees each library.
+    found = loaded(set(beyond_run_imports), TOOL_LIBRARIES)
+    assert {name.split(".")[0] for name in found} == TOOL_LIBRARIES
+
+
+@pytest.mark.fresh_interpreter
 def test_exec_to_a_state_dir_no_daemon_serves_fails_cleanly_and_loads_nothing_heavy(
     tmp_path: Path,
 ) -> None:
@@ -247,6 +274,7 @@ def test_exec_to_a_state_dir_no_daemon_serves_fails_cleanly_and_loads_nothing_he
     assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB)
 
 
+@pytest.mark.fresh_interpreter
 def test_exec_to_a_named_control_socket_loads_no_configuration(tmp_path: Path) -> None:
     sock = tmp_path / "control.sock"
     done, modules = run_cli(
@@ -256,6 +284,7 @@ def test_exec_to_a_named_control_socket_loads_no_configuration(tmp_path: Path) -
     assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB)
 
 
+@pytest.mark.fresh_interpreter
 def test_audit_show_and_verify_on_a_small_log_load_nothing_heavy(
     tmp_path: Path, audit_log: Path
 ) -> None:
@@ -278,6 +307,7 @@ def test_audit_show_and_verify_on_a_small_log_load_nothing_heavy(
         (("tail", "--json", "--denied"), ""),
     ],
 )
+@pytest.mark.fresh_interpreter
 def test_the_other_audit_readers_load_no_codec_and_no_typing(
     tmp_path: Path, audit_log: Path, words: tuple[str, ...], shown: str
 ) -> None:
@@ -287,6 +317,7 @@ def test_the_other_audit_readers_load_no_codec_and_no_typing(
     assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB | AUDIT_READERS)
 
 
+@pytest.mark.fresh_interpreter
 def test_the_positive_control_sees_what_an_audit_reader_must_not_load() -> None:
     # The writer's side of the same package: the listing does see its codec and the rest.
     modules = imported_by("import gatewayd.audit.chain, gatewayd.audit.query; import typing")
@@ -294,32 +325,48 @@ def test_the_positive_control_sees_what_an_audit_reader_must_not_load() -> None:
     assert set(loaded(modules, AUDIT_READERS | TYPING)) >= expected
 
 
-def test_policy_check_loads_the_policy_models_but_no_tool(tmp_path: Path) -> None:
-    policy = tmp_path / "policy.yaml"
+@pytest.fixture(scope="module")
+def policy_check(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[subprocess.CompletedProcess[str], frozenset[str]]:
+    """`gatewayd policy check` of a shipped policy, run once for the tests that read it."""
+    tmp = tmp_path_factory.mktemp("policy-check")
+    policy = tmp / "policy.yaml"
     shutil.copyfile(SHIPPED_POLICY, policy)
-    done, modules = run_cli(tmp_path, "policy", "check", str(policy))
+    done, modules = run_cli(tmp, "policy", "check", str(policy))
+    return done, frozenset(modules)
+
+
+@pytest.mark.fresh_interpreter
+def test_policy_check_loads_the_policy_models_but_no_tool(
+    policy_check: tuple[subprocess.CompletedProcess[str], frozenset[str]],
+) -> None:
+    done, modules = policy_check
     assert done.returncode == 0, done
     assert done.stdout.startswith("policy "), done.stdout
     # email: pydantic's plugin loader reads the installed packages' entry points
     # (importlib.metadata) when the first model is made.
-    assert_light(modules, (HEAVY - {"email"}) | {"gatewayd.tools", "gatewayd.config"})
+    assert_light(set(modules), (HEAVY - {"email"}) | {"gatewayd.tools", "gatewayd.config"})
 
 
-def test_policy_check_loads_no_wire_codec(tmp_path: Path) -> None:
+@pytest.mark.fresh_interpreter
+def test_policy_check_loads_no_wire_codec(
+    policy_check: tuple[subprocess.CompletedProcess[str], frozenset[str]],
+) -> None:
     # The errors' codes and the bound of an id come from modules free of msgspec
     # (gatewayd.error_codes, gatewayd.frame_limits): a policy speaks no wire.
-    policy = tmp_path / "policy.yaml"
-    shutil.copyfile(SHIPPED_POLICY, policy)
-    done, modules = run_cli(tmp_path, "policy", "check", str(policy))
+    done, modules = policy_check
     assert done.returncode == 0, done
-    assert_light(modules, frozenset({"msgspec", "gatewayd.protocol"}))
+    assert_light(set(modules), frozenset({"msgspec", "gatewayd.protocol"}))
 
 
+@pytest.mark.fresh_interpreter
 def test_the_positive_control_sees_the_wire_codec_when_the_protocol_loads() -> None:
     modules = imported_by("import gatewayd.policy, gatewayd.protocol")
     assert loaded(modules, frozenset({"msgspec", "gatewayd.protocol"}))
 
 
+@pytest.mark.fresh_interpreter
 def test_policy_check_still_warns_of_an_allow_entry_that_matches_no_tool(tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
     text = SHIPPED_POLICY.read_text()
@@ -334,6 +381,7 @@ def test_the_spelt_out_builtin_tool_ids_are_the_registered_ones() -> None:
     assert tuple(builtin_tools()) == BUILTIN_TOOL_IDS
 
 
+@pytest.mark.fresh_interpreter
 def test_a_run_refused_for_its_usage_loads_no_daemon(tmp_path: Path) -> None:
     done, modules = run_cli(tmp_path, "run", "--state-dir", str(tmp_path / "state"))
     assert done.returncode == 2, done
@@ -341,6 +389,7 @@ def test_a_run_refused_for_its_usage_loads_no_daemon(tmp_path: Path) -> None:
     assert_light(modules, HEAVY | MODELS | CODECS | TYPING | CLIENT_STDLIB)
 
 
+@pytest.mark.fresh_interpreter
 def test_a_run_of_a_command_not_in_utf8_is_refused_by_name_before_any_daemon(
     tmp_path: Path,
 ) -> None:

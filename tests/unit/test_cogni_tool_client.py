@@ -45,6 +45,7 @@ from cogni_tool.client import (
     encode_request,
 )
 from gatewayd import protocol
+from tests.hypothesis_counts import examples
 
 HEADER = struct.Struct(">I")
 RUN_ID = "run-test-1"
@@ -658,7 +659,7 @@ def test_any_bytes_from_the_gateway_end_in_a_value_or_a_cogni_tool_error(
     )
     with fake_gateway(tmp_path, send_payload) as gw:
 
-        @settings(max_examples=150, deadline=None)
+        @settings(max_examples=examples(150), deadline=None)
         @given(
             st.one_of(st.binary(max_size=64), frames, st.lists(frames, max_size=3).map(b"".join))
         )
@@ -786,7 +787,7 @@ def json_values() -> st.SearchStrategy[Any]:
     )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     args=st.dictionaries(st.text(max_size=8), json_values(), max_size=5),
     tool=st.sampled_from(["fs.read", "time.now", "model.chat", "git.log"]),
@@ -808,7 +809,7 @@ def test_client_request_frames_decode_in_gatewayd_to_the_same_request(
     assert decoder.next_event() is protocol.NEED_DATA
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     value=json_values(),
     code=st.sampled_from(list(protocol.ErrorCode)),
@@ -842,7 +843,7 @@ def test_gatewayd_connection_level_error_decodes_with_a_null_id() -> None:
     assert (error.code, error.message, error.tool_call_id) == ("too_large", "too big", None)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     bodies=st.lists(st.binary(max_size=300), max_size=6),
     cuts=st.lists(st.integers(min_value=0, max_value=2000), max_size=8),

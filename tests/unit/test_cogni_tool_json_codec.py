@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cogni_tool import json_codec
+from tests.hypothesis_counts import examples
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,7 +93,7 @@ def same_json(a: Any, b: Any) -> bool:
 
 
 @CODECS
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(value=json_values(), ensure_ascii=st.booleans(), separators=SEPARATORS)
 def test_encode_writes_the_same_text_as_json_dumps(
     codec: ModuleType, value: Any, ensure_ascii: bool, separators: tuple[str, str]
@@ -164,7 +165,7 @@ def test_encode_writes_nan_and_infinity_only_when_allowed(codec: ModuleType) -> 
 
 
 @CODECS
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(value=json_values(), separators=SEPARATORS, indent=st.sampled_from([None, 1, "\t"]))
 def test_decode_reads_json_text_back_to_what_json_loads_reads(
     codec: ModuleType, value: Any, separators: tuple[str, str], indent: int | str | None
@@ -183,7 +184,7 @@ JSONISH = st.text(alphabet=' \t\n\r{}[]",:0123456789.eE+-truefalsnNIiy\\u\x01\uf
 
 
 @CODECS
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(text=st.one_of(JSONISH, TEXT.filter(lambda text: len(text) <= 20)))
 def test_decode_of_any_text_gives_json_loads_value_or_its_exact_error(
     codec: ModuleType, text: str

@@ -29,6 +29,7 @@ from cogni_tool.client import ConnectionFailed, ToolError
 from cogni_tool.mcp_server import MAX_LINE_BYTES, McpSession, Workers
 from gatewayd import protocol
 from gatewayd.tools import builtin_tools
+from tests.hypothesis_counts import examples
 from tests.unit.test_cogni_tool_client import RUN_ID, FakeGateway, fake_gateway
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -663,7 +664,7 @@ def test_notifications_and_responses_are_never_answered(peer: Peer) -> None:
     assert peer.messages() == []
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     st.one_of(
         st.binary(max_size=64),

@@ -45,6 +45,7 @@ from gatewayd.tools.fs.read import (
 from gatewayd.tools.fs.threads import in_thread_abandoned_on_cancel, in_thread_to_completion
 from gatewayd.tools.fs.write import EditArgs, replace_file
 from gatewayd.tools.registry import ToolContext
+from tests.hypothesis_counts import examples
 
 SECRET = "OUTSIDE-SECRET"
 VISIBLE_ROOT = PurePosixPath("/workspace")
@@ -374,7 +375,7 @@ def _lines(text: str) -> list[str]:
     return [*lines, pieces[-1]] if pieces[-1] else lines
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     text=st.text(alphabet=st.sampled_from('ab\n"é\t'), max_size=200),
     cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=6),

@@ -33,6 +33,7 @@ from gatewayd.sandbox.lendable import (
 )
 from gatewayd.sandbox.plan import HostLayout
 from gatewayd.sandbox.session import SandboxSettings
+from tests.hypothesis_counts import examples
 
 HINT = "lendable_roots (option --lendable-root, variable GATEWAYD_LENDABLE_ROOTS)"
 
@@ -317,7 +318,7 @@ _TABLE_POINTS = st.sampled_from(
 _TABLE_ROOTS = st.sampled_from(["/", "/usr", "/usr/local", "/var", "/var/lib", "/home/me", "/x"])
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     tables=st.lists(
         st.lists(
@@ -358,7 +359,7 @@ _PATHS = st.lists(_PARTS, max_size=4).map(lambda parts: "/" + "/".join(parts))
 _POINTS = st.one_of(_PATHS, st.sampled_from(["", "/tmp/", "//tmp", "/tmp//x", "tmp"]))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     points=st.lists(st.tuples(_POINTS, st.sampled_from(["8:1", "0:5"]), _PATHS), max_size=8),
     path=st.one_of(_PATHS, _POINTS),
@@ -534,7 +535,7 @@ _MOUNT_LINES = st.sampled_from(
 )
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(texts=st.lists(st.lists(_MOUNT_LINES, max_size=6).map("\n".join), min_size=1, max_size=5))
 def test_a_table_read_again_is_parsed_as_a_fresh_parse_would(texts: list[str]) -> None:
     # Tables one after the other (each run's mounts change a line or two): the lines

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import io
 import os
 import resource
 import select
 import socket
+import struct
+import termios
 import threading
 import time
 import tty
@@ -23,6 +26,12 @@ import trio
 from gatewayd.sandbox.launch import run_in_sandbox
 from gatewayd.sandbox.limits import HostUser, SandboxLimits
 from gatewayd.sandbox.passthrough import RELAY_CHUNK, Passthrough, Relay
+
+# Polls 10 ms apart in which nothing moved: the relay and the command are held.
+STILL_POLLS = 20
+# A relay's thread is in its next read or write well within this once the relay has
+# taken its input (a cancellation before would test nothing).
+SETTLE_S = 0.05
 
 
 def _read_all(fd: int) -> bytes:
@@ -122,12 +131,18 @@ async def test_a_reader_that_stops_reading_holds_back_the_command_not_gatewayd()
     written = 0
     async with trio.open_nursery() as nursery:
         nursery.start_soon(relay.drain, trio.lowlevel.FdStream(cmd_r), host_w)
+        # Written until neither the command nor the relay has moved for STILL_POLLS
+        # polls in a row (a relay that held more would go on taking the command's
+        # output), or for at most a second.
         with trio.move_on_after(1):
-            while True:
+            still = 0
+            while still < STILL_POLLS:
+                before = (written, relay.count)
                 try:
                     written += os.write(cmd_w, b"x" * RELAY_CHUNK)
                 except BlockingIOError:
                     await trio.sleep(0.01)
+                still = still + 1 if (written, relay.count) == before else 0
         # Two pipes and the chunk in hand, nothing more: the command could not go on.
         assert written <= 4 * RELAY_CHUNK + relay.count
         assert relay.count <= 3 * RELAY_CHUNK
@@ -268,6 +283,20 @@ def _stuck_tty_sink() -> tuple[int, int]:
     return slave, master
 
 
+def _pending(fd: int) -> int:
+    """The bytes waiting to be read in the pipe ``fd``."""
+    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+
+
+async def settled_once(reached: Callable[[], bool]) -> None:
+    """Until ``reached()`` (the relay has taken or passed what it was given), then
+    SETTLE_S more, for its thread to be in the read or write that follows."""
+    with trio.fail_after(5):
+        while not reached():
+            await trio.sleep(0.005)
+    await trio.sleep(SETTLE_S)
+
+
 @contextlib.contextmanager
 def rescued_if_held(relay: Relay, unblock: Callable[[], object]) -> Iterator[threading.Event]:
     """So a relay held on a host descriptor fails its test instead of hanging it: after
@@ -308,8 +337,11 @@ async def test_a_cancelled_drain_returns_while_a_socket_or_terminal_takes_nothin
     with contextlib.suppress(BlockingIOError):
         os.write(cmd_w, b"z" * RELAY_CHUNK)  # a whole chunk waiting for the relay
     relay = Relay()
-    with rescued_if_held(relay, unblock) as rescued, trio.move_on_after(0.5):
-        await relay.drain(trio.lowlevel.FdStream(cmd_r), sink)
+    with rescued_if_held(relay, unblock) as rescued:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(relay.drain, trio.lowlevel.FdStream(cmd_r), sink)
+            await settled_once(lambda: _pending(cmd_r) == 0)  # the relay holds the chunk
+            nursery.cancel_scope.cancel()
     assert relay.done.is_set() and not rescued.is_set()
     for fd in (cmd_w, sink):
         os.close(fd)
@@ -329,11 +361,12 @@ async def test_a_cancelled_feed_returns_while_its_socket_holds_less_than_a_read_
     peer.sendall(b"a few bytes")
     cmd_r, cmd_w = os.pipe()
     relay = Relay()
-    with (
-        rescued_if_held(relay, lambda: peer.sendall(b"z" * (1 << 16))) as rescued,
-        trio.move_on_after(0.5),
-    ):
-        await relay.feed(ours.fileno(), trio.lowlevel.FdStream(cmd_w))
+    with rescued_if_held(relay, lambda: peer.sendall(b"z" * (1 << 16))) as rescued:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(relay.feed, ours.fileno(), trio.lowlevel.FdStream(cmd_w))
+            # What had come was passed on; the relay waits for more.
+            await settled_once(lambda: _pending(cmd_r) == len(b"a few bytes"))
+            nursery.cancel_scope.cancel()
     assert relay.done.is_set() and not rescued.is_set()
     assert os.read(cmd_r, 100) == b"a few bytes"  # what had come was passed on
     os.close(cmd_r)

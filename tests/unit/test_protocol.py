@@ -25,6 +25,7 @@ from gatewayd.protocol import (
     error_response,
     ok_response,
 )
+from tests.hypothesis_counts import examples
 
 HEADER = struct.Struct(">I")
 RUN = "a" * 32
@@ -177,7 +178,7 @@ def test_inconsistent_responses_cannot_be_built() -> None:
         Response(v=1, toolCallId="c", ok=False)
 
 
-@settings(max_examples=500)
+@settings(max_examples=examples(500))
 @given(st.binary(max_size=200), st.integers(min_value=64, max_value=4096))
 def test_garbage_either_decodes_or_is_a_protocol_error(data: bytes, limit: int) -> None:
     dec = FrameDecoder(max_frame_bytes=limit)

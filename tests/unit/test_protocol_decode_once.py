@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from gatewayd import protocol, strictjson
 from gatewayd.protocol import FrameError, RequestReceived, decode_body
+from tests.hypothesis_counts import examples
 
 HEAD = b'"v":1,"runId":"run-1","toolCallId":"c-1","tool":"fs.read"'
 
@@ -132,7 +133,7 @@ def _render(value: Any) -> str:
     return json.dumps(value)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(args=st.lists(st.tuples(st.sampled_from(["a", "b", "a:b"]), JSON_VALUES), max_size=4))
 def test_any_args_with_or_without_duplicates_decode_as_before(
     args: list[tuple[str, Any]],
@@ -147,7 +148,7 @@ def test_any_args_with_or_without_duplicates_decode_as_before(
 FRAGMENTS = [b'"args":{},', b'"v":1,', b'"k":', b":", b'"', b"\\", b'\\"', b"{", b"}", b"[", b","]
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(
     edits=st.lists(
         st.tuples(st.integers(min_value=0, max_value=200), st.sampled_from(FRAGMENTS)),

@@ -5,6 +5,7 @@ refusals when a request asks for more than its policy lets it (a mode outside
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -287,22 +288,32 @@ def test_an_empty_own_daemon_option_keeps_the_run_in_this_process(tmp_path: Path
     state = tmp_path / "s"
     state.mkdir()
     asked: list[bool] = []
+    returned = threading.Event()
     with socket.socket(socket.AF_UNIX) as listener:
         listener.bind(str(state / "control.sock"))
         listener.listen()
 
         def answer_none() -> None:  # a serving daemon that hangs up at once
-            listener.settimeout(2)
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                return
-            asked.append(True)
-            conn.close()
+            listener.settimeout(0.05)
+            while not returned.is_set():
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                asked.append(True)
+                conn.close()
 
         watcher = threading.Thread(target=answer_none)
         watcher.start()
         args = _cli_args(tmp_path, "--state-dir", str(state), "--audit", "")
-        assert _run_attached(args, ["true"]) is None
-        watcher.join()
+        try:
+            assert _run_attached(args, ["true"]) is None
+        finally:
+            returned.set()
+            watcher.join()
+        # A connection made while the watcher stopped waits in the backlog.
+        listener.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            listener.accept()[0].close()
+            asked.append(True)
     assert asked == []

@@ -44,6 +44,7 @@ from gatewayd.sandbox.plan import (
     render_argv,
     validate,
 )
+from tests.hypothesis_counts import examples
 
 RUN_ID = "run-0123abcd"
 STATE = "/var/lib/cogni"
@@ -545,7 +546,7 @@ def policy_mounts(draw: st.DrawFn) -> PolicyMount:
     return PolicyMount(host=host, visible=visible, mode=draw(st.sampled_from(list(PathMode))))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(policy_mounts(), max_size=4))
 def test_any_policy_paths_validate_or_raise_plan_error_and_never_leak(
     mounts: list[PolicyMount],

@@ -27,6 +27,7 @@ from gatewayd.sandbox.plan import (
     render_argv,
     validate,
 )
+from tests.hypothesis_counts import examples
 from tests.unit.test_sandbox_plan import fds_for, make_plan, within
 
 WORKSPACE = "/srv/work/project"
@@ -192,7 +193,7 @@ def _covers_of(plan: SandboxPlan) -> list[tuple[int, str]]:
     return found
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(mounts(), max_size=3))
 def test_any_policy_paths_are_refused_or_leave_the_folder_covered(
     drawn: list[PolicyMount],

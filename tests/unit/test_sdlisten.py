@@ -89,6 +89,7 @@ def control(short_tmp: Path) -> Iterator[tuple[socket.socket, Path]]:
         sock.close()
 
 
+@pytest.mark.fresh_interpreter
 def test_the_passed_control_socket_is_served_and_the_variables_are_gone(
     control: tuple[socket.socket, Path],
 ) -> None:
@@ -106,6 +107,7 @@ def test_the_passed_control_socket_is_served_and_the_variables_are_gone(
     }
 
 
+@pytest.mark.fresh_interpreter
 def test_an_unnamed_single_socket_is_taken_as_the_control_socket(
     control: tuple[socket.socket, Path],
 ) -> None:
@@ -117,6 +119,7 @@ def test_an_unnamed_single_socket_is_taken_as_the_control_socket(
     assert answer["passed"] == [[3, "unknown"]]
 
 
+@pytest.mark.fresh_interpreter
 def test_variables_for_another_process_are_ignored_and_removed(
     control: tuple[socket.socket, Path],
 ) -> None:
@@ -156,6 +159,7 @@ def test_malformed_variables_are_refused_saying_which(env: dict[str, str], messa
     assert env == {}
 
 
+@pytest.mark.fresh_interpreter
 def test_a_counted_descriptor_that_is_not_open_is_refused(
     control: tuple[socket.socket, Path],
 ) -> None:
@@ -172,6 +176,7 @@ def _error(answer: dict[str, object]) -> str:
     return str(answer["error"])
 
 
+@pytest.mark.fresh_interpreter
 def test_a_descriptor_that_is_not_a_socket_is_refused(short_tmp: Path) -> None:
     with (short_tmp / "file").open("w") as file:
         error = _error(systemd_like(file.fileno(), path=short_tmp / "c.sock", names="control"))
@@ -179,6 +184,7 @@ def test_a_descriptor_that_is_not_a_socket_is_refused(short_tmp: Path) -> None:
     assert "ListenStream=" in error
 
 
+@pytest.mark.fresh_interpreter
 def test_a_tcp_socket_is_refused() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as tcp:
         tcp.bind(("127.0.0.1", 0))
@@ -187,6 +193,7 @@ def test_a_tcp_socket_is_refused() -> None:
     assert "is a AF_INET socket, not AF_UNIX" in error
 
 
+@pytest.mark.fresh_interpreter
 def test_a_datagram_socket_is_refused(short_tmp: Path) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as dgram:
         dgram.bind(str(short_tmp / "d.sock"))
@@ -194,6 +201,7 @@ def test_a_datagram_socket_is_refused(short_tmp: Path) -> None:
     assert "is a SOCK_DGRAM socket, not SOCK_STREAM" in error
 
 
+@pytest.mark.fresh_interpreter
 def test_a_connected_socket_is_refused(short_tmp: Path) -> None:
     one, other = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with one, other:
@@ -201,6 +209,7 @@ def test_a_connected_socket_is_refused(short_tmp: Path) -> None:
     assert "is not listening" in error
 
 
+@pytest.mark.fresh_interpreter
 def test_a_socket_bound_elsewhere_is_refused_naming_both_paths(
     control: tuple[socket.socket, Path], short_tmp: Path
 ) -> None:
@@ -212,6 +221,7 @@ def test_a_socket_bound_elsewhere_is_refused_naming_both_paths(
     assert "ListenStream=" in error and "control_socket" in error
 
 
+@pytest.mark.fresh_interpreter
 def test_an_abstract_socket_is_refused(short_tmp: Path) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as abstract:
         abstract.bind(f"\0cogni-sdlisten-{os.getpid()}")
@@ -220,6 +230,7 @@ def test_an_abstract_socket_is_refused(short_tmp: Path) -> None:
     assert "not a path" in error
 
 
+@pytest.mark.fresh_interpreter
 def test_several_descriptors_without_one_named_control_are_refused(
     control: tuple[socket.socket, Path],
 ) -> None:
@@ -229,6 +240,7 @@ def test_several_descriptors_without_one_named_control_are_refused(
     assert "FileDescriptorName=control" in error
 
 
+@pytest.mark.fresh_interpreter
 def test_the_one_named_control_is_chosen_among_several(
     control: tuple[socket.socket, Path], short_tmp: Path
 ) -> None:

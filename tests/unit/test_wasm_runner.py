@@ -6,6 +6,7 @@ engine serves the whole file."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -35,6 +36,9 @@ WASI_ENOENT = 44
 WASI_ENOTCAPABLE = 76
 WASI_EPERM = 63
 WASI_EBADF = 8
+# How long a compile stood in for a slow one is held for a call that should not wait for
+# it: only a call that does wait lets it run out.
+HELD_COMPILE_S = 10.0
 WASI_ELOOP = 32
 
 
@@ -540,30 +544,33 @@ async def test_two_calls_run_at_once(engine: WasmEngine, tmp_path: Path) -> None
 async def test_a_module_compiling_does_not_hold_up_the_calls_of_other_modules(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A module may take seconds to compile (a big one); the compile stands in slowed.
+    # A module may take seconds to compile (a big one); the compile stands in held until
+    # the other module's call is answered (or long enough to say that call waited for it).
     with WasmEngine(tmp_path / "cache") as own:
         warm = folder_tool(tmp_path / "warm", wm.wasm(wm.echo()), name="test.warm")
         assert await call(own, warm, n=0) == {"arguments": {"n": 0}}
         compile_module = own._compile
+        compiling_started, warm_answered = threading.Event(), threading.Event()
+        answered_while_held: list[bool] = []
 
         def slow_compile(data: bytes, shown_path: str) -> Any:
-            time.sleep(1.5)
+            compiling_started.set()
+            answered_while_held.append(warm_answered.wait(HELD_COMPILE_S))
             return compile_module(data, shown_path)
 
         monkeypatch.setattr(own, "_compile", slow_compile)
         big = folder_tool(tmp_path / "big", wm.wasm(wm.constant('"big"')), name="test.big")
-        done: dict[str, float] = {}
 
         async def compiling() -> None:
             assert await call(own, big) == "big"
-            done["big"] = time.monotonic()
 
         async def warm_call() -> None:
-            await trio.sleep(0.2)
+            assert await trio.to_thread.run_sync(compiling_started.wait, HELD_COMPILE_S)
             assert await call(own, warm, n=2) == {"arguments": {"n": 2}}
-            done["warm"] = time.monotonic()
+            warm_answered.set()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(compiling)
             nursery.start_soon(warm_call)
-        assert done["warm"] < done["big"] - 0.5, "the warm call waited for the compile"
+        # One compile (the big module's), held until the warm call was answered.
+        assert answered_while_held == [True], "the warm call waited for the compile"

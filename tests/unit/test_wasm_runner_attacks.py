@@ -248,8 +248,9 @@ async def test_a_fifo_in_the_workspace_does_not_hang_the_call(
     done = threading.Event()
 
     def writer_after_a_while() -> None:
-        # So that the test ends while the runner hangs: a writer comes after 1.2 s.
-        if not done.wait(1.2):
+        # So that the test ends while the runner hangs: a writer comes after 0.6 s, well
+        # past the call's 0.2 s timeout.
+        if not done.wait(0.6):
             os.close(os.open(fifo, os.O_WRONLY))
 
     helper = threading.Thread(target=writer_after_a_while, daemon=True)
@@ -261,7 +262,7 @@ async def test_a_fifo_in_the_workspace_does_not_hang_the_call(
     finally:
         done.set()
         helper.join()
-    assert time.monotonic() - start < 1.0, "the call hung on the FIFO until a writer came"
+    assert time.monotonic() - start < 0.5, "the call hung on the FIFO until a writer came"
 
 
 # --- what a call leaves behind --------------------------------------------------------
