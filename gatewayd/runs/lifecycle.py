@@ -9,7 +9,6 @@ the daemon's nursery it is given, and a run ends by cancelling its scope; its en
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
@@ -49,6 +48,7 @@ from gatewayd.sandbox.lease import LeaseError
 from gatewayd.sandbox.lendable import LendableRoots
 from gatewayd.sandbox.limits import HostUser
 from gatewayd.sandbox.passthrough import Passthrough
+from gatewayd.sandbox.plan import Services
 from gatewayd.sandbox.session import (
     CommandLimits,
     NamespaceAhead,
@@ -156,6 +156,7 @@ class RunManager:
         policy_paths: bool = False,
         own_root: Path | None = None,
         workspace_session: bool = True,
+        creation_durable: bool = True,
     ) -> Run:
         """Create a run and start serving its socket. Refusals are audited, then raised.
         ``sandbox_user`` and ``lend_workspace``: see :meth:`RunSandbox.open` (an agent
@@ -168,6 +169,12 @@ class RunManager:
         mode its request, policy or configuration chooses (gatewayd/runs/workspaces.py);
         False: on ``workspacePath`` as it is (a caller that made its own session: an
         agent run, ``gatewayd tools run``).
+        ``creation_durable``: return once the run's creation is durable (its
+        ``run_created`` entry). False, for a caller whose next step is a command started
+        through the exec's gate (an attached ``gatewayd run``): the flush is asked for,
+        and a sandboxed run without services is returned while it runs (``run.created_seq``
+        names the entry); the command's gate waits for its own later entry, so for this
+        one too. A run with services still waits: they are processes of the run.
 
         Error handling: AuthzDenied (no sandbox grant), PolicyError (bad policy),
         ValueError (bad workspace), NotLendable (a workspace or rw path under no lendable
@@ -225,6 +232,7 @@ class RunManager:
             # start and before this returns (_serve).
             opened = self._record_created(run)
             opened = self._record_workspace_opened(run) or opened
+            run.created_seq = opened
             self.audit.flush_soon(opened)
             if self.run_tools is not None:
                 await self.run_tools(run)
@@ -233,7 +241,7 @@ class RunManager:
             with trio.CancelScope(shield=True):
                 await self._finish(run)
             raise
-        await self._start_serving(run, created=opened)
+        await self._start_serving(run, created=opened, wait=creation_durable)
         return run
 
     async def start_child(
@@ -342,12 +350,14 @@ class RunManager:
             },
         )
 
-    async def _start_serving(self, run: Run, *, created: int | None = None) -> None:
+    async def _start_serving(
+        self, run: Run, *, created: int | None = None, wait: bool = True
+    ) -> None:
         """Serve the run in the daemon's nursery; returns once it serves. ``created``:
-        the seq of its creation's entries, when they may not be durable yet (see
-        :meth:`_serve`)."""
+        the seq of its creation's entries, when they may not be durable yet, and
+        ``wait``, whether to return only once they are (see :meth:`_serve`)."""
         try:
-            await self._nursery.start(self._serve, run, created)
+            await self._nursery.start(self._serve, run, created, wait)
         except BaseException:
             # _serve's own cleanup (_finish) has ended the run already, sandbox and all.
             if run.state is not RunState.ENDED:
@@ -627,6 +637,7 @@ class RunManager:
         echo: Echo | None = None,
         passthrough: Passthrough | None = None,
         env_values: Mapping[str, str] | None = None,
+        announce: Callable[[], None] | None = None,
     ) -> ExecResult:
         """Run ``command`` in the run's sandbox (host to sandbox); audited before it
         starts (``exec_started`` durable before the command runs; its sandbox is built
@@ -635,7 +646,8 @@ class RunManager:
         finds it in the log after a crash (unless the operator opted out:
         :meth:`durable_before_answer`). ``env_values``: where the variables the policy
         lets through are read (default: gatewayd's environment; an attached ``gatewayd
-        run``'s own).
+        run``'s own). ``announce``: called once ``exec_started`` is durable (and so the
+        run's creation, recorded before it), before the command starts.
 
         Error handling: LookupError for an unknown run; SandboxUnavailable for a run
         without a sandbox or one that is ending; PlanError/LaunchError if bwrap cannot
@@ -650,6 +662,7 @@ class RunManager:
             echo=echo,
             passthrough=passthrough,
             env_values=env_values,
+            announce=announce,
         )
         return result
 
@@ -664,6 +677,7 @@ class RunManager:
         passthrough: Passthrough | None = None,
         options: ExecOptions | None = None,
         env_values: Mapping[str, str] | None = None,
+        announce: Callable[[], None] | None = None,
     ) -> tuple[ExecResult, str | None]:
         """:meth:`exec`, with ``options`` (a cwd, variables, a narrower network: checked
         as sandbox.exec checks its own, :func:`~gatewayd.tools.exec.prepare_exec`), and
@@ -695,8 +709,14 @@ class RunManager:
                 **(options.audited() if options is not None else {}),
             },
         )
-        if options is not None:
+
+        async def gate() -> None:
             await self.audit.durable(started)
+            if announce is not None:
+                announce()
+
+        if options is not None:
+            await gate()
         else:
             # Its flush runs while the command's sandbox is prepared and built; the
             # command waits for it at its gate.
@@ -714,7 +734,7 @@ class RunManager:
                     echo=echo,
                     passthrough=passthrough,
                     env_values=env_values,
-                    gate=functools.partial(self.audit.durable, started),
+                    gate=gate,
                 )
             else:
                 prepared = prepare_exec(
@@ -815,7 +835,12 @@ class RunManager:
             await self.audit.durable(seq)
 
     async def _serve(
-        self, run: Run, created: int | None, *, task_status: trio.TaskStatus[None]
+        self,
+        run: Run,
+        created: int | None,
+        wait: bool = True,
+        *,
+        task_status: trio.TaskStatus[None],
     ) -> None:
         """The run's socket and services until it ends, then its end (:meth:`_finish`).
         With ``created``, the socket is opened while that entry's flush runs, and the
@@ -824,6 +849,9 @@ class RunManager:
         serves nothing: only gatewayd and the run's group may enter its directory, and
         no process of the run exists yet; and a call's own entry comes after the run's
         in the log, so no call could have an effect before the run's creation is durable.
+        ``wait`` False and no services: the start returns as the socket opens (its
+        caller's command waits at the exec's gate for a later entry); a failed flush
+        then ends the run here.
         """
         # Every line logged by this task and the tasks it starts (the run's connections,
         # calls, services, egress proxy) carries the run's id.
@@ -837,22 +865,34 @@ class RunManager:
                 try:
                     async with trio.open_nursery() as nursery:
                         await nursery.start(self._serve_socket, run, nursery.cancel_scope)
+                        early = created is not None and not wait and _starts_no_service(run)
+                        if early:
+                            task_status.started()
                         if created is not None:
                             try:
                                 await self.audit.durable(created)
+                            except AuditWriteError as exc:
+                                run.end_reason = "start_failed"
+                                if not early:
+                                    raise
+                                # Its caller holds the run: it ends here, and its
+                                # command's gate fails on the same log.
+                                log.error("run_creation_not_durable", error=exc.detail)
+                                nursery.cancel_scope.cancel()
                             except BaseException:
                                 run.end_reason = "start_failed"
                                 raise
-                        await start_services(
-                            run,
-                            nursery,
-                            lifetime_s=max_runtime,
-                            audit=self.audit,
-                            resolve=self._resolver or resolve_host,
-                            models=self.config.models,
-                            reply_after_result=self.config.audit_reply_after_result,
-                        )
-                        task_status.started()
+                        if not early:
+                            await start_services(
+                                run,
+                                nursery,
+                                lifetime_s=max_runtime,
+                                audit=self.audit,
+                                resolve=self._resolver or resolve_host,
+                                models=self.config.models,
+                                reply_after_result=self.config.audit_reply_after_result,
+                            )
+                            task_status.started()
                 except BaseExceptionGroup as group:
                     # The services did not come up, or the run's creation could not be
                     # made durable: the caller gets that error itself (the control socket
@@ -1082,6 +1122,12 @@ def _syncer(session: WorkspaceSession) -> Callable[[], Awaitable[None]]:
             await trio.to_thread.run_sync(session.sync)
 
     return sync
+
+
+def _starts_no_service(run: Run) -> bool:
+    """Whether the run is sandboxed and has no process of its own for start_services
+    to start (no egress proxy, no in-sandbox endpoint)."""
+    return run.sandbox is not None and run.sandbox.services == Services()
 
 
 def _sandbox_detail(run: Run) -> dict[str, Any]:

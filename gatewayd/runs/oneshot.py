@@ -11,7 +11,8 @@ attached client by a serving daemon); the command's end becomes gatewayd's exit 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
 import structlog
@@ -51,9 +52,13 @@ async def attached_run(
     source, end it; gatewayd run's exit status, or None when ``stop`` was cancelled (the
     client's stop signal, or the client gone: the run is then ended as interrupted, its
     on-end commit not made). The daemon loaded every library a run can reach before it served:
-    nothing is loaded here."""
+    nothing is loaded here.
+
+    The run's start does not wait for its creation's flush: the command does, at its
+    exec's gate (a later entry), and the run's "started" line is said there, so the
+    client hears of a run only once it is on the record."""
     try:
-        run = await runs.start(request, policy_paths=True)
+        run = await runs.start(request, policy_paths=True, creation_durable=False)
     except GatewayError as exc:  # no grant, no sandbox, a workspace out of reach
         say(f"gatewayd: {exc.code}: {exc}")
         return EXIT_FAILED
@@ -64,8 +69,8 @@ async def attached_run(
         log.exception("attached_run_create_failed")
         say(f"gatewayd: the run could not be created: {exc.strerror or exc}")
         return EXIT_FAILED
-    say(started_line(run))
-    if run.sandbox is None:
+    if run.sandbox is None:  # its start waited for its creation's flush
+        say(started_line(run))
         say(
             f"gatewayd: run {run.run_id} has NO OS sandbox ({run.degraded}); a serving "
             "gatewayd runs an attached command only in a sandbox"
@@ -74,6 +79,21 @@ async def attached_run(
             runs, run, "not started", say, audit_path=audit_path, store_options=store_options
         )
         return EXIT_FAILED
+    announced = False
+
+    def announce() -> None:
+        nonlocal announced
+        if not announced:
+            announced = True
+            say(started_line(run))
+
+    async def announce_first() -> None:
+        # Before any line of the run's end, when its command never reached its gate.
+        if not announced and run.created_seq is not None:
+            with contextlib.suppress(AuditWriteError):  # said by the lines that follow
+                await runs.audit.durable(run.created_seq)
+        announce()
+
     with stop:
         return await run_in_sandbox(
             runs,
@@ -85,7 +105,11 @@ async def attached_run(
             audit_path=audit_path,
             store_options=store_options,
             env_values=env_values,
+            announce=announce,
+            announce_first=announce_first,
         )
+    with trio.CancelScope(shield=True):
+        await announce_first()
     await end_one_shot(
         runs,
         run,
@@ -136,16 +160,30 @@ async def run_in_sandbox(
     audit_path: str,
     store_options: str = "",
     env_values: Mapping[str, str] | None = None,
+    announce: Callable[[], None] | None = None,
+    announce_first: Callable[[], Awaitable[None]] | None = None,
 ) -> int:
     """Run the one-shot run's command in its sandbox with ``streams`` relayed, end the
     run, and return gatewayd's exit status. ``env_values``: where the variables the
     policy lets through come from (default: this process's environment).
     ``store_options``: the options a later ``gatewayd workspace`` command needs to find
-    the same sessions (said with the kept session's commands)."""
+    the same sessions (said with the kept session's commands). ``announce``: said at
+    the command's gate (:meth:`RunManager.exec`); ``announce_first``: awaited once the
+    exec is over, before any other line, for an exec that ended before its gate."""
     try:
-        result = await runs.exec(
-            run.run_id, cmd, timeout_s=max_runtime, passthrough=streams, env_values=env_values
-        )
+        try:
+            result = await runs.exec(
+                run.run_id,
+                cmd,
+                timeout_s=max_runtime,
+                passthrough=streams,
+                env_values=env_values,
+                announce=announce,
+            )
+        finally:
+            if announce_first is not None:
+                with trio.CancelScope(shield=True):
+                    await announce_first()
     except AuditWriteError as exc:
         say(exec_end_not_audited(exc.detail))
         await end_one_shot(

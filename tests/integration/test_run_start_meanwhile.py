@@ -12,24 +12,30 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
+from gatewayd.audit import AuditWriteError
 from gatewayd.daemon import Daemon, open_daemon
-from gatewayd.runs import Run
+from gatewayd.exitstatus import EXIT_FAILED
+from gatewayd.runs import Grant, Run, RunRequest
+from gatewayd.runs.oneshot import attached_run
 from gatewayd.sandbox.lease import LEASE_FILE, read_lease
 from gatewayd.sandbox.netns import NETNS_RUN_DIR
+from gatewayd.sandbox.passthrough import Passthrough
 from gatewayd.sandbox.session import SandboxUnavailable
+from gatewayd.sandbox.uids import pids_of_uid
 from gatewayd.workspace import store as store_module
-from tests.integration.test_run_sandbox import _unavailable
+from tests.integration.test_run_sandbox import PY, _unavailable
 from tests.integration.test_run_start import sandboxed_config, start
 
 pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
@@ -241,3 +247,137 @@ async def test_a_starts_hand_offs_are_the_ones_that_wait_for_something(
             ]
         ), handed
         await daemon.runs.end(run.run_id)
+
+
+# --- an attached run: its command's gate waits for the run's creation too ---------------
+
+# A command that leaves a mark in the workspace if it ever runs.
+MARK = "open('/workspace/ran', 'w').write('ran')"
+
+
+def _attached_request(workspace: Path) -> RunRequest:
+    workspace.mkdir(exist_ok=True)
+    return RunRequest(
+        workspacePath=str(workspace),
+        policy="sandboxed",
+        actorId="tester",
+        tenantId="t1",
+        grant=Grant(allowSandbox=True),
+    )
+
+
+async def _attached(daemon: Daemon, workspace: Path, say: Callable[[str], None]) -> int | None:
+    """An attached ``gatewayd run`` of MARK, as the control socket's route runs it."""
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        return await attached_run(
+            daemon.runs,
+            _attached_request(workspace),
+            [PY, "-c", MARK],
+            Passthrough(stdin=null, stdout=null, stderr=null),
+            say,
+            env_values={},
+            audit_path=str(daemon.audit.path),
+            store_options="",
+            stop=trio.CancelScope(),
+        )
+    finally:
+        os.close(null)
+
+
+def _started_run(line: str) -> str | None:
+    match = re.fullmatch(r"gatewayd: run ([0-9a-f]{32}) started .*", line)
+    return match[1] if match else None
+
+
+async def test_an_attached_runs_command_is_prepared_while_its_creation_is_flushed(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_daemon(sandboxed_config(base, "host"), preload=True) as daemon:
+        held, release = threading.Event(), threading.Event()
+        fdatasync = os.fdatasync
+
+        def held_fdatasync(fd: int) -> None:
+            # The audit log's next flush (run_created's) waits until released.
+            if fd == daemon.audit.fileno() and not release.is_set():
+                held.set()
+                release.wait(PATIENCE_S)
+            fdatasync(fd)
+
+        monkeypatch.setattr(os, "fdatasync", held_fdatasync)
+        ws = base / "ws"
+        said: list[tuple[str, bool]] = []
+
+        def say(line: str) -> None:
+            run_id = _started_run(line)
+            said.append(
+                (line, run_id is not None and _durable_event(daemon, run_id, "run_created"))
+            )
+
+        status: list[int | None] = []
+        meanwhile: list[tuple[bool, bool, bool]] = []
+
+        async def attach() -> None:
+            status.append(await _attached(daemon, ws, say))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(attach)
+                with trio.move_on_after(PATIENCE_S):
+                    while True:
+                        runs = daemon.registry.all()
+                        created = runs[0].created_seq if runs else None
+                        if (
+                            held.is_set()
+                            and created is not None
+                            and daemon.audit.last_seq > created
+                        ):
+                            break  # the run's exec_started is recorded: its start returned
+                        await trio.sleep(0.001)
+                await trio.sleep(0.3)  # bwrap builds the sandbox meanwhile, then waits
+                meanwhile.append(
+                    (
+                        daemon.audit.last_seq > (created or daemon.audit.last_seq),
+                        daemon.audit.durable_seq < (created or 0),
+                        (ws / "ran").exists() or bool(said),
+                    )
+                )
+                release.set()
+        finally:
+            release.set()
+        # The command was under way before the run's creation was durable; neither it
+        # nor the run's "started" line came before that.
+        assert meanwhile == [(True, True, False)]
+        assert status == [0]
+        assert (ws / "ran").read_text() == "ran"
+        assert said and _started_run(said[0][0]) is not None and said[0][1] is True
+
+
+async def test_an_attached_run_whose_creation_is_not_made_durable_runs_nothing(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with open_daemon(sandboxed_config(base, "host"), preload=True) as daemon:
+        ws = base / "ws"
+        uids: list[int] = []
+
+        async def failing(seq: int) -> None:
+            runs = daemon.registry.all()
+            uids.extend(r.sandbox.user.uid for r in runs if r.sandbox is not None)
+            await trio.sleep(0.3)  # bwrap builds the whole sandbox meanwhile, then blocks
+            raise AuditWriteError("the disk went away")
+
+        monkeypatch.setattr(daemon.audit, "durable", failing)
+        said: list[str] = []
+        status = await _attached(daemon, ws, said.append)
+        monkeypatch.undo()
+        assert status == EXIT_FAILED
+        assert not (ws / "ran").exists()
+        assert uids and all(pids_of_uid(uid) == [] for uid in set(uids))
+        assert said and _started_run(said[0]) is not None  # the run's id, for the operator
+        assert any("the disk went away" in line for line in said), said
+        with trio.fail_after(PATIENCE_S):
+            while daemon.registry.all():
+                await trio.sleep(0.01)
+        # The log is back: the next attached run runs.
+        assert await _attached(daemon, ws, said.append) == 0
+        assert (ws / "ran").exists()
