@@ -9,16 +9,19 @@ sockets, the control socket and a real restart: tests/integration/test_approvals
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Final, cast
 
 import pytest
 import trio
-from trio.testing import MockClock
+from trio.testing import MockClock, wait_all_tasks_blocked
 
+import gatewayd.approvals
 from gatewayd.approvals import Approvals, Operator
 from gatewayd.audit import AuditLog, AuditWriteError
 from gatewayd.dispatch import Dispatcher
+from gatewayd.files import write_atomically
 from gatewayd.policy import load_policy_text
 from gatewayd.protocol import ErrorCode, Response
 from gatewayd.runs import Run
@@ -44,6 +47,9 @@ approvals:
 """
 )
 OPERATOR = Operator(uid=0, pid=1, name="op")
+# Real seconds a call may take to be shown before a test gives up on it (a hang guard):
+# its record file is written and fsynced in a worker thread, in real time.
+SHOWN_WITHIN_S: Final = 60.0
 
 
 def marked_run(workspace: Path) -> Run:
@@ -76,9 +82,19 @@ def with_approvals(dispatcher: Dispatcher, log: FakeAuditLog, state: Path) -> Ap
 
 
 async def first_waiting(approvals: Approvals) -> dict[str, Any]:
-    with trio.fail_after(60):
-        while not approvals.pending():
-            await trio.sleep(0.01)
+    """The first waiting call, once it is shown, with no virtual time passed meanwhile.
+
+    On its way the call's record file is written in a worker thread, in real time, and
+    the autojump clock jumps to the next deadline whenever every task waits (one waiting
+    for a thread does): a virtual limit here, or a poll's sleep, would let virtual time
+    run while the disk works, and a loaded disk would end this wait, or the approval's
+    own timeout, before the call is shown. ``wait_all_tasks_blocked``'s cushion is real
+    time and keeps the clock still.
+    """
+    give_up = time.monotonic() + SHOWN_WITHIN_S
+    while not approvals.pending():
+        assert time.monotonic() < give_up, f"no call was shown within {SHOWN_WITHIN_S:g} s"
+        await wait_all_tasks_blocked(cushion=0.01)
     return approvals.pending()[0]
 
 
@@ -141,6 +157,34 @@ async def test_the_default_timeout_denies_on_the_virtual_clock(
     assert seen.runs == []
     (decided,) = events(log, "approval_decided")
     assert decided["detail"]["decidedBy"] == {"kind": "timeout"}
+
+
+async def test_a_record_file_slow_to_write_takes_no_virtual_time(
+    tmp_path: Path, autojump_clock: MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded disk takes hundreds of milliseconds to write and fsync the record file:
+    the virtual clock stands still meanwhile, so neither the test's wait for the call
+    nor the approval's timeout can pass while the disk works."""
+    moved: list[float] = []
+
+    def slow_write(path: Path, data: bytes, mode: int) -> None:
+        before = autojump_clock.current_time()
+        time.sleep(0.05)
+        moved.append(autojump_clock.current_time() - before)
+        write_atomically(path, data, mode)
+
+    monkeypatch.setattr(gatewayd.approvals, "write_atomically", slow_write)
+    log, seen, dispatcher = dispatching(autojump_clock)
+    approvals = with_approvals(dispatcher, log, tmp_path / "state")
+    run = marked_run(tmp_path)
+    answer: list[Response] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write_marked, dispatcher, run, answer)
+        waiting = await first_waiting(approvals)
+        await approvals.decide(waiting["approvalId"], approve=True, by=OPERATOR)
+    assert moved == [0.0]
+    assert answer[0].ok is True
+    assert [tool for tool, _ in seen.runs] == ["test.write"]
 
 
 async def test_a_caller_gone_is_withdrawn_within_a_poll(

@@ -15,16 +15,20 @@ from tests import systemdbox
 from tests.systemdbox import Box, BoxUnavailable, start_box, stop_box
 
 # The fake starts a stand-in for nspawn (a process whose argv[0] is systemd-nspawn, in a
-# session of its own as the real tool's setsid makes it; once it has exec'd, as the real
-# one has by the time nspawn fails), records it as the tool does,
-# says why it failed, and exits 1; `stop` fails as the tool does for an unknown box.
+# session of its own as the real tool's setsid makes it), records it as the tool does once
+# it has exec'd (as the real nspawn has long before the tool reports a failure), says why
+# it failed, and exits 1; `stop` fails as the tool does for an unknown box.
+# "Exec'd" is argv[0], not a grep of the whole command line: the setsid and bash on the
+# way carry the string in their arguments, and a process between two execs shows an empty
+# command line, so a pid recorded early could look like no nspawn and never be killed.
 FAKE_TOOL = """\
 #!/bin/bash
 state={state}
 case "$1" in
 start)
   setsid bash -c 'exec -a systemd-nspawn sleep 60' </dev/null >/dev/null 2>&1 &
-  until grep -q systemd-nspawn /proc/$!/cmdline 2>/dev/null; do sleep 0.01; done
+  until IFS= read -r -d '' argv0 2>/dev/null </proc/$!/cmdline && [ "$argv0" = systemd-nspawn ]
+  do sleep 0.01; done
   echo $! > "$state/$2.nspawn"
   echo "nspawn: Failed to register machine" > "$state/$2.log"
   echo "systemd-box: nspawn exited; log:" >&2
@@ -69,8 +73,12 @@ def test_a_failed_start_kills_its_nspawn(fake_tool: Path, monkeypatch: pytest.Mo
     original = systemdbox._remove_failed_start
 
     def remember(name: str) -> None:
-        seen.append(int((fake_tool / f"{name}.nspawn").read_text()))
+        pid = int((fake_tool / f"{name}.nspawn").read_text())
+        recorded = Path(f"/proc/{pid}/cmdline").read_bytes()
+        seen.append(pid)
         original(name)
+        # Recorded once exec'd, as the real tool's nspawn is by the time it fails.
+        assert recorded.startswith(b"systemd-nspawn\0"), recorded
 
     monkeypatch.setattr(systemdbox, "_remove_failed_start", remember)
     with pytest.raises(BoxUnavailable):
