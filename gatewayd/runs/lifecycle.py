@@ -880,7 +880,10 @@ class RunManager:
                                 log.error("run_creation_not_durable", error=exc.detail)
                                 nursery.cancel_scope.cancel()
                             except BaseException:
-                                run.end_reason = "start_failed"
+                                # A run its caller holds already (early), ended
+                                # meanwhile (end()), keeps the reason it was ended for.
+                                if not (early and run.cancel_scope.cancel_called):
+                                    run.end_reason = "start_failed"
                                 raise
                         if not early:
                             await start_services(

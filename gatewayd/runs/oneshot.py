@@ -11,7 +11,6 @@ attached client by a serving daemon); the command's end becomes gatewayd's exit 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING
 
@@ -56,7 +55,8 @@ async def attached_run(
 
     The run's start does not wait for its creation's flush: the command does, at its
     exec's gate (a later entry), and the run's "started" line is said there, so the
-    client hears of a run only once it is on the record."""
+    client hears of a run only once it is on the record (one the log could not take is
+    said not to have started)."""
     try:
         run = await runs.start(request, policy_paths=True, creation_durable=False)
     except GatewayError as exc:  # no grant, no sandbox, a workspace out of reach
@@ -88,10 +88,21 @@ async def attached_run(
             say(started_line(run))
 
     async def announce_first() -> None:
-        # Before any line of the run's end, when its command never reached its gate.
-        if not announced and run.created_seq is not None:
-            with contextlib.suppress(AuditWriteError):  # said by the lines that follow
-                await runs.audit.durable(run.created_seq)
+        # Before any line of the run's end, when its command never reached its gate. A
+        # run whose creation is not on the record is not said to have started: after a
+        # crash the log would not hold it.
+        nonlocal announced
+        created = run.created_seq
+        if announced or created is None or runs.audit.durable_seq >= created:
+            announce()
+            return
+        try:
+            await runs.audit.durable(created)
+        except AuditWriteError as exc:
+            if runs.audit.durable_seq < created:  # a later entry's failure leaves it be
+                announced = True
+                say(not_recorded_line(run, exc.detail))
+                return
         announce()
 
     with stop:
@@ -130,6 +141,15 @@ def started_line(run: Run) -> str:
         f"gatewayd: run {run.run_id} started (policy {run.spec.policy.name}"
         + (f", workspace mode {mode}" if mode else "")
         + ")"
+    )
+
+
+def not_recorded_line(run: Run, detail: str) -> str:
+    """In place of the "started" line, for a run whose creation the audit log could not
+    take: nothing of it ran."""
+    return (
+        f"gatewayd: run {run.run_id} was not started: the audit log cannot record its "
+        f"creation ({detail}); fix the audit log"
     )
 
 

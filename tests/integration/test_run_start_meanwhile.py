@@ -66,6 +66,33 @@ def _durable_event(daemon: Daemon, run_id: str, event: str) -> bool:
     return False
 
 
+def _hold_audit_flushes(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, *, fail_from: int | None = None
+) -> tuple[threading.Event, threading.Event]:
+    """(held, release): the audit log's flushes wait in the flusher thread until
+    released (``held`` set once one waits); from its ``fail_from``-th on (None: none),
+    a flush's fdatasync then fails as a dying disk's does (EIO)."""
+    held, release = threading.Event(), threading.Event()
+    fdatasync = os.fdatasync
+    count = 0
+
+    def stub(fd: int) -> None:
+        nonlocal count
+        if fd != daemon.audit.fileno():
+            fdatasync(fd)
+            return
+        count += 1
+        if not release.is_set():
+            held.set()
+            release.wait(PATIENCE_S)
+        if fail_from is not None and count >= fail_from:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        fdatasync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", stub)
+    return held, release
+
+
 async def test_run_created_is_flushed_while_the_runs_tools_are_made(base: Path) -> None:
     async with open_daemon(sandboxed_config(base, "overlay"), preload=True) as daemon:
         daemon.audit._sync_delay_s = NEVER_DUE_S  # only waiters and asks flush
@@ -96,17 +123,8 @@ async def test_the_runs_socket_is_opened_while_its_creation_is_flushed_and_the_s
 ) -> None:
     async with open_daemon(sandboxed_config(base, "overlay"), preload=True) as daemon:
         runs_dir = daemon.config.state_dir / "runs"
-        held, release = threading.Event(), threading.Event()
-        fdatasync = os.fdatasync
-
-        def held_fdatasync(fd: int) -> None:
-            # The audit log's next flush (run_created's) waits until released.
-            if fd == daemon.audit.fileno() and not release.is_set():
-                held.set()
-                release.wait(PATIENCE_S)
-            fdatasync(fd)
-
-        monkeypatch.setattr(os, "fdatasync", held_fdatasync)
+        # The audit log's next flush (run_created's) waits until released.
+        held, release = _hold_audit_flushes(daemon, monkeypatch)
         started: list[Run] = []
         listening: list[bool] = []
 
@@ -290,21 +308,29 @@ def _started_run(line: str) -> str | None:
     return match[1] if match else None
 
 
+def _not_started_run(line: str) -> str | None:
+    match = re.fullmatch(r"gatewayd: run ([0-9a-f]{32}) was not started: .*", line)
+    return match[1] if match else None
+
+
+async def _until_its_exec_is_recorded(daemon: Daemon, held: threading.Event) -> Run:
+    """The attached run, once its creation's flush is held and its ``exec_started`` is
+    recorded after it (its start returned, its command's sandbox is being built)."""
+    with trio.fail_after(PATIENCE_S):
+        while True:
+            runs = daemon.registry.all()
+            created = runs[0].created_seq if runs else None
+            if held.is_set() and created is not None and daemon.audit.last_seq > created:
+                return runs[0]
+            await trio.sleep(0.001)
+
+
 async def test_an_attached_runs_command_is_prepared_while_its_creation_is_flushed(
     base: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with open_daemon(sandboxed_config(base, "host"), preload=True) as daemon:
-        held, release = threading.Event(), threading.Event()
-        fdatasync = os.fdatasync
-
-        def held_fdatasync(fd: int) -> None:
-            # The audit log's next flush (run_created's) waits until released.
-            if fd == daemon.audit.fileno() and not release.is_set():
-                held.set()
-                release.wait(PATIENCE_S)
-            fdatasync(fd)
-
-        monkeypatch.setattr(os, "fdatasync", held_fdatasync)
+        # The audit log's next flush (run_created's) waits until released.
+        held, release = _hold_audit_flushes(daemon, monkeypatch)
         ws = base / "ws"
         said: list[tuple[str, bool]] = []
 
@@ -381,3 +407,106 @@ async def test_an_attached_run_whose_creation_is_not_made_durable_runs_nothing(
         # The log is back: the next attached run runs.
         assert await _attached(daemon, ws, said.append) == 0
         assert (ws / "ran").exists()
+
+
+async def test_an_attached_run_whose_creation_cannot_be_written_is_never_said_to_have_started(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The disk fails the creation's own flush (not a stand-in for durable): the flusher
+    # fails the log and wakes every waiter at once, the run's start and its command's gate.
+    async with open_daemon(sandboxed_config(base, "host"), preload=True) as daemon:
+        held, release = _hold_audit_flushes(daemon, monkeypatch, fail_from=1)
+        ws = base / "ws"
+        said: list[str] = []
+        status: list[int | None] = []
+
+        async def attach() -> None:
+            status.append(await _attached(daemon, ws, said.append))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(attach)
+                run = await _until_its_exec_is_recorded(daemon, held)
+                assert run.sandbox is not None
+                uid = run.sandbox.user.uid
+                await trio.sleep(0.3)  # bwrap builds the sandbox meanwhile, then waits
+                release.set()
+        finally:
+            release.set()
+        monkeypatch.undo()
+        assert daemon.audit.failed
+        assert status == [EXIT_FAILED]
+        assert not (ws / "ran").exists()
+        assert pids_of_uid(uid) == []
+        assert not [line for line in said if _started_run(line) is not None], said
+        assert said and _not_started_run(said[0]) == run.run_id, said
+        assert "Input/output error" in said[0], said
+
+
+async def test_an_attached_run_ended_while_its_creation_is_flushed_keeps_its_end_reason(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its caller holds the run before the creation is durable: an end meanwhile (the
+    # daemon stopping, an operator's DELETE) is that end, not a failed start.
+    async with open_daemon(sandboxed_config(base, "host"), preload=True) as daemon:
+        # The audit log's next flush (run_created's) waits until released.
+        held, release = _hold_audit_flushes(daemon, monkeypatch)
+        ws = base / "ws"
+        said: list[str] = []
+        status: list[int | None] = []
+
+        async def attach() -> None:
+            status.append(await _attached(daemon, ws, said.append))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(attach)
+                run = await _until_its_exec_is_recorded(daemon, held)
+                nursery.start_soon(daemon.runs.end, run.run_id, "daemon_stopping")
+                await trio.sleep(0.3)
+                release.set()
+        finally:
+            release.set()
+        monkeypatch.undo()
+        assert status == [EXIT_FAILED]
+        assert not (ws / "ran").exists()
+        [ended] = [
+            entry
+            for entry in map(json.loads, daemon.audit.path.read_text().splitlines())
+            if entry.get("runId") == run.run_id and entry.get("event") == "run_ended"
+        ]
+        assert _durable_event(daemon, run.run_id, "run_created")
+        assert ended["detail"]["reason"] == "daemon_stopping", ended
+        assert run.end_reason == "daemon_stopping"
+
+
+async def test_an_attached_run_whose_creation_is_durable_is_said_to_have_started_whatever_fails_next(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The creation's flush is written; the next one (its command's exec_started) fails:
+    # the run is on the record, and the operator is told so, then why nothing ran.
+    async with open_daemon(sandboxed_config(base, "host"), preload=True) as daemon:
+        # The first flush waits (exec_started is recorded meanwhile: not in it), then
+        # is written; the next one fails.
+        held, release = _hold_audit_flushes(daemon, monkeypatch, fail_from=2)
+        ws = base / "ws"
+        said: list[str] = []
+        status: list[int | None] = []
+
+        async def attach() -> None:
+            status.append(await _attached(daemon, ws, said.append))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(attach)
+                run = await _until_its_exec_is_recorded(daemon, held)
+                release.set()
+        finally:
+            release.set()
+        monkeypatch.undo()
+        assert daemon.audit.failed
+        assert status == [EXIT_FAILED]
+        assert not (ws / "ran").exists()
+        assert _durable_event(daemon, run.run_id, "run_created")
+        assert said and _started_run(said[0]) == run.run_id, said
+        assert not [line for line in said if _not_started_run(line) is not None], said
