@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -325,6 +325,38 @@ async def _until_its_exec_is_recorded(daemon: Daemon, held: threading.Event) -> 
             await trio.sleep(0.001)
 
 
+Meanwhile = Callable[[trio.Nursery, Run], Awaitable[None]]
+
+
+async def _attached_while_held(
+    daemon: Daemon,
+    ws: Path,
+    held: threading.Event,
+    release: threading.Event,
+    meanwhile: Meanwhile | None = None,
+) -> tuple[int | None, Run, list[str]]:
+    """An attached run of MARK while the audit log's flushes are held: ``meanwhile``
+    runs once its ``exec_started`` is recorded, then they are released. Returns its exit
+    status, the run and the lines said to its client."""
+    said: list[str] = []
+    status: list[int | None] = []
+
+    async def attach() -> None:
+        status.append(await _attached(daemon, ws, said.append))
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(attach)
+            run = await _until_its_exec_is_recorded(daemon, held)
+            if meanwhile is not None:
+                await meanwhile(nursery, run)
+            release.set()
+    finally:
+        release.set()
+    [done] = status
+    return done, run, said
+
+
 async def test_an_attached_runs_command_is_prepared_while_its_creation_is_flushed(
     base: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -417,25 +449,18 @@ async def test_an_attached_run_whose_creation_cannot_be_written_is_never_said_to
     async with open_daemon(sandboxed_config(base, "host"), preload=True) as daemon:
         held, release = _hold_audit_flushes(daemon, monkeypatch, fail_from=1)
         ws = base / "ws"
-        said: list[str] = []
-        status: list[int | None] = []
+        uids: list[int] = []
 
-        async def attach() -> None:
-            status.append(await _attached(daemon, ws, said.append))
+        async def meanwhile(_: trio.Nursery, run: Run) -> None:
+            assert run.sandbox is not None
+            uids.append(run.sandbox.user.uid)
+            await trio.sleep(0.3)  # bwrap builds the sandbox meanwhile, then waits
 
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(attach)
-                run = await _until_its_exec_is_recorded(daemon, held)
-                assert run.sandbox is not None
-                uid = run.sandbox.user.uid
-                await trio.sleep(0.3)  # bwrap builds the sandbox meanwhile, then waits
-                release.set()
-        finally:
-            release.set()
+        status, run, said = await _attached_while_held(daemon, ws, held, release, meanwhile)
         monkeypatch.undo()
+        [uid] = uids
         assert daemon.audit.failed
-        assert status == [EXIT_FAILED]
+        assert status == EXIT_FAILED
         assert not (ws / "ran").exists()
         assert pids_of_uid(uid) == []
         assert not [line for line in said if _started_run(line) is not None], said
@@ -451,24 +476,15 @@ async def test_an_attached_run_ended_while_its_creation_is_flushed_keeps_its_end
     async with open_daemon(sandboxed_config(base, "host"), preload=True) as daemon:
         # The audit log's next flush (run_created's) waits until released.
         held, release = _hold_audit_flushes(daemon, monkeypatch)
+
+        async def meanwhile(nursery: trio.Nursery, run: Run) -> None:
+            nursery.start_soon(daemon.runs.end, run.run_id, "daemon_stopping")
+            await trio.sleep(0.3)
+
         ws = base / "ws"
-        said: list[str] = []
-        status: list[int | None] = []
-
-        async def attach() -> None:
-            status.append(await _attached(daemon, ws, said.append))
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(attach)
-                run = await _until_its_exec_is_recorded(daemon, held)
-                nursery.start_soon(daemon.runs.end, run.run_id, "daemon_stopping")
-                await trio.sleep(0.3)
-                release.set()
-        finally:
-            release.set()
+        status, run, _ = await _attached_while_held(daemon, ws, held, release, meanwhile)
         monkeypatch.undo()
-        assert status == [EXIT_FAILED]
+        assert status == EXIT_FAILED
         assert not (ws / "ran").exists()
         [ended] = [
             entry
@@ -490,22 +506,10 @@ async def test_an_attached_run_whose_creation_is_durable_is_said_to_have_started
         # is written; the next one fails.
         held, release = _hold_audit_flushes(daemon, monkeypatch, fail_from=2)
         ws = base / "ws"
-        said: list[str] = []
-        status: list[int | None] = []
-
-        async def attach() -> None:
-            status.append(await _attached(daemon, ws, said.append))
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(attach)
-                run = await _until_its_exec_is_recorded(daemon, held)
-                release.set()
-        finally:
-            release.set()
+        status, run, said = await _attached_while_held(daemon, ws, held, release)
         monkeypatch.undo()
         assert daemon.audit.failed
-        assert status == [EXIT_FAILED]
+        assert status == EXIT_FAILED
         assert not (ws / "ran").exists()
         assert _durable_event(daemon, run.run_id, "run_created")
         assert said and _started_run(said[0]) == run.run_id, said
