@@ -250,9 +250,9 @@ class Run:
     # On trio's clock: when the run began serving, and when its wall-time limit
     # (limits.maxRuntimeSec) ends it; None until it serves (sandbox.usage reports both).
     serving_since: float | None = None
+    deadline: float | None = None
     # The seq of its creation's entries (run_created, workspace_opened), once recorded.
     created_seq: int | None = None
-    deadline: float | None = None
     # What the dispatcher derives from the run once instead of at every call (its own
     # business: gatewayd/dispatch.py makes it, and makes it again when the spec changes).
     dispatch_memo: Any = None

@@ -119,8 +119,6 @@ async def attached_run(
             announce=announce,
             announce_first=announce_first,
         )
-    with trio.CancelScope(shield=True):
-        await announce_first()
     await end_one_shot(
         runs,
         run,
