@@ -82,18 +82,20 @@ async def daemon(base: Path) -> AsyncIterator[Daemon]:
         yield started
 
 
-async def start(daemon: Daemon, base: Path, name: str) -> Run:
-    workspace = base / name
+def sandboxed_request(workspace: Path) -> RunRequest:
+    """A request for a run of the sandboxed policy on ``workspace`` (made if missing)."""
     workspace.mkdir(exist_ok=True)
-    return await daemon.runs.start(
-        RunRequest(
-            workspacePath=str(workspace),
-            policy="sandboxed",
-            actorId="tester",
-            tenantId="t1",
-            grant=Grant(allowSandbox=True),
-        )
+    return RunRequest(
+        workspacePath=str(workspace),
+        policy="sandboxed",
+        actorId="tester",
+        tenantId="t1",
+        grant=Grant(allowSandbox=True),
     )
+
+
+async def start(daemon: Daemon, base: Path, name: str) -> Run:
+    return await daemon.runs.start(sandboxed_request(base / name))
 
 
 def forks_outside_the_launcher(since: int) -> list[list[str]]:

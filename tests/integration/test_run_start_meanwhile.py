@@ -27,7 +27,7 @@ import trio
 from gatewayd.audit import AuditWriteError
 from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.exitstatus import EXIT_FAILED
-from gatewayd.runs import Grant, Run, RunRequest
+from gatewayd.runs import Run
 from gatewayd.runs.oneshot import attached_run
 from gatewayd.sandbox.lease import LEASE_FILE, read_lease
 from gatewayd.sandbox.netns import NETNS_RUN_DIR
@@ -35,8 +35,8 @@ from gatewayd.sandbox.passthrough import Passthrough
 from gatewayd.sandbox.session import SandboxUnavailable
 from gatewayd.sandbox.uids import pids_of_uid
 from gatewayd.workspace import store as store_module
-from tests.integration.test_run_sandbox import PY, _unavailable
-from tests.integration.test_run_start import sandboxed_config, start
+from tests.integration.test_run_sandbox import MARK, PY, _unavailable
+from tests.integration.test_run_start import sandboxed_config, sandboxed_request, start
 
 pytestmark = pytest.mark.skipif(_unavailable() is not None, reason=str(_unavailable()))
 
@@ -269,20 +269,6 @@ async def test_a_starts_hand_offs_are_the_ones_that_wait_for_something(
 
 # --- an attached run: its command's gate waits for the run's creation too ---------------
 
-# A command that leaves a mark in the workspace if it ever runs.
-MARK = "open('/workspace/ran', 'w').write('ran')"
-
-
-def _attached_request(workspace: Path) -> RunRequest:
-    workspace.mkdir(exist_ok=True)
-    return RunRequest(
-        workspacePath=str(workspace),
-        policy="sandboxed",
-        actorId="tester",
-        tenantId="t1",
-        grant=Grant(allowSandbox=True),
-    )
-
 
 async def _attached(daemon: Daemon, workspace: Path, say: Callable[[str], None]) -> int | None:
     """An attached ``gatewayd run`` of MARK, as the control socket's route runs it."""
@@ -290,7 +276,7 @@ async def _attached(daemon: Daemon, workspace: Path, say: Callable[[str], None])
     try:
         return await attached_run(
             daemon.runs,
-            _attached_request(workspace),
+            sandboxed_request(workspace),
             [PY, "-c", MARK],
             Passthrough(stdin=null, stdout=null, stderr=null),
             say,
