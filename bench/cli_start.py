@@ -3,8 +3,9 @@ interpreter, in the same run:
 
     .venv/bin/python bench/cli_start.py [--runs 30] [--warmup 3]
 
-Each row is one fresh process of the `gatewayd` console script (the virtualenv's, as an
-operator runs it), run ``--runs`` times; every round runs every row once, in a freshly
+Each row is one fresh process of the `gatewayd` console script (the virtualenv's: `make`
+makes it from the system's python3, the interpreter `make install` puts the service on,
+so it starts as an operator's does), run ``--runs`` times; every round runs every row once, in a freshly
 shuffled order, so drift and load hit all rows alike. Wall time (median, p90) is what a
 user waits; CPU time (user + system of the process, from wait4) is what the start costs
 when other work shares the machine, the figure to compare under load.
@@ -71,7 +72,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import trio
-from harness import compile_sources, stop_serving, wait_until_serving
+from harness import compile_sources, env_info, stop_serving, wait_until_serving
 from run_start_floor import RunStartFloor
 from sandbox_floor import SandboxStartFloor
 
@@ -390,7 +391,7 @@ def main() -> int:
                     if to_start is not None:
                         starts[name].append(to_start)
     print(
-        f"cli_start: {python}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}; "
+        f"cli_start: {python}, {env_info()}, load {os.getloadavg()[0]:.2f}; "
         f"{args.runs} runs of each row in shuffled rounds (+{args.warmup} warm-up rounds)"
     )
     print(f"  command: {' '.join([sys.executable, *sys.argv])}")
