@@ -4,8 +4,9 @@
 SHELL := /bin/bash
 # The system's python3 (Debian 12's 3.11), the interpreter `make install` puts the
 # service on: the suite tests and the benchmarks time what an operator runs. A python3
-# found first on PATH may be another build (a pyenv one, compiled without Debian's
-# PGO and LTO, runs gatewayd's Python a fifth to a third slower). PYTHON=... overrides.
+# found first on PATH may be another build (this machine's pyenv one, compiled without
+# --enable-optimizations, starts and runs gatewayd's Python 10-25% slower:
+# docs/performance.md, eighth round). PYTHON=... overrides.
 PYTHON ?= $(firstword $(wildcard /usr/bin/python3) python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python

@@ -219,8 +219,8 @@ def compile_sources() -> None:
 
 
 def env_info() -> str:
-    """The interpreter, with its own file (a virtualenv's base: its build, Debian's
-    optimized one or an unoptimized pyenv one, moves every figure timed in Python by a
-    fifth or more), and the cores."""
+    """The interpreter, with its own file (a virtualenv's base: its build, Debian's or
+    one compiled without optimizations, moves every figure timed in Python by 10-25%),
+    and the cores."""
     base = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
     return f"python {sys.version.split()[0]} ({base}), {os.cpu_count()} cores"
