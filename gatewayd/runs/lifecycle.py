@@ -87,6 +87,18 @@ RunEndingHook = Callable[[str], Awaitable[None]]
 AUDITED_COMMAND_ARGS = 64
 
 
+class EndedWhileStarting(GatewayError):
+    """The run was ended (the daemon stopping, an operator's DELETE, its max runtime)
+    while its start waited for its creation to be durable: nothing of it ran, and its
+    end is audited like any run's."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__(
+            f"run {run.run_id} was ended ({run.end_reason}) before its start finished: "
+            "nothing of it ran; start it again"
+        )
+
+
 class RunManager:
     """Creates, serves, runs commands in and ends runs. Every run's listener lives in
     the nursery given; ``config`` is the configuration in force (a reload replaces its
@@ -181,7 +193,9 @@ class RunManager:
         root), PolicyViolation (a workspace mode or limit the policy does not let the
         request choose), SandboxUnavailable (the workspace session could not be opened),
         OSError (gatewayd could not make the run's files); each is recorded as a
-        ``run_refused`` event with the matching code.
+        ``run_refused`` event with the matching code. EndedWhileStarting: the run was
+        ended while its start waited for its creation's flush (the daemon stopping, a
+        DELETE, its max runtime), recorded as its ``run_ended``.
         """
         roots = LendableRoots(
             configured=self.config.lendable_roots,
@@ -859,6 +873,7 @@ class RunManager:
         if self.tracer is not None:
             self.tracer.run_started(run.run_id, run.spec.policy.name)
         max_runtime = run.spec.request.limits.maxRuntimeSec
+        started = False
         try:
             with trio.move_on_after(max_runtime) as scope:
                 run.serving_since, run.deadline = trio.current_time(), scope.deadline
@@ -868,6 +883,7 @@ class RunManager:
                         early = created is not None and not wait and _starts_no_service(run)
                         if early:
                             task_status.started()
+                            started = True
                         if created is not None:
                             try:
                                 await self.audit.durable(created)
@@ -880,9 +896,9 @@ class RunManager:
                                 log.error("run_creation_not_durable", error=exc.detail)
                                 nursery.cancel_scope.cancel()
                             except BaseException:
-                                # A run its caller holds already (early), ended
-                                # meanwhile (end()), keeps the reason it was ended for.
-                                if not (early and run.cancel_scope.cancel_called):
+                                # A run ended meanwhile (end()) keeps the reason it was
+                                # ended for.
+                                if not run.cancel_scope.cancel_called:
                                     run.end_reason = "start_failed"
                                 raise
                         if not early:
@@ -896,6 +912,7 @@ class RunManager:
                                 reply_after_result=self.config.audit_reply_after_result,
                             )
                             task_status.started()
+                            started = True
                 except BaseExceptionGroup as group:
                     # The services did not come up, or the run's creation could not be
                     # made durable: the caller gets that error itself (the control socket
@@ -911,6 +928,10 @@ class RunManager:
         finally:
             with trio.CancelScope(shield=True):
                 await self._finish(run)
+        if not started:
+            # Ended while its start waited for its creation's flush: its caller is told
+            # why, not trio's "child exited without calling task_status.started()".
+            raise EndedWhileStarting(run)
 
     async def _serve_socket(
         self,

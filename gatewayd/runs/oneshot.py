@@ -167,6 +167,14 @@ def exec_end_not_audited(detail: str) -> str:
     )
 
 
+def exec_start_not_audited(detail: str) -> str:
+    """The word when a command's start cannot be made durable: it never ran."""
+    return (
+        f"gatewayd: the audit log cannot be written ({detail}), so the command was not "
+        f"started (exit {EXIT_FAILED}); fix the audit log"
+    )
+
+
 async def run_in_sandbox(
     runs: RunManager,
     run: Run,
@@ -188,6 +196,14 @@ async def run_in_sandbox(
     the same sessions (said with the kept session's commands). ``announce``: said at
     the command's gate (:meth:`RunManager.exec`); ``announce_first``: awaited once the
     exec is over, before any other line, for an exec that ended before its gate."""
+    gated = False  # past its gate: its start is on the record and the command released
+
+    def at_gate() -> None:
+        nonlocal gated
+        gated = True
+        if announce is not None:
+            announce()
+
     try:
         try:
             result = await runs.exec(
@@ -196,18 +212,18 @@ async def run_in_sandbox(
                 timeout_s=max_runtime,
                 passthrough=streams,
                 env_values=env_values,
-                announce=announce,
+                announce=at_gate,
             )
         finally:
             if announce_first is not None:
                 with trio.CancelScope(shield=True):
                     await announce_first()
     except AuditWriteError as exc:
-        say(exec_end_not_audited(exc.detail))
+        say(exec_end_not_audited(exc.detail) if gated else exec_start_not_audited(exc.detail))
         await end_one_shot(
             runs,
             run,
-            "its end not audited",
+            "its end not audited" if gated else "not started",
             say,
             audit_path=audit_path,
             store_options=store_options,

@@ -26,8 +26,10 @@ import trio
 
 from gatewayd.audit import AuditWriteError
 from gatewayd.daemon import Daemon, open_daemon
+from gatewayd.error_codes import ErrorCode
 from gatewayd.exitstatus import EXIT_FAILED
 from gatewayd.runs import Run
+from gatewayd.runs.lifecycle import EndedWhileStarting
 from gatewayd.runs.oneshot import attached_run
 from gatewayd.sandbox.lease import LEASE_FILE, read_lease
 from gatewayd.sandbox.netns import NETNS_RUN_DIR
@@ -146,6 +148,63 @@ async def test_the_runs_socket_is_opened_while_its_creation_is_flushed_and_the_s
         [run] = started
         assert _durable_event(daemon, run.run_id, "workspace_opened")
         await daemon.runs.end(run.run_id)
+
+
+@pytest.mark.parametrize("mode", ["host", "overlay"])
+async def test_a_start_ended_while_its_creation_is_flushed_says_so_and_leaves_nothing(
+    base: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    # The start waits for its creation's flush (its caller holds no run yet); an end
+    # meanwhile (the daemon stopping, an operator's DELETE of the listed run) ends it.
+    async with open_daemon(sandboxed_config(base, mode), preload=True) as daemon:
+        held, release = _hold_audit_flushes(daemon, monkeypatch)
+        outcome: list[BaseException | Run] = []
+
+        async def start_run() -> None:
+            try:
+                outcome.append(await start(daemon, base, "ws"))
+            except Exception as exc:
+                outcome.append(exc)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(start_run)
+                with trio.fail_after(PATIENCE_S):
+                    while not (held.is_set() and daemon.registry.all()):
+                        await trio.sleep(0.001)
+                [run] = daemon.registry.all()
+                assert run.sandbox is not None  # made before its creation is recorded
+                uid, netns = run.sandbox.user.uid, run.sandbox.netns.path
+                assert netns.exists()
+                nursery.start_soon(daemon.runs.end, run.run_id, "daemon_stopping")
+                await trio.sleep(0.2)  # the end is under way, the flush still held
+                release.set()
+        finally:
+            release.set()
+        monkeypatch.undo()
+        [error] = outcome
+        assert isinstance(error, EndedWhileStarting), error
+        assert error.code is ErrorCode.INTERNAL
+        assert str(error) == (
+            f"run {run.run_id} was ended (daemon_stopping) before its start finished: "
+            "nothing of it ran; start it again"
+        )
+        assert run.end_reason == "daemon_stopping"
+        ended = [
+            entry
+            for entry in map(json.loads, daemon.audit.path.read_text().splitlines())
+            if entry.get("runId") == run.run_id and entry.get("event") == "run_ended"
+        ]
+        assert [entry["detail"]["reason"] for entry in ended] == ["daemon_stopping"]
+        assert _durable_event(daemon, run.run_id, "run_ended")
+        assert daemon.registry.all() == []
+        assert not run.socket_path.exists()
+        assert not run.directory.exists()
+        assert pids_of_uid(uid) == []
+        assert not netns.exists()
+        # The daemon goes on: the next start is served.
+        again = await start(daemon, base, "ws")
+        await daemon.runs.end(again.run_id)
 
 
 async def test_run_ended_is_flushed_while_the_runs_directory_is_deleted(
@@ -418,7 +477,11 @@ async def test_an_attached_run_whose_creation_is_not_made_durable_runs_nothing(
         assert not (ws / "ran").exists()
         assert uids and all(pids_of_uid(uid) == [] for uid in set(uids))
         assert said and _started_run(said[0]) is not None  # the run's id, for the operator
-        assert any("the disk went away" in line for line in said), said
+        assert (
+            "gatewayd: the audit log cannot be written (the disk went away), so the command "
+            f"was not started (exit {EXIT_FAILED}); fix the audit log"
+        ) in said, said
+        assert not any("exit status is not passed on" in line for line in said), said
         with trio.fail_after(PATIENCE_S):
             while daemon.registry.all():
                 await trio.sleep(0.01)
