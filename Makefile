@@ -84,15 +84,26 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 
 venv: $(STAMP)
 
-# A virtualenv made from another interpreter than $(PYTHON) is made again.
+# The interpreter .venv is to be made from, and the one its pyvenv.cfg says it was made
+# from (read, not run: that one may be gone). A virtualenv of another interpreter, or of
+# none that is there, is made again: its stamp then counts as out of date, whatever its
+# time. One interpreter start per make that has a .venv.
+ifneq ($(wildcard $(VENV)/pyvenv.cfg),)
+VENV_WANTED := $(if $(strip $(PYTHON)),$(shell $(PYTHON) -c 'import os, sys; print(os.path.realpath(sys.executable))' 2>/dev/null))
+VENV_MADE_FROM := $(shell sed -n 's/^executable = //p' $(VENV)/pyvenv.cfg | head -n 1 | xargs -r readlink -f)
+ifneq ($(VENV_MADE_FROM),$(VENV_WANTED))
+.PHONY: $(STAMP)
+endif
+endif
+
 $(STAMP): pyproject.toml Makefile
 	@echo "==> creating virtualenv $(VENV) from pyproject.toml with $(PYTHON)"
-	@want=$$($(PYTHON) -c 'import os, sys; print(os.path.realpath(sys.executable))'); \
-	if [ -x $(PY) ]; then \
-	  have=$$($(PY) -c 'import os, sys; print(os.path.realpath(sys._base_executable))' 2>/dev/null || true); \
-	  if [ "$$have" != "$$want" ]; then \
-	    echo "==> $(VENV) was made from $${have:-an interpreter that does not run}, not $$want: making it again"; \
-	    rm -rf $(VENV); fi; fi
+	@want=$$($(PYTHON) -c 'import os, sys; print(os.path.realpath(sys.executable))') || { \
+	  echo "make: PYTHON='$(PYTHON)' does not run: apt-get install python3 python3-venv, or set PYTHON= to a python3" >&2; exit 1; }; \
+	have=$$(sed -n 's/^executable = //p' $(VENV)/pyvenv.cfg 2>/dev/null | head -n 1 | xargs -r readlink -f); \
+	if [ -e $(VENV) ] && [ "$$have" != "$$want" ]; then \
+	  echo "==> $(VENV) was made from $${have:-an interpreter that is gone}, not $$want: making it again"; \
+	  rm -rf $(VENV); fi
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat

@@ -89,13 +89,13 @@ AUDITED_COMMAND_ARGS = 64
 
 class EndedWhileStarting(GatewayError):
     """The run was ended (the daemon stopping, an operator's DELETE, its max runtime)
-    while its start waited for its creation to be durable: nothing of it ran, and its
-    end is audited like any run's."""
+    before its start returned it, while the start waited for its creation to be durable
+    or for its services: no command of it ran, and its end is audited like any run's."""
 
     def __init__(self, run: Run) -> None:
         super().__init__(
-            f"run {run.run_id} was ended ({run.end_reason}) before its start finished: "
-            "nothing of it ran; start it again"
+            f"run {run.run_id} was ended ({run.end_reason}) before its start finished, "
+            "so no command of it ran; start it again"
         )
 
 
@@ -665,8 +665,9 @@ class RunManager:
 
         Error handling: LookupError for an unknown run; SandboxUnavailable for a run
         without a sandbox or one that is ending; PlanError/LaunchError if bwrap cannot
-        start (also audited); AuditWriteError when ``exec_ended`` cannot be made durable
-        (the command ran; its result must not be given).
+        start (also audited); AuditWriteError when ``exec_started`` cannot be made
+        durable (the command never starts, ``announce`` is not called) or ``exec_ended``
+        cannot (the command ran; its result must not be given).
         """
         result, _hint = await self.exec_explained(
             run_id,
@@ -888,7 +889,8 @@ class RunManager:
                             try:
                                 await self.audit.durable(created)
                             except AuditWriteError as exc:
-                                run.end_reason = "start_failed"
+                                if not run.cancel_scope.cancel_called:  # as below
+                                    run.end_reason = "start_failed"
                                 if not early:
                                     raise
                                 # Its caller holds the run: it ends here, and its

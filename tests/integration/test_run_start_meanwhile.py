@@ -186,8 +186,8 @@ async def test_a_start_ended_while_its_creation_is_flushed_says_so_and_leaves_no
         assert isinstance(error, EndedWhileStarting), error
         assert error.code is ErrorCode.INTERNAL
         assert str(error) == (
-            f"run {run.run_id} was ended (daemon_stopping) before its start finished: "
-            "nothing of it ran; start it again"
+            f"run {run.run_id} was ended (daemon_stopping) before its start finished, "
+            "so no command of it ran; start it again"
         )
         assert run.end_reason == "daemon_stopping"
         ended = [
