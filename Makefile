@@ -84,13 +84,13 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 
 venv: $(STAMP)
 
-# The interpreter .venv is to be made from, and the one its pyvenv.cfg says it was made
-# from (read, not run: that one may be gone). A virtualenv of another interpreter, or of
-# none that is there, is made again: its stamp then counts as out of date, whatever its
-# time. One interpreter start per make that has a .venv.
-ifneq ($(wildcard $(VENV)/pyvenv.cfg),)
+# The interpreter .venv is to be made from (empty: $(PYTHON) does not run), and the one
+# its pyvenv.cfg says it was made from (read, not run: that one may be gone). A
+# virtualenv of another interpreter, or of none that is there, is made again: its stamp
+# then counts as out of date, whatever its time. One interpreter start per make.
 VENV_WANTED := $(if $(strip $(PYTHON)),$(shell $(PYTHON) -c 'import os, sys; print(os.path.realpath(sys.executable))' 2>/dev/null))
-VENV_MADE_FROM := $(shell sed -n 's/^executable = //p' $(VENV)/pyvenv.cfg | head -n 1 | xargs -r readlink -f)
+VENV_MADE_FROM := $(shell sed -n 's/^executable = //p' $(VENV)/pyvenv.cfg 2>/dev/null | head -n 1 | xargs -r readlink -f)
+ifneq ($(wildcard $(VENV)/pyvenv.cfg),)
 ifneq ($(VENV_MADE_FROM),$(VENV_WANTED))
 .PHONY: $(STAMP)
 endif
@@ -98,11 +98,10 @@ endif
 
 $(STAMP): pyproject.toml Makefile
 	@echo "==> creating virtualenv $(VENV) from pyproject.toml with $(PYTHON)"
-	@want=$$($(PYTHON) -c 'import os, sys; print(os.path.realpath(sys.executable))') || { \
-	  echo "make: PYTHON='$(PYTHON)' does not run: apt-get install python3 python3-venv, or set PYTHON= to a python3" >&2; exit 1; }; \
-	have=$$(sed -n 's/^executable = //p' $(VENV)/pyvenv.cfg 2>/dev/null | head -n 1 | xargs -r readlink -f); \
-	if [ -e $(VENV) ] && [ "$$have" != "$$want" ]; then \
-	  echo "==> $(VENV) was made from $${have:-an interpreter that is gone}, not $$want: making it again"; \
+	@[ -n "$(VENV_WANTED)" ] || { \
+	  echo "make: PYTHON='$(PYTHON)' does not run: apt-get install python3 python3-venv, or set PYTHON= to a python3" >&2; exit 1; }
+	@if [ -e $(VENV) ] && [ "$(VENV_MADE_FROM)" != "$(VENV_WANTED)" ]; then \
+	  echo "==> $(VENV) was made from $(or $(VENV_MADE_FROM),an interpreter that is gone), not $(VENV_WANTED): making it again"; \
 	  rm -rf $(VENV); fi
 	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip

@@ -28,6 +28,7 @@ from gatewayd.audit import AuditWriteError
 from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.error_codes import ErrorCode
 from gatewayd.exitstatus import EXIT_FAILED
+from gatewayd.policy.workspace_section import WorkspaceModeName
 from gatewayd.runs import Run
 from gatewayd.runs.lifecycle import EndedWhileStarting
 from gatewayd.runs.oneshot import attached_run
@@ -59,13 +60,19 @@ def base() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _run_events(daemon: Daemon, run_id: str, event: str) -> list[dict[str, Any]]:
+    """The audit log's ``event`` entries of ``run_id``, as written to disk so far."""
+    return [
+        entry
+        for entry in map(json.loads, daemon.audit.path.read_text().splitlines())
+        if entry.get("runId") == run_id and entry.get("event") == event
+    ]
+
+
 def _durable_event(daemon: Daemon, run_id: str, event: str) -> bool:
     """Is ``event`` of ``run_id`` on disk and durable?"""
-    for line in daemon.audit.path.read_text().splitlines():
-        entry = json.loads(line)
-        if entry.get("runId") == run_id and entry.get("event") == event:
-            return bool(entry["seq"] <= daemon.audit.durable_seq)
-    return False
+    entries = _run_events(daemon, run_id, event)
+    return bool(entries) and entries[0]["seq"] <= daemon.audit.durable_seq
 
 
 def _hold_audit_flushes(
@@ -152,7 +159,7 @@ async def test_the_runs_socket_is_opened_while_its_creation_is_flushed_and_the_s
 
 @pytest.mark.parametrize("mode", ["host", "overlay"])
 async def test_a_start_ended_while_its_creation_is_flushed_says_so_and_leaves_nothing(
-    base: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+    base: Path, monkeypatch: pytest.MonkeyPatch, mode: WorkspaceModeName
 ) -> None:
     # The start waits for its creation's flush (its caller holds no run yet); an end
     # meanwhile (the daemon stopping, an operator's DELETE of the listed run) ends it.
@@ -190,11 +197,7 @@ async def test_a_start_ended_while_its_creation_is_flushed_says_so_and_leaves_no
             "so no command of it ran; start it again"
         )
         assert run.end_reason == "daemon_stopping"
-        ended = [
-            entry
-            for entry in map(json.loads, daemon.audit.path.read_text().splitlines())
-            if entry.get("runId") == run.run_id and entry.get("event") == "run_ended"
-        ]
+        ended = _run_events(daemon, run.run_id, "run_ended")
         assert [entry["detail"]["reason"] for entry in ended] == ["daemon_stopping"]
         assert _durable_event(daemon, run.run_id, "run_ended")
         assert daemon.registry.all() == []
@@ -535,11 +538,7 @@ async def test_an_attached_run_ended_while_its_creation_is_flushed_keeps_its_end
         monkeypatch.undo()
         assert status == EXIT_FAILED
         assert not (ws / "ran").exists()
-        [ended] = [
-            entry
-            for entry in map(json.loads, daemon.audit.path.read_text().splitlines())
-            if entry.get("runId") == run.run_id and entry.get("event") == "run_ended"
-        ]
+        [ended] = _run_events(daemon, run.run_id, "run_ended")
         assert _durable_event(daemon, run.run_id, "run_created")
         assert ended["detail"]["reason"] == "daemon_stopping", ended
         assert run.end_reason == "daemon_stopping"
