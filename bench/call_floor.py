@@ -4,26 +4,31 @@ a durable, hash-chained audit, to set beside gatewayd's own cost.
     .venv/bin/python bench/call_floor.py SOCKET AUDIT_FILE
 
 It listens on SOCKET and, for every framed request, does what gatewayd's call path
-cannot skip and nothing more: the same raw-socket read loop as gatewayd's server
-(``os.read``, ``trio.lowlevel.wait_readable``, one yield after a read with data),
-the same msgspec decode into :class:`gatewayd.protocol.Request`, two entries (the
-call's and its result's) sealed with the audit's own :class:`gatewayd.audit.chain.Chain`
-(the same encoder and hash), handed to a flusher thread that writes and fdatasyncs
-them with group commit (all lines queued by then in one write and one sync), one
-wake-up of trio per flush, and the answer (``ok``, a small value) once its entries
-are durable. No policy, no metrics, no logging, no tools, no head file, no Merkle
-tree, no limits, no error handling beyond ending the connection: bench/gateway_rtt.py
-measures its CPU per call beside gatewayd's, so the gap between the two is what
-gatewayd adds, and the floor itself is what Python, trio and a thread flusher cost.
+cannot skip and nothing more, on the same loop as gatewayd's server: one task waits for
+every connection at once (a private epoll, itself waited for with
+``trio.lowlevel.wait_readable``, as gatewayd's ``server.Multiplexer``), reads each
+readable one (``os.read``), decodes its requests with msgspec into
+:class:`gatewayd.protocol.Request`, seals two entries per call (the call's and its
+result's) with the audit's own :class:`gatewayd.audit.chain.Chain` (the same encoder
+and hash), and hands them to a flusher thread that writes and fdatasyncs them with
+group commit (all lines queued by then in one write and one sync), one wake-up of trio
+per flush; a second task waits for each pass's flush and writes its answers (``ok``, a
+small value), while the first reads on. No policy, no metrics, no logging, no tools,
+no head file, no Merkle tree, no limits, no error handling beyond ending the
+connection: bench/gateway_rtt.py measures its CPU per call beside gatewayd's, so the
+gap between the two is what gatewayd adds, and the floor itself is what Python, trio
+and a thread flusher cost.
 
 Not a server to use: it trusts its client and keeps nothing but the log it appends.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import os
+import select
 import socket
 import struct
 import sys
@@ -102,76 +107,129 @@ def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-async def serve_connection(sock: trio.socket.SocketType, chain: Chain, flusher: Flusher) -> None:
-    buf = b""
-    with sock:
-        # The peer is read once per connection, as gatewayd does, and is in every call entry.
+class Conn:
+    """One connection: its socket, its unparsed bytes, and its credentials (read once,
+    as gatewayd does; they are in every call entry)."""
+
+    __slots__ = ("buf", "peer", "sock")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = b""
         pid, uid, gid = _PEERCRED.unpack(
             sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
         )
-        peer = {"pid": pid, "uid": uid, "gid": gid}
-        fd = sock.fileno()
+        self.peer = {"pid": pid, "uid": uid, "gid": gid}
+
+
+def take(conn: Conn, data: bytes, chain: Chain, flusher: Flusher) -> tuple[bytes, int]:
+    """The answers to the whole frames ``data`` completes, and the count of lines to
+    wait for (0: none)."""
+    buf = conn.buf + data
+    answers: list[bytes] = []
+    count = 0
+    while len(buf) >= HEADER.size:
+        (size,) = HEADER.unpack_from(buf)
+        if len(buf) < HEADER.size + size:
+            break
+        body, buf = buf[HEADER.size : HEADER.size + size], buf[HEADER.size + size :]
+        req = msgspec.json.decode(body, type=Request)
+        _, _, call = chain.append(
+            "call",
+            {
+                "runId": req.runId,
+                "toolCallId": req.toolCallId,
+                "tool": req.tool,
+                "argsDigest": _digest(msgspec.json.encode(req.args)),
+                "decision": "allow",
+                "peer": conn.peer,
+            },
+        )
+        _, _, result = chain.append(
+            "result",
+            {
+                "runId": req.runId,
+                "toolCallId": req.toolCallId,
+                "tool": req.tool,
+                "durationMs": 0.0,
+                "outputDigest": _digest(VALUE_BYTES),
+                "outputBytes": len(VALUE_BYTES),
+            },
+        )
+        count = flusher.queue(call, result)
+        answers.append(encode_response(ok_response(req.toolCallId, VALUE)))
+    conn.buf = buf
+    return b"".join(answers), count
+
+
+async def serve(
+    epoll: select.epoll, conns: dict[int, Conn], chain: Chain, flusher: Flusher
+) -> None:
+    """Read every readable connection, take its calls; a second task answers each pass
+    once its lines are durable."""
+    passes: collections.deque[tuple[int, list[tuple[int, bytes]]]] = collections.deque()
+    taken = trio.Event()
+
+    async def answer() -> None:
+        nonlocal taken
         while True:
-            try:
-                data = os.read(fd, RECV_CHUNK)
-            except BlockingIOError:
-                await trio.lowlevel.wait_readable(sock)
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            buf += data
-            answers: list[bytes] = []
-            count = 0
-            while len(buf) >= HEADER.size:
-                (size,) = HEADER.unpack_from(buf)
-                if len(buf) < HEADER.size + size:
-                    break
-                body, buf = buf[HEADER.size : HEADER.size + size], buf[HEADER.size + size :]
-                req = msgspec.json.decode(body, type=Request)
-                _, _, call = chain.append(
-                    "call",
-                    {
-                        "runId": req.runId,
-                        "toolCallId": req.toolCallId,
-                        "tool": req.tool,
-                        "argsDigest": _digest(msgspec.json.encode(req.args)),
-                        "decision": "allow",
-                        "peer": peer,
-                    },
-                )
-                _, _, result = chain.append(
-                    "result",
-                    {
-                        "runId": req.runId,
-                        "toolCallId": req.toolCallId,
-                        "tool": req.tool,
-                        "durationMs": 0.0,
-                        "outputDigest": _digest(VALUE_BYTES),
-                        "outputBytes": len(VALUE_BYTES),
-                    },
-                )
-                count = flusher.queue(call, result)
-                answers.append(encode_response(ok_response(req.toolCallId, VALUE)))
-            if answers:
-                await flusher.wait(count)
+            while not passes:
+                await taken.wait()
+                taken = trio.Event()
+            count, out = passes.popleft()
+            await flusher.wait(count)
+            for fd, data in out:
                 with contextlib.suppress(OSError):
-                    os.write(fd, b"".join(answers))
+                    os.write(fd, data)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(answer)
+        while True:
+            await trio.lowlevel.wait_readable(epoll.fileno())
+            out: list[tuple[int, bytes]] = []
+            count = 0
+            for fd, _ in epoll.poll(0):
+                conn = conns.get(fd)
+                if conn is None:
+                    continue
+                try:
+                    data = os.read(fd, RECV_CHUNK)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    epoll.unregister(fd)
+                    del conns[fd]
+                    conn.sock.close()
+                    continue
+                answers, upto = take(conn, data, chain, flusher)
+                if answers:
+                    out.append((fd, answers))
+                    count = upto
+            if out:
+                passes.append((count, out))
+                taken.set()
 
 
 async def main(path: str, audit_file: str) -> None:
     fd = os.open(audit_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     flusher = Flusher(fd, trio.lowlevel.current_trio_token())
     chain = Chain()
+    epoll = select.epoll()
+    conns: dict[int, Conn] = {}
     listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     await listener.bind(path)
     listener.listen(LISTEN_BACKLOG)
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(serve, epoll, conns, chain, flusher)
         while True:
-            sock, _ = await listener.accept()
-            nursery.start_soon(serve_connection, sock, chain, flusher)
+            accepted, _ = await listener.accept()
+            sock = socket.socket(fileno=accepted.detach())
+            sock.setblocking(False)
+            conn = Conn(sock)
+            conns[sock.fileno()] = conn
+            epoll.register(sock.fileno(), select.EPOLLIN)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 trio unix-socket echo server with the same framing, measured in the same run.
 
     .venv/bin/python bench/gateway_rtt.py [--calls 5000] [--seconds 3] [--syncs 200]
+        [--baseline-source DIR]
 
 Prints p50/p99 latency over one persistent connection, and calls per second with 1,
 8 and 64 concurrent connections (each connection one call in flight), with the
@@ -20,12 +21,16 @@ ratio to the echo baseline. Beside them, measured in the same run:
 - calls per audit flush in each phase (the daemon's fdatasync count, from its metrics):
   CPU per call falls as a flush carries more calls, and a slow disk makes flushes
   wider, so compare CPU figures at like widths;
-- the *floor* (bench/call_floor.py): a minimal trio server on the same raw-socket
-  loop that decodes the same request with msgspec, seals the call's two entries with
-  the audit's own chain (the same encoder and hash), has a flusher thread write and
-  fdatasync them with group commit, and replies; no policy, no metrics, no tools.
-  Its CPU per call is what Python, trio and a thread flusher cost; gatewayd's CPU
-  above it is what gatewayd adds.
+- the *floor* (bench/call_floor.py): a minimal trio server on the same loop as
+  gatewayd's (one task waits for every connection through a private epoll, another
+  answers each pass once its flush is durable) that decodes the same request with
+  msgspec, seals the call's two entries with the audit's own chain (the same encoder
+  and hash), has a flusher thread write and fdatasync them with group commit, and
+  replies; no policy, no metrics, no tools. Its CPU per call is what Python, trio and
+  a thread flusher cost; gatewayd's CPU above it is what gatewayd adds;
+- with ``--baseline-source DIR``, a second gatewayd run from another checkout's source
+  (a ``git worktree`` of an earlier commit), measured first in the same run, beside
+  this checkout's.
 
 Targets: p50 <= that target; >= 8,000 calls/s at 8 connections and >= 10,000 at 64;
 the gateway's own CPU per call <= 100 µs.
@@ -236,11 +241,50 @@ def _cpu(figures: dict[str, float], phase: str, before: object, after: object, c
             figures[f"per_flush_{phase}"] = calls / (after[2] - before[2])
 
 
+def gatewayd_phases(
+    args: argparse.Namespace, source: Path | None
+) -> tuple[dict[str, float], list[float]]:
+    """:func:`phases` against a real gatewayd (this checkout's, or one run from the
+    checkout ``source``); also the fdatasyncs timed on its audit's filesystem."""
+    launcher = None
+    if source is not None:
+        start = (
+            "import sys; sys.path.insert(0, sys.argv.pop(1)); from gatewayd.cli import main; "
+            "sys.exit(main())"
+        )
+        launcher = [sys.executable, "-c", start, str(source.resolve())]
+    with gatewayd_run(ROOT / "bench" / "policy.yaml", launcher=launcher) as (sock, run_id):
+        state = state_dir_of(sock)
+        pid = daemon_pid(state)
+        # Half the fdatasyncs before the phases and half after: the disk's mood drifts.
+        syncs = time_fdatasyncs(state / "audit", args.syncs // 2)
+        idle = open_sockets(pid)
+        figures = phases(
+            sock,
+            run_id,
+            "gateway",
+            args.calls,
+            args.seconds,
+            lambda: (*thread_cpu(pid), flushes(state / "control.sock"), *thread_cpu(pid)),
+            lambda: settle(pid, idle),
+        )
+        syncs += time_fdatasyncs(state / "audit", args.syncs - len(syncs))
+    return figures, syncs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--calls", type=int, default=5000, help="sequential calls for latency")
     ap.add_argument("--seconds", type=float, default=3.0, help="duration of each load step")
     ap.add_argument("--syncs", type=int, default=200, help="fdatasyncs timed for the median")
+    ap.add_argument(
+        "--baseline-source",
+        type=Path,
+        metavar="DIR",
+        help="also measure a gatewayd run from another checkout's source (e.g. a "
+        "`git worktree` of an earlier commit), in the same run, and print the two side "
+        "by side",
+    )
     args = ap.parse_args()
     print(f"gateway_rtt: {env_info()}; durable audit (fdatasync, group commit) on")
 
@@ -256,23 +300,9 @@ def main() -> int:
             lambda: thread_cpu(floor_pid),
             lambda: None,
         )
-    with gatewayd_run(ROOT / "bench" / "policy.yaml") as (sock, run_id):
-        state = state_dir_of(sock)
-        pid = daemon_pid(state)
-        # Half the fdatasyncs before the phases and half after: the disk's mood drifts.
-        syncs = time_fdatasyncs(state / "audit", args.syncs // 2)
-        idle = open_sockets(pid)
-        g = phases(
-            sock,
-            run_id,
-            "gateway",
-            args.calls,
-            args.seconds,
-            lambda: (*thread_cpu(pid), flushes(state / "control.sock"), *thread_cpu(pid)),
-            lambda: settle(pid, idle),
-        )
-        syncs += time_fdatasyncs(state / "audit", args.syncs - len(syncs))
-        sync_s = statistics.median(syncs)
+    b = None if args.baseline_source is None else gatewayd_phases(args, args.baseline_source)[0]
+    g, syncs = gatewayd_phases(args, None)
+    sync_s = statistics.median(syncs)
 
     print(f"{'metric':<28}{'gatewayd':>14}{'floor':>14}{'echo baseline':>16}{'ratio':>10}")
     for key, label, unit, scale in (
@@ -315,6 +345,23 @@ def main() -> int:
             f"{(main_s + other_s - floor_main - floor_other) * 1e6:>6.1f} us"
             + ("" if per_flush is None else f"  ({per_flush:.1f} calls per gatewayd flush)")
         )
+    if b is not None:
+        print(f"gatewayd from {args.baseline_source} (the baseline, same run) | this checkout:")
+        for phase, label in (
+            ("lat", "sequential, 1 connection"),
+            *((f"rps{c}", f"load, {c} connection{'s' if c > 1 else ''}") for c in CONNECTIONS),
+        ):
+            rate = "p50" if phase == "lat" else phase
+            scale, unit = (1e6, "us") if phase == "lat" else (1, "/s")
+            print(
+                f"  {label:<26}{b[rate] * scale:>8.0f}{unit} | {g[rate] * scale:>8.0f}{unit}"
+                f" ({g[rate] / b[rate]:.2f}x); trio thread CPU per call "
+                f"{b[f'cpu_main_{phase}'] * 1e6:.1f} | {g[f'cpu_main_{phase}'] * 1e6:.1f} us"
+                f", all threads {(b[f'cpu_main_{phase}'] + b[f'cpu_other_{phase}']) * 1e6:.1f}"
+                f" | {(g[f'cpu_main_{phase}'] + g[f'cpu_other_{phase}']) * 1e6:.1f} us"
+                f"; calls per flush {b.get(f'per_flush_{phase}', 0):.1f}"
+                f" | {g.get(f'per_flush_{phase}', 0):.1f}"
+            )
     met = {True: "met", False: "NOT met"}
     print(
         f"targets: p50 <= {target * 1e6:.0f} us: {met[g['p50'] <= target]}; "

@@ -2,12 +2,15 @@
 sans-IO protocol and hands requests to the dispatcher.
 
 A call that needs no wait on its way (no I/O: ``tools.list``, ``time.now``, a refusal;
-:meth:`Dispatcher.handle_now`) is taken through the chokepoint on the connection's own
-task, and the answers of the calls of one read leave together once their shared audit
-flush is durable; any other call gets a task of its own, so it never holds up the
-calls behind it. The socket is read directly (non-blocking reads and
-``trio.lowlevel.wait_readable``): trio's stream classes cost more per read than the
-rest of the loop.
+:meth:`Dispatcher.handle_now`) is taken through the chokepoint without a task of its
+own, and the answers of the calls taken together leave together once their shared
+audit flush is durable; any other call gets a task of its own, so it never holds up
+the calls behind it. A connection with nothing of its client's pending waits in its
+run's :class:`Multiplexer`, which takes the calls of every such connection that is
+readable in one pass and answers them after one flush wait; whatever it does not take
+goes back to the connection's own task. The socket is read directly (non-blocking
+reads and ``trio.lowlevel.wait_readable``): trio's stream classes cost more per read
+than the rest of the loop.
 
 Resource handling: every connection is owned by its run's nursery and every call that
 waits by its connection's nursery; a handler catches its own errors and closes its
@@ -16,6 +19,7 @@ stream in ``finally``, so one bad client or one bad run never takes the daemon d
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import os
@@ -33,6 +37,7 @@ from gatewayd.dispatch import Answered, Dispatcher
 from gatewayd.protocol import (
     NEED_DATA,
     ErrorCode,
+    Event,
     FrameDecoder,
     FrameError,
     RequestReceived,
@@ -142,14 +147,18 @@ class Connection:
         dispatcher: Dispatcher,
         *,
         max_frame_bytes: int,
+        multiplexer: Multiplexer | None = None,
     ) -> None:
         self.stream = stream
         self.run = run
         self.dispatcher = dispatcher
         self.decoder = FrameDecoder(max_frame_bytes)
+        self._multiplexer = multiplexer
         self.peer = peer_credentials(stream.socket)
-        # Held only by a send that has to wait for the client to read; see _send.
-        self._send_lock = trio.Lock()
+        # Held only by a send that has to wait for the client to read; see _send. A
+        # semaphore, not a lock: the multiplexer's task takes it after a frame's first
+        # part and the task that sends the rest gives it back (see _finish_send).
+        self._send_lock = trio.Semaphore(1, max_value=1)
         # Calls in flight, and the event the reader waits on when they reach the cap (a
         # counter, not a trio.Semaphore: the common case then costs no schedule point).
         self._inflight = 0
@@ -170,6 +179,22 @@ class Connection:
         # the connection's cancel scope once it is past.
         self.waiting_until = math.inf
         self._idle: trio.CancelScope | None = None
+        # While parked in the run's multiplexer (see _park): set when it hands the
+        # connection back to this task, with what the task must do first: the event the
+        # multiplexer decoded but does not take, or the error the multiplexer met.
+        self._handed_back: trio.Event | None = None
+        self._pushed_back: RequestReceived | FrameError | None = None
+        self._multiplexer_error: Exception | None = None
+        # The nursery of the connection's calls (while it serves): the tasks that finish
+        # the multiplexer's sends that did not go out at once.
+        self._calls: trio.Nursery | None = None
+        self.parked_fd = -1  # the descriptor the multiplexer waits for (-1: none)
+        # Answers the multiplexer took for this connection and has not sent yet, and
+        # the handed-back task's wait for them: so every answer taken before a
+        # hand-back leaves before anything the task sends or does next (an EOF's close).
+        self.held = 0
+        self._none_held: trio.Event | None = None
+        self._park_next = True  # False: the last park was handed back; read here first
 
     def expire(self) -> None:
         """The sweeper found this connection's wait for its client past its time."""
@@ -180,9 +205,11 @@ class Connection:
         """Read frames until EOF, a fatal frame error or a timeout; answer each."""
         try:
             async with trio.open_nursery() as calls:
+                self._calls = calls
                 try:
                     await self._read_loop(calls)
                 finally:
+                    self._calls = None
                     # Answers left unsent by a cancelled or failed loop are still counted.
                     self.dispatcher.drop(self._ready)
                     self._ready = []
@@ -203,10 +230,27 @@ class Connection:
         with trio.CancelScope() as idle:
             self._idle = idle
             while True:
-                event = self.decoder.next_event()
+                event: Event
+                if self._pushed_back is not None:
+                    event, self._pushed_back = self._pushed_back, None
+                else:
+                    event = self.decoder.next_event()
                 if event is NEED_DATA:
                     if self._ready:  # every frame read so far is taken: answer them
                         await self._release_ready()
+                    if not self._park_next:
+                        self._park_next = True
+                    elif (
+                        self._multiplexer is not None
+                        and partial_since is None
+                        and not self.decoder.buffered
+                        and not self._inflight
+                    ):
+                        # Nothing of the client's is pending here: wait for it in the
+                        # run's multiplexer, which serves the calls that need no wait
+                        # without this task; anything else comes back to this loop.
+                        await self._park()
+                        continue
                     if partial_since is not None:
                         deadline = partial_since + FRAME_TIMEOUT_S
                     elif self.decoder.buffered:
@@ -362,6 +406,159 @@ class Connection:
                         break
                     drained += len(data)
 
+    async def _park(self) -> None:
+        """Wait in the run's multiplexer until it hands this connection back: the client
+        sent what the multiplexer does not take (see :meth:`take_readable`), went away,
+        or stayed silent past IDLE_TIMEOUT_S (the sweeper cancels the wait). Raises
+        what the multiplexer met while taking this connection's calls."""
+        assert self._multiplexer is not None
+        handed_back = self._handed_back = trio.Event()
+        self._multiplexer.park(self)
+        self.waiting_until = trio.current_time() + IDLE_TIMEOUT_S
+        try:
+            await handed_back.wait()
+            while self.held:
+                self._none_held = trio.Event()
+                await self._none_held.wait()
+        finally:
+            self.waiting_until = math.inf
+            self._multiplexer.unpark(self)
+            self._handed_back = None
+            self._park_next = False
+        error, self._multiplexer_error = self._multiplexer_error, None
+        if error is not None:
+            raise error
+
+    def hand_back(self) -> None:
+        """The multiplexer is done with this connection: its task goes on, and reads
+        the socket itself once before it parks again."""
+        if self._multiplexer is not None:
+            self._multiplexer.unpark(self)
+        if self._handed_back is not None:
+            self._handed_back.set()
+
+    def take_readable(self) -> bool:
+        """The multiplexer found the socket readable: read it and take each whole frame
+        through :meth:`Dispatcher.handle_now` as the read loop would. Returns whether
+        the connection stays parked with answers to release (``_ready``); hands it back
+        (returns False) at anything else: a frame error, a call that needs its own task
+        or a free slot, a duplicate id, a partial frame, EOF or a failed read."""
+        fd = self.stream.socket.fileno()
+        if fd == -1:
+            self.hand_back()
+            return False
+        try:
+            data = os.read(fd, RECV_CHUNK)
+        except BlockingIOError:
+            return False
+        except OSError:
+            self.hand_back()  # the task's own read meets it again, as EOF or an error
+            return False
+        if not data:
+            self.hand_back()
+            return False
+        self._drained = len(data) < RECV_CHUNK
+        self.decoder.receive_data(data)
+        while True:
+            event = self.decoder.next_event()
+            if event is NEED_DATA:
+                break
+            if (
+                isinstance(event, FrameError)
+                or event.request.toolCallId in self._inflight_ids
+                or self._inflight >= MAX_INFLIGHT_PER_CONNECTION
+            ):
+                self._pushed_back = event
+                self.hand_back()
+                return False
+            answered = self.dispatcher.handle_now(self.run, event.request, self.peer)
+            if answered is None:
+                self._pushed_back = event
+                self.hand_back()
+                return False
+            self._inflight += 1
+            self._inflight_ids.add(event.request.toolCallId)
+            self._ready.append(answered)
+        if self.decoder.buffered:  # a partial frame: the task keeps its time
+            self.hand_back()
+            return False
+        if not self._ready:
+            return False
+        # Waiting for the answers' flush is not the client idling: its idle time starts
+        # once they left (answer_parked).
+        self.waiting_until = math.inf
+        return True
+
+    def answer_parked(self, responses: list[Response], taken: list[Answered]) -> None:
+        """Send the answers the multiplexer released for this connection. A frame the
+        socket does not take at once, and every answer after it, is finished by a task
+        of the connection's (under the send lock, within SEND_TIMEOUT_S), and the
+        connection is handed back: its task reads no more of the client's calls until
+        that send is done, as when it sends its own answers."""
+        deferred = False
+        try:
+            for at, response in enumerate(responses):
+                data = encode_response(response)
+                sent = self._send_nowait(data) if self._send_lock.value else 0
+                if sent < len(data):
+                    rest = b"".join((data[sent:], *map(encode_response, responses[at + 1 :])))
+                    deferred = self._finish_send(rest, taken, holding=sent > 0)
+                    self.hand_back()
+                    break
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the client went away; its calls were audited as they ran
+        finally:
+            if not deferred:
+                self.settle_held(taken)
+
+    def settle_held(self, taken: list[Answered]) -> None:
+        """The multiplexer is done with answers it took here: sent, handed to a send,
+        or failed. They leave the calls in flight; the task, if handed back, goes on
+        once none is held (see :meth:`_park`)."""
+        self._inflight -= len(taken)
+        for answered in taken:
+            self._inflight_ids.discard(answered.call_id)
+        self._free_slot()
+        self.held -= len(taken)
+        if not self.held and self._none_held is not None:
+            self._none_held.set()
+            self._none_held = None
+        if self.parked_fd != -1 and not self._inflight:
+            self.waiting_until = trio.current_time() + IDLE_TIMEOUT_S
+
+    def _finish_send(self, rest: bytes, taken: list[Answered], *, holding: bool) -> bool:
+        """Send ``rest`` in a task of the connection's, then settle ``taken``: after a
+        frame's first part (``holding``: the lock is taken now, so no other frame lands
+        in the middle), or once a send that waits is done. False: the connection is
+        ending (its nursery takes no task) and nothing was started."""
+        calls = self._calls
+        if calls is None:
+            return False
+        if holding:
+            self._send_lock.acquire_nowait()
+
+        async def send() -> None:
+            try:
+                if holding:
+                    await self._send_rest(rest)
+                else:
+                    async with self._send_lock:
+                        await self._send_rest(rest)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client went away; its calls were audited as they ran
+            finally:
+                if holding:
+                    self._send_lock.release()
+                self.settle_held(taken)
+
+        try:
+            calls.start_soon(send)
+        except RuntimeError:  # its nursery closes: the connection is ending
+            if holding:
+                self._send_lock.release()
+            return False
+        return True
+
     async def _receive(self, idle: trio.CancelScope, deadline: float) -> bytes:
         """The next bytes from the client; b"" at EOF or when it reset the connection.
 
@@ -466,7 +663,7 @@ class Connection:
         does not fit is sent under the lock, with the timeout, before any other frame.
         """
         data = encode_response(response)
-        if not self._send_lock.locked():
+        if self._send_lock.value:  # free: no other send waits
             sent = self._send_nowait(data)
             if sent == len(data):
                 return
@@ -499,6 +696,121 @@ class Connection:
         if scope.cancelled_caught:
             log.info("client_not_reading", run_id=self.run.run_id, peer_pid=self.peer.pid)
             await trio.aclose_forcefully(self.stream)
+
+
+class Multiplexer:
+    """Two tasks per run that serve the calls of all of its parked connections: one
+    waits for every parked connection at once (a private epoll, itself waited for with
+    ``trio.lowlevel.wait_readable``), reads those that are readable and takes the calls
+    that need no wait through the dispatcher; the other waits for the audit flush each
+    such batch needs and sends its answers, while the first goes on reading. Under load
+    that is one wake-up and one flush wait for the calls of many connections, where a
+    task per connection costs two of each per call.
+
+    A connection is parked only while nothing of its client's is pending
+    (:meth:`Connection._park`); anything else (a frame error, a call that needs a task
+    of its own, a partial frame, EOF) is handed back to the connection's own task, and
+    an answer the socket does not take at once is finished by a task of the
+    connection's.
+
+    Resource handling: a context manager, whose exit closes the epoll; connections
+    unpark themselves as their tasks leave the wait, cancelled or handed back. Answers
+    never sent (the run ended first) are tallied, as a connection's own are. A batch
+    whose release fails (a bug) fails the connections it answers, not the run."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self._dispatcher = dispatcher
+        self._epoll = select.epoll()
+        self._parked: dict[int, Connection] = {}
+        # Batches taken and not yet answered, oldest first (their entries are in seq
+        # order, so each flush wait releases them in order), and the releaser's wake-up
+        # while it waits for one.
+        self._batches: collections.deque[list[tuple[Connection, list[Answered]]]] = (
+            collections.deque()
+        )
+        self._batch_taken: trio.Event | None = None
+
+    def park(self, conn: Connection) -> None:
+        fd = conn.stream.socket.fileno()
+        if fd == -1:
+            conn.hand_back()
+            return
+        self._epoll.register(fd, select.EPOLLIN)
+        self._parked[fd] = conn
+        conn.parked_fd = fd
+
+    def unpark(self, conn: Connection) -> None:
+        fd, conn.parked_fd = conn.parked_fd, -1
+        if fd != -1 and self._parked.get(fd) is conn:
+            del self._parked[fd]
+            with contextlib.suppress(OSError, ValueError):  # closed by now: epoll forgot it
+                self._epoll.unregister(fd)
+
+    def __enter__(self) -> Multiplexer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._epoll.close()
+
+    async def run(self) -> None:
+        """Serve the parked connections until cancelled (the run's serving ends)."""
+        async with trio.open_nursery() as tasks:
+            tasks.start_soon(self._release_loop)
+            await self._take_loop()
+
+    async def _take_loop(self) -> None:
+        audit = self._dispatcher.audit
+        while True:
+            await trio.lowlevel.wait_readable(self._epoll.fileno())
+            batch: list[tuple[Connection, list[Answered]]] = []
+            for fd, _ in self._epoll.poll(0):
+                conn = self._parked.get(fd)
+                if conn is None:
+                    continue
+                try:
+                    if conn.take_readable():
+                        # The multiplexer's now: the releaser answers and tallies them.
+                        batch.append((conn, conn._ready))
+                        conn.held += len(conn._ready)
+                        conn._ready = []
+                except Exception as exc:  # the connection's task logs it and closes
+                    conn._multiplexer_error = exc
+                    conn.hand_back()
+            if batch:
+                # Flushed now, while the releaser may still wait for an earlier batch.
+                audit.flush_soon(max(a.seq for _, ready in batch for a in ready))
+                self._batches.append(batch)
+                if self._batch_taken is not None:
+                    self._batch_taken.set()
+
+    async def _release_loop(self) -> None:
+        try:
+            while True:
+                while not self._batches:
+                    self._batch_taken = trio.Event()
+                    await self._batch_taken.wait()
+                    self._batch_taken = None
+                batch = self._batches.popleft()
+                settled = 0  # connections whose answers answer_parked took (and settled)
+                try:
+                    responses = await self._dispatcher.release(
+                        [a for _, ready in batch for a in ready]
+                    )
+                    at = 0
+                    for conn, ready in batch:
+                        settled += 1
+                        conn.answer_parked(responses[at : at + len(ready)], ready)
+                        at += len(ready)
+                except Exception as exc:
+                    log.exception("multiplexer_release_failed", run_id=batch[0][0].run.run_id)
+                    for conn, ready in batch[settled:]:  # their tasks log it and close
+                        conn._multiplexer_error = exc
+                        conn.hand_back()
+                        conn.settle_held(ready)
+        finally:
+            for batch in self._batches:  # never to be sent: still counted
+                self._dispatcher.drop([a for _, ready in batch for a in ready])
+            self._batches.clear()
 
 
 class RefusalThrottle:
@@ -593,24 +905,32 @@ async def _accept_loop(
         finally:
             serving.discard(conn)
 
-    async with listener, trio.open_nursery() as connections:
-        connections.start_soon(_sweep_idle, serving)
-        run.move_to(RunState.SERVING)
-        task_status.started()
-        while True:
-            stream = await accept_retrying(listener, "accept_failed", run.run_id)
-            try:
-                conn = Connection(stream, run, dispatcher, max_frame_bytes=max_frame_bytes)
-            except OSError:
-                await trio.aclose_forcefully(stream)
-                continue
-            if sandbox is not None and not sandbox.owns_peer(conn.peer.pid):
-                connections.start_soon(conn.refuse_outsider, throttle)
-                continue
-            if len(serving) >= MAX_CONNECTIONS_PER_RUN:
-                connections.start_soon(conn.refuse_over_limit, throttle)
-                continue
-            connections.start_soon(serve_one, conn)
+    with Multiplexer(dispatcher) as multiplexer:
+        async with listener, trio.open_nursery() as connections:
+            connections.start_soon(_sweep_idle, serving)
+            connections.start_soon(multiplexer.run)
+            run.move_to(RunState.SERVING)
+            task_status.started()
+            while True:
+                stream = await accept_retrying(listener, "accept_failed", run.run_id)
+                try:
+                    conn = Connection(
+                        stream,
+                        run,
+                        dispatcher,
+                        max_frame_bytes=max_frame_bytes,
+                        multiplexer=multiplexer,
+                    )
+                except OSError:
+                    await trio.aclose_forcefully(stream)
+                    continue
+                if sandbox is not None and not sandbox.owns_peer(conn.peer.pid):
+                    connections.start_soon(conn.refuse_outsider, throttle)
+                    continue
+                if len(serving) >= MAX_CONNECTIONS_PER_RUN:
+                    connections.start_soon(conn.refuse_over_limit, throttle)
+                    continue
+                connections.start_soon(serve_one, conn)
 
 
 async def _sweep_idle(serving: set[Connection]) -> None:

@@ -99,15 +99,28 @@ class Watch:
             return seq
 
         send = server.Connection._send
+        answer_parked = server.Connection.answer_parked
 
         async def watched_send(conn: server.Connection, response: Response) -> None:
-            seq = self.result_seq.get(response.toolCallId)
-            on_disk = seq is not None and seq in self._seqs_in_file()
-            self.at_send[response.toolCallId] = (seq, self.audit.durable_seq, on_disk)
+            self._sending(response)
             await send(conn, response)
+
+        # The run's multiplexer sends the answers it released itself.
+        def watched_answer_parked(
+            conn: server.Connection, responses: list[Response], taken: list[Any]
+        ) -> None:
+            for response in responses:
+                self._sending(response)
+            answer_parked(conn, responses, taken)
 
         monkeypatch.setattr(audit, "record", recording)
         monkeypatch.setattr(server.Connection, "_send", watched_send)
+        monkeypatch.setattr(server.Connection, "answer_parked", watched_answer_parked)
+
+    def _sending(self, response: Response) -> None:
+        seq = self.result_seq.get(response.toolCallId)
+        on_disk = seq is not None and seq in self._seqs_in_file()
+        self.at_send[response.toolCallId] = (seq, self.audit.durable_seq, on_disk)
 
     def _seqs_in_file(self) -> set[int]:
         return seqs_in_file(self.audit.path)

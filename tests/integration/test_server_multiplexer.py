@@ -1,0 +1,185 @@
+"""The run's multiplexer on real sockets of an in-process daemon: the calls of many
+parked connections are taken and answered together, each exactly once; whatever it
+does not take (a frame error, a call that needs a task, EOF) goes back to the
+connection's own task, in order; and a parked client that stops reading is held to
+the send timeout without holding up the other connections."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from gatewayd import server
+from gatewayd.audit import read_entries
+from gatewayd.dispatch import Answered, Dispatcher
+from gatewayd.protocol import Response
+from tests.conftest import frame, make_gateway, read_frame, request
+from tests.integration.test_server_now import gate_tools, spy_on_handle
+
+POLICY = """
+version: 1
+name: multiplexer-tests
+tools: {allow: [time.now, tools.list, test.wait, test.open]}
+limits: {call_timeout_s: 10, calls_per_second: 100000, burst: 100000, max_concurrent_calls: 4}
+"""
+
+
+def spy_on_release(monkeypatch: pytest.MonkeyPatch) -> list[list[Answered]]:
+    """Every batch ``Dispatcher.release`` was given."""
+    batches: list[list[Answered]] = []
+    original = Dispatcher.release
+
+    async def release(self: Dispatcher, answered: list[Answered]) -> list[Response]:
+        batches.append(list(answered))
+        return await original(self, answered)
+
+    monkeypatch.setattr(Dispatcher, "release", release)
+    return batches
+
+
+async def test_calls_of_many_connections_are_answered_together_and_each_once(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches = spy_on_release(monkeypatch)
+    conns, calls = 40, 25
+    async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        answers: list[dict[str, Any]] = []
+
+        async def client(i: int) -> None:
+            stream = await trio.open_unix_socket(str(run.socket_path))
+            async with stream:
+                buf = bytearray()
+                for j in range(calls):
+                    await stream.send_all(frame(request(run, "time.now", tcid=f"c{i}-{j}")))
+                    msg = await read_frame(stream, buf)
+                    assert msg is not None and msg["toolCallId"] == f"c{i}-{j}"
+                    answers.append(msg)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(conns):
+                    nursery.start_soon(client, i)
+        log = gw.daemon.audit.path
+    assert len(answers) == conns * calls and all(a["ok"] for a in answers)
+    assert len({a["toolCallId"] for a in answers}) == conns * calls
+    # One release (one flush wait) served the calls of several connections at once.
+    assert len(batches) < conns * calls
+    assert max(len({a.call_id.split("-")[0] for a in b if a.call_id}) for b in batches) > 1
+    entries = [e for e in read_entries(log) if e.get("tool") == "time.now"]
+    kinds = Counter(e["kind"] for e in entries if e["runId"] == run.run_id)
+    assert kinds == {"call": conns * calls, "result": conns * calls}
+
+
+async def test_what_the_multiplexer_does_not_take_goes_back_to_the_connection_in_order(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handled = spy_on_handle(monkeypatch)
+    async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        async with stream:
+            buf = bytearray()
+
+            async def call(payload: bytes) -> dict[str, Any]:
+                await stream.send_all(payload)
+                with trio.fail_after(10):
+                    msg = await read_frame(stream, buf)
+                assert msg is not None
+                return msg
+
+            # Each is sent once the answer before it is read: the connection is parked
+            # in the multiplexer each time.
+            first = await call(frame(request(run, "time.now", tcid="t1")))
+            bad = await call(frame(b'{"v": 1, "toolCallId": "b1", "tool": '))
+            opened = await call(frame(request(run, "test.open", tcid="o1")))
+            # Taken answers, then a call that needs its task, in one read: the taken
+            # answer leaves first, then the task's.
+            await stream.send_all(
+                frame(request(run, "time.now", tcid="t2"))
+                + frame(request(run, "test.wait", tcid="w1"))
+            )
+            with trio.fail_after(10):
+                pair = [await read_frame(stream, buf), await read_frame(stream, buf)]
+            last = await call(frame(request(run, "time.now", tcid="t3")))
+    assert first["ok"] and first["toolCallId"] == "t1"
+    assert not bad["ok"] and bad["errorCode"] == "bad_request"
+    assert opened["ok"] and opened["toolCallId"] == "o1"
+    assert [m and m["toolCallId"] for m in pair] == ["t2", "w1"]
+    assert all(m and m["ok"] for m in pair)
+    assert last["ok"] and last["toolCallId"] == "t3"
+    assert handled == ["test.open", "test.wait"]  # only these took a task
+
+
+async def test_a_half_closed_parked_client_gets_its_answers_before_the_close(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        for attempt in range(20):  # the EOF is read in the same round as the call, or later
+            stream = await trio.open_unix_socket(str(run.socket_path))
+            async with stream:
+                await trio.sleep(0.01)  # parked before the call arrives
+                await stream.send_all(frame(request(run, "time.now", tcid=f"h{attempt}")))
+                await stream.send_eof()
+                buf = bytearray()
+                with trio.fail_after(10):
+                    msg = await read_frame(stream, buf)
+                    assert await read_frame(stream, buf) is None  # then the close
+            assert msg is not None and msg["ok"] and msg["toolCallId"] == f"h{attempt}"
+
+
+async def test_a_parked_client_that_stops_reading_is_dropped_and_holds_up_nobody(
+    short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "SEND_TIMEOUT_S", 0.5)
+    async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        hog = await trio.open_unix_socket(str(run.socket_path))
+        sent = 0
+        async with hog:
+            # Rounds of calls under the per-connection cap, never reading: each round
+            # is taken by the multiplexer until the answers no longer fit the socket.
+            with trio.move_on_after(3):
+                while True:
+                    burst = b"".join(
+                        frame(request(run, "tools.list", tcid=f"h{sent + i}")) for i in range(16)
+                    )
+                    try:
+                        await hog.send_all(burst)
+                    except trio.BrokenResourceError:
+                        break  # dropped: it did not read for the send timeout
+                    sent += 16
+                    await trio.sleep(0.005)
+            # Meanwhile, and after, another connection is served at once.
+            other = await trio.open_unix_socket(str(run.socket_path))
+            async with other:
+                buf = bytearray()
+                for i in range(20):
+                    await other.send_all(frame(request(run, "time.now", tcid=f"o{i}")))
+                    with trio.fail_after(2):
+                        msg = await read_frame(other, buf)
+                    assert msg is not None and msg["ok"]
+            # The hog was dropped after the send timeout: what it reads is whole frames,
+            # each answered once, then EOF (or a reset: its unread calls were queued).
+            got: list[str] = []
+            buf = bytearray()
+            with trio.fail_after(10):
+                try:
+                    while (msg := await read_frame(hog, buf)) is not None:
+                        got.append(msg["toolCallId"])
+                except trio.BrokenResourceError:
+                    pass
+        log = gw.daemon.audit.path
+    assert len(got) == len(set(got)) < sent
+    # Backpressure: once its answers stopped leaving, the daemon stopped taking its
+    # calls: every call it took has its result entry, and it took far fewer than sent.
+    entries = [e for e in read_entries(log) if e.get("tool") == "tools.list"]
+    taken = {e["toolCallId"] for e in entries if e["kind"] == "call"}
+    assert taken == {e["toolCallId"] for e in entries if e["kind"] == "result"}
+    # (Here about 100 of the 900 or so sent: what the socket buffers hold.)
+    assert set(got) <= taken and 4 * len(taken) < sent
