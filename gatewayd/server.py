@@ -437,16 +437,14 @@ class Connection:
         if self._handed_back is not None:
             self._handed_back.set()
 
-    def take_readable(self) -> bool:
+    def take_readable(self, fd: int) -> bool:
         """The multiplexer found the socket readable: read it and take each whole frame
         through :meth:`Dispatcher.handle_now` as the read loop would. Returns whether
         the connection stays parked with answers to release (``_ready``); hands it back
         (returns False) at anything else: a frame error, a call that needs its own task
-        or a free slot, a duplicate id, a partial frame, EOF or a failed read."""
-        fd = self.stream.socket.fileno()
-        if fd == -1:
-            self.hand_back()
-            return False
+        or a free slot, a duplicate id, a partial frame, EOF or a failed read. ``fd``:
+        the socket's descriptor, as parked (a parked connection's stream is open: only
+        a task of its own closes it, and the multiplexer hands it back first)."""
         try:
             data = os.read(fd, RECV_CHUNK)
         except BlockingIOError:
@@ -768,7 +766,7 @@ class Multiplexer:
                 if conn is None:
                     continue
                 try:
-                    if conn.take_readable():
+                    if conn.take_readable(fd):
                         # The multiplexer's now: the releaser answers and tallies them.
                         batch.append((conn, conn._ready))
                         conn.held += len(conn._ready)
