@@ -5,12 +5,12 @@ A call that needs no wait on its way (no I/O: ``tools.list``, ``time.now``, a re
 :meth:`Dispatcher.handle_now`) is taken through the chokepoint without a task of its
 own, and the answers of the calls taken together leave together once their shared
 audit flush is durable; any other call gets a task of its own, so it never holds up
-the calls behind it. A connection with nothing of its client's pending waits in its
-run's :class:`Multiplexer`, which takes the calls of every such connection that is
-readable in one pass and answers them after one flush wait; whatever it does not take
-goes back to the connection's own task. The socket is read directly (non-blocking
-reads and ``trio.lowlevel.wait_readable``): trio's stream classes cost more per read
-than the rest of the loop.
+the calls behind it. A connection with nothing of its client's pending, of a run with
+more than one connection open, waits in its run's :class:`Multiplexer`, which takes the
+calls of every such connection that is readable in one pass and answers them after one
+flush wait; whatever it does not take goes back to the connection's own task. The
+socket is read directly (non-blocking reads and ``trio.lowlevel.wait_readable``):
+trio's stream classes cost more per read than the rest of the loop.
 
 Resource handling: every connection is owned by its run's nursery and every call that
 waits by its connection's nursery; a handler catches its own errors and closes its
@@ -242,13 +242,16 @@ class Connection:
                         self._park_next = True
                     elif (
                         self._multiplexer is not None
+                        and self._multiplexer.shared
                         and partial_since is None
                         and not self.decoder.buffered
                         and not self._inflight
                     ):
-                        # Nothing of the client's is pending here: wait for it in the
-                        # run's multiplexer, which serves the calls that need no wait
-                        # without this task; anything else comes back to this loop.
+                        # Nothing of the client's is pending here, and another
+                        # connection of the run is open: wait for it in the run's
+                        # multiplexer, which serves the calls that need no wait without
+                        # this task; anything else comes back to this loop. (A lone
+                        # connection reads its own socket: one task fewer per call.)
                         await self._park()
                         continue
                     if partial_since is not None:
@@ -705,19 +708,20 @@ class Multiplexer:
     that is one wake-up and one flush wait for the calls of many connections, where a
     task per connection costs two of each per call.
 
-    A connection is parked only while nothing of its client's is pending
-    (:meth:`Connection._park`); anything else (a frame error, a call that needs a task
-    of its own, a partial frame, EOF) is handed back to the connection's own task, and
-    an answer the socket does not take at once is finished by a task of the
-    connection's.
+    A connection is parked only while nothing of its client's is pending and another
+    connection of the run is open (:meth:`Connection._park`); anything else (a frame
+    error, a call that needs a task of its own, a partial frame, EOF) is handed back to
+    the connection's own task, and an answer the socket does not take at once is
+    finished by a task of the connection's.
 
     Resource handling: a context manager, whose exit closes the epoll; connections
     unpark themselves as their tasks leave the wait, cancelled or handed back. Answers
     never sent (the run ended first) are tallied, as a connection's own are. A batch
     whose release fails (a bug) fails the connections it answers, not the run."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: Dispatcher, serving: set[Connection]) -> None:
         self._dispatcher = dispatcher
+        self._serving = serving  # the run's connections being served
         self._epoll = select.epoll()
         self._parked: dict[int, Connection] = {}
         # Batches taken and not yet answered, oldest first (their entries are in seq
@@ -727,6 +731,13 @@ class Multiplexer:
             collections.deque()
         )
         self._batch_taken: trio.Event | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Does the run have more than one connection? Only then is waiting here cheaper
+        than a connection's own wait: with one, the multiplexer's pass is a task step
+        more per call."""
+        return len(self._serving) > 1
 
     def park(self, conn: Connection) -> None:
         fd = conn.stream.socket.fileno()
@@ -903,7 +914,7 @@ async def _accept_loop(
         finally:
             serving.discard(conn)
 
-    with Multiplexer(dispatcher) as multiplexer:
+    with Multiplexer(dispatcher, serving) as multiplexer:
         async with listener, trio.open_nursery() as connections:
             connections.start_soon(_sweep_idle, serving)
             connections.start_soon(multiplexer.run)

@@ -2,7 +2,9 @@
 parked connections are taken and answered together, each exactly once; whatever it
 does not take (a frame error, a call that needs a task, EOF) goes back to the
 connection's own task, in order; and a parked client that stops reading is held to
-the send timeout without holding up the other connections."""
+the send timeout without holding up the other connections. A connection parks only
+while another connection of its run is open: the tests that watch one connection keep
+a second one open, idle."""
 
 from __future__ import annotations
 
@@ -17,15 +19,43 @@ from gatewayd import server
 from gatewayd.audit import read_entries
 from gatewayd.dispatch import Answered, Dispatcher
 from gatewayd.protocol import Response
+from gatewayd.tools import builtin_tools
+from gatewayd.tools.builtin import builtin_tool
+from gatewayd.tools.registry import ToolContext, ToolRegistry
 from tests.conftest import frame, make_gateway, read_frame, request
-from tests.integration.test_server_now import gate_tools, spy_on_handle
+from tests.integration.test_server_now import _NoArgs, gate_tools, spy_on_handle
 
 POLICY = """
 version: 1
 name: multiplexer-tests
-tools: {allow: [time.now, tools.list, test.wait, test.open]}
-limits: {call_timeout_s: 10, calls_per_second: 100000, burst: 100000, max_concurrent_calls: 4}
+tools: {allow: [time.now, tools.list, test.wait, test.open, test.big]}
+limits: {call_timeout_s: 10, calls_per_second: 100000, burst: 100000, max_concurrent_calls: 4,
+  max_output_bytes: 4000000}
 """
+# An answer of several socket buffers, made at once (no I/O: the multiplexer takes it).
+BIG_CHARS = 900_000
+
+
+def big_tools() -> ToolRegistry:
+    def big(_args: _NoArgs, _ctx: ToolContext) -> Any:
+        return "x" * BIG_CHARS
+
+    async def run(args: _NoArgs, ctx: ToolContext) -> Any:
+        return big(args, ctx)
+
+    return ToolRegistry(
+        (
+            *builtin_tools().values(),
+            builtin_tool(
+                name="test.big",
+                summary="a big answer",
+                args_type=_NoArgs,
+                run=run,
+                side_effects=False,
+                immediate=big,
+            ),
+        )
+    )
 
 
 def spy_on_release(monkeypatch: pytest.MonkeyPatch) -> list[list[Answered]]:
@@ -79,10 +109,12 @@ async def test_what_the_multiplexer_does_not_take_goes_back_to_the_connection_in
     short_tmp: Path, workspace: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     handled = spy_on_handle(monkeypatch)
+    batches = spy_on_release(monkeypatch)
     async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
         run = await gw.create_run(workspace, POLICY)
+        idle = await trio.open_unix_socket(str(run.socket_path))
         stream = await trio.open_unix_socket(str(run.socket_path))
-        async with stream:
+        async with idle, stream:
             buf = bytearray()
 
             async def call(payload: bytes) -> dict[str, Any]:
@@ -113,6 +145,9 @@ async def test_what_the_multiplexer_does_not_take_goes_back_to_the_connection_in
     assert all(m and m["ok"] for m in pair)
     assert last["ok"] and last["toolCallId"] == "t3"
     assert handled == ["test.open", "test.wait"]  # only these took a task
+    # The calls answered at once went through the multiplexer's releases.
+    released = {a.call_id for batch in batches for a in batch}
+    assert {"t1", "t3"} <= released
 
 
 async def test_a_half_closed_parked_client_gets_its_answers_before_the_close(
@@ -120,6 +155,7 @@ async def test_a_half_closed_parked_client_gets_its_answers_before_the_close(
 ) -> None:
     async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
         run = await gw.create_run(workspace, POLICY)
+        idle = await trio.open_unix_socket(str(run.socket_path))
         for attempt in range(20):  # the EOF is read in the same round as the call, or later
             stream = await trio.open_unix_socket(str(run.socket_path))
             async with stream:
@@ -131,6 +167,39 @@ async def test_a_half_closed_parked_client_gets_its_answers_before_the_close(
                     msg = await read_frame(stream, buf)
                     assert await read_frame(stream, buf) is None  # then the close
             assert msg is not None and msg["ok"] and msg["toolCallId"] == f"h{attempt}"
+        await idle.aclose()
+
+
+async def test_an_answer_over_the_socket_buffer_is_finished_whole_before_the_next_one(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, big_tools()) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        other = await trio.open_unix_socket(str(run.socket_path))
+        stream = await trio.open_unix_socket(str(run.socket_path))
+        async with other, stream:
+            await trio.sleep(0.05)  # both parked
+            # The big answer goes out in parts, from a task of the connection's; the
+            # small ones after it must not land in its middle.
+            await stream.send_all(
+                frame(request(run, "test.big", tcid="big"))
+                + b"".join(frame(request(run, "time.now", tcid=f"t{i}")) for i in range(5))
+            )
+            await trio.sleep(0.2)  # the small answers queue behind the big one
+            buf = bytearray()
+            got: dict[str, Any] = {}
+            with trio.fail_after(10):
+                while len(got) < 6:
+                    msg = await read_frame(stream, buf)
+                    assert msg is not None
+                    got[msg["toolCallId"]] = msg
+            # The connection goes on being served afterwards.
+            await stream.send_all(frame(request(run, "time.now", tcid="after")))
+            with trio.fail_after(10):
+                after = await read_frame(stream, buf)
+    assert got["big"]["value"] == "x" * BIG_CHARS
+    assert all(got[f"t{i}"]["ok"] for i in range(5))
+    assert after is not None and after["ok"] and after["toolCallId"] == "after"
 
 
 async def test_a_parked_client_that_stops_reading_is_dropped_and_holds_up_nobody(
@@ -139,9 +208,11 @@ async def test_a_parked_client_that_stops_reading_is_dropped_and_holds_up_nobody
     monkeypatch.setattr(server, "SEND_TIMEOUT_S", 0.5)
     async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
         run = await gw.create_run(workspace, POLICY)
+        # Opened first, so the hog waits in the multiplexer from its first call.
+        other = await trio.open_unix_socket(str(run.socket_path))
         hog = await trio.open_unix_socket(str(run.socket_path))
         sent = 0
-        async with hog:
+        async with hog, other:
             # Rounds of calls under the per-connection cap, never reading: each round
             # is taken by the multiplexer until the answers no longer fit the socket.
             with trio.move_on_after(3):
@@ -155,15 +226,13 @@ async def test_a_parked_client_that_stops_reading_is_dropped_and_holds_up_nobody
                         break  # dropped: it did not read for the send timeout
                     sent += 16
                     await trio.sleep(0.005)
-            # Meanwhile, and after, another connection is served at once.
-            other = await trio.open_unix_socket(str(run.socket_path))
-            async with other:
-                buf = bytearray()
-                for i in range(20):
-                    await other.send_all(frame(request(run, "time.now", tcid=f"o{i}")))
-                    with trio.fail_after(2):
-                        msg = await read_frame(other, buf)
-                    assert msg is not None and msg["ok"]
+            # Meanwhile, and after, the other connection is served at once.
+            buf = bytearray()
+            for i in range(20):
+                await other.send_all(frame(request(run, "time.now", tcid=f"o{i}")))
+                with trio.fail_after(2):
+                    msg = await read_frame(other, buf)
+                assert msg is not None and msg["ok"]
             # The hog was dropped after the send timeout: what it reads is whole frames,
             # each answered once, then EOF (or a reset: its unread calls were queued).
             got: list[str] = []
