@@ -714,15 +714,21 @@ class Multiplexer:
     the connection's own task, and an answer the socket does not take at once is
     finished by a task of the connection's.
 
-    Resource handling: a context manager, whose exit closes the epoll; connections
-    unpark themselves as their tasks leave the wait, cancelled or handed back. Answers
+    Resource handling: the epoll is made at the first park and closed while unused
+    (:meth:`close_if_unused`) or at the context manager's exit; connections unpark
+    themselves as their tasks leave the wait, cancelled or handed back. Answers
     never sent (the run ended first) are tallied, as a connection's own are. A batch
     whose release fails (a bug) fails the connections it answers, not the run."""
 
     def __init__(self, dispatcher: Dispatcher, serving: set[Connection]) -> None:
         self._dispatcher = dispatcher
         self._serving = serving  # the run's connections being served
-        self._epoll = select.epoll()
+        # Made at the first park and closed once no connection is parked and the run
+        # has one connection or none (a descriptor per run only while it is of use: a
+        # daemon's descriptors bound how many runs it holds), and the take loop's
+        # wake-up while there is none.
+        self._epoll: select.epoll | None = None
+        self._epoll_made = trio.Event()
         self._parked: dict[int, Connection] = {}
         # Batches taken and not yet answered, oldest first (their entries are in seq
         # order, so each flush wait releases them in order), and the releaser's wake-up
@@ -744,6 +750,9 @@ class Multiplexer:
         if fd == -1:
             conn.hand_back()
             return
+        if self._epoll is None:
+            self._epoll = select.epoll()
+            self._epoll_made.set()
         self._epoll.register(fd, select.EPOLLIN)
         self._parked[fd] = conn
         conn.parked_fd = fd
@@ -752,14 +761,29 @@ class Multiplexer:
         fd, conn.parked_fd = conn.parked_fd, -1
         if fd != -1 and self._parked.get(fd) is conn:
             del self._parked[fd]
-            with contextlib.suppress(OSError, ValueError):  # closed by now: epoll forgot it
-                self._epoll.unregister(fd)
+            if self._epoll is not None:
+                with contextlib.suppress(OSError):  # closed by now: epoll forgot it
+                    self._epoll.unregister(fd)
+        self.close_if_unused()
+
+    def close_if_unused(self) -> None:
+        """Close the epoll when no connection is parked and the run has at most one
+        (called as connections unpark and leave)."""
+        epoll = self._epoll
+        if epoll is None or self._parked or self.shared:
+            return
+        self._epoll = None
+        self._epoll_made = trio.Event()
+        trio.lowlevel.notify_closing(epoll.fileno())  # the take loop's wait ends
+        epoll.close()
 
     def __enter__(self) -> Multiplexer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._epoll.close()
+        if self._epoll is not None:
+            self._epoll.close()
+            self._epoll = None
 
     async def run(self) -> None:
         """Serve the parked connections until cancelled (the run's serving ends)."""
@@ -770,9 +794,18 @@ class Multiplexer:
     async def _take_loop(self) -> None:
         audit = self._dispatcher.audit
         while True:
-            await trio.lowlevel.wait_readable(self._epoll.fileno())
+            epoll = self._epoll
+            if epoll is None:
+                await self._epoll_made.wait()
+                continue
+            try:
+                await trio.lowlevel.wait_readable(epoll.fileno())
+            except trio.ClosedResourceError:
+                continue  # closed while unused (close_if_unused)
+            if epoll is not self._epoll:
+                continue  # closed after it became readable: nothing parked there
             batch: list[tuple[Connection, list[Answered]]] = []
-            for fd, _ in self._epoll.poll(0):
+            for fd, _ in epoll.poll(0):
                 conn = self._parked.get(fd)
                 if conn is None:
                     continue
@@ -913,6 +946,7 @@ async def _accept_loop(
             await conn.serve()
         finally:
             serving.discard(conn)
+            multiplexer.close_if_unused()
 
     with Multiplexer(dispatcher, serving) as multiplexer:
         async with listener, trio.open_nursery() as connections:

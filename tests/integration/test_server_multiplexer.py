@@ -8,6 +8,7 @@ a second one open, idle."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,40 @@ async def test_calls_of_many_connections_are_answered_together_and_each_once(
     entries = [e for e in read_entries(log) if e.get("tool") == "time.now"]
     kinds = Counter(e["kind"] for e in entries if e["runId"] == run.run_id)
     assert kinds == {"call": conns * calls, "result": conns * calls}
+
+
+def epolls() -> int:
+    """The epoll instances this process holds open (trio's own among them)."""
+    fds = os.listdir("/proc/self/fd")
+    links = []
+    for fd in fds:
+        try:
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue  # closed since the listing (the listing's own descriptor)
+    return sum(link == "anon_inode:[eventpoll]" for link in links)
+
+
+async def test_the_multiplexer_holds_a_descriptor_only_while_connections_share_it(
+    short_tmp: Path, workspace: Path
+) -> None:
+    async with make_gateway(short_tmp, gate_tools(trio.Event())) as gw:
+        run = await gw.create_run(workspace, POLICY)
+        before = epolls()
+        for round_ in range(2):  # made again after it was closed
+            one = await trio.open_unix_socket(str(run.socket_path))
+            two = await trio.open_unix_socket(str(run.socket_path))
+            async with one, two:
+                for i, stream in enumerate((one, two)):
+                    await stream.send_all(frame(request(run, "time.now", tcid=f"r{round_}-{i}")))
+                    with trio.fail_after(10):
+                        msg = await read_frame(stream, bytearray())
+                    assert msg is not None and msg["ok"]
+                await trio.sleep(0.05)  # both parked again
+                assert epolls() == before + 1
+            with trio.fail_after(10):
+                while epolls() != before:  # both gone: closed
+                    await trio.sleep(0.01)
 
 
 async def test_what_the_multiplexer_does_not_take_goes_back_to_the_connection_in_order(
