@@ -467,6 +467,16 @@ class Dispatcher:
             _CALL_SPAN.reset(token)
             span.end()
 
+    def answers_at_once(self, run: Run) -> bool:
+        """Can any call of ``run`` be answered at once (:meth:`handle_now`)? Not with
+        tracing on, with answers that do not wait for their result entries, or with a
+        policy that marks calls for approval: then it says None to every call."""
+        return (
+            self.tracer is None
+            and self.reply_after_result
+            and not run.spec.policy.approvals.required
+        )
+
     def handle_now(self, run: Run, req: Request, peer: Peer) -> Answered | None:
         """Take one request through every step at once, if it needs no wait on the way:
         the call's answer (recorded, not yet durable), or None, having done nothing

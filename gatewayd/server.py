@@ -188,6 +188,10 @@ class Connection:
         # The nursery of the connection's calls (while it serves): the tasks that finish
         # the multiplexer's sends that did not go out at once.
         self._calls: trio.Nursery | None = None
+        # Answers of the multiplexer's waiting to be sent, in order, by one task of the
+        # connection's (None: no such task; see _to_outbox), each with the calls it
+        # settles once sent.
+        self._outbox: collections.deque[tuple[bytes, list[Answered]]] | None = None
         self.parked_fd = -1  # the descriptor the multiplexer waits for (-1: none)
         # Answers the multiplexer took for this connection and has not sent yet, and
         # the handed-back task's wait for them: so every answer taken before a
@@ -243,6 +247,7 @@ class Connection:
                     elif (
                         self._multiplexer is not None
                         and self._multiplexer.shared
+                        and self.dispatcher.answers_at_once(self.run)
                         and partial_since is None
                         and not self.decoder.buffered
                         and not self._inflight
@@ -281,6 +286,9 @@ class Connection:
                 if call_id in self._inflight_ids:
                     # Two answers with one id could not be told apart: the second call
                     # is refused (and audited); the first goes on.
+                    # The first call's answer leaves first: the client reads the two
+                    # in the order it sent them.
+                    await self._release_ready()
                     duplicate = FrameError(
                         code=ErrorCode.BAD_REQUEST,
                         message=f"toolCallId {call_id!r} is already in flight on this "
@@ -448,6 +456,9 @@ class Connection:
         or a free slot, a duplicate id, a partial frame, EOF or a failed read. ``fd``:
         the socket's descriptor, as parked (a parked connection's stream is open: only
         a task of its own closes it, and the multiplexer hands it back first)."""
+        if fd != self.parked_fd:  # not parked on this descriptor: never read another's
+            self.hand_back()
+            return False
         try:
             data = os.read(fd, RECV_CHUNK)
         except BlockingIOError:
@@ -492,25 +503,26 @@ class Connection:
 
     def answer_parked(self, responses: list[Response], taken: list[Answered]) -> None:
         """Send the answers the multiplexer released for this connection. A frame the
-        socket does not take at once, and every answer after it, is finished by a task
-        of the connection's (under the send lock, within SEND_TIMEOUT_S), and the
-        connection is handed back: its task reads no more of the client's calls until
-        that send is done, as when it sends its own answers."""
-        deferred = False
+        socket does not take at once, and every answer after it, goes to the
+        connection's outbox, sent in order by one task of the connection's (under the
+        send lock, within SEND_TIMEOUT_S), and the connection is handed back: its task
+        reads no more of the client's calls until the outbox is empty, as when it sends
+        its own answers. Every frame is encoded before the first is written (an
+        encoding that fails writes nothing and settles nothing: the caller fails the
+        connection)."""
+        frames = [encode_response(response) for response in responses]
         try:
-            for at, response in enumerate(responses):
-                data = encode_response(response)
-                sent = self._send_nowait(data) if self._send_lock.value else 0
+            for at, data in enumerate(frames):
+                free = self._outbox is None and self._send_lock.value
+                sent = self._send_nowait(data) if free else 0
                 if sent < len(data):
-                    rest = b"".join((data[sent:], *map(encode_response, responses[at + 1 :])))
-                    deferred = self._finish_send(rest, taken, holding=sent > 0)
-                    self.hand_back()
+                    if self._to_outbox(b"".join((data[sent:], *frames[at + 1 :])), taken):
+                        self.hand_back()
+                        return  # the outbox's task settles them
                     break
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away; its calls were audited as they ran
-        finally:
-            if not deferred:
-                self.settle_held(taken)
+        self.settle_held(taken)
 
     def settle_held(self, taken: list[Answered]) -> None:
         """The multiplexer is done with answers it took here: sent, handed to a send,
@@ -527,34 +539,49 @@ class Connection:
         if self.parked_fd != -1 and not self._inflight:
             self.waiting_until = trio.current_time() + IDLE_TIMEOUT_S
 
-    def _finish_send(self, rest: bytes, taken: list[Answered], *, holding: bool) -> bool:
-        """Send ``rest`` in a task of the connection's, then settle ``taken``: after a
-        frame's first part (``holding``: the lock is taken now, so no other frame lands
-        in the middle), or once a send that waits is done. False: the connection is
-        ending (its nursery takes no task) and nothing was started."""
+    def _to_outbox(self, rest: bytes, taken: list[Answered]) -> bool:
+        """Queue ``rest`` (a frame's remainder, or whole frames) to be sent after what
+        the outbox holds, by its one task, which then settles ``taken``. The send lock
+        is taken now when free, so no other frame lands in the middle of a frame begun
+        here. False: the connection is ending (its nursery takes no task) and nothing
+        was queued."""
+        if self._outbox is not None:
+            self._outbox.append((rest, taken))
+            return True
         calls = self._calls
         if calls is None:
             return False
+        holding = bool(self._send_lock.value)
         if holding:
             self._send_lock.acquire_nowait()
+        outbox = self._outbox = collections.deque([(rest, taken)])
 
-        async def send() -> None:
+        async def drain() -> None:
             try:
-                if holding:
-                    await self._send_rest(rest)
-                else:
-                    async with self._send_lock:
-                        await self._send_rest(rest)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the client went away; its calls were audited as they ran
-            finally:
-                if holding:
+                if not holding:
+                    await self._send_lock.acquire()
+                try:
+                    while outbox:
+                        data, settled = outbox[0]
+                        # A client gone away: its calls were audited as they ran.
+                        with contextlib.suppress(
+                            trio.BrokenResourceError, trio.ClosedResourceError
+                        ):
+                            await self._send_rest(data)
+                        outbox.popleft()
+                        self.settle_held(settled)
+                finally:
                     self._send_lock.release()
-                self.settle_held(taken)
+            finally:
+                self._outbox = None
+                for _, settled in outbox:  # cancelled: never to be sent
+                    self.settle_held(settled)
+                outbox.clear()
 
         try:
-            calls.start_soon(send)
+            calls.start_soon(drain)
         except RuntimeError:  # its nursery closes: the connection is ending
+            self._outbox = None
             if holding:
                 self._send_lock.release()
             return False
@@ -807,7 +834,9 @@ class Multiplexer:
             batch: list[tuple[Connection, list[Answered]]] = []
             for fd, _ in epoll.poll(0):
                 conn = self._parked.get(fd)
-                if conn is None:
+                if conn is None:  # not ours (cannot be): never wake for it again
+                    with contextlib.suppress(OSError):
+                        epoll.unregister(fd)
                     continue
                 try:
                     if conn.take_readable(fd):
@@ -833,15 +862,15 @@ class Multiplexer:
                     await self._batch_taken.wait()
                     self._batch_taken = None
                 batch = self._batches.popleft()
-                settled = 0  # connections whose answers answer_parked took (and settled)
+                settled = 0  # connections whose answers answer_parked took
                 try:
                     responses = await self._dispatcher.release(
                         [a for _, ready in batch for a in ready]
                     )
                     at = 0
                     for conn, ready in batch:
-                        settled += 1
                         conn.answer_parked(responses[at : at + len(ready)], ready)
+                        settled += 1
                         at += len(ready)
                 except Exception as exc:
                     log.exception("multiplexer_release_failed", run_id=batch[0][0].run.run_id)
