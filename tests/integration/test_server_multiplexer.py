@@ -232,6 +232,19 @@ async def test_a_half_closed_parked_client_gets_its_answers_before_the_close(
         await idle.aclose()
 
 
+async def read_answers(
+    stream: trio.SocketStream, buf: bytearray, count: int
+) -> list[dict[str, Any]]:
+    """The next ``count`` answers, in the order they came."""
+    answers: list[dict[str, Any]] = []
+    with trio.fail_after(10):
+        while len(answers) < count:
+            msg = await read_frame(stream, buf)
+            assert msg is not None, "the connection closed first"
+            answers.append(msg)
+    return answers
+
+
 async def test_an_answer_over_the_socket_buffer_is_finished_whole_before_the_next_one(
     short_tmp: Path, workspace: Path
 ) -> None:
@@ -249,12 +262,7 @@ async def test_an_answer_over_the_socket_buffer_is_finished_whole_before_the_nex
             )
             await trio.sleep(0.2)  # the small answers queue behind the big one
             buf = bytearray()
-            got: dict[str, Any] = {}
-            with trio.fail_after(10):
-                while len(got) < 6:
-                    msg = await read_frame(stream, buf)
-                    assert msg is not None
-                    got[msg["toolCallId"]] = msg
+            got = {m["toolCallId"]: m for m in await read_answers(stream, buf, 6)}
             # The connection goes on being served afterwards.
             await stream.send_all(frame(request(run, "time.now", tcid="after")))
             with trio.fail_after(10):
@@ -292,15 +300,9 @@ async def test_answers_of_a_later_pass_wait_for_a_big_answer_still_being_sent(
                 b"".join(frame(request(run, "time.now", tcid=f"t{i}")) for i in range(5))
             )
             await trio.sleep(0.5)  # both released; the big answer not read yet
-            buf = bytearray()
-            order: list[str] = []
-            got: dict[str, Any] = {}
-            with trio.fail_after(10):
-                while len(got) < 6:
-                    msg = await read_frame(stream, buf)
-                    assert msg is not None
-                    order.append(msg["toolCallId"])
-                    got[msg["toolCallId"]] = msg
+            answers = await read_answers(stream, bytearray(), 6)
+    order = [m["toolCallId"] for m in answers]
+    got = {m["toolCallId"]: m for m in answers}
     assert ["big"] in released and any("t0" in batch for batch in released if "big" not in batch)
     assert order == ["big", "t0", "t1", "t2", "t3", "t4"]
     assert got["big"]["value"] == "x" * BIG_CHARS
