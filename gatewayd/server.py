@@ -834,8 +834,8 @@ class Multiplexer:
             batch: list[tuple[Connection, list[Answered]]] = []
             for fd, _ in epoll.poll(0):
                 conn = self._parked.get(fd)
-                if conn is None:  # not ours (cannot be): never wake for it again
-                    with contextlib.suppress(OSError):
+                if conn is None:  # not parked (any more): never wake for it again
+                    with contextlib.suppress(OSError, ValueError):  # ValueError: closed
                         epoll.unregister(fd)
                     continue
                 try:
