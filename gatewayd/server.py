@@ -208,17 +208,20 @@ class Connection:
     async def serve(self) -> None:
         """Read frames until EOF, a fatal frame error or a timeout; answer each."""
         try:
-            async with trio.open_nursery() as calls:
-                self._calls = calls
-                try:
-                    await self._read_loop(calls)
-                finally:
-                    self._calls = None
-                    # Answers left unsent by a cancelled or failed loop are still counted.
-                    self.dispatcher.drop(self._ready)
-                    self._ready = []
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            pass  # the client went away; its calls were audited as they ran
+            # except*: the read loop's errors leave the calls' nursery as a group (a
+            # client dropped at the send timeout is found closed by the next read).
+            try:
+                async with trio.open_nursery() as calls:
+                    self._calls = calls
+                    try:
+                        await self._read_loop(calls)
+                    finally:
+                        self._calls = None
+                        # Answers left unsent by a cancelled or failed loop still count.
+                        self.dispatcher.drop(self._ready)
+                        self._ready = []
+            except* (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the client went away; its calls were audited as they ran
         except Exception:
             log.exception("connection_failed", run_id=self.run.run_id, peer_pid=self.peer.pid)
         finally:
