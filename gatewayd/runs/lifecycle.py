@@ -913,8 +913,13 @@ class RunManager:
                                 models=self.config.models,
                                 reply_after_result=self.config.audit_reply_after_result,
                             )
-                            task_status.started()
-                            started = True
+                            # Ended (end()) while it started: its socket's serve sees
+                            # that at its first wait; neither it nor a service may have
+                            # passed one yet (a run with no services starts none), so it
+                            # is not handed over, but ends here like any.
+                            if not run.cancel_scope.cancel_called:
+                                task_status.started()
+                                started = True
                 except BaseExceptionGroup as group:
                     # The services did not come up, or the run's creation could not be
                     # made durable: the caller gets that error itself (the control socket

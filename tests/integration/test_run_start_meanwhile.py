@@ -28,14 +28,16 @@ from gatewayd.audit import AuditWriteError
 from gatewayd.daemon import Daemon, open_daemon
 from gatewayd.error_codes import ErrorCode
 from gatewayd.exitstatus import EXIT_FAILED
+from gatewayd.policy.model import load_policy_text
 from gatewayd.policy.workspace_section import WorkspaceModeName
-from gatewayd.runs import Run
+from gatewayd.runs import Grant, Run, RunRequest
 from gatewayd.runs.lifecycle import EndedWhileStarting
+from gatewayd.runs.model import ChildKind, ChildSpec, MadeFor
 from gatewayd.runs.oneshot import attached_run
 from gatewayd.sandbox.lease import LEASE_FILE, read_lease
 from gatewayd.sandbox.netns import NETNS_RUN_DIR
 from gatewayd.sandbox.passthrough import Passthrough
-from gatewayd.sandbox.session import SandboxUnavailable
+from gatewayd.sandbox.session import SandboxUnavailable, SandboxView
 from gatewayd.sandbox.uids import pids_of_uid
 from gatewayd.workspace import store as store_module
 from tests.integration.test_run_sandbox import MARK, PY, _unavailable
@@ -208,6 +210,75 @@ async def test_a_start_ended_while_its_creation_is_flushed_says_so_and_leaves_no
         # The daemon goes on: the next start is served.
         again = await start(daemon, base, "ws")
         await daemon.runs.end(again.run_id)
+
+
+CHILD_POLICY = """
+version: 1
+name: child-probe
+tools: {allow: [time.now]}
+"""
+
+
+async def test_a_child_run_ended_while_its_creation_is_flushed_is_not_handed_over(
+    base: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A child run (an app's invocation, an MCP server's instance) with no services:
+    # ended while its start waits for its creation's flush, its maker is told so, as a
+    # run's caller is, instead of getting a run already ending.
+    async with open_daemon(sandboxed_config(base, "overlay"), preload=True) as daemon:
+        parent = await start(daemon, base, "ws")
+        spec = ChildSpec(
+            parent_run_id=parent.run_id,
+            made_for=MadeFor(kind=ChildKind.APP, name="probe"),
+            request=RunRequest(
+                workspacePath=str(parent.spec.workspace),
+                policy="child-probe",
+                actorId="tester",
+                tenantId="t1",
+                grant=Grant(allowSandbox=True),
+            ),
+            workspace=parent.spec.workspace,
+            policy=load_policy_text(CHILD_POLICY, "a test"),
+            source="a test",
+            grants=(),
+        )
+        held, release = _hold_audit_flushes(daemon, monkeypatch)
+        outcome: list[BaseException | Run] = []
+
+        async def start_child() -> None:
+            try:
+                view = SandboxView(workspace_read_only=True, gateway_socket=False)
+                outcome.append(await daemon.runs.start_child(spec, view=view))
+            except Exception as exc:
+                outcome.append(exc)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(start_child)
+                with trio.fail_after(PATIENCE_S):
+                    while not (held.is_set() and len(daemon.registry.all()) == 2):
+                        await trio.sleep(0.001)
+                [child] = [run for run in daemon.registry.all() if run is not parent]
+                assert child.sandbox is not None
+                uid = child.sandbox.user.uid
+                nursery.start_soon(daemon.runs.end, child.run_id, "daemon_stopping")
+                await trio.sleep(0.2)  # the end is under way, the flush still held
+                release.set()
+        finally:
+            release.set()
+        monkeypatch.undo()
+        [error] = outcome
+        assert isinstance(error, EndedWhileStarting), error
+        assert str(error) == (
+            f"run {child.run_id} was ended (daemon_stopping) before its start finished, "
+            "so no command of it ran; start it again"
+        )
+        ended = _run_events(daemon, child.run_id, "run_ended")
+        assert [entry["detail"]["reason"] for entry in ended] == ["daemon_stopping"]
+        assert daemon.registry.all() == [parent]
+        assert not child.directory.exists()
+        assert pids_of_uid(uid) == []
+        await daemon.runs.end(parent.run_id)
 
 
 async def test_run_ended_is_flushed_while_the_runs_directory_is_deleted(
