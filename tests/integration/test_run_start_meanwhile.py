@@ -37,7 +37,7 @@ from gatewayd.runs.oneshot import attached_run
 from gatewayd.sandbox.lease import LEASE_FILE, read_lease
 from gatewayd.sandbox.netns import NETNS_RUN_DIR
 from gatewayd.sandbox.passthrough import Passthrough
-from gatewayd.sandbox.session import SandboxUnavailable, SandboxView
+from gatewayd.sandbox.session import RunSandbox, SandboxUnavailable, SandboxView
 from gatewayd.sandbox.uids import pids_of_uid
 from gatewayd.workspace import store as store_module
 from tests.integration.test_run_sandbox import MARK, PY, _unavailable
@@ -159,6 +159,48 @@ async def test_the_runs_socket_is_opened_while_its_creation_is_flushed_and_the_s
         await daemon.runs.end(run.run_id)
 
 
+async def _end_while_its_creation_is_flushed(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, starting: Callable[[], Awaitable[Run]]
+) -> tuple[Run, RunSandbox, EndedWhileStarting]:
+    """Start a run with ``starting`` while the audit's flushes are held; once it is made
+    (its sandbox and namespace too), end it as the daemon stopping does, then let the
+    flushes go. Returns the run, its sandbox and the error its start raised, checked to
+    say so."""
+    held, release = _hold_audit_flushes(daemon, monkeypatch)
+    before = set(daemon.registry.all())
+    outcome: list[BaseException | Run] = []
+
+    async def start_it() -> None:
+        try:
+            outcome.append(await starting())
+        except Exception as exc:
+            outcome.append(exc)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(start_it)
+            with trio.fail_after(PATIENCE_S):
+                while not (held.is_set() and len(daemon.registry.all()) > len(before)):
+                    await trio.sleep(0.001)
+            [run] = [made for made in daemon.registry.all() if made not in before]
+            sandbox = run.sandbox
+            assert sandbox is not None  # made before its creation is recorded
+            assert sandbox.netns.path.exists()
+            nursery.start_soon(daemon.runs.end, run.run_id, "daemon_stopping")
+            await trio.sleep(0.2)  # the end is under way, the flush still held
+            release.set()
+    finally:
+        release.set()
+    monkeypatch.undo()
+    [error] = outcome
+    assert isinstance(error, EndedWhileStarting), error
+    assert str(error) == (
+        f"run {run.run_id} was ended (daemon_stopping) before its start finished, "
+        "so no command of it ran; start it again"
+    )
+    return run, sandbox, error
+
+
 @pytest.mark.parametrize("mode", ["host", "overlay"])
 async def test_a_start_ended_while_its_creation_is_flushed_says_so_and_leaves_nothing(
     base: Path, monkeypatch: pytest.MonkeyPatch, mode: WorkspaceModeName
@@ -166,38 +208,11 @@ async def test_a_start_ended_while_its_creation_is_flushed_says_so_and_leaves_no
     # The start waits for its creation's flush (its caller holds no run yet); an end
     # meanwhile (the daemon stopping, an operator's DELETE of the listed run) ends it.
     async with open_daemon(sandboxed_config(base, mode), preload=True) as daemon:
-        held, release = _hold_audit_flushes(daemon, monkeypatch)
-        outcome: list[BaseException | Run] = []
-
-        async def start_run() -> None:
-            try:
-                outcome.append(await start(daemon, base, "ws"))
-            except Exception as exc:
-                outcome.append(exc)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(start_run)
-                with trio.fail_after(PATIENCE_S):
-                    while not (held.is_set() and daemon.registry.all()):
-                        await trio.sleep(0.001)
-                [run] = daemon.registry.all()
-                assert run.sandbox is not None  # made before its creation is recorded
-                uid, netns = run.sandbox.user.uid, run.sandbox.netns.path
-                assert netns.exists()
-                nursery.start_soon(daemon.runs.end, run.run_id, "daemon_stopping")
-                await trio.sleep(0.2)  # the end is under way, the flush still held
-                release.set()
-        finally:
-            release.set()
-        monkeypatch.undo()
-        [error] = outcome
-        assert isinstance(error, EndedWhileStarting), error
-        assert error.code is ErrorCode.INTERNAL
-        assert str(error) == (
-            f"run {run.run_id} was ended (daemon_stopping) before its start finished, "
-            "so no command of it ran; start it again"
+        run, sandbox, error = await _end_while_its_creation_is_flushed(
+            daemon, monkeypatch, lambda: start(daemon, base, "ws")
         )
+        uid, netns = sandbox.user.uid, sandbox.netns.path
+        assert error.code is ErrorCode.INTERNAL
         assert run.end_reason == "daemon_stopping"
         ended = _run_events(daemon, run.run_id, "run_ended")
         assert [entry["detail"]["reason"] for entry in ended] == ["daemon_stopping"]
@@ -242,37 +257,11 @@ async def test_a_child_run_ended_while_its_creation_is_flushed_is_not_handed_ove
             source="a test",
             grants=(),
         )
-        held, release = _hold_audit_flushes(daemon, monkeypatch)
-        outcome: list[BaseException | Run] = []
-
-        async def start_child() -> None:
-            try:
-                view = SandboxView(workspace_read_only=True, gateway_socket=False)
-                outcome.append(await daemon.runs.start_child(spec, view=view))
-            except Exception as exc:
-                outcome.append(exc)
-
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(start_child)
-                with trio.fail_after(PATIENCE_S):
-                    while not (held.is_set() and len(daemon.registry.all()) == 2):
-                        await trio.sleep(0.001)
-                [child] = [run for run in daemon.registry.all() if run is not parent]
-                assert child.sandbox is not None
-                uid = child.sandbox.user.uid
-                nursery.start_soon(daemon.runs.end, child.run_id, "daemon_stopping")
-                await trio.sleep(0.2)  # the end is under way, the flush still held
-                release.set()
-        finally:
-            release.set()
-        monkeypatch.undo()
-        [error] = outcome
-        assert isinstance(error, EndedWhileStarting), error
-        assert str(error) == (
-            f"run {child.run_id} was ended (daemon_stopping) before its start finished, "
-            "so no command of it ran; start it again"
+        view = SandboxView(workspace_read_only=True, gateway_socket=False)
+        child, sandbox, _ = await _end_while_its_creation_is_flushed(
+            daemon, monkeypatch, lambda: daemon.runs.start_child(spec, view=view)
         )
+        uid = sandbox.user.uid
         ended = _run_events(daemon, child.run_id, "run_ended")
         assert [entry["detail"]["reason"] for entry in ended] == ["daemon_stopping"]
         assert daemon.registry.all() == [parent]
