@@ -913,10 +913,10 @@ class RunManager:
                                 models=self.config.models,
                                 reply_after_result=self.config.audit_reply_after_result,
                             )
-                            # Ended (end()) while it started: its socket's serve sees
-                            # that at its first wait; neither it nor a service may have
-                            # passed one yet (a run with no services starts none), so it
-                            # is not handed over, but ends here like any.
+                            # A run ended (end()) while it started is not handed
+                            # over: its socket's serve notices only at its first wait,
+                            # which a run with no services may not have reached yet.
+                            # It ends here like any, and its start raises.
                             if not run.cancel_scope.cancel_called:
                                 task_status.started()
                                 started = True
