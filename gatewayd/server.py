@@ -156,8 +156,8 @@ class Connection:
         self._multiplexer = multiplexer
         self.peer = peer_credentials(stream.socket)
         # Held only by a send that has to wait for the client to read; see _send. A
-        # semaphore, not a lock: the multiplexer's task takes it after a frame's first
-        # part and the task that sends the rest gives it back (see _finish_send).
+        # semaphore, not a lock: the multiplexer's task takes it when it starts the
+        # outbox and the outbox's task gives it back (see _to_outbox).
         self._send_lock = trio.Semaphore(1, max_value=1)
         # Calls in flight, and the event the reader waits on when they reach the cap (a
         # counter, not a trio.Semaphore: the common case then costs no schedule point).
@@ -185,8 +185,8 @@ class Connection:
         self._handed_back: trio.Event | None = None
         self._pushed_back: RequestReceived | FrameError | None = None
         self._multiplexer_error: Exception | None = None
-        # The nursery of the connection's calls (while it serves): the tasks that finish
-        # the multiplexer's sends that did not go out at once.
+        # The nursery of the connection's calls (while it serves), where the outbox's
+        # task runs.
         self._calls: trio.Nursery | None = None
         # Answers of the multiplexer's waiting to be sent, in order, by one task of the
         # connection's (None: no such task; see _to_outbox), each with the calls it
