@@ -220,8 +220,15 @@ class Connection:
                         # Answers left unsent by a cancelled or failed loop still count.
                         self.dispatcher.drop(self._ready)
                         self._ready = []
-            except* (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the client went away; its calls were audited as they ran
+            except* (trio.BrokenResourceError, trio.ClosedResourceError) as gone:
+                # The client went away (or was dropped): its calls were audited as they
+                # ran. Said at info level, with why, for the operator.
+                log.info(
+                    "connection_dropped",
+                    run_id=self.run.run_id,
+                    peer_pid=self.peer.pid,
+                    reason=str(gone.exceptions[0]),
+                )
         except Exception:
             log.exception("connection_failed", run_id=self.run.run_id, peer_pid=self.peer.pid)
         finally:

@@ -194,8 +194,9 @@ class RunManager:
         request choose), SandboxUnavailable (the workspace session could not be opened),
         OSError (gatewayd could not make the run's files); each is recorded as a
         ``run_refused`` event with the matching code. EndedWhileStarting: the run was
-        ended while its start waited for its creation's flush (the daemon stopping, a
-        DELETE, its max runtime), recorded as its ``run_ended``.
+        ended before its start returned it, while it waited for its creation's flush or
+        for its services (the daemon stopping, a DELETE, its max runtime), recorded as
+        its ``run_ended``.
         """
         roots = LendableRoots(
             configured=self.config.lendable_roots,

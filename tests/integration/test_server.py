@@ -161,6 +161,8 @@ async def test_a_client_that_never_reads_is_disconnected_after_the_send_timeout(
     events = [entry["event"] for entry in logs]
     assert "client_not_reading" in events
     assert "connection_failed" not in events
+    [dropped] = [entry for entry in logs if entry["event"] == "connection_dropped"]
+    assert dropped["reason"] == "the connection was closed"
 
 
 async def test_a_response_larger_than_the_socket_buffer_is_not_interleaved(
