@@ -470,7 +470,8 @@ class Dispatcher:
     def answers_at_once(self, run: Run) -> bool:
         """Can any call of ``run`` be answered at once (:meth:`handle_now`)? Not with
         tracing on, with answers that do not wait for their result entries, or with a
-        policy that marks calls for approval: then it says None to every call."""
+        policy that marks calls for approval (whether a call is marked depends on its
+        arguments): then it says None to every call."""
         return (
             self.tracer is None
             and self.reply_after_result
@@ -489,9 +490,7 @@ class Dispatcher:
         tracing is off and answers wait for their result entries. The steps, entries
         and answers are those of :meth:`handle`; only the task differs.
         """
-        if self.tracer is not None or not self.reply_after_result:
-            return None
-        if not self._runs_now(run, req.tool):
+        if not self.answers_at_once(run) or not self._runs_now(run, req.tool):
             return None
         started = self.clock()
         try:
@@ -548,9 +547,7 @@ class Dispatcher:
     def _runs_now(self, run: Run, name: str) -> bool:
         """Can a call of ``name`` be answered without a wait (see :meth:`handle_now`)?
         Asked before any step, so it changes nothing: a call it says no to goes the
-        usual way from the start."""
-        if run.spec.policy.approvals.required:
-            return False  # whether a call is marked depends on its arguments
+        usual way from the start. For a run :meth:`answers_at_once` says yes to."""
         if name == TOOLS_LIST:
             return True
         spec = self.tool_for(run, name)

@@ -538,10 +538,7 @@ class Connection:
         """The multiplexer is done with answers it took here: sent, handed to a send,
         or failed. They leave the calls in flight; the task, if handed back, goes on
         once none is held (see :meth:`_park`)."""
-        self._inflight -= len(taken)
-        for answered in taken:
-            self._inflight_ids.discard(answered.call_id)
-        self._free_slot()
+        self._answered(taken)
         self.held -= len(taken)
         if not self.held and self._none_held is not None:
             self._none_held.set()
@@ -659,10 +656,14 @@ class Connection:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the client went away; its calls were audited as they ran
         finally:
-            self._inflight -= len(ready)
-            for answered in ready:
-                self._inflight_ids.discard(answered.call_id)
-            self._free_slot()
+            self._answered(ready)
+
+    def _answered(self, answered: list[Answered]) -> None:
+        """Calls answered at once (sent, or never to be) leave the calls in flight."""
+        self._inflight -= len(answered)
+        for one in answered:
+            self._inflight_ids.discard(one.call_id)
+        self._free_slot()
 
     async def _call(self, event: RequestReceived) -> None:
         try:
