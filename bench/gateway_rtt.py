@@ -69,6 +69,11 @@ OWN_ALLOWANCE_S: Final = 100e-6
 # What an audit batch of a call's two entries is about: the size each timed append writes.
 SYNC_WRITE_BYTES: Final = 1200
 CONNECTIONS: Final = (1, 8, 64)
+# Each phase's key in the figures and its label in the report.
+PHASES: Final = (
+    ("lat", "sequential, 1 connection"),
+    *((f"rps{c}", f"load, {c} connection{'s' if c > 1 else ''}") for c in CONNECTIONS),
+)
 CLOCK_TICKS: Final = os.sysconf("SC_CLK_TCK")
 # How long the daemon may take to notice that the previous phase's clients are gone.
 SETTLE_S: Final = 5.0
@@ -328,10 +333,7 @@ def main() -> int:
         "gatewayd | floor | gatewayd above the floor"
     )
     worst = 0.0
-    for phase, label in (
-        ("lat", "sequential, 1 connection"),
-        *((f"rps{c}", f"load, {c} connection{'s' if c > 1 else ''}") for c in CONNECTIONS),
-    ):
+    for phase, label in PHASES:
         main_s, other_s = g[f"cpu_main_{phase}"], g[f"cpu_other_{phase}"]
         floor_main, floor_other = f[f"cpu_main_{phase}"], f[f"cpu_other_{phase}"]
         if phase in ("rps8", "rps64"):  # under load, as the docs judge it
@@ -347,10 +349,7 @@ def main() -> int:
         )
     if b is not None:
         print(f"gatewayd from {args.baseline_source} (the baseline, same run) | this checkout:")
-        for phase, label in (
-            ("lat", "sequential, 1 connection"),
-            *((f"rps{c}", f"load, {c} connection{'s' if c > 1 else ''}") for c in CONNECTIONS),
-        ):
+        for phase, label in PHASES:
             rate = "p50" if phase == "lat" else phase
             scale, unit = (1e6, "us") if phase == "lat" else (1, "/s")
             print(
